@@ -1,0 +1,1 @@
+"""vmoe: an experiment runner for sparse Vision Mixture-of-Experts research."""

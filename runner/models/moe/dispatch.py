@@ -1,0 +1,111 @@
+"""Dispatch mechanics: move tokens into expert buffers and expert outputs back, given a plan.
+
+Buffers are expert-major, (E, G, C, D), so each expert's tokens from every group are contiguous
+and the experts run as one batched matmul with no transposes around it.
+
+Two implementations of the same contract, chosen by name:
+- "indices" (default): row gathers in both directions. The backward of each gather is the gather
+  through the inverse index map, which the plan already holds, so forward and backward are plain
+  gathers whose cost is linear in tokens * k * hidden, independent of E * capacity.
+- "einsum": the one-hot formulation of GShard and the reference V-MoE. Its dispatch tensor has
+  G * S * E * C entries, so time and memory grow with tokens x experts x capacity. Kept as an
+  independent reference for tests and benchmarks.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from runner.models.moe.routing import DispatchPlan
+
+DISPATCHERS = ("indices", "einsum")
+
+
+def _take_rows(src: jax.Array, index: jax.Array) -> jax.Array:
+  """src: (R, D), index: (M,) -> (M, D); out-of-range indices read zeros."""
+  return jnp.take(src, index, axis=0, mode="fill", fill_value=0)
+
+
+@jax.custom_vjp
+def gather_rows(src: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+  """out[m] = src[index[m]], zero where index is out of range.
+
+  `inverse` (R, n) lists, for each source row, the output rows that read it (out of range for
+  none), so the gradient is a gather too: d_src[r] = sum_j d_out[inverse[r, j]]. This avoids the
+  scatter-add that autodiff of a gather would produce.
+  """
+  del inverse
+  return _take_rows(src, index)
+
+
+def _gather_rows_fwd(src, index, inverse):
+  return _take_rows(src, index), (index, inverse)
+
+
+def _gather_rows_bwd(residuals, d_out):
+  index, inverse = residuals
+  r, n = inverse.shape
+  d_src = _take_rows(d_out, inverse.reshape(r * n)).reshape(r, n, -1).sum(axis=1)
+  return d_src, None, None
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+def _global_indices(plan: DispatchPlan, num_tokens: int):
+  """Per-group indices of the plan turned into row indices of the flat arrays.
+
+  Returns token_of_slot (E*G*C,) into the (G*S) tokens, slot_of_assignment (G*S*k,) into the
+  (E*G*C) slots, and assignment_of_slot (E*G*C,) into the (G*S*k) assignments; out-of-range values
+  mean "none".
+  """
+  g = plan.slot_of_assignment.shape[0]
+  e, c, k = plan.num_experts, plan.capacity, plan.k
+  s = num_tokens
+  group = jnp.arange(g, dtype=jnp.int32)
+  # Slots, local (G, E*C) -> expert-major global (E, G, C).
+  a_of_slot = plan.assignment_of_slot
+  a_valid = a_of_slot < s * k
+  assignment_of_slot = jnp.where(a_valid, group[:, None] * (s * k) + a_of_slot, g * s * k)
+  token_of_slot = jnp.where(a_valid, group[:, None] * s + a_of_slot // k, g * s)
+  to_expert_major = lambda v: v.reshape(g, e, c).transpose(1, 0, 2).reshape(-1)
+  # Assignments: local slot e*C + c -> global e*G*C + g*C + c.
+  local = plan.slot_of_assignment
+  s_valid = local < e * c
+  slot_of_assignment = jnp.where(
+      s_valid, (local // c) * (g * c) + group[:, None] * c + local % c, e * g * c)
+  return (to_expert_major(token_of_slot), slot_of_assignment.reshape(-1),
+          to_expert_major(assignment_of_slot))
+
+
+def dispatch(x: jax.Array, plan: DispatchPlan, method: str = "indices") -> jax.Array:
+  """x: (G, S, D) tokens -> (E, G, C, D) expert buffers, zero padded."""
+  g, s, d = x.shape
+  e, c, k = plan.num_experts, plan.capacity, plan.k
+  if method == "einsum":
+    return jnp.einsum("gsd,gsec->egcd", x, _dispatch_tensor(plan, s, x.dtype))
+  token_of_slot, slot_of_assignment, _ = _global_indices(plan, s)
+  buffers = gather_rows(x.reshape(g * s, d), token_of_slot, slot_of_assignment.reshape(g * s, k))
+  return buffers.reshape(e, g, c, d)
+
+
+def combine(y: jax.Array, plan: DispatchPlan, method: str = "indices") -> jax.Array:
+  """y: (E, G, C, D) expert outputs -> (G, S, D) tokens: sum_i gate_i * y[slot of choice i]."""
+  e, g, c, d = y.shape
+  _, s, k = plan.combine_weights.shape
+  weights = plan.combine_weights.astype(y.dtype)
+  if method == "einsum":
+    return jnp.einsum("egcd,gsec->gsd", y, _dispatch_tensor(plan, s, y.dtype, weights))
+  _, slot_of_assignment, assignment_of_slot = _global_indices(plan, s)
+  picked = gather_rows(y.reshape(e * g * c, d), slot_of_assignment, assignment_of_slot[:, None])
+  return jnp.einsum("gskd,gsk->gsd", picked.reshape(g, s, k, d), weights)
+
+
+def _dispatch_tensor(plan: DispatchPlan, num_tokens: int, dtype, weights=None) -> jax.Array:
+  """(G, S, E, C) one-hot (or gate-weighted) dispatch tensor of the einsum formulation."""
+  g = plan.slot_of_assignment.shape[0]
+  e, c, k = plan.num_experts, plan.capacity, plan.k
+  onehot = jax.nn.one_hot(plan.slot_of_assignment.reshape(g, num_tokens, k), e * c, dtype=dtype)
+  if weights is not None:
+    onehot = onehot * weights[..., None]
+  return onehot.sum(axis=2).reshape(g, num_tokens, e, c)

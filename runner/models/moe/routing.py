@@ -1,0 +1,139 @@
+"""Routing policy of V-MoE: which expert buffer slot each (token, choice) assignment gets.
+
+g(x) = TOP_k(softmax(Wx + eps)), eps ~ N(0, (noise_std / E)^2) in training only (V-MoE §2.3).
+Each group of tokens is routed independently with expert capacity
+B_e = round(k * tokens_per_group * C / E) (§2.4). Every TOP-i assignment has priority over any
+TOP-j assignment for i < j; within one choice rank, tokens go in their natural order (Algorithm 1,
+"vanilla") or sorted by a routing score (Algorithm 2, Batch Prioritized Routing).
+
+The result is a `DispatchPlan`: a partial bijection between assignments and buffer slots. How
+tokens are physically moved into the buffers is the dispatcher's business (`dispatch.py`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+PRIORITIES = ("max", "sum")
+
+
+def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_ratio: float) -> int:
+  """B_e = round(k * N * P * C / E), rounding half up, and at least one slot."""
+  return max(1, int(math.floor(k * num_tokens * capacity_ratio / num_experts + 0.5)))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DispatchPlan:
+  """Where assignments go, for G groups of S tokens, k choices, E experts of capacity C.
+
+  Assignment a = token * k + choice. Slot s = expert * C + position.
+  slot_of_assignment[g, a] is the slot, or E * C when the assignment was dropped.
+  assignment_of_slot[g, s] is the assignment, or S * k when the slot is empty (zero padded).
+  combine_weights[g, t, i] is the gate of token t's i-th choice, 0 where it was dropped.
+  """
+  slot_of_assignment: jax.Array
+  assignment_of_slot: jax.Array
+  combine_weights: jax.Array
+  num_experts: int = dataclasses.field(metadata=dict(static=True))
+  capacity: int = dataclasses.field(metadata=dict(static=True))
+  k: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def kept(self) -> jax.Array:
+    """(G, S, k) bool: which assignments found room in their expert's buffer."""
+    g, s, k = self.combine_weights.shape
+    return (self.slot_of_assignment < self.num_experts * self.capacity).reshape(g, s, k)
+
+  @property
+  def expert_of_slot_filled(self) -> jax.Array:
+    """(G, E) number of filled slots of each expert."""
+    g, s, k = self.combine_weights.shape
+    filled = (self.assignment_of_slot < s * k).reshape(g, self.num_experts, self.capacity)
+    return filled.sum(-1)
+
+
+def top_k_gates(gates: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """(weights, experts) of the k largest gates, largest first; ties go to the lower expert id."""
+  return jax.lax.top_k(gates, k)
+
+
+def plan_dispatch(gates: jax.Array, *, k: int, capacity: int, batch_priority: bool = False,
+                  priority: str = "max") -> DispatchPlan:
+  """Assigns each token's TOP-k experts to buffer slots, dropping what does not fit.
+
+  gates: (G, S, E) routing weights (softmax outputs). Implemented with one sort per group over
+  the S*k assignments, so the cost grows with tokens * log(tokens), not with the number of experts
+  times the capacity.
+  """
+  num_groups, num_tokens, num_experts = gates.shape
+  weights, experts = top_k_gates(gates, k)  # (G, S, k)
+  if batch_priority:
+    score = weights[..., 0] if priority == "max" else weights.sum(-1)
+    # Rank of each token when sorted by decreasing score; stable, so ties keep token order.
+    order = jnp.argsort(-score, axis=-1, stable=True)
+    token_rank = jnp.argsort(order, axis=-1).astype(jnp.int32)
+  else:
+    token_rank = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (num_groups, num_tokens))
+  choice = jnp.arange(k, dtype=jnp.int32)
+  # Priority of assignment (t, i): all first choices before any second choice, then by rank.
+  priority_key = choice[None, None, :] * num_tokens + token_rank[..., None]  # (G, S, k)
+  num_assign = num_tokens * k
+  experts_flat = experts.reshape(num_groups, num_assign).astype(jnp.int32)
+  priority_flat = priority_key.reshape(num_groups, num_assign)
+  assignment_ids = jnp.broadcast_to(jnp.arange(num_assign, dtype=jnp.int32), experts_flat.shape)
+  # Sort assignments by (expert, priority): each expert's assignments become a contiguous run in
+  # priority order, so an assignment's buffer position is its offset inside its run.
+  sorted_experts, _, sorted_ids = jax.lax.sort(
+      (experts_flat, priority_flat, assignment_ids), dimension=-1, num_keys=2)
+  expert_range = jnp.arange(num_experts, dtype=jnp.int32)
+  run_start = jax.vmap(lambda e: jnp.searchsorted(e, expert_range, side="left"))(sorted_experts)
+  run_end = jax.vmap(lambda e: jnp.searchsorted(e, expert_range, side="right"))(sorted_experts)
+  run_start = run_start.astype(jnp.int32)
+  run_end = run_end.astype(jnp.int32)
+  # assignment_of_slot: the c-th entry of expert e's run, when the run is long enough.
+  position = jnp.arange(capacity, dtype=jnp.int32)
+  source = run_start[..., None] + position  # (G, E, C)
+  filled = source < run_end[..., None]
+  gathered = jnp.take_along_axis(
+      sorted_ids, jnp.minimum(source, num_assign - 1).reshape(num_groups, -1), axis=-1)
+  assignment_of_slot = jnp.where(filled.reshape(num_groups, -1), gathered, num_assign)
+  # slot_of_assignment: invert the sort (a permutation, so a scatter with unique indices).
+  rank_sorted = jnp.arange(num_assign, dtype=jnp.int32) - jnp.take_along_axis(
+      run_start, sorted_experts, axis=-1)
+  slot_sorted = jnp.where(rank_sorted < capacity, sorted_experts * capacity + rank_sorted,
+                          num_experts * capacity)
+  slot_of_assignment = jax.vmap(
+      lambda ids, slots: jnp.zeros_like(slots).at[ids].set(slots, unique_indices=True))(
+          sorted_ids, slot_sorted)
+  kept = (slot_of_assignment < num_experts * capacity).reshape(num_groups, num_tokens, k)
+  combine_weights = jnp.where(kept, weights, 0.0)
+  return DispatchPlan(slot_of_assignment=slot_of_assignment,
+                      assignment_of_slot=assignment_of_slot.astype(jnp.int32),
+                      combine_weights=combine_weights, num_experts=num_experts,
+                      capacity=capacity, k=k)
+
+
+def squared_cv(values: jax.Array) -> jax.Array:
+  """(std / mean)^2 over the last axis, written as var / mean^2 (finite gradient at zero std)."""
+  return jnp.var(values, axis=-1) / jnp.mean(values, axis=-1) ** 2
+
+
+def importance_loss(gates_clean: jax.Array) -> jax.Array:
+  """Appendix A.2, eqs. 1-2: squared CV of the summed softmax(Wx) per expert, for each group."""
+  return squared_cv(gates_clean.sum(axis=-2))
+
+
+def load_loss(logits_clean: jax.Array, logits_noisy: jax.Array, noise_std: float,
+              k: int) -> jax.Array:
+  """Appendix A.2, eqs. 3-6: squared CV of the expected expert load under re-sampled noise.
+
+  threshold(x) is the k-th largest noisy logit; p_i(x) = P(eps_new >= threshold - (Wx)_i) with
+  eps_new ~ N(0, noise_std^2); load_i = sum over tokens of p_i(x).
+  """
+  threshold = jax.lax.top_k(logits_noisy, k)[0][..., -1:]
+  p = 1.0 - jax.scipy.stats.norm.cdf((threshold - logits_clean) / noise_std)
+  return squared_cv(p.sum(axis=-2))

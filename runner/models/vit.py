@@ -1,0 +1,180 @@
+"""Vision Transformer with optional sparse MoE MLPs (ViT, Dosovitskiy et al.; V-MoE, Riquelme et al.).
+
+One module covers both: a V-MoE is a ViT whose MLPs at `moe_layers` are `MoeMlpBlock`s. The forward
+pass returns logits and a dict of extras: pre-logits (for few-shot and OOD scores), per-layer
+routing metrics and the summed MoE auxiliary loss.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from runner.models.moe.layer import MoeMlpBlock
+
+part = nn.with_logical_partitioning
+CLASSIFIERS = ("token", "gap", "map")
+
+
+class MlpBlock(nn.Module):
+  mlp_dim: int
+  dropout_rate: float = 0.0
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, *, train: bool):
+    d = x.shape[-1]
+    xavier, tiny = nn.initializers.xavier_uniform(), nn.initializers.normal(1e-6)
+    h = nn.Dense(self.mlp_dim, dtype=self.dtype, name="fc1",
+                 kernel_init=part(xavier, ("embed", "mlp")), bias_init=part(tiny, ("mlp",)))(x)
+    h = nn.Dropout(self.dropout_rate)(nn.gelu(h), deterministic=not train)
+    y = nn.Dense(d, dtype=self.dtype, name="fc2",
+                 kernel_init=part(xavier, ("mlp", "embed")), bias_init=part(tiny, ("embed",)))(h)
+    return nn.Dropout(self.dropout_rate)(y, deterministic=not train)
+
+
+class SelfAttention(nn.Module):
+  """Multi-head self-attention with one fused QKV projection (one matmul instead of three)."""
+  num_heads: int
+  dropout_rate: float = 0.0
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, *, train: bool):
+    d = x.shape[-1]
+    if d % self.num_heads:
+      raise ValueError(f"hidden size {d} is not divisible by num_heads {self.num_heads}")
+    head_dim = d // self.num_heads
+    xavier = nn.initializers.xavier_uniform()
+    qkv = nn.DenseGeneral((3, self.num_heads, head_dim), dtype=self.dtype, name="qkv",
+                          kernel_init=part(xavier, ("embed", None, "heads", "kv")),
+                          bias_init=part(nn.initializers.zeros, (None, "heads", "kv")))(x)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, S, H, hd)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q * head_dim**-0.5, k)
+    weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(self.dtype)
+    weights = nn.Dropout(self.dropout_rate)(weights, deterministic=not train)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+    return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, name="out",
+                           kernel_init=part(xavier, ("heads", "kv", "embed")),
+                           bias_init=part(nn.initializers.zeros, ("embed",)))(out)
+
+
+class EncoderBlock(nn.Module):
+  """Pre-LN transformer block; the MLP is dense or a sparse mixture of experts."""
+  mlp_dim: int
+  num_heads: int
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  moe: dict | None = None  # keyword arguments of MoeMlpBlock, None for a dense MLP
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, *, train: bool):
+    y = nn.LayerNorm(dtype=self.dtype, name="norm1")(x)
+    y = SelfAttention(self.num_heads, self.attention_dropout_rate, self.dtype, name="attention")(
+        y, train=train)
+    x = x + nn.Dropout(self.dropout_rate)(y, deterministic=not train)
+    y = nn.LayerNorm(dtype=self.dtype, name="norm2")(x)
+    if self.moe is None:
+      y, metrics = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, name="mlp")(y, train=train), {}
+    else:
+      y, metrics = MoeMlpBlock(mlp_dim=self.mlp_dim, dtype=self.dtype, **self.moe, name="moe")(
+          y, train=train)
+    return x + y, metrics
+
+
+class MapHead(nn.Module):
+  """Multihead attention pooling with a learned probe (used by V-MoE-15B, from Zhai et al.)."""
+  num_heads: int
+  mlp_dim: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, *, train: bool):
+    b, _, d = x.shape
+    probe = self.param("probe", part(nn.initializers.xavier_uniform(), (None, None, "embed")),
+                       (1, 1, d))
+    probe = jnp.tile(probe, (b, 1, 1)).astype(self.dtype)
+    y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dtype=self.dtype,
+                                        name="attention")(probe, x)
+    z = nn.LayerNorm(dtype=self.dtype, name="norm")(y)
+    y = y + MlpBlock(self.mlp_dim, dtype=self.dtype, name="mlp")(z, train=train)
+    return y[:, 0]
+
+
+class VisionTransformer(nn.Module):
+  """ViT / V-MoE classifier. Argument names are the config keys under `model.`."""
+  num_classes: int
+  patch_size: int
+  hidden_size: int
+  num_layers: int
+  mlp_dim: int
+  num_heads: int
+  classifier: str = "token"
+  representation_size: int | None = None
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  head_bias_init: float = 0.0
+  moe_layers: Sequence[int] = ()
+  moe: dict | None = None  # MoeMlpBlock keyword arguments shared by all MoE layers
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, images: jax.Array, *, train: bool = False):
+    x = self.embed(images)
+    b, n, d = x.shape
+    if self.classifier == "token":
+      cls = self.param("cls", part(nn.initializers.zeros, (None, None, "embed")), (1, 1, d))
+      x = jnp.concatenate([jnp.tile(cls, (b, 1, 1)).astype(x.dtype), x], axis=1)
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+    routing_metrics = {}
+    for i in range(self.num_layers):
+      block = EncoderBlock(self.mlp_dim, self.num_heads, self.dropout_rate,
+                           self.attention_dropout_rate,
+                           moe=self.moe if i in self.moe_layers else None, dtype=self.dtype,
+                           name=f"block_{i}")
+      x, metrics = block(x, train=train)
+      if metrics:
+        routing_metrics[f"layer_{i}"] = metrics
+    x = nn.LayerNorm(dtype=self.dtype, name="encoder_norm")(x)
+    if self.classifier == "token":
+      x = x[:, 0]
+    elif self.classifier == "gap":
+      x = x.mean(axis=1)
+    elif self.classifier == "map":
+      x = MapHead(self.num_heads, self.mlp_dim, self.dtype, name="map_head")(x, train=train)
+    else:
+      raise ValueError(f"unknown classifier {self.classifier!r}; valid: {CLASSIFIERS}")
+    if self.representation_size:
+      x = nn.tanh(nn.Dense(self.representation_size, dtype=self.dtype, name="pre_logits",
+                           kernel_init=part(nn.initializers.lecun_normal(), ("embed", "mlp")),
+                           bias_init=part(nn.initializers.zeros, ("mlp",)))(x))
+    pre_logits = x
+    logits = nn.Dense(self.num_classes, dtype=self.dtype, name="head",
+                      kernel_init=part(nn.initializers.zeros, (None, "classes")),
+                      bias_init=part(nn.initializers.constant(self.head_bias_init),
+                                     ("classes",)))(x)
+    aux = sum((m["auxiliary_loss"] for m in routing_metrics.values()), jnp.zeros(()))
+    extras = {"pre_logits": pre_logits.astype(jnp.float32), "routing": routing_metrics,
+              "auxiliary_loss": aux}
+    return logits.astype(jnp.float32), extras
+
+  def embed(self, images):
+    """Non-overlapping patches, linearly projected, plus learned position embeddings."""
+    p = self.patch_size
+    b, h, w, c = images.shape
+    if h % p or w % p:
+      raise ValueError(f"image size {h}x{w} is not divisible by patch size {p}")
+    kernel = self.param("embedding_kernel",
+                        part(nn.initializers.lecun_normal(), (None, None, None, "embed")),
+                        (p, p, c, self.hidden_size))
+    bias = self.param("embedding_bias", part(nn.initializers.zeros, ("embed",)),
+                      (self.hidden_size,))
+    patches = images.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
+    patches = patches.reshape(b, (h // p) * (w // p), p, p, c).astype(self.dtype)
+    x = jnp.einsum("bnijc,ijcd->bnd", patches, kernel.astype(self.dtype)) + bias.astype(self.dtype)
+    pos = self.param("pos_embedding", part(nn.initializers.normal(0.02), (None, "length", "embed")),
+                     (1, x.shape[1], self.hidden_size))
+    return x + pos.astype(self.dtype)
