@@ -47,18 +47,23 @@ class SelfAttention(nn.Module):
     if d % self.num_heads:
       raise ValueError(f"hidden size {d} is not divisible by num_heads {self.num_heads}")
     head_dim = d // self.num_heads
-    xavier = nn.initializers.xavier_uniform()
-    qkv = nn.DenseGeneral((3, self.num_heads, head_dim), dtype=self.dtype, name="qkv",
-                          kernel_init=part(xavier, ("embed", None, "heads", "kv")),
-                          bias_init=part(nn.initializers.zeros, (None, "heads", "kv")))(x)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, S, H, hd)
+    h = self.num_heads
+    xavier = nn.initializers.xavier_uniform(in_axis=0, out_axis=(1, 2, 3))
+    w_qkv = self.param("qkv_kernel", part(xavier, ("embed", None, "heads", "kv")),
+                       (d, 3, h, head_dim))
+    b_qkv = self.param("qkv_bias", part(nn.initializers.zeros, (None, "heads", "kv")),
+                       (3, h, head_dim))
+    w_out = self.param("out_kernel", part(nn.initializers.xavier_uniform(in_axis=(0, 1), out_axis=2),
+                                          ("heads", "kv", "embed")), (h, head_dim, d))
+    b_out = self.param("out_bias", part(nn.initializers.zeros, ("embed",)), (d,))
+    qkv = jnp.einsum("bsd,dthk->tbshk", x, w_qkv.astype(self.dtype)) + b_qkv[:, None, None].astype(
+        self.dtype)
+    q, k, v = qkv[0], qkv[1], qkv[2]  # (B, S, H, hd)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q * head_dim**-0.5, k)
     weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(self.dtype)
     weights = nn.Dropout(self.dropout_rate)(weights, deterministic=not train)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-    return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, name="out",
-                           kernel_init=part(xavier, ("heads", "kv", "embed")),
-                           bias_init=part(nn.initializers.zeros, ("embed",)))(out)
+    return jnp.einsum("bqhd,hdo->bqo", out, w_out.astype(self.dtype)) + b_out.astype(self.dtype)
 
 
 class EncoderBlock(nn.Module):

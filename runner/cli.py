@@ -1,0 +1,190 @@
+"""`vmoe <subcommand> [hydra overrides]`: compose the subcommand's config with Hydra, run its task.
+
+Before Hydra runs, the overrides are composed once more here so that a typo or a bad value is
+reported as one paragraph naming what is valid, instead of Hydra's multi-line error.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+SUBCOMMANDS = {
+    "pretrain": "train a ViT or V-MoE upstream (default: V-MoE tiny on embedded MNIST-5k)",
+    "finetune": "fine-tune a checkpoint with a new head (default: embedded UCI digits)",
+    "eval": "evaluate a checkpoint: precision@1 and NLL, at any inference k / capacity",
+}
+USAGE = """usage: vmoe <subcommand> [overrides ...] [--multirun] [--cfg job] [--help]
+
+Sparse Vision Mixture-of-Experts experiments in JAX.
+
+subcommands:
+{lines}
+
+Overrides are Hydra's: key=value (optim.lr=3e-3), group=option (model=vit_s32, data=cifar10),
+comma lists with --multirun (optim.lr=1e-3,3e-3 seed=0,1). `vmoe <subcommand> --help` lists the
+config groups and options; `vmoe <subcommand> --cfg job` prints the composed config.
+Studies: `vmoe finetune -cd sweeps -cn <study>` (see sweeps/README.md). Add debug=true to see
+Python tracebacks.
+"""
+# Hydra flags that take a value, and flags that mean "don't run, just show something".
+_VALUE_FLAGS = {"-cd", "--config-dir", "-cn", "--config-name", "-cp", "--config-path", "-c",
+                "--cfg", "-p", "--package", "--experimental-rerun", "--info"}
+_SHOW_FLAGS = {"-h", "--help", "--hydra-help", "--version", "-i", "--info", "--shell-completion",
+               "-sc"}
+
+
+def _quiet_environment() -> None:
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+  os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+  os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def _split_args(args: list[str]) -> tuple[dict, list[str], bool]:
+  """(flags with values, overrides, whether Hydra only shows help/info)."""
+  flags, overrides, show = {}, [], False
+  i = 0
+  while i < len(args):
+    arg = args[i]
+    name, eq, value = arg.partition("=")
+    if arg in _SHOW_FLAGS or name in _SHOW_FLAGS:
+      show = True
+    if name in _VALUE_FLAGS and name.startswith("-"):
+      if not eq and i + 1 < len(args):
+        value, i = args[i + 1], i + 1
+      flags[name] = value
+    elif not arg.startswith("-"):
+      overrides.append(arg)
+    i += 1
+  return flags, overrides, show
+
+
+def _first_values(overrides: list[str]) -> list[str]:
+  """Sweep overrides (a=1,2 / a=range(3)) reduced to their first value, hydra.* dropped."""
+  from hydra.core.override_parser.overrides_parser import OverridesParser
+  out = []
+  for ov in OverridesParser.create().parse_overrides(overrides):
+    if ov.key_or_group.startswith("hydra"):
+      continue
+    if ov.is_sweep_override():
+      first = next(iter(ov.sweep_string_iterator()))
+      out.append(f"{ov.get_key_element()}={first}")
+    else:
+      out.append(ov.input_line)
+  return out
+
+
+def _register_requested_models(overrides: list[str]) -> None:
+  """model=<name> in the catalog grammar (vmoe_b16_every2_e32_k2) becomes a `model` option."""
+  from runner.config import register_model
+  from runner.models import catalog
+  for ov in overrides:
+    key, _, value = ov.partition("=")
+    if key.lstrip("+~") == "model":
+      for name in value.split(","):
+        try:
+          register_model(name.strip())
+        except catalog.UnknownModelError:
+          pass  # Hydra / the check below reports it with the list of valid names
+
+
+def _explain_composition_error(err: Exception, sub: str, overrides: list[str],
+                               config_dir: str | None, config_name: str) -> str:
+  """One paragraph for a failed composition: what was wrong and what is valid."""
+  from omegaconf import OmegaConf
+  from runner.models import catalog
+  cause = err.__cause__ or err
+  full_key = getattr(cause, "full_key", None)
+  text = str(err).split("\n")[0]
+  if "Could not find" in str(err):  # unknown option of a group
+    lines = str(err).split("\n")
+    group = text.split("'")[-2].split("/")[0] if "'" in text else "?"
+    options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
+    if group == "model":
+      bad = text.split("'")[-2].split("/", 1)[-1]
+      try:
+        catalog.model_config(bad)
+      except catalog.UnknownModelError as e:
+        return str(e)
+    return (f"{text.split(': ', 1)[-1]}. Valid options for {group}=: {', '.join(options)}.")
+  if full_key:
+    parent, _, leaf = full_key.rpartition(".")
+    valid = ""
+    try:
+      base = _compose(config_dir, config_name, [])
+      node = OmegaConf.select(base, parent) if parent else base
+      if node is not None and OmegaConf.is_dict(node):
+        valid = f" Valid keys under {parent or 'the top level'}: {', '.join(node.keys())}."
+    except Exception:  # the base config itself is broken: say what we know
+      pass
+    if type(cause).__name__ in ("ConfigAttributeError", "ConfigKeyError"):
+      return f"unknown config key {full_key!r}.{valid} Run `vmoe {sub} --cfg job` to see every key."
+    reason = str(cause).split("\n")[0]
+    return f"bad value for {full_key}: {reason}."
+  return f"cannot compose the {sub} config from {overrides}: {' '.join(str(err).split())}"
+
+
+def _compose(config_dir: str | None, config_name: str, overrides: list[str]):
+  from hydra import compose, initialize_config_dir
+  from runner.config import conf_dir
+  extra = []
+  if config_dir:
+    extra = [f"hydra.searchpath=[file://{os.path.abspath(config_dir)}]"]
+  with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+    return compose(config_name, overrides=extra + overrides)
+
+
+def check_overrides(sub: str, args: list[str]) -> str | None:
+  """The error paragraph if the overrides do not compose, else None."""
+  flags, overrides, show = _split_args(args)
+  if show:
+    return None
+  config_dir = flags.get("-cd") or flags.get("--config-dir")
+  config_name = flags.get("-cn") or flags.get("--config-name") or sub
+  _register_requested_models(overrides)
+  try:
+    _compose(config_dir, config_name, _first_values(overrides))
+  except Exception as err:  # Hydra/OmegaConf raise many types; all mean "bad input"
+    return _explain_composition_error(err, sub, overrides, config_dir, config_name)
+  return None
+
+
+def _job(sub: str):
+  def job(cfg):
+    from hydra.core.hydra_config import HydraConfig
+    from runner.errors import UserError
+    from runner.tasks import run_task
+    try:
+      return run_task(sub, cfg, HydraConfig.get().runtime.output_dir)
+    except UserError as e:
+      if cfg.get("debug"):
+        raise
+      print(f"vmoe {sub}: error: {e}", file=sys.stderr)
+      sys.exit(2)
+  return job
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if not argv or argv[0] in ("-h", "--help", "help"):
+    lines = "\n".join(f"  {name:<10} {text}" for name, text in SUBCOMMANDS.items())
+    print(USAGE.format(lines=lines))
+    return 0
+  sub, rest = argv[0], argv[1:]
+  if sub not in SUBCOMMANDS:
+    print(f"vmoe: error: unknown subcommand {sub!r}; valid: {', '.join(SUBCOMMANDS)} "
+          "(`vmoe --help` describes each).", file=sys.stderr)
+    return 2
+  _quiet_environment()
+  import hydra
+  from runner.config import conf_dir
+  problem = check_overrides(sub, rest)
+  if problem:
+    print(f"vmoe {sub}: error: {problem}", file=sys.stderr)
+    return 2
+  sys.argv = [f"vmoe {sub}"] + rest
+  hydra.main(config_path=str(conf_dir()), config_name=sub, version_base=None)(_job(sub))()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

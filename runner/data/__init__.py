@@ -1,0 +1,25 @@
+"""Input data: embedded offline TFDS datasets, any prepared TFDS dataset, image folders.
+
+Importing this package quiets TensorFlow and hides accelerators from it, so tf.data never takes
+GPU/TPU memory that JAX needs.
+"""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+import logging  # noqa: E402
+
+import tensorflow as tf  # noqa: E402
+import tensorflow_datasets as tfds  # noqa: E402
+
+tf.config.set_visible_devices([], "GPU")
+logging.getLogger("absl").setLevel(logging.WARNING)
+tfds.disable_progress_bar()
+
+from runner.data.pipeline import eval_batches, image_shape, train_batches  # noqa: E402
+from runner.data.sources import DataError, Source, known_names, open_source  # noqa: E402
+from runner.data.pp_ops import PreprocessError  # noqa: E402
+
+__all__ = ["DataError", "PreprocessError", "Source", "eval_batches", "image_shape", "known_names",
+           "open_source", "train_batches"]

@@ -1,0 +1,153 @@
+"""Opening a dataset by name: embedded offline builders, any prepared TFDS dataset, or an image folder.
+
+Every failure here happens before any compute and says what is valid instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from runner.data.embedded import EMBEDDED
+from runner.errors import UserError
+
+IMAGE_FOLDER = "image_folder"
+_SLICE = re.compile(r"^(?P<name>[\w-]+)(\[(?P<start>-?\d*%?):(?P<stop>-?\d*%?)\])?$")
+
+
+class DataError(UserError, ValueError):
+  """A dataset that cannot be opened: unknown, not prepared, missing split, wrong folder."""
+
+
+def default_data_dir() -> str:
+  return os.environ.get("TFDS_DATA_DIR") or os.path.expanduser("~/tensorflow_datasets")
+
+
+@dataclasses.dataclass
+class Source:
+  """An opened dataset: its builder, label space and split sizes."""
+  name: str
+  builder: tfds.core.DatasetBuilder
+  num_classes: int
+  multilabel: bool
+  image_key: str = "image"
+  label_key: str = "label"
+
+  @property
+  def splits(self) -> dict[str, int]:
+    return {name: info.num_examples for name, info in self.builder.info.splits.items()}
+
+  def has_split(self, split: str) -> bool:
+    try:
+      self.num_examples(split)
+      return True
+    except DataError:
+      return False
+
+  def num_examples(self, split: str) -> int:
+    name, start, stop = self._slice(split)
+    return stop - start
+
+  def _slice(self, split: str) -> tuple[str, int, int]:
+    match = _SLICE.match(split.replace(" ", ""))
+    if not match or match["name"] not in self.splits:
+      raise DataError(f"dataset {self.name!r} has no split {split!r}; its splits are "
+                      f"{', '.join(f'{k} ({v} examples)' for k, v in self.splits.items())}. "
+                      "Sub-splits like 'train[:90%]' or 'train[100:]' are accepted.")
+    total = self.splits[match["name"]]
+
+    def bound(text, default):
+      if not text:
+        return default
+      value = int(text.rstrip("%"))
+      value = round(value * total / 100) if text.endswith("%") else value
+      return max(0, min(total, value if value >= 0 else total + value))
+    return match["name"], bound(match["start"], 0), bound(match["stop"], total)
+
+  def read(self, split: str, process_index: int = 0, process_count: int = 1) -> tf.data.Dataset:
+    """Raw examples of `split` (images still encoded), this process's contiguous share of them."""
+    name, start, stop = self._slice(split)
+    share = (stop - start) // process_count
+    start, stop = start + process_index * share, start + (process_index + 1) * share
+    decoders = {self.image_key: tfds.decode.SkipDecoding()}
+    if isinstance(self.builder, tfds.folder_dataset.ImageFolder):
+      # ImageFolder has no sub-split API; its record order is already a fixed shuffle.
+      ds = self.builder.as_dataset(split=name, shuffle_files=False, decoders=decoders)
+      return ds.skip(start).take(stop - start)
+    read_config = tfds.ReadConfig(interleave_cycle_length=1, add_tfds_id=False)
+    return self.builder.as_dataset(split=f"{name}[{start}:{stop}]", shuffle_files=False,
+                                   decoders=decoders, read_config=read_config)
+
+
+def known_names() -> list[str]:
+  return sorted(EMBEDDED) + [IMAGE_FOLDER]
+
+
+def open_source(name: str, data_dir: str | None = None, root: str | None = None,
+                image_key: str = "image", label_key: str = "label") -> Source:
+  """Opens (and for embedded datasets, prepares) a dataset, or raises DataError explaining why not."""
+  data_dir = data_dir or default_data_dir()
+  if name == IMAGE_FOLDER:
+    builder = _image_folder(root)
+  elif name in EMBEDDED:
+    builder = EMBEDDED[name](data_dir=data_dir)
+    if not _is_prepared(builder):
+      builder.download_and_prepare()
+  else:
+    builder = _prepared_tfds_builder(name, data_dir)
+  features = builder.info.features
+  if image_key not in features or label_key not in features:
+    raise DataError(f"dataset {name!r} has features {sorted(features.keys())}; expected an image "
+                    f"under {image_key!r} and a label under {label_key!r} "
+                    "(set data.image_key / data.label_key).")
+  label = features[label_key]
+  multilabel = isinstance(label, tfds.features.Sequence)
+  label = label.feature if multilabel else label
+  if not isinstance(label, tfds.features.ClassLabel):
+    raise DataError(f"feature {label_key!r} of dataset {name!r} is not a class label.")
+  return Source(name=name, builder=builder, num_classes=label.num_classes, multilabel=multilabel,
+                image_key=image_key, label_key=label_key)
+
+
+def _is_prepared(builder) -> bool:
+  return tf.io.gfile.exists(os.path.join(builder.data_dir, "dataset_info.json"))
+
+
+def _image_folder(root: str | None):
+  if not root:
+    raise DataError("data=image_folder needs data.root=<dir>, a folder holding train/ and test/ "
+                    "(optionally validation/) with one sub-folder of images per class.")
+  root = os.path.expanduser(root)
+  if not os.path.isdir(os.path.join(root, "train")):
+    found = sorted(os.listdir(root)) if os.path.isdir(root) else None
+    raise DataError(f"data.root={root!r} must contain a train/ folder of class sub-folders "
+                    f"(and test/, optionally validation/); "
+                    + (f"it contains {found}." if found is not None else "it does not exist."))
+  builder = tfds.folder_dataset.ImageFolder(root)
+  if not builder.info.splits["train"].num_examples:
+    raise DataError(f"{root}/train has no images in class sub-folders "
+                    "(supported: .jpg .jpeg .png .gif .bmp ...).")
+  return builder
+
+
+def _prepared_tfds_builder(name: str, data_dir: str):
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+  except tfds.core.registered.DatasetNotFoundError:
+    raise DataError(
+        f"unknown dataset {name!r}: it is neither embedded ({', '.join(sorted(EMBEDDED))}), nor "
+        f"'{IMAGE_FOLDER}' (with data.root=<dir>), nor a TFDS dataset name "
+        "(e.g. cifar10, cifar100, imagenet2012, oxford_iiit_pet).") from None
+  except Exception as e:  # a TFDS builder whose module cannot import, a bad config name...
+    raise DataError(f"TFDS cannot open dataset {name!r}: {e}") from None
+  if not _is_prepared(builder):
+    raise DataError(
+        f"TFDS dataset {name!r} is not prepared under data_dir {data_dir!r} (looked for "
+        f"{builder.data_dir}). Prepare it where the network is reachable, e.g. "
+        f"`tfds build {name} --data_dir {data_dir}`, and copy the folder here; or pass "
+        "data.data_dir=<dir> where it is prepared. Offline alternatives: "
+        f"{', '.join(sorted(EMBEDDED))}, or data=image_folder data.root=<dir>.")
+  return builder

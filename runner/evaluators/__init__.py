@@ -1,0 +1,1 @@
+"""Evaluators: each shared by in-training evaluation and `vmoe eval`."""

@@ -1,0 +1,84 @@
+"""metrics.jsonl (one JSON object per logging step), summary.json and one W&B run per job.
+
+Only process 0 writes. W&B is offline by default (the run lands in <workdir>/wandb and can be
+synced later with `wandb sync`); a resumed job continues the same W&B run id.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+
+import jax
+import numpy as np
+
+
+def _jsonable(value):
+  value = np.asarray(value)
+  if value.ndim == 0:
+    v = value.item()
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+  return value.tolist()
+
+
+class MetricWriter:
+  def __init__(self, workdir: str, *, run_config: dict, wandb: dict | None = None,
+               job_type: str = "train"):
+    self.workdir = pathlib.Path(workdir)
+    self.active = jax.process_index() == 0
+    self.run = None
+    if not self.active:
+      return
+    self.workdir.mkdir(parents=True, exist_ok=True)
+    self.jsonl = open(self.workdir / "metrics.jsonl", "a")
+    wandb = dict(wandb or {})
+    if wandb.get("mode", "disabled") != "disabled":
+      self.run = self._start_wandb(wandb, run_config, job_type)
+
+  def _start_wandb(self, cfg: dict, run_config: dict, job_type: str):
+    import wandb
+    id_file = self.workdir / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    id_file.write_text(run_id)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return wandb.init(project=cfg.get("project"), entity=cfg.get("entity"),
+                      name=cfg.get("name") or self.workdir.name, tags=list(cfg.get("tags") or []),
+                      dir=str(self.workdir), mode=cfg["mode"], config=run_config, id=run_id,
+                      resume="allow", job_type=job_type, reinit="finish_previous",
+                      settings=wandb.Settings(console="off"))
+
+  def write(self, step: int, metrics: dict) -> None:
+    if not self.active or not metrics:
+      return
+    record = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
+    self.jsonl.write(json.dumps(record) + "\n")
+    self.jsonl.flush()
+    if self.run is not None:
+      import wandb
+      logged = {}
+      for k, v in metrics.items():
+        v = np.asarray(v)
+        logged[k] = wandb.Histogram(v) if v.ndim else v.item()
+      self.run.log(logged, step=int(step))
+
+  def log_image(self, step: int, key: str, path: str) -> None:
+    if self.run is not None:
+      import wandb
+      self.run.log({key: wandb.Image(path)}, step=int(step))
+
+  def summary(self, metrics: dict, filename: str = "summary.json") -> None:
+    if not self.active:
+      return
+    clean = {k: _jsonable(v) for k, v in metrics.items()}
+    (self.workdir / filename).write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
+    if self.run is not None:
+      self.run.summary.update({k: v for k, v in clean.items() if not isinstance(v, list)})
+
+  def close(self) -> None:
+    if not self.active:
+      return
+    self.jsonl.close()
+    if self.run is not None:
+      self.run.finish()
+      self.run = None

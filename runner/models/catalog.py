@@ -1,0 +1,83 @@
+"""Model names in the papers' grammar, resolved from one size table.
+
+  vit_<size><patch>                              vit_s32, vit_b16, vit_l16, vit_h14
+  vmoe_<size><patch>_<every|last><n>[_e<E>][_k<k>]  vmoe_s32_last2, vmoe_b16_every2_e32_k2
+  vit_tiny, vmoe_tiny                            CPU sizes (image 32, patch 4)
+
+Sizes follow the V-MoE paper's Table 7 (hidden size, blocks, MLP size, heads). "every2" puts MoE
+MLPs on every second block (1, 3, 5, ... counting from 0); "lastN" keeps the last N of those, as
+in the paper's Last-n models. V-MoE defaults: E=32 experts, k=2 (tiny: E=8, k=2).
+"""
+from __future__ import annotations
+
+import re
+
+from runner.errors import UserError
+
+# name: (hidden_size, num_layers, mlp_dim, num_heads)
+SIZES = {
+    "tiny": (128, 4, 512, 4),
+    "ti": (192, 12, 768, 3),
+    "s": (512, 8, 2048, 8),
+    "b": (768, 12, 3072, 12),
+    "l": (1024, 24, 4096, 16),
+    "h": (1280, 32, 5120, 16),
+}
+PAPER_MODELS = (
+    "vit_s32", "vit_b32", "vit_b16", "vit_l32", "vit_l16", "vit_h14",
+    "vmoe_s32_last2", "vmoe_s32_every2", "vmoe_b32_last2", "vmoe_b32_every2", "vmoe_b16_last2",
+    "vmoe_b16_every2", "vmoe_l32_last2", "vmoe_l16_last2", "vmoe_l16_every2", "vmoe_h14_last5",
+    "vmoe_h14_every2",
+)
+CPU_MODELS = ("vit_tiny", "vmoe_tiny")
+_NAME = re.compile(
+    r"^(?P<kind>vit|vmoe)_(?:(?P<tiny>tiny)|(?P<size>ti|s|b|l|h)(?P<patch>\d+))"
+    r"(?:_(?P<place>every|last)(?P<n>\d+))?(?:_e(?P<e>\d+))?(?:_k(?P<k>\d+))?$")
+
+
+class UnknownModelError(UserError, ValueError):
+  pass
+
+
+def model_config(name: str) -> dict:
+  """The full model config (constructor arguments plus image_size) for a name in the grammar."""
+  m = _NAME.match(name)
+  if not m or (m["kind"] == "vit" and (m["place"] or m["e"] or m["k"])):
+    raise UnknownModelError(
+        f"unknown model {name!r}. Valid names: {', '.join(CPU_MODELS + PAPER_MODELS)}, or any "
+        "vit_<size><patch> / vmoe_<size><patch>_<every|last><n>[_e<E>][_k<k>] with size in "
+        f"{{{', '.join(s for s in SIZES if s != 'tiny')}}} (e.g. vmoe_b16_every2_e32_k2).")
+  tiny = bool(m["tiny"])
+  hidden, layers, mlp, heads = SIZES["tiny" if tiny else m["size"]]
+  config = dict(name=name, image_size=32 if tiny else 224, patch_size=4 if tiny else int(m["patch"]),
+                hidden_size=hidden, num_layers=layers, mlp_dim=mlp, num_heads=heads,
+                moe=dict(layers=[], num_experts=0), router=dict(k=2))
+  if m["kind"] == "vmoe":
+    placement = f"{m['place'] or 'every'}{m['n'] or 2}"
+    config["moe"] = dict(layers=placement, num_experts=int(m["e"] or (8 if tiny else 32)))
+    config["router"] = dict(k=int(m["k"] or 2))
+  return config
+
+
+def moe_layer_indices(layers, num_layers: int) -> tuple[int, ...]:
+  """'everyN' -> every N-th block ending at the last; 'lastN' -> the last N of 'every2'; or a list."""
+  if isinstance(layers, str):
+    m = re.fullmatch(r"(every|last)(\d+)", layers)
+    if not m:
+      raise ValueError(f"moe.layers={layers!r}: expected 'every<n>', 'last<n>' or a list of block "
+                       "indices")
+    n = int(m[2])
+    if m[1] == "every":
+      if n < 1:
+        raise ValueError("moe.layers=every<n> needs n >= 1")
+      return tuple(range(num_layers - 1, -1, -n))[::-1]
+    every2 = tuple(range(1, num_layers, 2))
+    if n > len(every2):
+      raise ValueError(f"moe.layers={layers!r}: a {num_layers}-block model has only "
+                       f"{len(every2)} every-2 blocks")
+    return every2[len(every2) - n:]
+  indices = tuple(int(i) for i in layers)
+  bad = [i for i in indices if not 0 <= i < num_layers]
+  if bad:
+    raise ValueError(f"moe.layers {bad} out of range for a {num_layers}-block model (0..{num_layers - 1})")
+  return tuple(sorted(set(indices)))

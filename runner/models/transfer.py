@@ -1,0 +1,105 @@
+"""Mapping a checkpoint's parameters onto a (possibly different) model for fine-tuning.
+
+Rules, applied by parameter name:
+- the classifier head is re-initialised (new number of classes) when asked;
+- position embeddings are resized bilinearly when the patch grid changes (new resolution);
+- with `dense_to_experts`, a dense MLP initialises every expert of the MoE MLP that replaces it,
+  and the new router starts from its fresh initialisation;
+- everything else is copied and must match in shape. All mismatches are reported together, by
+  parameter name, before any training.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+
+from runner.checkpoint import CheckpointError
+
+_EXPERT_FROM_DENSE = {"fc1_kernel": "fc1/kernel", "fc1_bias": "fc1/bias",
+                      "fc2_kernel": "fc2/kernel", "fc2_bias": "fc2/bias"}
+
+
+def flatten(tree) -> dict[str, np.ndarray]:
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {"/".join(str(getattr(k, "key", k)) for k in path): v for path, v in leaves}
+
+
+def unflatten(flat: dict[str, np.ndarray]) -> dict:
+  tree: dict = {}
+  for name, value in flat.items():
+    node = tree
+    *parents, leaf = name.split("/")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return tree
+
+
+def resize_position_embedding(posemb: np.ndarray, num_tokens: int) -> np.ndarray:
+  """(1, n*n, D) -> (1, m*m, D) by bilinear interpolation of the n x n grid."""
+  _, old, dim = posemb.shape
+  old_side, new_side = int(round(old ** 0.5)), int(round(num_tokens ** 0.5))
+  if old_side ** 2 != old or new_side ** 2 != num_tokens:
+    raise ValueError(f"position embeddings of {old} -> {num_tokens} tokens are not square grids")
+  grid = posemb.reshape(old_side, old_side, dim)
+  resized = jax.image.resize(grid, (new_side, new_side, dim), method="bilinear")
+  return np.asarray(resized, posemb.dtype).reshape(1, num_tokens, dim)
+
+
+def _dense_source(name: str) -> str | None:
+  """'block_1/moe/experts/fc1_kernel' -> 'block_1/mlp/fc1/kernel'."""
+  parts = name.split("/")
+  if len(parts) == 4 and parts[1] == "moe" and parts[2] == "experts" and parts[3] in _EXPERT_FROM_DENSE:
+    return f"{parts[0]}/mlp/{_EXPERT_FROM_DENSE[parts[3]]}"
+  return None
+
+
+def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts: bool = False,
+                 source: str = "checkpoint"):
+  """Parameters shaped like `fresh` (a freshly initialised tree), filled from `restored`."""
+  old, new = flatten(restored), flatten(fresh)
+  out, problems, used = {}, [], set()
+  for name, target in new.items():
+    shape = tuple(np.shape(target))
+    if name.startswith("head/") and reinit_head:
+      out[name] = np.asarray(target)
+      used.add(name)
+      continue
+    if name in old:
+      value = np.asarray(old[name])
+      used.add(name)
+      if value.shape == shape:
+        out[name] = value
+      elif name.endswith("pos_embedding") and value.shape[-1] == shape[-1]:
+        out[name] = resize_position_embedding(value, shape[1])
+      else:
+        hint = " (set init.reinit_head=true for a new number of classes)" if name.startswith(
+            "head/") else ""
+        problems.append(f"{name}: {source} {value.shape} vs model {shape}{hint}")
+      continue
+    dense = _dense_source(name)
+    if dense_to_experts and dense in old:
+      value = np.asarray(old[dense])
+      used.add(dense)
+      num_experts = shape[0]
+      if (num_experts,) + value.shape != shape:
+        problems.append(f"{name}: dense {dense} {value.shape} cannot fill experts of shape {shape}")
+      else:
+        out[name] = np.broadcast_to(value, shape).copy()
+      continue
+    if dense_to_experts and "/moe/router/" in name:
+      out[name] = np.asarray(target)
+      continue
+    if dense is not None and dense in old:
+      problems.append(f"{name}: missing in the {source}, which has a dense MLP here "
+                      "(set init.dense_to_experts=true to copy it into every expert)")
+    else:
+      problems.append(f"{name}: missing in the {source}")
+  unused = sorted(n for n in old if n not in used and not n.startswith("head/"))
+  problems += [f"{n}: in the {source} but not in the model" for n in unused]
+  if problems:
+    shown = "; ".join(problems[:12]) + (f"; and {len(problems) - 12} more" if len(problems) > 12 else "")
+    raise CheckpointError(f"the {source} does not fit the model ({len(problems)} parameter(s)): "
+                          f"{shown}. Check that model= matches the model the checkpoint was "
+                          "trained with (its config is stored next to it).")
+  return unflatten(out)

@@ -1,0 +1,1 @@
+"""Training: state, pure train step, loop, optimizers, schedules, losses."""

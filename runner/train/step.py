@@ -1,0 +1,59 @@
+"""The pure train step: (state, batch) -> (state, metrics), with optional gradient accumulation."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from runner.train.losses import LOSSES, precision_at_1
+from runner.train.state import TrainState
+
+
+def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: str,
+                    aux_loss_weight: float, accum_steps: int = 1, seed: int = 0):
+  """Returns step(state, batch). Randomness (router noise, dropout) is a function of (seed, step),
+  so a resumed run draws exactly what an uninterrupted one would."""
+  loss_fn = LOSSES[loss]
+  root = jax.random.key(seed)
+
+  def objective(params, images, labels, rng):
+    gating, dropout = jax.random.split(rng)
+    logits, extras = model.apply({"params": params}, images, train=True,
+                                 rngs={"gating": gating, "dropout": dropout})
+    cls_loss = loss_fn(logits, labels).mean()
+    aux = extras["auxiliary_loss"]
+    total = cls_loss + aux_loss_weight * aux
+    metrics = {"train/loss": total, "train/cls_loss": cls_loss, "train/aux_loss": aux,
+               "train/prec@1": precision_at_1(logits, labels).mean()}
+    for layer, layer_metrics in extras["routing"].items():
+      metrics.update({f"moe/{layer}/{k}": v for k, v in layer_metrics.items()})
+    return total, metrics
+
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+  def step(state: TrainState, batch: dict):
+    rng = jax.random.fold_in(root, state.step)
+    if accum_steps == 1:
+      (_, metrics), grads = grad_fn(state.params, batch["image"], batch["labels"], rng)
+    else:
+      # Micro-batch i takes examples i, i + accum, ...: each is spread over all devices.
+      def split(x):
+        x = x.reshape((x.shape[0] // accum_steps, accum_steps) + x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+      micro = jax.tree.map(split, batch)
+
+      def body(acc, xs):
+        i, images, labels = xs
+        (_, m), g = grad_fn(state.params, images, labels, jax.random.fold_in(rng, i))
+        return jax.tree.map(jnp.add, acc, g), m
+      zeros = jax.tree.map(jnp.zeros_like, state.params)
+      grads, per_micro = jax.lax.scan(
+          body, zeros, (jnp.arange(accum_steps), micro["image"], micro["labels"]))
+      grads = jax.tree.map(lambda g: g / accum_steps, grads)
+      metrics = jax.tree.map(lambda m: m.mean(axis=0), per_micro)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics["train/grad_norm"] = optax.global_norm(grads)
+    metrics["train/lr"] = schedule(state.step)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  return step
