@@ -37,6 +37,10 @@ def _quiet_environment() -> None:
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
   os.environ.setdefault("WANDB_SILENT", "true")
+  # Reuse XLA compilations across runs (a rerun, a resume, the next stage with the same model).
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                        os.path.join(os.path.expanduser("~"), ".cache", "vmoe", "xla"))
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
 def _split_args(args: list[str]) -> tuple[dict, list[str], bool]:

@@ -33,12 +33,12 @@ def make_eval_step(model, loss_name: str = "softmax_xent"):
 class ClassificationEvaluator:
   """Evaluates parameters on one split; `put` places a host batch on the devices."""
 
-  def __init__(self, model, batches, *, prefix: str, loss_name: str = "softmax_xent",
-               put=lambda batch: batch, jit_kwargs: dict | None = None):
+  def __init__(self, step, batches, *, prefix: str, put=lambda batch: batch):
+    """`step` is a jitted `make_eval_step(...)`, shared by evaluators of the same model."""
+    self.step = step
     self.batches = batches  # a re-iterable dataset of padded numpy batches
     self.prefix = prefix
     self.put = put
-    self.step = jax.jit(make_eval_step(model, loss_name), **(jit_kwargs or {}))
 
   def run(self, params) -> dict:
     totals: dict[str, float] = {}

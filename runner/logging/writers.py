@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pathlib
+import uuid
 
 import jax
 import numpy as np
@@ -39,7 +40,7 @@ class MetricWriter:
   def _start_wandb(self, cfg: dict, run_config: dict, job_type: str):
     import wandb
     id_file = self.workdir / "wandb_run_id"
-    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id)
     os.environ.setdefault("WANDB_SILENT", "true")
     return wandb.init(project=cfg.get("project"), entity=cfg.get("entity"),

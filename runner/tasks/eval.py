@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from runner import checkpoint, data, parallel
 from runner.config import validate
 from runner.errors import ConfigError
-from runner.evaluators.classification import ClassificationEvaluator
+from runner.evaluators.classification import ClassificationEvaluator, make_eval_step
 from runner.logging import MetricWriter
 from runner.tasks import common
 
@@ -62,11 +62,12 @@ def run(cfg, workdir: str) -> dict:
   put = lambda batch: jax.tree.map(
       lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
   split = d.get("test_split") or d["eval_split"]
+  loss = config.get("train", {}).get("loss", "softmax_xent")
   evaluator = ClassificationEvaluator(
-      model, data.eval_batches(source, split, d["pp"], batch_size // jax.process_count(),
-                               process_index=jax.process_index(),
-                               process_count=jax.process_count()),
-      prefix=d["name"], loss_name=config.get("train", {}).get("loss", "softmax_xent"), put=put)
+      jax.jit(make_eval_step(model, loss)),
+      data.eval_batches(source, split, d["pp"], batch_size // jax.process_count(),
+                        process_index=jax.process_index(), process_count=jax.process_count()),
+      prefix=d["name"], put=put)
   params = jax.device_put(params, parallel.replicated(mesh))
   with parallel.with_rules(mesh, parallel.mesh.DP_RULES):
     metrics = evaluator.run(params)

@@ -19,7 +19,7 @@ import numpy as np
 from runner import data, parallel
 from runner.checkpoint import Checkpointer
 from runner.errors import ConfigError, UserError
-from runner.evaluators.classification import ClassificationEvaluator
+from runner.evaluators.classification import ClassificationEvaluator, make_eval_step
 from runner.logging import MetricWriter, Progress
 from runner.train import optimizers, schedules, state as state_lib
 from runner.train.step import make_train_step
@@ -92,10 +92,10 @@ def train_and_evaluate(config: dict, *, model, source, workdir: str, init_params
                                      s.get("end_lr_fraction", 0.0), s.get("timescale"),
                                      s.get("cooldown_steps", 0))
   tx = optimizers.make_optimizer(schedule=schedule, params=abstract, **o)
-  opt_init = jax.jit(tx.init)
-  opt_shardings = opt_init.lower(jax.tree.map(
+  opt_init = jax.jit(tx.init).lower(jax.tree.map(
       lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract,
-      param_shardings)).compile().output_shardings
+      param_shardings)).compile()
+  opt_shardings = opt_init.output_shardings
 
   ckpt_cfg = config["checkpoint"]
   checkpointer = Checkpointer(workdir / "checkpoints", keep=ckpt_cfg["keep"],
@@ -132,10 +132,13 @@ def train_and_evaluate(config: dict, *, model, source, workdir: str, init_params
                         accum_steps=t.get("accum_steps", 1), seed=seed),
         in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
         donate_argnums=0)
-    evaluators = {"val": ClassificationEvaluator(
-        model, data.eval_batches(source, d["eval_split"], d["pp"], eval_batch_size // process_count,
-                                 process_index=process_index, process_count=process_count),
-        prefix="val", loss_name=t["loss"], put=put)}
+    eval_step = jax.jit(make_eval_step(model, t["loss"]))
+
+    def evaluator(split, prefix):
+      batches = data.eval_batches(source, split, d["pp"], eval_batch_size // process_count,
+                                  process_index=process_index, process_count=process_count)
+      return ClassificationEvaluator(eval_step, batches, prefix=prefix, put=put)
+    val = evaluator(d["eval_split"], "val")
     batches = data.train_batches(source, d["split"], d["pp_train"], batch_size // process_count,
                                  seed=seed, start=position, shuffle_buffer=d["shuffle_buffer"],
                                  process_index=process_index, process_count=process_count)
@@ -169,7 +172,7 @@ def train_and_evaluate(config: dict, *, model, source, workdir: str, init_params
             writer.write(step, last_train)
             progress.report(step, last_train)
           if eval_every and step % eval_every == 0 and step != steps:
-            last_eval = evaluators["val"].run(state.params)
+            last_eval = val.run(state.params)
             writer.write(step, last_eval)
             progress.report(step, {**last_train, **last_eval})
           if checkpointer.should_save(step) or step == steps:
@@ -180,14 +183,9 @@ def train_and_evaluate(config: dict, *, model, source, workdir: str, init_params
             raise Interrupted(f"stopped by signal {stop.signum} after step {step}; checkpoint "
                               f"saved in {workdir / 'checkpoints'}. Rerun the same command to "
                               "resume.")
-      final = evaluators["val"].run(state.params)
+      final = val.run(state.params)
       if d.get("test_split"):
-        test = ClassificationEvaluator(
-            model, data.eval_batches(source, d["test_split"], d["pp"],
-                                     eval_batch_size // process_count,
-                                     process_index=process_index, process_count=process_count),
-            prefix="test", loss_name=t["loss"], put=put)
-        final.update(test.run(state.params))
+        final.update(evaluator(d["test_split"], "test").run(state.params))
       writer.write(steps, final)
       progress.report(steps, {**last_train, **final})
       summary = {"step": steps, **{k: v for k, v in last_train.items()}, **final,

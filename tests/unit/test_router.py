@@ -9,8 +9,8 @@ import pytest
 from runner.models.moe import routing
 from runner.models.moe import router as router_lib
 from runner.models.moe.router import NoisyTopKRouter
-from moe_reference import (importance_loss_reference, load_loss_reference, plan_dispatch_jit,
-                           route_reference, buffers_to_plan_arrays)
+from moe_reference import (buffers_to_plan_arrays, importance_loss_reference,
+                           load_loss_reference, route_reference)
 
 G, S, D = 2, 16, 6
 METRIC_KEYS_EVAL = {"importance_loss", "auxiliary_loss", "fraction_dropped_tokens",
@@ -25,9 +25,16 @@ def _setup(seed=0, scale=1.0, **router_kwargs):
   # whole router eagerly, which costs seconds).
   kernel = jnp.asarray(0.02 * scale * rng.normal(size=(D, module.num_experts)), jnp.float32)
   variables = {"params": {"dense": {"kernel": kernel}}}
-  apply = jax.jit(lambda v, x, key, train: module.apply(v, x, train=train, rngs={"gating": key}),
-                  static_argnames="train")
-  return module, variables, x, apply
+  # One jitted apply per router configuration, shared between tests (fewer compilations).
+  config = tuple(sorted(router_kwargs.items()))
+  if config not in _APPLY_CACHE:
+    _APPLY_CACHE[config] = jax.jit(
+        lambda v, x, key, train: module.apply(v, x, train=train, rngs={"gating": key}),
+        static_argnames="train")
+  return module, variables, x, _APPLY_CACHE[config]
+
+
+_APPLY_CACHE = {}
 
 
 def _key(seed):
@@ -75,7 +82,7 @@ def test_train_noise_depends_on_the_gating_rng():
   assert (top1(plan_a) != top1(plan_b)).mean() > 0.1
 
 
-@pytest.mark.parametrize("num_experts,noise_std", [(4, 1.0), (8, 1.0), (4, 3.0)])
+@pytest.mark.parametrize("num_experts,noise_std", [(4, 1.0), (8, 3.0)])
 def test_noise_std_is_noise_std_over_num_experts(num_experts, noise_std):
   """Black box: with W = 0 the noisy logits are pure noise. With k = E and C = E / k, every
   assignment is kept, so combine_weights holds the whole softmax(eps) of each token and
@@ -129,8 +136,9 @@ def test_train_routes_noisy_gates_and_load_loss_uses_them(monkeypatch):
   clean = np.asarray(x @ kernel, np.float64)
   np.testing.assert_allclose(seen["clean"], clean, rtol=1e-5, atol=1e-6)
   noise = seen["noisy"] - seen["clean"]
-  assert abs(noise.mean()) < 0.1 * noise_std / e
-  np.testing.assert_allclose(noise.std(), noise_std / e, rtol=0.2)  # 128 samples
+  # 128 samples: standard errors ~0.09 sigma (mean) and ~6% (std); bounds at >= 4 of them.
+  assert abs(noise.mean()) < 0.4 * noise_std / e
+  np.testing.assert_allclose(noise.std(), noise_std / e, rtol=0.3)
   # The plan is Algorithm 1 on softmax(Wx + eps) (the noisy gates), not on the clean ones.
   noisy_gates = np.asarray(jax.nn.softmax(jnp.asarray(seen["noisy"])), np.float32)
   capacity = routing.expert_capacity(S, e, k, ratio)
@@ -170,7 +178,10 @@ def test_eval_capacity_ratio_only_applies_in_eval():
 @pytest.mark.parametrize("train", [False, True])
 def test_metrics_present_finite_and_consistent_with_plan(train):
   e, k = 4, 2
-  module, variables, x, apply = _setup(num_experts=e, k=k, capacity_ratio=0.5, scale=30.0)
+  # Same router as in test_eval_capacity_ratio_only_applies_in_eval: 8 slots per expert in
+  # training, 4 in evaluation.
+  module, variables, x, apply = _setup(num_experts=e, k=k, capacity_ratio=1.0,
+                                       eval_capacity_ratio=0.5, scale=30.0)
   plan, metrics = apply(variables, x, _key(0), train=train)
   want_keys = METRIC_KEYS_EVAL | ({"load_loss"} if train else set())
   assert set(metrics) == want_keys
@@ -184,8 +195,9 @@ def test_metrics_present_finite_and_consistent_with_plan(train):
                              rtol=1e-6)
   np.testing.assert_allclose(float(metrics["fraction_dropped_tokens"]),
                              1 - kept.any(-1).mean(), rtol=1e-6, atol=1e-7)
-  # Capacity ratio 0.5 with strong (scaled-up) routing: something is dropped, buffers are full.
-  assert float(metrics["fraction_dropped_assignments"]) > 0.4
+  if not train:
+    # Capacity ratio 0.5: 16 slots for 32 assignments, at least half of them are dropped.
+    assert float(metrics["fraction_dropped_assignments"]) >= 0.5
   filled = np.asarray(plan.expert_of_slot_filled)
   np.testing.assert_allclose(np.asarray(metrics["expert_load"]),
                              filled.mean(0) / plan.capacity, rtol=1e-6)

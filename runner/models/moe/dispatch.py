@@ -78,8 +78,14 @@ def _global_indices(plan: DispatchPlan, num_tokens: int):
           to_expert_major(assignment_of_slot))
 
 
+def _check(method: str) -> None:
+  if method not in DISPATCHERS:
+    raise ValueError(f"unknown dispatcher {method!r}; valid: {DISPATCHERS}")
+
+
 def dispatch(x: jax.Array, plan: DispatchPlan, method: str = "indices") -> jax.Array:
   """x: (G, S, D) tokens -> (E, G, C, D) expert buffers, zero padded."""
+  _check(method)
   g, s, d = x.shape
   e, c, k = plan.num_experts, plan.capacity, plan.k
   if method == "einsum":
@@ -91,6 +97,7 @@ def dispatch(x: jax.Array, plan: DispatchPlan, method: str = "indices") -> jax.A
 
 def combine(y: jax.Array, plan: DispatchPlan, method: str = "indices") -> jax.Array:
   """y: (E, G, C, D) expert outputs -> (G, S, D) tokens: sum_i gate_i * y[slot of choice i]."""
+  _check(method)
   e, g, c, d = y.shape
   _, s, k = plan.combine_weights.shape
   weights = plan.combine_weights.astype(y.dtype)

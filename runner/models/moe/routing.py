@@ -12,6 +12,7 @@ tokens are physically moved into the buffers is the dispatcher's business (`disp
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 
 import jax
@@ -21,8 +22,12 @@ PRIORITIES = ("max", "sum")
 
 
 def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_ratio: float) -> int:
-  """B_e = round(k * N * P * C / E), rounding half up, and at least one slot."""
-  return max(1, int(math.floor(k * num_tokens * capacity_ratio / num_experts + 0.5)))
+  """B_e = round(k * N * P * C / E), rounding half up, and at least one slot.
+
+  Computed exactly from the decimal C (0.7 * 45 / 3 is 10.5, not 10.4999...).
+  """
+  exact = fractions.Fraction(str(capacity_ratio)) * k * num_tokens / num_experts
+  return max(1, math.floor(exact + fractions.Fraction(1, 2)))
 
 
 @jax.tree_util.register_dataclass
@@ -69,6 +74,8 @@ def plan_dispatch(gates: jax.Array, *, k: int, capacity: int, batch_priority: bo
   the S*k assignments, so the cost grows with tokens * log(tokens), not with the number of experts
   times the capacity.
   """
+  if priority not in PRIORITIES:
+    raise ValueError(f"unknown routing priority {priority!r}; valid: {PRIORITIES}")
   num_groups, num_tokens, num_experts = gates.shape
   weights, experts = top_k_gates(gates, k)  # (G, S, k)
   if batch_priority:
