@@ -130,10 +130,11 @@ def _explain_composition_error(err: Exception, sub: str, overrides: list[str],
 def _compose(config_dir: str | None, config_name: str, overrides: list[str]):
   from hydra import compose, initialize_config_dir
   from runner.config import conf_dir
-  extra = []
-  if config_dir:
-    extra = [f"hydra.searchpath=[file://{os.path.abspath(config_dir)}]"]
-  with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+  primary, extra = str(conf_dir()), []
+  if config_dir:  # as Hydra's --config-dir: that folder first, conf/ still searched
+    primary = os.path.abspath(config_dir)
+    extra = [f"hydra.searchpath=[file://{conf_dir()}]"]
+  with initialize_config_dir(config_dir=primary, version_base=None):
     return compose(config_name, overrides=extra + overrides)
 
 

@@ -56,14 +56,17 @@ class SelfAttention(nn.Module):
     w_out = self.param("out_kernel", part(nn.initializers.xavier_uniform(in_axis=(0, 1), out_axis=2),
                                           ("heads", "kv", "embed")), (h, head_dim, d))
     b_out = self.param("out_bias", part(nn.initializers.zeros, ("embed",)), (d,))
-    qkv = jnp.einsum("bsd,dthk->tbshk", x, w_qkv.astype(self.dtype)) + b_qkv[:, None, None].astype(
-        self.dtype)
-    q, k, v = qkv[0], qkv[1], qkv[2]  # (B, S, H, hd)
+    b, n, _ = x.shape
+    # One (B*S, D) x (D, 3*H*hd) matmul; reshapes of the parameters are free.
+    qkv = x.reshape(b * n, d) @ w_qkv.reshape(d, 3 * h * head_dim).astype(self.dtype)
+    qkv = qkv.reshape(b, n, 3, h, head_dim) + b_qkv.astype(self.dtype)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, S, H, hd)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q * head_dim**-0.5, k)
     weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(self.dtype)
     weights = nn.Dropout(self.dropout_rate)(weights, deterministic=not train)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-    return jnp.einsum("bqhd,hdo->bqo", out, w_out.astype(self.dtype)) + b_out.astype(self.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b * n, h * head_dim)
+    out = out @ w_out.reshape(h * head_dim, d).astype(self.dtype)
+    return out.reshape(b, n, d) + b_out.astype(self.dtype)
 
 
 class EncoderBlock(nn.Module):
