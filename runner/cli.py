@@ -97,6 +97,10 @@ def _explain_composition_error(err: Exception, sub: str, overrides: list[str],
   from omegaconf import OmegaConf
   from runner.models import catalog
   cause = err.__cause__ or err
+  if type(err).__name__ == "OverrideParseException":
+    return (f"cannot parse the overrides {overrides}: {str(err).splitlines()[0]}. Values with "
+            "parentheses, commas, spaces or '|' must be quoted for Hydra, e.g. "
+            "'data.pp=\"decode(3)|resize(32)|value_range(-1,1)\"' (single quotes for the shell).")
   full_key = getattr(cause, "full_key", None)
   text = str(err).split("\n")[0]
   if "Could not find" in str(err):  # unknown option of a group

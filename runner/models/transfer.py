@@ -75,7 +75,7 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
       else:
         hint = " (set init.reinit_head=true for a new number of classes)" if name.startswith(
             "head/") else ""
-        problems.append(f"{name}: {source} {value.shape} vs model {shape}{hint}")
+        problems.append(f"{name}: checkpoint {value.shape} vs model {shape}{hint}")
       continue
     dense = _dense_source(name)
     if dense_to_experts and dense in old:
@@ -91,15 +91,15 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
       out[name] = np.asarray(target)
       continue
     if dense is not None and dense in old:
-      problems.append(f"{name}: missing in the {source}, which has a dense MLP here "
+      problems.append(f"{name}: missing in the checkpoint, which has a dense MLP here "
                       "(set init.dense_to_experts=true to copy it into every expert)")
     else:
-      problems.append(f"{name}: missing in the {source}")
+      problems.append(f"{name}: missing in the checkpoint")
   unused = sorted(n for n in old if n not in used and not n.startswith("head/"))
-  problems += [f"{n}: in the {source} but not in the model" for n in unused]
+  problems += [f"{n}: in the checkpoint but not in the model" for n in unused]
+  problems.sort(key=lambda p: (" vs model " not in p, p))  # shape mismatches first
   if problems:
-    shown = "; ".join(problems[:12]) + (f"; and {len(problems) - 12} more" if len(problems) > 12 else "")
+    shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
     raise CheckpointError(f"the {source} does not fit the model ({len(problems)} parameter(s)): "
-                          f"{shown}. Check that model= matches the model the checkpoint was "
-                          "trained with (its config is stored next to it).")
+                          f"{shown}.")
   return unflatten(out)

@@ -5,16 +5,25 @@ import pathlib
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from runner import data
+from runner import checkpoint, data
 from runner.config import validate
 from runner.errors import ConfigError
-from runner.models import build_model
+from runner.models import build_model, transfer
+from runner.train import state as state_lib
 
 
 def plain_config(cfg: DictConfig, workdir: str) -> dict:
   """The resolved config as plain Python (enums as strings), with the real workdir."""
-  config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+  try:
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True,
+                                    throw_on_missing=True)
+  except MissingMandatoryValue as e:
+    raise ConfigError(f"{e.full_key} has no value and needs one: add {e.full_key}=<value> "
+                      "(for data=image_folder: data.root=<dir with train/ and test/>).") from None
+  except InterpolationResolutionError as e:
+    raise ConfigError(f"cannot resolve {e.full_key}: {str(e).splitlines()[0]}") from None
   config["workdir"] = str(workdir)
   return config
 
@@ -61,3 +70,50 @@ def check_training(config: dict) -> None:
 def build_checked_model(model_cfg: dict, num_classes: int):
   validate.check_model(model_cfg)
   return build_model(model_cfg, num_classes)
+
+
+def is_resuming(workdir: str) -> bool:
+  return any(pathlib.Path(workdir, "checkpoints").glob("[0-9]*/params"))
+
+
+def check_init_path(config: dict, workdir: str) -> None:
+  """Fails fast on a wrong init.checkpoint path (ignored when the workdir resumes)."""
+  if config["init"].get("checkpoint") and not is_resuming(workdir):
+    checkpoint.locate(config["init"]["checkpoint"])
+
+
+def init_from_checkpoint(config: dict, model, source: data.Source, workdir: str):
+  """Parameters for `model` mapped from init.checkpoint, or None (scratch, or resuming)."""
+  init = config["init"]
+  if not init.get("checkpoint") or is_resuming(workdir):
+    return None
+  restored, stored, step = checkpoint.load_params(init["checkpoint"])
+  d = config["data"]
+  fresh, _ = state_lib.init_params(model, data.image_shape(source, d["split"], d["pp_train"]),
+                                   config["seed"])
+  try:
+    return transfer.adapt_params(restored, fresh, reinit_head=init["reinit_head"],
+                                 dense_to_experts=init["dense_to_experts"],
+                                 source=f"checkpoint {init['checkpoint']} (step {step})")
+  except checkpoint.CheckpointError as e:
+    diff = _model_differences(stored.get("model", {}), config["model"])
+    raise checkpoint.CheckpointError(
+        f"{e} The checkpoint was trained with model={stored.get('model', {}).get('name')}"
+        + (f", which differs from this one in {diff}" if diff else "")
+        + "; pass the same model (and model.* overrides) as that run.") from None
+
+
+def _model_differences(stored: dict, current: dict, prefix: str = "model.") -> str:
+  """'model.hidden_size 32 -> 48, ...' for the architecture keys that differ."""
+  ignore = {"name", "dropout_rate", "attention_dropout_rate", "dtype", "router", "image_size"}
+  out = []
+  for key in sorted(set(stored) | set(current)):
+    if key in ignore or key in ("expert_dropout", "dispatcher", "group_size"):
+      continue
+    a, b = stored.get(key), current.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      sub = _model_differences(a, b, f"{prefix}{key}.")
+      out += [sub] if sub else []
+    elif a != b:
+      out.append(f"{prefix}{key} {a} -> {b}")
+  return ", ".join(out)

@@ -1,4 +1,4 @@
-"""`vmoe pretrain`: train a ViT / V-MoE from scratch (or resume) on the upstream data."""
+"""`vmoe pretrain`: train a ViT / V-MoE upstream, from scratch or from init.checkpoint (resumes)."""
 from __future__ import annotations
 
 from runner.tasks import common
@@ -8,7 +8,10 @@ from runner.train.loop import train_and_evaluate
 def run(cfg, workdir: str) -> dict:
   config = common.plain_config(cfg, workdir)
   common.check_training(config)
+  common.check_init_path(config, workdir)
   source = common.open_data(config["data"])
   model = common.build_checked_model(config["model"], source.num_classes)
+  init_params = common.init_from_checkpoint(config, model, source, workdir)
   common.write_config(config, workdir)
-  return train_and_evaluate(config, model=model, source=source, workdir=workdir, stage="pretrain")
+  return train_and_evaluate(config, model=model, source=source, workdir=workdir,
+                            init_params=init_params, stage="pretrain")
