@@ -106,7 +106,8 @@ def param_shapes(path: str) -> dict:
   """The tree of parameter shapes stored at `path`, read from metadata only."""
   directory, step = locate(path)
   metadata = _reader(directory).item_metadata(step)["params"]
-  return jax.tree.map(lambda m: tuple(m.shape), metadata)
+  tree = getattr(metadata, "tree", metadata)  # Orbax wraps the tree in a metadata object
+  return jax.tree.map(lambda m: tuple(m.shape), dict(tree))
 
 
 def load_params(path: str) -> tuple[dict, dict, int]:

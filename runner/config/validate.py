@@ -1,6 +1,8 @@
 """Checks that a composed config makes sense, before any data is read or anything is compiled."""
 from __future__ import annotations
 
+import re
+
 import jax
 
 from runner.errors import ConfigError
@@ -34,6 +36,26 @@ def check_model(model: dict) -> None:
                         "values drop tokens, which Batch Prioritized Routing makes graceful).")
   if moe.get("group_size", 8) < 1:
     raise ConfigError("model.moe.group_size (images per routing group) must be >= 1.")
+
+
+def check_optim(optim: dict) -> None:
+  """optim.weight_decay: a number, or a list of [regex, number] pairs."""
+  wd = optim.get("weight_decay", 0.0)
+  if isinstance(wd, (int, float)) and not isinstance(wd, bool):
+    return
+  hint = ("optim.weight_decay must be a number or a list of [regex, value] pairs, e.g. "
+          "'optim.weight_decay=[[head/kernel,3.0],[.*kernel,0.03]]'")
+  if not isinstance(wd, (list, tuple)):
+    raise ConfigError(f"{hint}; got {wd!r}.")
+  for rule in wd:
+    if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)
+            and isinstance(rule[1], (int, float))):
+      raise ConfigError(f"{hint}; got the rule {rule!r}.")
+    try:
+      re.compile(rule[0])
+    except re.error as e:
+      raise ConfigError(f"optim.weight_decay pattern {rule[0]!r} is not a regular expression: "
+                        f"{e}.") from None
 
 
 def check_batch(batch_size: int, model: dict, *, what: str = "data.batch_size",

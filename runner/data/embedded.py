@@ -30,7 +30,7 @@ def _stratified_splits(labels: np.ndarray, fractions: dict[str, float]) -> dict[
   return {name: rng.permutation(np.concatenate(parts)) for name, parts in out.items()}
 
 
-class _ArrayBuilder(tfds.core.GeneratorBasedBuilder):
+class _ArrayBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """A builder over in-memory (images, labels) arrays with stratified train/validation/test."""
   VERSION = tfds.core.Version("1.0.0")
   RELEASE_NOTES = {"1.0.0": "First release."}

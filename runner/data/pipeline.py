@@ -8,6 +8,7 @@ epoch of (still encoded, so cheap) records.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import numpy as np
@@ -20,19 +21,28 @@ from runner.data.sources import Source
 _CACHE_MAX_EXAMPLES = 200_000
 
 
-def _finish(source: Source, pp) -> callable:
+def _finish(source: Source, pp, spec: str) -> callable:
   """User preprocessing, then one/multi-hot `labels` unless the spec made them, then drop extras."""
   def fn(example):
     example = pp(example)
+    image = example.get(source.image_key)
+    if image is None or image.dtype == tf.string:
+      raise pp_ops.PreprocessError(
+          f"preprocessing {spec!r} leaves no decoded image under {source.image_key!r}; start it "
+          "with decode (e.g. 'decode(3)|resize(224)|value_range(-1,1)') and keep the image.")
     if "labels" not in example:
+      if source.label_key not in example:
+        raise pp_ops.PreprocessError(f"preprocessing {spec!r} removed the label "
+                                     f"{source.label_key!r}; keep it or produce 'labels'.")
       example = pp_ops.get_onehot(source.num_classes, key=source.label_key)(example)
-    return {"image": tf.cast(example[source.image_key], tf.float32), "labels": example["labels"]}
+    return {"image": tf.cast(image, tf.float32), "labels": example["labels"]}
   return fn
 
 
-def _with_rng(seed: int):
+def _with_rng(seed: int, process_index: int = 0):
+  """Attaches the example's stateless seed: (run seed and process, position in the stream)."""
   def fn(position, example):
-    example["_rng"] = tf.stack([tf.constant(seed, tf.int64), position])
+    example["_rng"] = tf.stack([tf.constant(seed + 1_000_003 * process_index, tf.int64), position])
     return example
   return fn
 
@@ -44,7 +54,7 @@ def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed:
 
   Each batch dict holds `image` (B, H, W, C) float32 and `labels` (B, num_classes) float32.
   """
-  preprocess = _finish(source, pp_ops.parse(pp))
+  preprocess = _finish(source, pp_ops.parse(pp), pp)
   raw = source.read(split, process_index, process_count)
   num = source.num_examples(split) // process_count
   if num < batch_size:
@@ -60,23 +70,31 @@ def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed:
 
   ds = tf.data.Dataset.range(first_epoch, 1 << 62).flat_map(epoch).skip(offset)
   ds = tf.data.Dataset.zip(tf.data.Dataset.range(start, 1 << 62), ds)
-  ds = ds.map(_with_rng(seed)).map(preprocess, num_parallel_calls=tf.data.AUTOTUNE,
-                                   deterministic=True)
+  ds = ds.map(_with_rng(seed, process_index)).map(preprocess, num_parallel_calls=tf.data.AUTOTUNE,
+                                                  deterministic=True)
   ds = ds.batch(batch_size, drop_remainder=True).prefetch(2)
   return ds.as_numpy_iterator()
 
 
 def eval_batches(source: Source, split: str, pp: str, batch_size: int, *, process_index: int = 0,
                  process_count: int = 1) -> tf.data.Dataset:
-  """A re-iterable dataset of full-size batches; `_mask` marks real examples in the padded last one."""
-  preprocess = _finish(source, pp_ops.parse(pp))
-  raw = source.read(split, process_index, process_count)
-  if source.num_examples(split) <= _CACHE_MAX_EXAMPLES:
+  """A re-iterable dataset of full-size batches; `_mask` marks real examples, the rest is padding.
+
+  Every example of the split is read by exactly one process, and every process yields the same
+  number of batches (the collective eval step needs that), padding with masked-out batches.
+  """
+  preprocess = _finish(source, pp_ops.parse(pp), pp)
+  raw = source.read(split, process_index, process_count, drop_remainder=False)
+  total = source.num_examples(split)
+  if total <= _CACHE_MAX_EXAMPLES:
     raw = raw.cache()
   ds = tf.data.Dataset.zip(tf.data.Dataset.range(1 << 62), raw).map(_with_rng(0))
   ds = ds.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   ds = ds.map(lambda ex: {**ex, "_mask": tf.constant(True)})
-  return ds.padded_batch(batch_size).map(lambda b: _pad_batch(b, batch_size)).prefetch(2)
+  ds = ds.padded_batch(batch_size).map(lambda b: _pad_batch(b, batch_size))
+  num_batches = math.ceil(math.ceil(total / process_count) / batch_size)
+  empty = ds.take(1).map(lambda b: {k: tf.zeros_like(v) for k, v in b.items()}).repeat()
+  return ds.concatenate(empty).take(num_batches).prefetch(2)
 
 
 def _pad_batch(batch, batch_size):
@@ -88,7 +106,7 @@ def _pad_batch(batch, batch_size):
 
 def image_shape(source: Source, split: str, pp: str) -> tuple[int, ...]:
   """Shape of one preprocessed image, found by running the pipeline on one example."""
-  preprocess = _finish(source, pp_ops.parse(pp))
+  preprocess = _finish(source, pp_ops.parse(pp), pp)
   ds = tf.data.Dataset.zip(tf.data.Dataset.range(1), source.read(split).take(1))
   example = next(iter(ds.map(_with_rng(0)).map(preprocess)))
   return tuple(example["image"].shape)

@@ -90,11 +90,13 @@ def get_decode(channels: int = 3, key: str = "image"):
     image = example[key]
     if image.dtype == tf.string:
       image = tf.io.decode_image(image, channels=0, expand_animations=False)
+    # Grey (1), grey+alpha (2), RGB (3) or RGBA (4) in; alpha is dropped.
+    grey = tf.shape(image)[-1] <= 2
     if channels == 3:
-      image = tf.cond(tf.shape(image)[-1] == 1, lambda: tf.image.grayscale_to_rgb(image),
+      image = tf.cond(grey, lambda: tf.image.grayscale_to_rgb(image[..., :1]),
                       lambda: image[..., :3])
     elif channels == 1:
-      image = tf.cond(tf.shape(image)[-1] == 1, lambda: image,
+      image = tf.cond(grey, lambda: image[..., :1],
                       lambda: tf.image.rgb_to_grayscale(image[..., :3]))
     image.set_shape([None, None, channels])
     example[key] = image
@@ -108,7 +110,9 @@ def get_resize(size, method: str = "bilinear", key: str = "image"):
   def op(example):
     dtype = example[key].dtype
     image = tf.image.resize(example[key], _size(size), method=method)
-    example[key] = tf.cast(tf.clip_by_value(image, 0, 255), dtype) if dtype == tf.uint8 else image
+    if dtype == tf.uint8:
+      image = tf.cast(tf.round(tf.clip_by_value(image, 0, 255)), dtype)
+    example[key] = image
     return example
   return op
 
@@ -170,7 +174,10 @@ def get_inception_crop(size=None, area_min: int = 5, area_max: int = 100, key: s
     crop = tf.slice(image, begin, crop_size)
     crop.set_shape([None, None, image.shape[-1]])
     if size is not None:
-      crop = tf.cast(tf.image.resize(crop, _size(size)), image.dtype)
+      resized = tf.image.resize(crop, _size(size))
+      if image.dtype == tf.uint8:
+        resized = tf.round(tf.clip_by_value(resized, 0, 255))
+      crop = tf.cast(resized, image.dtype)
     example[key] = crop
     return example
   return op
@@ -202,8 +209,8 @@ def get_onehot(num_classes: int, key: str = "label", key_result: str = "labels",
   def op(example):
     label = example[key]
     hot = tf.one_hot(label, num_classes, on_value=1.0, off_value=0.0)
-    if label.shape.rank == 1:
-      hot = tf.reduce_max(hot, axis=0)
+    if label.shape.rank == 1:  # multi-label: at most 1 per class, zeros for no label
+      hot = tf.minimum(tf.reduce_sum(hot, axis=0), 1.0)
     example[key_result] = off + hot * (on - off)
     return example
   return op

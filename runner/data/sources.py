@@ -15,7 +15,7 @@ from runner.data.embedded import EMBEDDED
 from runner.errors import UserError
 
 IMAGE_FOLDER = "image_folder"
-_SLICE = re.compile(r"^(?P<name>[\w-]+)(\[(?P<start>-?\d*%?):(?P<stop>-?\d*%?)\])?$")
+_SLICE = re.compile(r"^(?P<name>[\w-]+)(\[(?P<start>(-?\d+%?)?):(?P<stop>(-?\d+%?)?)\])?$")
 
 
 class DataError(UserError, ValueError):
@@ -65,13 +65,22 @@ class Source:
       value = int(text.rstrip("%"))
       value = round(value * total / 100) if text.endswith("%") else value
       return max(0, min(total, value if value >= 0 else total + value))
-    return match["name"], bound(match["start"], 0), bound(match["stop"], total)
+    start, stop = bound(match["start"], 0), bound(match["stop"], total)
+    if stop <= start:
+      raise DataError(f"split {split!r} of dataset {self.name!r} is empty ({total} examples in "
+                      f"{match['name']!r}, slice [{start}:{stop}]).")
+    return match["name"], start, stop
 
-  def read(self, split: str, process_index: int = 0, process_count: int = 1) -> tf.data.Dataset:
-    """Raw examples of `split` (images still encoded), this process's contiguous share of them."""
-    name, start, stop = self._slice(split)
-    share = (stop - start) // process_count
-    start, stop = start + process_index * share, start + (process_index + 1) * share
+  def read(self, split: str, process_index: int = 0, process_count: int = 1, *,
+           drop_remainder: bool = True) -> tf.data.Dataset:
+    """Raw examples of `split` (images still encoded), this process's contiguous share of them.
+
+    With drop_remainder every process gets n // count examples (training: equal streams);
+    without, the first n % count processes get one more, so every example is read once.
+    """
+    name, first, last = self._slice(split)
+    begin, end = process_share(last - first, process_index, process_count, drop_remainder)
+    start, stop = first + begin, first + end
     decoders = {self.image_key: tfds.decode.SkipDecoding()}
     if isinstance(self.builder, tfds.folder_dataset.ImageFolder):
       # ImageFolder has no sub-split API; its record order is already a fixed shuffle.
@@ -80,6 +89,16 @@ class Source:
     read_config = tfds.ReadConfig(interleave_cycle_length=1, add_tfds_id=False)
     return self.builder.as_dataset(split=f"{name}[{start}:{stop}]", shuffle_files=False,
                                    decoders=decoders, read_config=read_config)
+
+
+def process_share(n: int, index: int, count: int, drop_remainder: bool) -> tuple[int, int]:
+  """[start, stop) of process `index` among `count` in n examples."""
+  if drop_remainder:
+    share = n // count
+    return index * share, (index + 1) * share
+  base, extra = divmod(n, count)
+  start = index * base + min(index, extra)
+  return start, start + base + (1 if index < extra else 0)
 
 
 def known_names() -> list[str]:
@@ -127,9 +146,9 @@ def _image_folder(root: str | None):
                     f"(and test/, optionally validation/); "
                     + (f"it contains {found}." if found is not None else "it does not exist."))
   builder = tfds.folder_dataset.ImageFolder(root)
-  if not builder.info.splits["train"].num_examples:
-    raise DataError(f"{root}/train has no images in class sub-folders "
-                    "(supported: .jpg .jpeg .png .gif .bmp ...).")
+  if "train" not in builder.info.splits or not builder.info.splits["train"].num_examples:
+    raise DataError(f"{root}/train has no images in class sub-folders: expected "
+                    f"{root}/train/<class name>/<image>.png|.jpg|.jpeg.")
   return builder
 
 

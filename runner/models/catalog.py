@@ -67,6 +67,8 @@ def moe_layer_indices(layers, num_layers: int) -> tuple[int, ...]:
       raise ValueError(f"moe.layers={layers!r}: expected 'every<n>', 'last<n>' or a list of block "
                        "indices")
     n = int(m[2])
+    if n < 1:
+      raise ValueError(f"moe.layers={layers!r} needs n >= 1")
     if m[1] == "every":
       if n < 1:
         raise ValueError("moe.layers=every<n> needs n >= 1")

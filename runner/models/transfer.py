@@ -71,7 +71,10 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
       if value.shape == shape:
         out[name] = value
       elif name.endswith("pos_embedding") and value.shape[-1] == shape[-1]:
-        out[name] = resize_position_embedding(value, shape[1])
+        try:
+          out[name] = resize_position_embedding(value, shape[1])
+        except ValueError as e:
+          problems.append(f"{name}: {e}")
       else:
         hint = " (set init.reinit_head=true for a new number of classes)" if name.startswith(
             "head/") else ""
@@ -95,7 +98,9 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
                       "(set init.dense_to_experts=true to copy it into every expert)")
     else:
       problems.append(f"{name}: missing in the checkpoint")
-  unused = sorted(n for n in old if n not in used and not n.startswith("head/"))
+  # A new head replaces the whole upstream head, representation (pre_logits) layer included.
+  dropped = ("head/", "pre_logits/") if reinit_head else ("head/",)
+  unused = sorted(n for n in old if n not in used and not n.startswith(dropped))
   problems += [f"{n}: in the checkpoint but not in the model" for n in unused]
   problems.sort(key=lambda p: (" vs model " not in p, p))  # shape mismatches first
   if problems:

@@ -47,8 +47,9 @@ def open_data(d: dict) -> data.Source:
     if d["split"] not in source.splits:
       raise data.DataError(f"dataset {d['name']!r} has no split {d['eval_split']!r}; set "
                            f"data.eval_split to one of {sorted(source.splits)} or a slice.")
-    pct = round(100 * (1 - d.get("holdout_fraction", 0.02)))
-    d["split"], d["eval_split"] = f"{d['split']}[:{pct}%]", f"{d['split']}[{pct}%:]"
+    n = source.num_examples(d["split"])
+    held = min(n - 1, max(1, round(n * d.get("holdout_fraction", 0.02))))
+    d["split"], d["eval_split"] = f"{d['split']}[:{n - held}]", f"{d['split']}[{n - held}:]"
   if d.get("test_split") and not source.has_split(d["test_split"]):
     d["test_split"] = None
   return source
@@ -57,6 +58,7 @@ def open_data(d: dict) -> data.Source:
 def check_training(config: dict) -> None:
   """Everything about a training config that can be checked before touching data."""
   validate.check_model(config["model"])
+  validate.check_optim(config["optim"])
   t = config["train"]
   if not t.get("steps") and not t.get("epochs"):
     raise ConfigError("set the training duration: train.steps=<n> or train.epochs=<x>.")

@@ -26,9 +26,9 @@ def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0,
       value = end + (lr - end) * (1.0 - progress)
     elif name == "cosine":
       value = end + (lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
-    else:  # rsqrt, with an optional linear cooldown to zero at the end
+    else:  # rsqrt from the end of warmup, with an optional linear cooldown to zero at the end
       t = float(timescale or warmup_steps or 10_000)
-      value = lr * jnp.sqrt(t / jnp.maximum(step + 1, t))
+      value = lr * jnp.sqrt(t / (t + jnp.maximum(step + 1 - warmup_steps, 0)))
       if cooldown_steps:
         value = value * jnp.clip((total_steps - step) / cooldown_steps, 0.0, 1.0)
     return value * warm

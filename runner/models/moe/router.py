@@ -48,8 +48,8 @@ class NoisyTopKRouter(nn.Module):
     plan = routing.plan_dispatch(gates, k=self.k, capacity=capacity,
                                  batch_priority=self.batch_priority, priority=self.priority)
     kept = plan.kept
-    metrics["fraction_dropped_tokens"] = 1.0 - jnp.mean(kept.any(axis=-1))
-    metrics["fraction_dropped_assignments"] = 1.0 - jnp.mean(kept)
+    metrics["fraction_dropped_tokens"] = jnp.mean(~kept.any(axis=-1))
+    metrics["fraction_dropped_assignments"] = jnp.mean(~kept)
     # Fraction of the layer's buffer slots each expert filled, averaged over groups.
     metrics["expert_load"] = jnp.mean(plan.expert_of_slot_filled, axis=0) / capacity
     return plan, metrics

@@ -1,0 +1,135 @@
+"""Train-step throughput, FLOPs and MFU of a V-MoE and its dense twin, measured in one process.
+
+    python -m benchmarks.train_step [--presets tiny,bigger] [--dtype float32] [--rounds 5]
+
+For each preset: the V-MoE and the ViT with the same dimensions run the library's own train step
+(Adam, softmax cross-entropy, the MoE auxiliary loss) on synthetic images, timed in alternating
+rounds. Reported per model: median step time, train and eval images/s, analytic train FLOPs
+(3 x forward matmul FLOPs, experts at padded capacity), XLA's cost-analysis FLOPs, and MFU
+(analytic FLOPs/s over the float32 matmul peak measured in the same run). `moe_overhead` is
+(MoE step time / dense step time) / (MoE analytic FLOPs / dense analytic FLOPs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import harness
+from runner.evaluators.classification import make_eval_step
+from runner.models import build_model
+from runner.models.flops import train_flops_per_image, forward_flops_per_image
+from runner.train import optimizers, schedules, state as state_lib
+from runner.train.step import make_train_step
+
+# fp32, Adam, token classifier, learned position embeddings, routing groups of 8 images,
+# capacity ratio 1.05, k=2, no dropout.
+PRESETS = {
+    "tiny": dict(image_size=32, patch_size=4, hidden_size=128, num_layers=4, mlp_dim=512,
+                 num_heads=4, num_classes=10, batch_size=128, num_experts=8, moe_layers=[1, 3]),
+    "bigger": dict(image_size=32, patch_size=4, hidden_size=256, num_layers=6, mlp_dim=1024,
+                   num_heads=8, num_classes=10, batch_size=64, num_experts=16, moe_layers=[3, 5]),
+    # The papers' smallest models, for accelerators (batch 256 as in the issue).
+    "s32": dict(image_size=224, patch_size=32, hidden_size=512, num_layers=8, mlp_dim=2048,
+                num_heads=8, num_classes=1000, batch_size=256, num_experts=32, moe_layers=[5, 7]),
+}
+
+
+def model_configs(preset: dict, dtype: str) -> dict[str, dict]:
+  base = {k: preset[k] for k in ("image_size", "patch_size", "hidden_size", "num_layers",
+                                 "mlp_dim", "num_heads")}
+  base.update(classifier="token", dtype=dtype)
+  moe = dict(base, moe=dict(layers=preset["moe_layers"], num_experts=preset["num_experts"],
+                            group_size=8), router=dict(k=2, capacity_ratio=1.05))
+  dense = dict(base, moe=dict(layers=[], num_experts=0))
+  return {"vmoe": moe, "dense": dense}
+
+
+def _prepare(config: dict, preset: dict):
+  """Jitted train and eval steps with their inputs, as zero-argument callables."""
+  batch_size, classes = preset["batch_size"], preset["num_classes"]
+  model = build_model(config, classes)
+  shape = (preset["image_size"], preset["image_size"], 3)
+  params, _ = state_lib.init_params(model, shape, seed=0)
+  schedule = schedules.make_schedule("linear", 1e-3, 10_000, 100)
+  tx = optimizers.make_optimizer("adam", schedule, params, grad_clip_norm=1.0)
+  state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               opt_state=tx.init(params))
+  rng = np.random.default_rng(0)
+  batch = {"image": jnp.asarray(rng.standard_normal((batch_size,) + shape), jnp.float32),
+           "labels": jax.nn.one_hot(rng.integers(0, classes, batch_size), classes)}
+  step = jax.jit(make_train_step(model, tx, schedule, loss="softmax_xent", aux_loss_weight=0.01),
+                 donate_argnums=0)
+  compiled = step.lower(state, batch).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  box = {"state": state}
+
+  def train():
+    box["state"], metrics = compiled(box["state"], batch)
+    return metrics["train/loss"]
+  eval_batch = dict(batch, _mask=jnp.ones((batch_size,), bool))
+  eval_step = jax.jit(make_eval_step(model))
+  evaluate = lambda: eval_step(box["state"].params, eval_batch)["count"]
+  for fn in (train, train, evaluate):  # compile, warm up
+    jax.block_until_ready(fn())
+  return train, evaluate, float(cost.get("flops", float("nan")))
+
+
+def measure(name: str, preset: dict, dtype: str, peak_gflops: float, rounds: int) -> dict:
+  configs = model_configs(preset, dtype)
+  prepared = {kind: _prepare(cfg, preset) for kind, cfg in configs.items()}
+  train_ms = harness.interleaved_median_ms({k: v[0] for k, v in prepared.items()}, rounds=rounds)
+  eval_ms = harness.interleaved_median_ms({k: v[1] for k, v in prepared.items()}, rounds=rounds)
+  out = {}
+  for kind, cfg in configs.items():
+    bs = preset["batch_size"]
+    flops = train_flops_per_image(cfg, preset["num_classes"], batch_size=bs) * bs
+    out[kind] = {
+        "train_step_ms": train_ms[kind],
+        "train_images_per_s": bs / train_ms[kind] * 1e3,
+        "eval_images_per_s": bs / eval_ms[kind] * 1e3,
+        "analytic_train_flops": flops,
+        "analytic_forward_flops_per_image": forward_flops_per_image(
+            cfg, preset["num_classes"], batch_size=bs, train=False),
+        "xla_train_flops": prepared[kind][2],
+        "mfu": flops / (train_ms[kind] / 1e3) / (peak_gflops * 1e9),
+    }
+  time_ratio = out["vmoe"]["train_step_ms"] / out["dense"]["train_step_ms"]
+  flop_ratio = out["vmoe"]["analytic_train_flops"] / out["dense"]["analytic_train_flops"]
+  out["time_ratio"], out["analytic_flop_ratio"] = time_ratio, flop_ratio
+  out["xla_flop_ratio"] = out["vmoe"]["xla_train_flops"] / out["dense"]["xla_train_flops"]
+  out["moe_overhead"] = time_ratio / flop_ratio
+  return out
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--presets", default="tiny,bigger")
+  parser.add_argument("--dtype", default="float32")
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--name", default="train_step")
+  args = parser.parse_args(argv)
+  peak = harness.matmul_peak_gflops()
+  record = {"machine": harness.machine(), "matmul_peak_gflops": peak, "dtype": args.dtype,
+            "presets": {}}
+  for name in args.presets.split(","):
+    result = measure(name, PRESETS[name], args.dtype, peak, args.rounds)
+    record["presets"][name] = result
+    print(f"{name}: moe {result['vmoe']['train_step_ms']:.1f} ms "
+          f"({result['vmoe']['train_images_per_s']:.0f} img/s, MFU {result['vmoe']['mfu']:.1%}), "
+          f"dense {result['dense']['train_step_ms']:.1f} ms "
+          f"({result['dense']['train_images_per_s']:.0f} img/s, MFU {result['dense']['mfu']:.1%}); "
+          f"time ratio {result['time_ratio']:.3f}, analytic FLOP ratio "
+          f"{result['analytic_flop_ratio']:.3f} (XLA {result['xla_flop_ratio']:.3f}), "
+          f"moe_overhead {result['moe_overhead']:.3f}", flush=True)
+  record["moe_overhead"] = max(r["moe_overhead"] for r in record["presets"].values())
+  print(f"matmul peak {peak:.0f} GFLOP/s; written to {harness.write(args.name, record)}")
+  return record
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,114 @@
+"""Model-name grammar, size table (V-MoE paper, Table 7) and MoE placement."""
+from __future__ import annotations
+
+import pytest
+
+from runner.errors import UserError
+from runner.models import UnknownModelError, build_model, is_moe, model_config, moe_layer_indices
+from runner.models.catalog import CPU_MODELS, PAPER_MODELS, SIZES
+
+# Table 7 (Blocks, Heads, Embed., MLP) for each ViT size.
+TABLE_7 = {"s": dict(blocks=8, heads=8, embed=512, mlp=2048),
+           "b": dict(blocks=12, heads=12, embed=768, mlp=3072),
+           "l": dict(blocks=24, heads=16, embed=1024, mlp=4096),
+           "h": dict(blocks=32, heads=16, embed=1280, mlp=5120)}
+
+
+@pytest.mark.parametrize("size", sorted(TABLE_7))
+def test_sizes_match_table_7(size):
+  hidden, layers, mlp, heads = SIZES[size]
+  want = TABLE_7[size]
+  assert (hidden, layers, mlp, heads) == (want["embed"], want["blocks"], want["mlp"], want["heads"])
+
+
+def test_vit_config_from_name():
+  c = model_config("vit_b16")
+  assert (c["hidden_size"], c["num_layers"], c["mlp_dim"], c["num_heads"]) == (768, 12, 3072, 12)
+  assert c["patch_size"] == 16 and c["image_size"] == 224
+  assert not is_moe(c)
+  assert build_model(c, 10).moe_layers == ()
+
+
+def test_vmoe_config_defaults_and_overrides():
+  c = model_config("vmoe_s32_last2")
+  assert c["moe"]["num_experts"] == 32 and c["router"]["k"] == 2
+  assert c["patch_size"] == 32 and c["num_layers"] == 8
+  c = model_config("vmoe_b16_every2_e8_k1")
+  assert c["moe"] == dict(layers="every2", num_experts=8) and c["router"] == dict(k=1)
+  tiny = model_config("vmoe_tiny")
+  assert tiny["moe"]["num_experts"] == 8 and tiny["patch_size"] == 4 and tiny["image_size"] == 32
+  assert is_moe(tiny)
+
+
+@pytest.mark.parametrize("name,layers", [
+    ("vmoe_s32_last2", (5, 7)),
+    ("vmoe_s32_every2", (1, 3, 5, 7)),
+    ("vmoe_b16_last2", (9, 11)),
+    ("vmoe_b16_every2", (1, 3, 5, 7, 9, 11)),
+    ("vmoe_l16_last2", (21, 23)),
+    ("vmoe_h14_last5", (23, 25, 27, 29, 31)),
+])
+def test_paper_moe_placements(name, layers):
+  c = model_config(name)
+  assert moe_layer_indices(c["moe"]["layers"], c["num_layers"]) == layers
+  model = build_model(c, 10)
+  assert tuple(model.moe_layers) == layers
+  assert model.moe["num_experts"] == 32 and model.moe["router"]["k"] == 2
+
+
+def test_moe_layer_indices_strings_and_lists():
+  assert moe_layer_indices("every2", 4) == (1, 3)
+  assert moe_layer_indices("every2", 5) == (0, 2, 4)  # ends at the last block
+  assert moe_layer_indices("every1", 3) == (0, 1, 2)
+  assert moe_layer_indices("every3", 8) == (1, 4, 7)
+  assert moe_layer_indices("last1", 4) == (3,)
+  assert moe_layer_indices("last2", 4) == (1, 3)
+  assert moe_layer_indices([3, 0, 3], 4) == (0, 3)  # sorted, deduplicated
+  assert moe_layer_indices([], 4) == ()
+
+
+@pytest.mark.parametrize("layers,match", [
+    ("last3", "only 2 every-2 blocks"),
+    ("every0", "n >= 1"),
+    ("first2", "expected 'every<n>'"),
+    ([0, 4], r"out of range .*0\.\.3"),
+    ([-1], "out of range"),
+])
+def test_moe_layer_indices_errors(layers, match):
+  with pytest.raises(ValueError, match=match):
+    moe_layer_indices(layers, 4)
+
+
+@pytest.mark.parametrize("name", ["vit_x16", "vit_s32_last2", "vit_b16_e8", "vmoe_b16_every2_z3",
+                                  "resnet50", "vit_b", "VIT_B16"])
+def test_bad_names_raise_unknown_model_error_listing_valid_names(name):
+  with pytest.raises(UnknownModelError) as e:
+    model_config(name)
+  message = str(e.value)
+  assert repr(name) in message
+  for valid in CPU_MODELS + PAPER_MODELS:
+    assert valid in message
+  assert isinstance(e.value, UserError) and isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("name", CPU_MODELS + PAPER_MODELS)
+def test_every_listed_name_resolves(name):
+  c = model_config(name)
+  assert c["name"] == name
+  assert is_moe(c) == name.startswith("vmoe")
+
+
+def test_explicit_layer_list_in_config_builds_those_moe_layers():
+  c = dict(model_config("vit_tiny"), moe=dict(layers=[0, 2], num_experts=4, group_size=4),
+           router=dict(k=1, capacity_ratio=2.0, unknown_key=1))
+  model = build_model(c, 10)
+  assert tuple(model.moe_layers) == (0, 2)
+  assert model.moe["group_size"] == 4 and model.moe["num_experts"] == 4
+  # Only router keys the router understands are passed on.
+  assert model.moe["router"] == dict(k=1, capacity_ratio=2.0)
+
+
+def test_zero_experts_means_dense():
+  c = dict(model_config("vit_tiny"), moe=dict(layers="every2", num_experts=0))
+  assert not is_moe(c)
+  assert build_model(c, 10).moe is None

@@ -1,0 +1,228 @@
+"""adapt_params: mapping a checkpoint's parameters onto a new model for fine-tuning.
+
+Parameter trees come from jax.eval_shape of tiny models filled with random NumPy values, so no
+model is compiled here.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from scipy import ndimage
+
+from runner.checkpoint import CheckpointError
+from runner.models import build_model
+from runner.models.transfer import adapt_params, flatten, resize_position_embedding
+from runner.train.state import abstract_params
+
+BASE = dict(patch_size=2, hidden_size=8, num_layers=2, mlp_dim=16, num_heads=2)
+
+
+def random_tree(config, num_classes, image, seed):
+  shapes, _ = abstract_params(build_model(config, num_classes), image)
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), shapes)
+
+
+@pytest.fixture(scope="module")
+def dense_ckpt():
+  """A 'pre-trained' dense model: 8x8 images, patch 2 -> a 4x4 grid, 10 classes."""
+  return random_tree(BASE, 10, (8, 8, 3), seed=0)
+
+
+def test_reinit_head_takes_the_fresh_head_and_copies_the_rest(dense_ckpt):
+  fresh = random_tree(BASE, 3, (8, 8, 3), seed=1)
+  out = adapt_params(dense_ckpt, fresh, reinit_head=True)
+  old, new, got = flatten(dense_ckpt), flatten(fresh), flatten(out)
+  assert got.keys() == new.keys()
+  for name, value in got.items():
+    assert isinstance(value, np.ndarray)
+    want = new[name] if name.startswith("head/") else old[name]
+    np.testing.assert_array_equal(value, want, err_msg=name)
+  assert got["head/kernel"].shape == (8, 3)
+  # Same number of classes: the head is still re-initialised when asked.
+  same = random_tree(BASE, 10, (8, 8, 3), seed=2)
+  out = flatten(adapt_params(dense_ckpt, same, reinit_head=True))
+  np.testing.assert_array_equal(out["head/kernel"], flatten(same)["head/kernel"])
+  # ... and kept when not.
+  out = flatten(adapt_params(dense_ckpt, same, reinit_head=False))
+  np.testing.assert_array_equal(out["head/kernel"], old["head/kernel"])
+  np.testing.assert_array_equal(out["head/bias"], old["head/bias"])
+
+
+def _problem(message, name):
+  """The part of a CheckpointError message about parameter `name` (problems are '; '-separated)."""
+  for part in re.split(r"; |: (?=[\w/]+: )", message):
+    if part.startswith(name + ":") or f" {name}:" in part:
+      return part[part.index(name):]
+  raise AssertionError(f"{name!r} not reported in: {message}")
+
+
+def _count(message):
+  return int(re.search(r"\((\d+) parameter\(s\)\)", message)[1])
+
+
+def test_new_number_of_classes_without_reinit_head_is_reported(dense_ckpt):
+  fresh = random_tree(BASE, 3, (8, 8, 3), seed=1)
+  with pytest.raises(CheckpointError) as e:
+    adapt_params(dense_ckpt, fresh, reinit_head=False, source="checkpoint runs/up (step 7)")
+  message = str(e.value)
+  assert "checkpoint runs/up (step 7)" in message
+  kernel = _problem(message, "head/kernel")
+  assert "(8, 10)" in kernel and "(8, 3)" in kernel
+  assert "init.reinit_head=true" in kernel
+  bias = _problem(message, "head/bias")
+  assert "(10,)" in bias and "(3,)" in bias
+  assert _count(message) == 2
+
+
+def _upsampled_coordinate(new_index, old_side=4, new_side=8):
+  """Source coordinate of output pixel `new_index` in jax.image.resize's half-pixel convention,
+  (j + 0.5) * old / new - 0.5, clamped to the grid (edge samples are renormalised weights of the
+  nearest in-range sample, i.e. the edge value)."""
+  return np.clip((new_index + 0.5) * old_side / new_side - 0.5, 0, old_side - 1)
+
+
+def test_position_embedding_of_a_linear_function_stays_linear(dense_ckpt):
+  # pos[i, j, c] = a_c * i + b_c * j + c0_c on the 4x4 grid (row-major tokens, as in embed()).
+  d = 8
+  rng = np.random.default_rng(3)
+  a, b, c0 = rng.normal(size=d), rng.normal(size=d), rng.normal(size=d)
+  i, j = np.meshgrid(np.arange(4), np.arange(4), indexing="ij")
+  grid = a * i[..., None] + b * j[..., None] + c0
+  restored = jax.tree.map(np.copy, dense_ckpt)
+  restored["pos_embedding"] = grid.reshape(1, 16, d).astype(np.float32)
+  fresh = random_tree(BASE, 10, (16, 16, 3), seed=4)  # 16x16 images: an 8x8 grid
+  assert fresh["pos_embedding"].shape == (1, 64, d)
+  out = adapt_params(restored, fresh, reinit_head=True)["pos_embedding"]
+  assert out.shape == (1, 64, d) and out.dtype == np.float32
+  u = _upsampled_coordinate(np.arange(8))
+  np.testing.assert_allclose(u, [0, 0.25, 0.75, 1.25, 1.75, 2.25, 2.75, 3])
+  want = a * u[:, None, None] + b * u[None, :, None] + c0
+  np.testing.assert_allclose(out.reshape(8, 8, d), want, rtol=1e-5, atol=1e-5)
+  # Inside the grid the result is exactly linear in the new coordinates: constant differences.
+  inner = out.reshape(8, 8, d)[1:7, 1:7]
+  np.testing.assert_allclose(np.diff(inner, axis=0), np.broadcast_to(a / 2, (5, 6, d)), atol=1e-5)
+  np.testing.assert_allclose(np.diff(inner, axis=1), np.broadcast_to(b / 2, (6, 5, d)), atol=1e-5)
+  # The cls token is not part of the grid and is copied unchanged.
+  np.testing.assert_array_equal(adapt_params(restored, fresh)["cls"], dense_ckpt["cls"])
+
+
+def _numpy_bilinear(grid, new_side):
+  """Separable bilinear interpolation with half-pixel centres and clamped edges."""
+  old_side = grid.shape[0]
+  src = np.clip((np.arange(new_side) + 0.5) * old_side / new_side - 0.5, 0, old_side - 1)
+  lo = np.floor(src).astype(int)
+  hi = np.minimum(lo + 1, old_side - 1)
+  w = (src - lo)[:, None]
+  rows = grid[lo] * (1 - w[..., None]) + grid[hi] * w[..., None]
+  w = w[None, :, :]
+  return rows[:, lo] * (1 - w) + rows[:, hi] * w
+
+
+@pytest.mark.parametrize("old_side,new_side", [(4, 8), (3, 7)])
+def test_resize_position_embedding_matches_numpy_and_scipy_bilinear(old_side, new_side):
+  d = 5
+  posemb = np.random.default_rng(5).normal(size=(1, old_side ** 2, d)).astype(np.float32)
+  got = resize_position_embedding(posemb, new_side ** 2)
+  assert got.shape == (1, new_side ** 2, d)
+  grid = posemb.reshape(old_side, old_side, d).astype(np.float64)
+  want = _numpy_bilinear(grid, new_side)
+  np.testing.assert_allclose(got.reshape(new_side, new_side, d), want, rtol=1e-5, atol=1e-5)
+  for c in range(d):
+    zoomed = ndimage.zoom(grid[..., c], new_side / old_side, order=1, mode="nearest",
+                          grid_mode=True)
+    np.testing.assert_allclose(got.reshape(new_side, new_side, d)[..., c], zoomed, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_resize_position_embedding_rejects_non_square_grids():
+  with pytest.raises(ValueError, match="not square"):
+    resize_position_embedding(np.zeros((1, 12, 4), np.float32), 16)
+
+
+VMOE = dict(BASE, moe=dict(layers=[1], num_experts=3, group_size=1), router=dict(k=1))
+
+
+def test_dense_to_experts_copies_the_dense_mlp_into_every_expert(dense_ckpt):
+  fresh = random_tree(VMOE, 5, (8, 8, 3), seed=6)
+  out = adapt_params(dense_ckpt, fresh, reinit_head=True, dense_to_experts=True)
+  assert flatten(out).keys() == flatten(fresh).keys()
+  experts = out["block_1"]["moe"]["experts"]
+  dense = dense_ckpt["block_1"]["mlp"]
+  assert experts["fc1_kernel"].shape == (3, 8, 16)
+  for e in range(3):
+    np.testing.assert_array_equal(experts["fc1_kernel"][e], dense["fc1"]["kernel"])
+    np.testing.assert_array_equal(experts["fc1_bias"][e], dense["fc1"]["bias"])
+    np.testing.assert_array_equal(experts["fc2_kernel"][e], dense["fc2"]["kernel"])
+    np.testing.assert_array_equal(experts["fc2_bias"][e], dense["fc2"]["bias"])
+  # Writable, independent copies (not read-only broadcast views).
+  experts["fc1_kernel"][0, 0, 0] += 1.0
+  assert experts["fc1_kernel"][1, 0, 0] == dense["fc1"]["kernel"][0, 0]
+  # The router keeps its fresh initialisation; the dense block 0 and the rest are copied.
+  np.testing.assert_array_equal(out["block_1"]["moe"]["router"]["dense"]["kernel"],
+                                fresh["block_1"]["moe"]["router"]["dense"]["kernel"])
+  np.testing.assert_array_equal(out["block_0"]["mlp"]["fc1"]["kernel"],
+                                dense_ckpt["block_0"]["mlp"]["fc1"]["kernel"])
+  np.testing.assert_array_equal(out["block_1"]["attention"]["qkv_kernel"],
+                                dense_ckpt["block_1"]["attention"]["qkv_kernel"])
+  assert "mlp" not in out["block_1"]
+
+
+def test_dense_mlp_into_moe_without_the_flag_suggests_it(dense_ckpt):
+  fresh = random_tree(VMOE, 5, (8, 8, 3), seed=6)
+  with pytest.raises(CheckpointError) as e:
+    adapt_params(dense_ckpt, fresh, reinit_head=True)
+  message = str(e.value)
+  assert "dense MLP" in message
+  assert "init.dense_to_experts=true" in message
+  # 4 expert params + the router kernel missing, 4 dense MLP params of block_1 unused.
+  assert _count(message) == 9
+  assert "block_1/moe/experts/" in message and "block_1/mlp/" in message
+
+
+def test_shape_mismatch_names_the_parameter_and_both_shapes(dense_ckpt):
+  fresh = random_tree(dict(BASE, mlp_dim=12), 10, (8, 8, 3), seed=7)
+  with pytest.raises(CheckpointError) as e:
+    adapt_params(dense_ckpt, fresh, reinit_head=True)
+  message = str(e.value)
+  # fc1 kernel and bias, fc2 kernel, in each of the two blocks.
+  assert _count(message) == 6
+  problem = _problem(message, "block_0/mlp/fc1/kernel")
+  assert re.search(r"\(8, 16\).*\(8, 12\)", problem), problem
+  problem = _problem(message, "block_1/mlp/fc2/kernel")
+  assert re.search(r"\(16, 8\).*\(12, 8\)", problem), problem
+  problem = _problem(message, "block_1/mlp/fc1/bias")
+  assert re.search(r"\(16,\).*\(12,\)", problem), problem
+
+
+def test_extra_and_missing_checkpoint_params_are_reported(dense_ckpt):
+  fresh = random_tree(BASE, 10, (8, 8, 3), seed=9)
+  extra = jax.tree.map(np.copy, dense_ckpt)
+  extra["block_0"]["extra"] = {"w": np.zeros((2,), np.float32)}
+  with pytest.raises(CheckpointError) as e:
+    adapt_params(extra, fresh, reinit_head=True, source="checkpoint X")
+  message = str(e.value)
+  assert _count(message) == 1
+  assert "checkpoint X" in message
+  assert re.search(r"not in the model", _problem(message, "block_0/extra/w"))
+  missing = jax.tree.map(np.copy, dense_ckpt)
+  del missing["block_1"]["norm1"]["scale"]
+  with pytest.raises(CheckpointError) as e:
+    adapt_params(missing, fresh, reinit_head=True)
+  assert _count(str(e.value)) == 1
+  assert "missing" in _problem(str(e.value), "block_1/norm1/scale")
+
+
+def test_many_problems_are_truncated_with_a_count(dense_ckpt):
+  fresh = random_tree(dict(BASE, hidden_size=6, num_heads=2), 10, (8, 8, 3), seed=11)
+  with pytest.raises(CheckpointError) as e:
+    adapt_params(dense_ckpt, fresh, reinit_head=True)
+  message = str(e.value)
+  total = _count(message)
+  assert total > 12
+  more = int(re.search(r"and (\d+) more", message)[1])
+  shown = len(re.findall(r"[\w/]+: (?:checkpoint|missing|in the)", message))
+  assert 0 < shown < total and shown + more == total
