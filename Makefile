@@ -7,6 +7,10 @@ STAMP  := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL := 3
 export TF_ENABLE_ONEDNN_OPTS := 0
 export WANDB_SILENT := true
+comma := ,
+# Tests and benchmarks run in this process tree: preload jemalloc for them too when it is there.
+JEMALLOC := $(firstword $(wildcard $(VENV)/lib/libjemalloc.so.2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2))
+WITH_JEMALLOC := $(if $(JEMALLOC),LD_PRELOAD=$(abspath $(JEMALLOC)) MALLOC_CONF=oversize_threshold:0$(comma)dirty_decay_ms:60000$(comma)muzzy_decay_ms:60000 VMOE_ALLOCATOR=jemalloc,)
 
 .PHONY: install demo test test-full bench clean
 
@@ -15,21 +19,27 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	@# jemalloc makes CPU training 1.4-1.6x faster (README, "Speed"); optional, Debian/Ubuntu only.
+	@cd $(VENV) && (apt-get download libjemalloc2 >/dev/null 2>&1 \
+	  && dpkg -x libjemalloc2_*.deb jemalloc-pkg && cp jemalloc-pkg/usr/lib/*/libjemalloc.so.2 lib/ \
+	  && echo "jemalloc: $(VENV)/lib/libjemalloc.so.2") \
+	  || echo "jemalloc not available here: CPU training runs, but slower (see README, Speed)"; \
+	  rm -rf jemalloc-pkg libjemalloc2_*.deb
 	touch $(STAMP)
 
 # Pretrain a V-MoE on embedded MNIST, fine-tune it on embedded UCI digits, evaluate, print a table.
 demo: install
-	$(BIN)/python -m runner.demo
+	$(WITH_JEMALLOC) $(BIN)/python -m runner.demo
 
 # Fast suite: every subcommand end to end on tiny configs (slow tests are in test-full).
 test: install
-	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadgroup
+	$(WITH_JEMALLOC) $(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadgroup
 
 test-full: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(WITH_JEMALLOC) $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 bench: install
-	$(BIN)/python -m benchmarks.run_all
+	$(WITH_JEMALLOC) $(BIN)/python -m benchmarks.run_all
 
 clean:
 	rm -rf $(VENV) runs outputs multirun

@@ -47,8 +47,9 @@ class Progress:
       return
     rate = self.images_per_second(step)
     eta = (self.total - step) * self.batch_size / rate if rate else float("nan")
-    shown = {k.split("/", 1)[-1]: v for k, v in metrics.items()
-             if k in ("train/loss", "train/prec@1", "val/prec@1", "val/nll")}
+    labels = {"train/loss": "loss", "train/prec@1": "prec@1", "val/prec@1": "val prec@1",
+              "val/nll": "val nll"}
+    shown = {label: metrics[k] for k, label in labels.items() if k in metrics}
     text = " ".join(f"{k} {v:.4g}" for k, v in shown.items())
     if self.bar is not None:
       self.bar.set_postfix_str(f"{text} {rate:.0f} img/s", refresh=True)
