@@ -28,7 +28,14 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(tempfile.gettempdir()) / "vmoe-tests-xla-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
+import logging  # noqa: E402
+
+import absl.logging  # noqa: E402
 import pytest  # noqa: E402
+
+# absl's root handler holds whatever sys.stderr was at import (pytest's capture stream) and closes
+# that stream when logging is reconfigured (Hydra does), unless it is the real stderr.
+absl.logging.get_absl_handler().python_handler.stream = sys.__stderr__
 
 # A model small enough that an end-to-end run compiles and trains in seconds on 2 CPU cores.
 TINY_MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.mlp_dim=64",
