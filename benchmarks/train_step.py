@@ -119,6 +119,10 @@ def main(argv=None) -> dict:
   for name in args.presets.split(","):
     result = measure(name, PRESETS[name], args.dtype, peak, args.rounds)
     record["presets"][name] = result
+    for kind in ("vmoe", "dense"):
+      r = result[kind]
+      print(f"{name}/{kind}: train FLOPs per step analytic {r['analytic_train_flops'] / 1e9:.2f} G, "
+            f"XLA cost analysis {r['xla_train_flops'] / 1e9:.2f} G")
     print(f"{name}: moe {result['vmoe']['train_step_ms']:.1f} ms "
           f"({result['vmoe']['train_images_per_s']:.0f} img/s, MFU {result['vmoe']['mfu']:.1%}), "
           f"dense {result['dense']['train_step_ms']:.1f} ms "

@@ -12,6 +12,7 @@ from runner.config import validate
 from runner.errors import ConfigError
 from runner.models import build_model, transfer
 from runner.train import state as state_lib
+from runner.train.loop import train_and_evaluate
 
 
 def plain_config(cfg: DictConfig, workdir: str) -> dict:
@@ -119,3 +120,16 @@ def _model_differences(stored: dict, current: dict, prefix: str = "model.") -> s
     elif a != b:
       out.append(f"{prefix}{key} {a} -> {b}")
   return ", ".join(out)
+
+
+def run_training(cfg, workdir: str, stage: str) -> dict:
+  """pretrain and finetune: the same steps; their configs differ (data, optimizer, head)."""
+  config = plain_config(cfg, workdir)
+  check_training(config)
+  check_init_path(config, workdir)
+  source = open_data(config["data"])
+  model = build_checked_model(config["model"], source.num_classes)
+  init_params = init_from_checkpoint(config, model, source, workdir)
+  write_config(config, workdir)
+  return train_and_evaluate(config, model=model, source=source, workdir=workdir,
+                            init_params=init_params, stage=stage)

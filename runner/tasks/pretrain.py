@@ -1,17 +1,12 @@
-"""`vmoe pretrain`: train a ViT / V-MoE upstream, from scratch or from init.checkpoint (resumes)."""
+"""`vmoe pretrain`: train a ViT / V-MoE upstream, from scratch or from init.checkpoint.
+
+Rerunning in the same workdir resumes. Defaults (conf/pretrain.yaml): the embedded MNIST-5k,
+Adam, linear decay.
+"""
 from __future__ import annotations
 
-from runner.tasks import common
-from runner.train.loop import train_and_evaluate
+from runner.tasks.common import run_training
 
 
 def run(cfg, workdir: str) -> dict:
-  config = common.plain_config(cfg, workdir)
-  common.check_training(config)
-  common.check_init_path(config, workdir)
-  source = common.open_data(config["data"])
-  model = common.build_checked_model(config["model"], source.num_classes)
-  init_params = common.init_from_checkpoint(config, model, source, workdir)
-  common.write_config(config, workdir)
-  return train_and_evaluate(config, model=model, source=source, workdir=workdir,
-                            init_params=init_params, stage="pretrain")
+  return run_training(cfg, workdir, stage="pretrain")
