@@ -114,7 +114,12 @@ def load_params(path: str) -> tuple[dict, dict, int]:
   """(parameters as host NumPy arrays, stored config, step) for initialising a later stage."""
   directory, step = locate(path)
   manager = _reader(directory)
+  # Whatever mesh saved it (8 devices, 2 hosts...), read it whole onto this process's first device.
+  metadata = manager.item_metadata(step)["params"]
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                        dict(getattr(metadata, "tree", metadata)))
   restored = manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(), config=ocp.args.JsonRestore()))
+      params=ocp.args.StandardRestore(target), config=ocp.args.JsonRestore()))
   params = jax.tree.map(np.asarray, restored["params"])
   return params, dict(restored["config"]), step

@@ -186,6 +186,27 @@ class LoggerConfig:
 
 
 @dataclass
+class MeshConfig:
+  data: int = -1  # devices along the data axis; -1: all the others
+  expert: int = 1  # devices along the expert axis; -1: the most that divide the experts
+
+
+@dataclass
+class ShardingConfig:
+  name: str = "dp"  # dp | ep | fsdp_ep: a bundle of logical-axis rules (runner/parallel/mesh.py)
+  rules: Optional[list] = None  # explicit [[logical axis, mesh axis], ...] instead of the bundle
+
+
+@dataclass
+class DistributedConfig:
+  coordinator_address: Optional[str] = None  # host:port of process 0
+  num_processes: Optional[int] = None
+  process_id: Optional[int] = None
+  auto: bool = True  # join a job JAX detects from the environment (SLURM, TPU VMs, ...)
+  timeout_seconds: int = 300
+
+
+@dataclass
 class TrainTask:
   """pretrain and finetune."""
   seed: int = 0
@@ -200,6 +221,9 @@ class TrainTask:
   checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
   init: InitConfig = field(default_factory=InitConfig)
   logger: LoggerConfig = field(default_factory=LoggerConfig)
+  mesh: MeshConfig = field(default_factory=MeshConfig)
+  sharding: ShardingConfig = field(default_factory=ShardingConfig)
+  distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 def optional_copy(cls, prefix: str = "Optional"):
@@ -230,6 +254,9 @@ class EvalTask:
   data: DataOverrides = field(default_factory=DataOverrides)
   eval: EvalConfig = field(default_factory=EvalConfig)
   logger: LoggerConfig = field(default_factory=LoggerConfig)
+  mesh: MeshConfig = field(default_factory=MeshConfig)
+  sharding: ShardingConfig = field(default_factory=ShardingConfig)
+  distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 TASK_SCHEMAS = {"pretrain": TrainTask, "finetune": TrainTask, "eval": EvalTask}

@@ -71,7 +71,10 @@ def check_batch(batch_size: int, model: dict, *, what: str = "data.batch_size",
   if moe.get("num_experts") and moe.get("layers"):
     group = moe.get("group_size", 8)
     per_device = micro // devices
-    if per_device % group and group % per_device:
-      raise ConfigError(f"{what}={batch_size} gives {per_device} images per device and "
-                        f"micro-batch, which routing groups of model.moe.group_size={group} images "
-                        "do not tile; make one a multiple of the other.")
+    fits = per_device % group == 0 if devices > 1 else (per_device % group == 0 or per_device < group)
+    if not fits:
+      raise ConfigError(
+          f"{what}={batch_size} gives {per_device} images per device and micro-batch "
+          f"({devices} device(s), train.accum_steps={accum_steps}); routing groups of "
+          f"model.moe.group_size={group} images must tile each device's share: use a multiple of "
+          f"{group * devices * accum_steps} images, or a group size dividing {per_device}.")

@@ -114,7 +114,12 @@ def open_source(name: str, data_dir: str | None = None, root: str | None = None,
   elif name in EMBEDDED:
     builder = EMBEDDED[name](data_dir=data_dir)
     if not _is_prepared(builder):
-      builder.download_and_prepare()
+      try:
+        builder.download_and_prepare()
+      except FileExistsError:  # another process (host, job) published it first: use theirs
+        if not _is_prepared(builder):
+          raise
+        builder = EMBEDDED[name](data_dir=data_dir)
   else:
     builder = _prepared_tfds_builder(name, data_dir)
   features = builder.info.features

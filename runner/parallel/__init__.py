@@ -1,5 +1,8 @@
-"""Device mesh and shardings from logical axis names."""
-from runner.parallel.mesh import (batch_sharding, make_mesh, replicated, shardings_from_logical,
-                                  with_rules)
+"""Device mesh, shardings from logical axis names, multi-host start-up."""
+from runner.parallel.distributed import initialize
+from runner.parallel.mesh import (RULES, Placement, batch_sharding, make_mesh, mesh_shape,
+                                  placement, replicated, rules_from_config,
+                                  shardings_from_logical, with_rules)
 
-__all__ = ["batch_sharding", "make_mesh", "replicated", "shardings_from_logical", "with_rules"]
+__all__ = ["RULES", "Placement", "batch_sharding", "initialize", "make_mesh", "mesh_shape",
+           "placement", "replicated", "rules_from_config", "shardings_from_logical", "with_rules"]

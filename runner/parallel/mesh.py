@@ -1,32 +1,73 @@
 """Mesh creation and logical-axis rules: model code names axes, a rule set maps them to the mesh.
 
 Mesh axes: `data` and `expert`. The batch is split over both (every device sees different images);
-expert weights are split over `expert` only. Rule sets are lists of (logical name, mesh axis).
+parameters are replicated unless a rule maps one of their logical axes to a mesh axis:
+`expert` -> `expert` shards expert weights (expert parallelism), `embed` -> `data` shards every
+weight matrix along its embedding dimension (fully-sharded data parallelism).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 
+import flax.linen as nn
 import jax
 import numpy as np
-import flax.linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from runner.errors import ConfigError
 
 MESH_AXES = ("data", "expert")
 BATCH_AXES = ("data", "expert")
 
-# Pure data parallelism: every parameter replicated.
-DP_RULES = (("batch", BATCH_AXES),)
+# Ready-made rule bundles (conf/sharding/*.yaml carry the same lists).
+RULES = {
+    "dp": (),
+    "ep": (("expert", "expert"),),
+    "fsdp_ep": (("expert", "expert"), ("embed", "data")),
+}
 
 
-def make_mesh(data: int = -1, expert: int = 1, devices=None) -> Mesh:
-  devices = list(devices if devices is not None else jax.devices())
-  n = len(devices)
+def mesh_shape(data: int, expert: int, num_devices: int, num_experts: int = 0) -> tuple[int, int]:
+  """Resolves -1 entries: expert=-1 takes the most devices that divide both the device count and
+  the number of experts; data=-1 takes the rest. Errors name the numbers that do not fit."""
+  if expert == -1:
+    expert = math.gcd(num_devices, num_experts) if num_experts else 1
+  if expert < 1 or (data != -1 and data < 1):
+    raise ConfigError(f"mesh.data={data} and mesh.expert={expert} must be positive (or -1 to "
+                      "infer).")
   if data == -1:
-    data = n // expert
-  if data * expert != n:
-    raise ValueError(f"mesh data={data} x expert={expert} does not use the {n} devices")
+    if num_devices % expert:
+      raise ConfigError(f"mesh.expert={expert} does not divide the {num_devices} devices; use a "
+                        f"divisor of {num_devices}.")
+    data = num_devices // expert
+  if data * expert != num_devices:
+    raise ConfigError(f"a mesh of mesh.data={data} x mesh.expert={expert} = {data * expert} "
+                      f"devices does not match the {num_devices} devices available; their "
+                      "product must equal the device count (set one of them to -1 to infer it).")
+  if num_experts and expert > 1 and num_experts % expert:
+    raise ConfigError(f"model.moe.num_experts={num_experts} is not divisible by the expert axis "
+                      f"mesh.expert={expert}; use an expert axis that divides {num_experts}.")
+  return data, expert
+
+
+def make_mesh(data: int = -1, expert: int = 1, devices=None, num_experts: int = 0) -> Mesh:
+  devices = list(devices if devices is not None else jax.devices())
+  data, expert = mesh_shape(data, expert, len(devices), num_experts)
   return Mesh(np.asarray(devices).reshape(data, expert), MESH_AXES)
+
+
+def rules_from_config(sharding: dict | None) -> tuple:
+  """Rule list from the `sharding` config: explicit `rules`, else the bundle named `name`."""
+  sharding = sharding or {}
+  if sharding.get("rules") is not None:
+    return tuple((str(a), None if b is None else (tuple(b) if isinstance(b, list) else str(b)))
+                 for a, b in sharding["rules"])
+  name = sharding.get("name", "dp")
+  if name not in RULES:
+    raise ConfigError(f"unknown sharding bundle {name!r}; valid: {', '.join(RULES)}.")
+  return RULES[name]
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -45,6 +86,35 @@ def shardings_from_logical(logical_specs, mesh: Mesh, rules) -> object:
 
 @contextlib.contextmanager
 def with_rules(mesh: Mesh, rules):
-  """Context in which `nn.with_logical_constraint` in model code resolves against `mesh`."""
+  """Context in which model code sees the mesh and the logical-axis rules."""
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     yield
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where things live: the mesh, the logical-axis rules, and how host batches become global."""
+  mesh: Mesh
+  rules: tuple
+
+  @property
+  def batch_sharding(self) -> NamedSharding:
+    return batch_sharding(self.mesh)
+
+  def put(self, batch: dict) -> dict:
+    """This process's rows of a batch -> global arrays split over the batch axes."""
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x), batch)
+
+  def shardings(self, logical_specs):
+    return shardings_from_logical(logical_specs, self.mesh, self.rules)
+
+  def context(self):
+    return with_rules(self.mesh, self.rules)
+
+
+def placement(mesh: dict | None, sharding: dict | None, num_experts: int = 0) -> Placement:
+  """The placement a config asks for (`mesh.data`, `mesh.expert`, `sharding`)."""
+  mesh = mesh or {}
+  return Placement(make_mesh(mesh.get("data", -1), mesh.get("expert", 1), num_experts=num_experts),
+                   rules_from_config(sharding))

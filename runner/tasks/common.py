@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import pathlib
 
+import jax
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from runner import checkpoint, data
+from runner import checkpoint, data, parallel
 from runner.config import validate
 from runner.errors import ConfigError
 from runner.models import build_model, transfer
@@ -30,6 +31,8 @@ def plain_config(cfg: DictConfig, workdir: str) -> dict:
 
 
 def write_config(config: dict, workdir: str) -> None:
+  if jax.process_index():
+    return  # one writer for the shared workdir
   path = pathlib.Path(workdir)
   path.mkdir(parents=True, exist_ok=True)
   (path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
@@ -54,6 +57,17 @@ def open_data(d: dict) -> data.Source:
   if d.get("test_split") and not source.has_split(d["test_split"]):
     d["test_split"] = None
   return source
+
+
+def num_experts(model_cfg: dict) -> int:
+  moe = model_cfg.get("moe") or {}
+  return int(moe.get("num_experts") or 0) if moe.get("layers") else 0
+
+
+def make_placement(config: dict) -> parallel.Placement:
+  """The mesh and sharding rules of the config, checked against the devices and the model."""
+  return parallel.placement(config.get("mesh"), config.get("sharding"),
+                            num_experts=num_experts(config["model"]))
 
 
 def check_training(config: dict) -> None:
@@ -125,11 +139,13 @@ def _model_differences(stored: dict, current: dict, prefix: str = "model.") -> s
 def run_training(cfg, workdir: str, stage: str) -> dict:
   """pretrain and finetune: the same steps; their configs differ (data, optimizer, head)."""
   config = plain_config(cfg, workdir)
+  parallel.initialize(config.get("distributed"))
+  placement = make_placement(config)
   check_training(config)
   check_init_path(config, workdir)
   source = open_data(config["data"])
   model = build_checked_model(config["model"], source.num_classes)
   init_params = init_from_checkpoint(config, model, source, workdir)
   write_config(config, workdir)
-  return train_and_evaluate(config, model=model, source=source, workdir=workdir,
-                            init_params=init_params, stage=stage)
+  return train_and_evaluate(config, model=model, source=source, placement=placement,
+                            workdir=workdir, init_params=init_params, stage=stage)

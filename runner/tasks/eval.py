@@ -14,6 +14,7 @@ from runner.errors import ConfigError
 from runner.evaluators.classification import ClassificationEvaluator, make_eval_step
 from runner.logging import MetricWriter
 from runner.tasks import common
+from runner.train import state as state_lib
 
 
 def _prune_none(tree):
@@ -38,15 +39,18 @@ def effective_config(cfg, workdir: str) -> dict:
       OmegaConf.create(_prune_none({"model": given["model"], "data": given["data"]})))
   config = OmegaConf.to_container(merged, resolve=True)
   own = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-  config.update({k: own[k] for k in ("seed", "init", "eval", "logger")})
+  config.update({k: own[k] for k in ("seed", "init", "eval", "logger", "mesh", "sharding",
+                                      "distributed")})
   config["workdir"] = str(workdir)
   return config
 
 
 def run(cfg, workdir: str) -> dict:
   config = effective_config(cfg, workdir)
+  parallel.initialize(config.get("distributed"))
   model_cfg, d = config["model"], config["data"]
   validate.check_model(model_cfg)
+  placement = common.make_placement(config)
   batch_size = int(config["eval"].get("batch_size") or d.get("eval_batch_size") or d["batch_size"])
   validate.check_batch(batch_size, model_cfg, what="eval.batch_size")
   params, _, step = checkpoint.load_params(config["init"]["checkpoint"])
@@ -57,19 +61,16 @@ def run(cfg, workdir: str) -> dict:
                       f"head predicts {num_classes}; evaluate on data with the same label space.")
   model = common.build_checked_model(model_cfg, num_classes)
   common.write_config(config, workdir)
-  mesh = parallel.make_mesh()
-  sharding = parallel.batch_sharding(mesh)
-  put = lambda batch: jax.tree.map(
-      lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
   split = d.get("test_split") or d["eval_split"]
   loss = config.get("train", {}).get("loss", "softmax_xent")
   evaluator = ClassificationEvaluator(
       jax.jit(make_eval_step(model, loss)),
       data.eval_batches(source, split, d["pp"], batch_size // jax.process_count(),
                         process_index=jax.process_index(), process_count=jax.process_count()),
-      prefix=d["name"], put=put)
-  params = jax.device_put(params, parallel.replicated(mesh))
-  with parallel.with_rules(mesh, parallel.mesh.DP_RULES):
+      prefix=d["name"], put=placement.put)
+  with placement.context():
+    _, logical = state_lib.abstract_params(model, data.image_shape(source, split, d["pp"]))
+    params = jax.device_put(params, placement.shardings(logical))
     metrics = evaluator.run(params)
   summary = {"checkpoint_step": step, "split": split, **metrics}
   writer = MetricWriter(workdir, run_config=config, wandb=config["logger"]["wandb"], job_type="eval")

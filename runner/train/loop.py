@@ -10,17 +10,17 @@ from __future__ import annotations
 import math
 import pathlib
 import signal
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runner import data, parallel
+from runner import data
 from runner.checkpoint import Checkpointer
 from runner.errors import ConfigError, UserError
 from runner.evaluators.classification import ClassificationEvaluator, make_eval_step
 from runner.logging import MetricWriter, Progress
+from runner.parallel import Placement, replicated
 from runner.train import optimizers, schedules, state as state_lib
 from runner.train.step import make_train_step
 
@@ -68,8 +68,41 @@ def _mean_metrics(history: list[dict]) -> dict:
   return {k: np.mean([m[k] for m in fetched], axis=0) for k in fetched[0]}
 
 
-def train_and_evaluate(config: dict, *, model, source, workdir: str, init_params=None,
-                       stage: str = "train") -> dict:
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree,
+                      shardings)
+
+
+def initial_state(checkpointer: Checkpointer, *, model, tx, image_shape, placement: Placement,
+                  seed: int, init_params=None):
+  """(state, state shardings, data position, where it came from): resume > init > scratch."""
+  abstract, logical = state_lib.abstract_params(model, image_shape)
+  param_shardings = placement.shardings(logical)
+  opt_init = jax.jit(tx.init).lower(_abstract(abstract, param_shardings)).compile()
+  shardings = state_lib.TrainState(step=replicated(placement.mesh), params=param_shardings,
+                                   opt_state=opt_init.output_shardings)
+  latest = checkpointer.latest_step()
+  if latest is not None:
+    params, opt_state, meta = checkpointer.restore(
+        latest, _abstract(abstract, param_shardings),
+        _abstract(jax.eval_shape(tx.init, abstract), shardings.opt_state))
+    state = state_lib.TrainState(step=jnp.asarray(latest, jnp.int32), params=params,
+                                 opt_state=opt_state)
+    return state, shardings, int(meta["position"]), f"resumed from step {latest}"
+  if init_params is not None:
+    params = jax.device_put(init_params, param_shardings)
+    origin = "initialised from an earlier stage"
+  else:
+    params = jax.jit(lambda: state_lib.init_params(model, image_shape, seed)[0],
+                     out_shardings=param_shardings)()
+    origin = "initialised from scratch"
+  state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               opt_state=opt_init(params))
+  return state, shardings, 0, origin
+
+
+def train_and_evaluate(config: dict, *, model, source, placement: Placement, workdir: str,
+                       init_params=None, stage: str = "train") -> dict:
   """Trains `model` on `source` as `config` says; returns the final metrics (also summary.json)."""
   workdir = pathlib.Path(workdir)
   d, t, o, s = config["data"], config["train"], config["optim"], config["schedule"]
@@ -77,91 +110,60 @@ def train_and_evaluate(config: dict, *, model, source, workdir: str, init_params
   batch_size = int(d["batch_size"])
   eval_batch_size = int(config["eval"].get("batch_size") or d.get("eval_batch_size") or batch_size)
   steps = total_steps(t, source.num_examples(d["split"]), batch_size)
-
-  mesh = parallel.make_mesh()
-  rules = parallel.mesh.DP_RULES
-  batch_sharding = parallel.batch_sharding(mesh)
-  process_count, process_index = jax.process_count(), jax.process_index()
-  put = lambda batch: jax.tree.map(
-      lambda x: jax.make_array_from_process_local_data(batch_sharding, x), batch)
+  processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
 
   image_shape = data.image_shape(source, d["split"], d["pp_train"])
-  abstract, logical = state_lib.abstract_params(model, image_shape)
-  param_shardings = parallel.shardings_from_logical(logical, mesh, rules)
   schedule = schedules.make_schedule(s["name"], o["lr"], steps, s.get("warmup_steps", 0),
                                      s.get("end_lr_fraction", 0.0), s.get("timescale"),
                                      s.get("cooldown_steps", 0))
+  abstract, _ = state_lib.abstract_params(model, image_shape)
   tx = optimizers.make_optimizer(schedule=schedule, params=abstract, **o)
-  opt_init = jax.jit(tx.init).lower(jax.tree.map(
-      lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract,
-      param_shardings)).compile()
-  opt_shardings = opt_init.output_shardings
-
-  ckpt_cfg = config["checkpoint"]
-  checkpointer = Checkpointer(workdir / "checkpoints", keep=ckpt_cfg["keep"],
-                              every_steps=ckpt_cfg["every_steps"],
-                              async_save=ckpt_cfg.get("async_save", True))
+  ckpt = config["checkpoint"]
+  checkpointer = Checkpointer(workdir / "checkpoints", keep=ckpt["keep"],
+                              every_steps=ckpt["every_steps"], async_save=ckpt.get("async_save", True))
   writer = MetricWriter(str(workdir), run_config=config, wandb=config["logger"]["wandb"],
                         job_type=stage)
-  latest = checkpointer.latest_step()
-  position = 0
-  with parallel.with_rules(mesh, rules):
-    if latest is not None:
-      with_sharding = lambda tree, shardings: jax.tree.map(
-          lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree, shardings)
-      params, opt_state, meta = checkpointer.restore(
-          latest, with_sharding(abstract, param_shardings),
-          with_sharding(jax.eval_shape(tx.init, abstract), opt_shardings))
-      position = int(meta["position"])
-      origin = f"resumed from step {latest}"
-    else:
-      if init_params is not None:
-        params = jax.device_put(init_params, param_shardings)
-        origin = "initialised from an earlier stage"
-      else:
-        params = jax.jit(lambda: state_lib.init_params(model, image_shape, seed)[0],
-                         out_shardings=param_shardings)()
-        origin = "initialised from scratch"
-      opt_state = opt_init(params)
-    state = state_lib.TrainState(step=jnp.asarray(latest or 0, jnp.int32), params=params,
-                                 opt_state=opt_state)
-    state_shardings = state_lib.TrainState(step=parallel.replicated(mesh),
-                                           params=param_shardings, opt_state=opt_shardings)
-    step_fn = jax.jit(
-        make_train_step(model, tx, schedule, loss=t["loss"], aux_loss_weight=t["aux_loss_weight"],
-                        accum_steps=t.get("accum_steps", 1), seed=seed),
-        in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
-        donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(model, t["loss"]))
+  progress = None
+  try:
+    with placement.context():
+      state, shardings, position, origin = initial_state(
+          checkpointer, model=model, tx=tx, image_shape=image_shape, placement=placement,
+          seed=seed, init_params=init_params)
+      step_fn = jax.jit(
+          make_train_step(model, tx, schedule, loss=t["loss"], aux_loss_weight=t["aux_loss_weight"],
+                          accum_steps=t.get("accum_steps", 1), seed=seed),
+          in_shardings=(shardings, placement.batch_sharding), out_shardings=(shardings, None),
+          donate_argnums=0)
+      eval_step = jax.jit(make_eval_step(model, t["loss"]))
 
-    def evaluator(split, prefix):
-      batches = data.eval_batches(source, split, d["pp"], eval_batch_size // process_count,
-                                  process_index=process_index, process_count=process_count)
-      return ClassificationEvaluator(eval_step, batches, prefix=prefix, put=put)
-    val = evaluator(d["eval_split"], "val")
-    batches = data.train_batches(source, d["split"], d["pp_train"], batch_size // process_count,
-                                 seed=seed, start=position, shuffle_buffer=d["shuffle_buffer"],
-                                 process_index=process_index, process_count=process_count)
+      def evaluator(split, prefix):
+        batches = data.eval_batches(source, split, d["pp"],
+                                    eval_batch_size // processes["process_count"], **processes)
+        return ClassificationEvaluator(eval_step, batches, prefix=prefix, put=placement.put)
+      val = evaluator(d["eval_split"], "val")
+      batches = data.train_batches(source, d["split"], d["pp_train"],
+                                   batch_size // processes["process_count"], seed=seed,
+                                   start=position, shuffle_buffer=d["shuffle_buffer"], **processes)
 
-    start_step = int(latest or 0)
-    progress = Progress(steps, start_step, batch_size, desc=stage,
-                        enabled=config["logger"].get("progress", True))
-    progress.message(f"[{stage}] {model.__class__.__name__} with "
-                     f"{state_lib.count_params(abstract):,} parameters, {origin}; "
-                     f"{steps} steps of {batch_size} images -> {workdir}")
-    log_every = max(1, int(t.get("log_every_steps", 50)))
-    eval_every = int(config["eval"].get("every_steps") or 0)
-    history, last_train, last_eval = [], {}, {}
+      start_step = int(state.step)
+      progress = Progress(steps, start_step, batch_size, desc=stage,
+                          enabled=config["logger"].get("progress", True))
+      progress.message(f"[{stage}] {model.__class__.__name__} with "
+                       f"{state_lib.count_params(abstract):,} parameters, {origin}; "
+                       f"{steps} steps of {batch_size} images on {placement.mesh.size} device(s) "
+                       f"-> {workdir}")
+      log_every = max(1, int(t.get("log_every_steps", 50)))
+      eval_every = int(config["eval"].get("every_steps") or 0)
+      history, last_train = [], {}
 
-    def save(step):
-      checkpointer.save(step, state.params, state.opt_state,
-                        meta={"step": step, "position": position}, config=config)
+      def save(step):
+        checkpointer.save(step, state.params, state.opt_state,
+                          meta={"step": step, "position": position}, config=config)
 
-    try:
       with _StopFlag() as stop:
         for step in range(start_step + 1, steps + 1):
-          batch = put(next(batches))
-          position += batch_size // process_count
+          batch = placement.put(next(batches))
+          position += batch_size // processes["process_count"]
           state, metrics = step_fn(state, batch)
           history.append(metrics)
           progress.step_done(step)
@@ -186,13 +188,14 @@ def train_and_evaluate(config: dict, *, model, source, workdir: str, init_params
       final = val.run(state.params)
       if d.get("test_split"):
         final.update(evaluator(d["test_split"], "test").run(state.params))
-      writer.write(steps, final)
-      progress.report(steps, {**last_train, **final})
-      summary = {"step": steps, **{k: v for k, v in last_train.items()}, **final,
-                 "params/total": state_lib.count_params(abstract)}
-      writer.summary(summary)
-      return summary
-    finally:
+    writer.write(steps, final)
+    progress.report(steps, {**last_train, **final})
+    summary = {"step": steps, **last_train, **final,
+               "params/total": state_lib.count_params(abstract)}
+    writer.summary(summary)
+    return summary
+  finally:
+    if progress is not None:
       progress.close()
-      checkpointer.close()
-      writer.close()
+    checkpointer.close()
+    writer.close()

@@ -23,8 +23,9 @@ def init_params(model: nn.Module, image_shape: tuple[int, ...], seed: int):
   rngs = {"params": jax.random.key(seed), "gating": jax.random.key(seed + 1),
           "dropout": jax.random.key(seed + 2)}
   images = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
-  variables = model.init(rngs, images, train=False)
-  return nn.meta.unbox(variables["params"]), nn.get_partition_spec(variables)["params"]
+  with nn.logical_axis_rules(()):  # placement is the caller's business (jit out_shardings)
+    variables = model.init(rngs, images, train=False)
+    return nn.meta.unbox(variables["params"]), nn.get_partition_spec(variables)["params"]
 
 
 def abstract_params(model: nn.Module, image_shape: tuple[int, ...]):
@@ -33,8 +34,9 @@ def abstract_params(model: nn.Module, image_shape: tuple[int, ...]):
     images = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
     return model.init({"params": jax.random.key(0), "gating": jax.random.key(0),
                        "dropout": jax.random.key(0)}, images, train=False)
-  boxed = jax.eval_shape(init)
-  return nn.meta.unbox(boxed["params"]), nn.get_partition_spec(boxed)["params"]
+  with nn.logical_axis_rules(()):
+    boxed = jax.eval_shape(init)
+    return nn.meta.unbox(boxed["params"]), nn.get_partition_spec(boxed)["params"]
 
 
 def count_params(params) -> int:

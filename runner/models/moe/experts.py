@@ -1,9 +1,17 @@
-"""E independent two-layer GELU MLPs, each applied to its own buffer, as one batched matmul."""
+"""E independent two-layer GELU MLPs, each applied to its own buffer, as one batched matmul.
+
+The module only owns the parameters; `apply_experts` is a pure function so that the MoE layer can
+run it inside `shard_map` on each device's share of the experts.
+"""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+
+# Logical axes of the four expert parameters, in the order MlpExperts returns them.
+LOGICAL_AXES = (("expert", "embed", "mlp"), ("expert", "mlp"), ("expert", "mlp", "embed"),
+                ("expert", "embed"))
 
 
 def _stacked(init, num: int):
@@ -15,31 +23,35 @@ def _stacked(init, num: int):
 
 
 class MlpExperts(nn.Module):
-  """Parameters mirror a dense `MlpBlock` (fc1, fc2) with a leading expert axis, so a dense
-  checkpoint's MLP can initialise every expert."""
+  """The (fc1_kernel, fc1_bias, fc2_kernel, fc2_bias) of E experts, each shaped like a dense
+  `MlpBlock`'s with a leading expert axis, so a dense checkpoint's MLP can initialise them."""
   num_experts: int
   mlp_dim: int
-  dropout_rate: float = 0.0
-  dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
-    """x: (E, G, C, D) expert-major buffers -> (E, G, C, D)."""
-    e_, g, c, d = x.shape
+  def __call__(self, dim: int) -> tuple[jax.Array, ...]:
     e = self.num_experts
     xavier = nn.initializers.xavier_uniform()
     tiny = nn.initializers.normal(1e-6)
     part = nn.with_logical_partitioning
-    w1 = self.param("fc1_kernel", part(_stacked(xavier, e), ("expert", "embed", "mlp")),
-                    (e, d, self.mlp_dim))
-    b1 = self.param("fc1_bias", part(_stacked(tiny, e), ("expert", "mlp")), (e, self.mlp_dim))
-    w2 = self.param("fc2_kernel", part(_stacked(xavier, e), ("expert", "mlp", "embed")),
-                    (e, self.mlp_dim, d))
-    b2 = self.param("fc2_bias", part(_stacked(tiny, e), ("expert", "embed")), (e, d))
-    x = x.reshape(e, g * c, d).astype(self.dtype)
-    h = jnp.einsum("emd,edh->emh", x, w1.astype(self.dtype)) + b1[:, None, :].astype(self.dtype)
-    h = nn.gelu(h)
-    h = nn.Dropout(self.dropout_rate)(h, deterministic=not train)
-    y = jnp.einsum("emh,ehd->emd", h, w2.astype(self.dtype)) + b2[:, None, :].astype(self.dtype)
-    y = nn.Dropout(self.dropout_rate)(y, deterministic=not train)
-    return y.reshape(e, g, c, d)
+    shapes = ((e, dim, self.mlp_dim), (e, self.mlp_dim), (e, self.mlp_dim, dim), (e, dim))
+    names = ("fc1_kernel", "fc1_bias", "fc2_kernel", "fc2_bias")
+    inits = (xavier, tiny, xavier, tiny)
+    return tuple(self.param(n, part(_stacked(i, e), axes), s)
+                 for n, i, axes, s in zip(names, inits, LOGICAL_AXES, shapes))
+
+
+def apply_experts(weights, x: jax.Array, *, dropout_rate: float = 0.0, rng=None,
+                  dtype=jnp.float32) -> jax.Array:
+  """x: (E, G, C, D) expert-major buffers -> (E, G, C, D); expert e uses weights[...][e]."""
+  w1, b1, w2, b2 = (w.astype(dtype) for w in weights)
+  e, g, c, d = x.shape
+  x = x.reshape(e, g * c, d).astype(dtype)
+  h = nn.gelu(jnp.einsum("emd,edh->emh", x, w1) + b1[:, None, :])
+  if dropout_rate and rng is not None:
+    rng, sub = jax.random.split(rng)
+    h = jnp.where(jax.random.bernoulli(sub, 1 - dropout_rate, h.shape), h / (1 - dropout_rate), 0)
+  y = jnp.einsum("emh,ehd->emd", h, w2) + b2[:, None, :]
+  if dropout_rate and rng is not None:
+    y = jnp.where(jax.random.bernoulli(rng, 1 - dropout_rate, y.shape), y / (1 - dropout_rate), 0)
+  return y.reshape(e, g, c, d)

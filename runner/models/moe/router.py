@@ -26,7 +26,8 @@ class NoisyTopKRouter(nn.Module):
   def __call__(self, x: jax.Array, *, train: bool) -> tuple[routing.DispatchPlan, dict]:
     """x: (G, S, D) groups of tokens."""
     _, num_tokens, _ = x.shape
-    kernel_init = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "expert"))
+    # The expert dimension of the router stays whole on every device: top-k needs all of it.
+    kernel_init = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
     logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32,
                       param_dtype=jnp.float32, kernel_init=kernel_init,
                       name="dense")(x.astype(jnp.float32))

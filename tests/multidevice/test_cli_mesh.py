@@ -1,0 +1,45 @@
+"""The CLI on 8 (fake) devices: expert-parallel runs end to end, and mesh mistakes fail clearly."""
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from conftest import QUIET, TINY_MODEL
+
+pytestmark = pytest.mark.skipif(jax.device_count() != 8,
+                                reason="needs 8 devices (run via test_multidevice.py)")
+FAST = [*TINY_MODEL, *QUIET, "train.steps=2", "data.batch_size=64"]
+
+
+def test_expert_parallel_pretrain_then_finetune_on_one_expert_axis(run_cli, tmp_path):
+  code, _, err = run_cli("pretrain", f"workdir={tmp_path / 'up'}", *FAST, "sharding=ep")
+  assert code == 0, err
+  config = json.loads(json.dumps(__import__("yaml").safe_load(
+      (tmp_path / "up" / "config.yaml").read_text())))
+  assert config["mesh"]["expert"] == -1 and config["sharding"]["name"] == "ep"
+  # Fine-tune the expert-parallel checkpoint with a different mesh (data parallel only).
+  code, _, err = run_cli("finetune", f"workdir={tmp_path / 'down'}",
+                         f"init.checkpoint={tmp_path / 'up'}", *FAST, "mesh.data=8")
+  assert code == 0, err
+  code, _, err = run_cli("eval", f"init.checkpoint={tmp_path / 'down'}",
+                         f"workdir={tmp_path / 'ev'}", *QUIET, "sharding=fsdp_ep", "mesh.expert=4")
+  assert code == 0, err
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["mesh.data=3"], ["mesh.data=3", "8 devices"]),
+    (["mesh.data=-1", "mesh.expert=3"], ["mesh.expert=3", "does not divide the 8 devices"]),
+    (["mesh.data=2", "mesh.expert=4", "model.moe.num_experts=6"],
+     ["num_experts=6", "mesh.expert=4"]),
+    (["data.batch_size=32"], ["data.batch_size=32", "group_size=8"]),
+    (["data.batch_size=60"], ["divisible by the 8 devices"]),
+])
+def test_mesh_mistakes_fail_before_compilation(args, expected, run_cli, tmp_path):
+  code, _, err = run_cli("pretrain", f"workdir={tmp_path}", *FAST, *args)
+  assert code == 2, err
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+  for text in expected:
+    assert text in err, (text, err)
+  assert not (tmp_path / "checkpoints").exists()
