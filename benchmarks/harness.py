@@ -43,17 +43,26 @@ def matmul_peak_gflops(n: int = 2048, dtype=jnp.float32, reps: int = 10) -> floa
   return 2 * n**3 / min(times) / 1e9
 
 
-def interleaved_median_ms(fns: dict, *, rounds: int = 5, steps: int = 4) -> dict:
-  """Median milliseconds per call of each zero-argument function, measured in alternating rounds
-  so that slow drifts of a shared machine affect every candidate alike."""
-  samples = {name: [] for name in fns}
+def interleaved_rounds_ms(fns: dict, *, rounds: int = 5, steps: int = 4) -> dict:
+  """Per round, the median milliseconds per call of each zero-argument function. Candidates
+  alternate round by round so that slow drifts of a shared machine affect all of them alike,
+  and ratios between candidates are best taken round by round."""
+  per_round = {name: [] for name in fns}
   for _ in range(rounds):
     for name, fn in fns.items():
+      times = []
       for _ in range(steps):
         start = time.perf_counter()
         jax.block_until_ready(fn())
-        samples[name].append((time.perf_counter() - start) * 1e3)
-  return {name: statistics.median(v) for name, v in samples.items()}
+        times.append((time.perf_counter() - start) * 1e3)
+      per_round[name].append(statistics.median(times))
+  return per_round
+
+
+def interleaved_median_ms(fns: dict, *, rounds: int = 5, steps: int = 4) -> dict:
+  """Median over rounds of `interleaved_rounds_ms`."""
+  return {name: statistics.median(v)
+          for name, v in interleaved_rounds_ms(fns, rounds=rounds, steps=steps).items()}
 
 
 def write(name: str, record: dict) -> pathlib.Path:

@@ -1,13 +1,11 @@
-"""`make bench`: every benchmark, results merged into benchmarks/results/latest.json."""
+"""`make bench`: every benchmark; a summary of all of them in benchmarks/results/latest.json."""
 from __future__ import annotations
 
-import json
-
-from benchmarks import harness, train_step
+from benchmarks import bpr_inference, device_scaling, dispatch_scaling, harness, train_step
 
 
 def main() -> dict:
-  steps = train_step.main(["--presets", "tiny,bigger", "--name", "train_step"])
+  steps = train_step.main(["--presets", "tiny,bigger"])
   latest = {
       "machine": steps["machine"],
       "matmul_peak_gflops": steps["matmul_peak_gflops"],
@@ -17,9 +15,11 @@ def main() -> dict:
                      "analytic_flop_ratio": result["analytic_flop_ratio"],
                      "time_ratio": result["time_ratio"]}
                   for name, result in steps["presets"].items()},
+      "dispatch_scaling": dispatch_scaling.main([])["rows"],
+      "bpr_inference": bpr_inference.main([])["rows"],
+      "device_scaling": device_scaling.main([])["runs"],
   }
-  path = harness.write("latest", latest)
-  print(f"wrote {path}")
+  print(f"wrote {harness.write('latest', latest)}")
   return latest
 
 

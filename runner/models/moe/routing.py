@@ -61,9 +61,31 @@ class DispatchPlan:
     return filled.sum(-1)
 
 
+def _pick(values: jax.Array, index: jax.Array) -> jax.Array:
+  """values[..., index] as a one-hot product: its gradient is dense, not a (slow) scatter."""
+  onehot = jax.nn.one_hot(index, values.shape[-1], dtype=values.dtype)
+  return jnp.sum(onehot * values[..., None, :], axis=-1)  # fuses; an einsum here would not
+
+
+def top_k_indices(values: jax.Array, k: int) -> jax.Array:
+  """Indices of the k largest values along the last axis, largest first, ties to the lower index.
+
+  k rounds of argmax: for the small k of routing this is cheaper than `lax.top_k`, which XLA's
+  CPU backend turns into a full sort of every row when its result feeds a broadcast.
+  """
+  values = jax.lax.stop_gradient(values)
+  picked = []
+  for _ in range(k):
+    index = jnp.argmax(values, axis=-1)
+    picked.append(index)
+    values = jnp.where(jax.nn.one_hot(index, values.shape[-1], dtype=bool), -jnp.inf, values)
+  return jnp.stack(picked, axis=-1).astype(jnp.int32)
+
+
 def top_k_gates(gates: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """(weights, experts) of the k largest gates, largest first; ties go to the lower expert id."""
-  return jax.lax.top_k(gates, k)
+  experts = top_k_indices(gates, k)
+  return _pick(gates, experts), experts
 
 
 def plan_dispatch(gates: jax.Array, *, k: int, capacity: int, batch_priority: bool = False,
@@ -141,6 +163,6 @@ def load_loss(logits_clean: jax.Array, logits_noisy: jax.Array, noise_std: float
   threshold(x) is the k-th largest noisy logit; p_i(x) = P(eps_new >= threshold - (Wx)_i) with
   eps_new ~ N(0, noise_std^2); load_i = sum over tokens of p_i(x).
   """
-  threshold = jax.lax.top_k(logits_noisy, k)[0][..., -1:]
+  threshold = _pick(logits_noisy, top_k_indices(logits_noisy, k)[..., -1:])
   p = 1.0 - jax.scipy.stats.norm.cdf((threshold - logits_clean) / noise_std)
   return squared_cv(p.sum(axis=-2))
