@@ -15,7 +15,7 @@ CONF = conf_dir()
 SWEEPS = CONF.parent / "sweeps"
 PRIMARY = ["pretrain", "finetune", "eval"]
 GROUPS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-          for group in ("data", "optim", "schedule", "experiment")}
+          for group in ("data", "optim", "schedule", "experiment", "sharding")}
 
 
 def _compose(name, overrides=(), config_dir=CONF, extra_dir=None, with_hydra=False):
