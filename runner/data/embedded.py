@@ -5,8 +5,14 @@ No machine is assumed to reach the internet, so the default data must come from 
 - `uci_digits`: the 1,797 UCI optical-recognition digits (8x8, 16 grey levels) from
   scikit-learn — the downstream set: the same ten concepts seen through a different sensor and
   resolution, small enough that pretraining visibly helps.
+- `lfw_faces`: 200 real 25x25 grey images from Labeled Faces in the Wild (100 faces, 100
+  non-face crops of natural images) shipped with scikit-image — a far-OOD set for digit models.
+- `<name>_0to4` / `<name>_5to9`: the digits 0-4 / 5-9 of a digit set, labels 0-4 — a model trained
+  on `uci_digits_0to4` meets `uci_digits_5to9` as near-OOD data (same sensor, unseen classes)
+  and `lfw_faces` as far-OOD data.
 Each is a real `tfds.core.GeneratorBasedBuilder`; preparing one takes well under a second.
-Splits are fixed, class-stratified permutations, identical on every machine.
+Splits are fixed, class-stratified permutations, identical on every machine (a class subset keeps
+each example in the split it has in the full set).
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ class _ArrayBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   RELEASE_NOTES = {"1.0.0": "First release."}
   IMAGE_SHAPE: tuple[int, int, int] = (0, 0, 1)
   NUM_CLASSES = 10
+  CLASSES: tuple[int, ...] | None = None  # keep only these source classes, relabelled 0..n-1
   SPLIT_FRACTIONS = {"train": 0.8, "validation": 0.1, "test": 0.1}
   DESCRIPTION = ""
 
@@ -47,7 +54,8 @@ class _ArrayBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         description=self.DESCRIPTION,
         features=tfds.features.FeaturesDict({
             "image": tfds.features.Image(shape=self.IMAGE_SHAPE),
-            "label": tfds.features.ClassLabel(num_classes=self.NUM_CLASSES),
+            "label": tfds.features.ClassLabel(
+                num_classes=len(self.CLASSES) if self.CLASSES else self.NUM_CLASSES),
         }),
         supervised_keys=("image", "label"),
     )
@@ -56,6 +64,10 @@ class _ArrayBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     del dl_manager  # nothing to download
     images, labels = self.load_arrays()
     splits = _stratified_splits(labels, self.SPLIT_FRACTIONS)
+    if self.CLASSES:
+      relabel = {c: i for i, c in enumerate(self.CLASSES)}
+      splits = {name: idx[np.isin(labels[idx], self.CLASSES)] for name, idx in splits.items()}
+      labels = np.array([relabel.get(int(c), -1) for c in labels])
     return {name: self._generate_examples(images, labels, idx) for name, idx in splits.items()}
 
   def _generate_examples(self, images, labels, indices):
@@ -88,4 +100,31 @@ class UciDigits(_ArrayBuilder):
     return images[..., None], digits.target.astype(np.int64)
 
 
-EMBEDDED = {"mnist5k": Mnist5k, "uci_digits": UciDigits}
+class LfwFaces(_ArrayBuilder):
+  """200 Labeled-Faces-in-the-Wild crops shipped with scikit-image: 100 faces, 100 non-faces."""
+  IMAGE_SHAPE = (25, 25, 1)
+  NUM_CLASSES = 2
+  SPLIT_FRACTIONS = {"train": 0.5, "test": 0.5}
+  DESCRIPTION = "skimage.data.lfw_subset(): 100 faces (label 0) and 100 non-faces (label 1)."
+
+  def load_arrays(self):
+    from skimage.data import lfw_subset
+    images = np.clip(np.round(lfw_subset() * 255.0), 0, 255).astype(np.uint8)[..., None]
+    return images, np.repeat(np.arange(2), 100).astype(np.int64)
+
+
+def _subset(base, classes: tuple[int, ...], suffix: str):
+  """A builder of `base` restricted to `classes` (relabelled 0..n-1)."""
+  return type(f"{base.__name__}{suffix}", (base,), {
+      "__module__": __name__,
+      "name": f"{tfds.core.naming.camelcase_to_snakecase(base.__name__)}_{suffix}",
+      "CLASSES": classes,
+      "DESCRIPTION": f"{base.DESCRIPTION} Only classes {classes}, relabelled 0..{len(classes) - 1}.",
+  })
+
+
+EMBEDDED = {"mnist5k": Mnist5k, "uci_digits": UciDigits, "lfw_faces": LfwFaces}
+for _name, _base in list(EMBEDDED.items()):
+  if _base.NUM_CLASSES == 10:
+    EMBEDDED[f"{_name}_0to4"] = _subset(_base, (0, 1, 2, 3, 4), "0to4")
+    EMBEDDED[f"{_name}_5to9"] = _subset(_base, (5, 6, 7, 8, 9), "5to9")
