@@ -162,5 +162,8 @@ def test_open_source_prepares_once_then_reuses(tmp_path):
 
 
 def test_embedded_names_are_known():
-  assert set(embedded.EMBEDDED) == {"mnist5k", "uci_digits"}
-  assert data.known_names() == ["mnist5k", "uci_digits", "image_folder"]
+  bases = {"mnist5k", "uci_digits", "lfw_faces"}
+  digit_subsets = {f"{b}_{s}" for b in ("mnist5k", "uci_digits") for s in ("0to4", "5to9")}
+  assert set(embedded.EMBEDDED) == bases | digit_subsets
+  assert data.known_names()[-1] == "image_folder"
+  assert set(data.known_names()[:-1]) == set(embedded.EMBEDDED)
