@@ -11,7 +11,8 @@ import sys
 SUBCOMMANDS = {
     "pretrain": "train a ViT or V-MoE upstream (default: V-MoE tiny on embedded MNIST-5k)",
     "finetune": "fine-tune a checkpoint with a new head (default: embedded UCI digits)",
-    "eval": "evaluate a checkpoint: precision@1 and NLL, at any inference k / capacity",
+    "fewshot": "linear few-shot accuracy of frozen features (ridge on pre-logits, 1-25 shots)",
+    "eval": "evaluate a checkpoint: accuracy, NLL, calibration, OOD, corruptions, PGD, GFLOPs",
 }
 USAGE = """usage: vmoe <subcommand> [overrides ...] [--multirun] [--cfg job] [--help]
 

@@ -157,6 +157,44 @@ class EvalConfig:
 
 
 @dataclass
+class AdversarialConfig:
+  epsilons: list = field(default_factory=list)  # L-inf radii in [0, 1] pixel units, e.g. [0.001, 0.003]
+  steps: int = 40  # PGD steps
+  step_size: Optional[float] = None  # None: 2.5 * epsilon / steps (Madry et al.)
+  max_examples: Optional[int] = 512  # attacks cost steps x backward passes: a subset by default
+
+
+@dataclass
+class EvalSuiteConfig:
+  """vmoe eval: which measurements to take, on which datasets."""
+  batch_size: Optional[int] = None
+  datasets: list = field(default_factory=list)  # [] : the checkpoint's own dataset
+  split: Optional[str] = None  # None: each dataset's test split (else its eval split)
+  ood_datasets: list = field(default_factory=list)  # each vs the first in-distribution dataset
+  ece_bins: int = 15
+  corruptions: list = field(default_factory=list)  # names from runner/data/corruptions.py, or [all]
+  severities: list = field(default_factory=lambda: [1, 2, 3, 4, 5])
+  adversarial: AdversarialConfig = field(default_factory=AdversarialConfig)
+  capacity_sweep: list = field(default_factory=list)  # inference C values, vanilla vs BPR
+  save_predictions: bool = False
+  plots: bool = True
+
+
+@dataclass
+class FewshotConfig:
+  """Linear few-shot evaluation on frozen pre-logits (`vmoe fewshot`, or every N steps in training)."""
+  datasets: list = field(default_factory=list)
+  shots: list = field(default_factory=lambda: [1, 5, 10, 25])
+  seeds: list = field(default_factory=lambda: [0, 1, 2])
+  l2_regs: Optional[list] = None  # None: 2^-10 ... 2^19
+  train_split: str = "train"
+  test_split: Optional[str] = None  # None: each dataset's test split (else its eval split)
+  max_train_examples: Optional[int] = None  # cap on the pool the shots are drawn from
+  batch_size: Optional[int] = None
+  every_steps: int = 0  # training only: 0 = never during training
+
+
+@dataclass
 class CheckpointConfig:
   every_steps: int = 500
   keep: int = 2
@@ -220,6 +258,7 @@ class TrainTask:
   eval: EvalConfig = field(default_factory=EvalConfig)
   checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
   init: InitConfig = field(default_factory=InitConfig)
+  fewshot: FewshotConfig = field(default_factory=FewshotConfig)
   logger: LoggerConfig = field(default_factory=LoggerConfig)
   mesh: MeshConfig = field(default_factory=MeshConfig)
   sharding: ShardingConfig = field(default_factory=ShardingConfig)
@@ -252,11 +291,32 @@ class EvalTask:
   init: InitConfig = field(default_factory=InitConfig)
   model: ModelOverrides = field(default_factory=ModelOverrides)
   data: DataOverrides = field(default_factory=DataOverrides)
-  eval: EvalConfig = field(default_factory=EvalConfig)
+  eval: EvalSuiteConfig = field(default_factory=EvalSuiteConfig)
   logger: LoggerConfig = field(default_factory=LoggerConfig)
   mesh: MeshConfig = field(default_factory=MeshConfig)
   sharding: ShardingConfig = field(default_factory=ShardingConfig)
   distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
-TASK_SCHEMAS = {"pretrain": TrainTask, "finetune": TrainTask, "eval": EvalTask}
+@dataclass
+class FewshotInitConfig:
+  checkpoint: Any = None  # one workdir, or a list of them: their pre-logits are concatenated
+
+
+@dataclass
+class FewshotTask:
+  """fewshot: frozen features of one or more checkpoints, ridge classifiers per dataset and shots."""
+  seed: int = 0
+  workdir: str = MISSING
+  debug: bool = False
+  init: FewshotInitConfig = field(default_factory=FewshotInitConfig)
+  model: ModelOverrides = field(default_factory=ModelOverrides)
+  fewshot: FewshotConfig = field(default_factory=FewshotConfig)
+  logger: LoggerConfig = field(default_factory=LoggerConfig)
+  mesh: MeshConfig = field(default_factory=MeshConfig)
+  sharding: ShardingConfig = field(default_factory=ShardingConfig)
+  distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+TASK_SCHEMAS = {"pretrain": TrainTask, "finetune": TrainTask, "fewshot": FewshotTask,
+                "eval": EvalTask}
