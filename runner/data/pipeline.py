@@ -77,16 +77,18 @@ def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed:
 
 
 def eval_batches(source: Source, split: str, pp: str, batch_size: int, *, process_index: int = 0,
-                 process_count: int = 1) -> tf.data.Dataset:
+                 process_count: int = 1, cache: bool = True) -> tf.data.Dataset:
   """A re-iterable dataset of full-size batches; `_mask` marks real examples, the rest is padding.
 
   Every example of the split is read by exactly one process, and every process yields the same
   number of batches (the collective eval step needs that), padding with masked-out batches.
+  `cache` keeps the raw split in memory for repeated evaluation during training; a one-pass
+  evaluation turns it off so that memory does not grow with the split.
   """
   preprocess = _finish(source, pp_ops.parse(pp), pp)
   raw = source.read(split, process_index, process_count, drop_remainder=False)
   total = source.num_examples(split)
-  if total <= _CACHE_MAX_EXAMPLES:
+  if cache and total <= _CACHE_MAX_EXAMPLES:
     raw = raw.cache()
   ds = tf.data.Dataset.zip(tf.data.Dataset.range(1 << 62), raw).map(_with_rng(0))
   ds = ds.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

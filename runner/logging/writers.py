@@ -68,6 +68,11 @@ class MetricWriter:
       import wandb
       self.run.log({key: wandb.Image(path)}, step=int(step))
 
+  def log_table(self, key: str, columns: list[str], rows: list) -> None:
+    if self.run is not None:
+      import wandb
+      self.run.log({key: wandb.Table(columns=columns, data=[list(r) for r in rows])})
+
   def summary(self, metrics: dict, filename: str = "summary.json") -> None:
     if not self.active:
       return

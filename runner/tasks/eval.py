@@ -1,19 +1,33 @@
-"""`vmoe eval init.checkpoint=<run>`: evaluate a checkpoint on the data it was trained on (or any).
+"""`vmoe eval init.checkpoint=<run>`: every measurement of the papers on one checkpoint.
 
 The model and data configs come from the checkpoint; model.* / data.* keys given on the command
-line override them (e.g. inference-time k, capacity ratio, Batch Prioritized Routing).
+line override them (inference-time k, capacity ratio, Batch Prioritized Routing). The eval.* keys
+choose the measurements: classification and calibration on eval.datasets, OOD detection against
+eval.ood_datasets, corruptions, PGD attacks, compute, and a capacity sweep. Everything that can be
+checked (datasets, splits, class counts, corruption names, sweep values) is checked before the
+first forward pass.
 """
 from __future__ import annotations
 
+import copy
+import pathlib
+import re
+import sys
+
 import jax
+import numpy as np
 from omegaconf import OmegaConf
 
 from runner import checkpoint, data, parallel
 from runner.config import validate
+from runner.data import corruptions as corruptions_lib
 from runner.errors import ConfigError
-from runner.evaluators.classification import ClassificationEvaluator, make_eval_step
+from runner.evaluators import capacity_sweep, predictions
+from runner.evaluators.calibration import plot_reliability_diagram
+from runner.evaluators.ood import SCORES, detection_metrics
 from runner.logging import MetricWriter
-from runner.tasks import common
+from runner.models import flops as flops_lib
+from runner.tasks import common, dataset_specs
 from runner.train import state as state_lib
 
 
@@ -24,7 +38,8 @@ def _prune_none(tree):
   return tree
 
 
-def effective_config(cfg, workdir: str) -> dict:
+def effective_config(cfg, workdir: str, own_keys=("seed", "init", "eval", "logger", "mesh",
+                                                   "sharding", "distributed")) -> dict:
   """The checkpoint's stored config with this command's non-null model/data keys on top."""
   given = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
   path = given["init"].get("checkpoint")
@@ -36,48 +51,283 @@ def effective_config(cfg, workdir: str) -> dict:
     router["eval_capacity_ratio"] = router["capacity_ratio"]  # at inference, C is the eval C
   merged = OmegaConf.merge(
       OmegaConf.create({k: stored[k] for k in ("model", "data", "train") if k in stored}),
-      OmegaConf.create(_prune_none({"model": given["model"], "data": given["data"]})))
+      OmegaConf.create(_prune_none({"model": given["model"], "data": given.get("data") or {}})))
   config = OmegaConf.to_container(merged, resolve=True)
   own = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-  config.update({k: own[k] for k in ("seed", "init", "eval", "logger", "mesh", "sharding",
-                                      "distributed")})
+  config.update({k: own[k] for k in own_keys if k in own})
   config["workdir"] = str(workdir)
   return config
+
+
+def _file_name(text: str) -> str:
+  return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
+def corrupted_pp(pp: str, name: str, severity: int) -> str:
+  """`pp` with the corruption inserted before value_range (corruptions work on [0, 255])."""
+  ops = [op.strip() for op in pp.split("|") if op.strip()]
+  at = next((i for i, op in enumerate(ops) if op.startswith("value_range")), len(ops))
+  return "|".join(ops[:at] + [f"corrupt({name!r}, {int(severity)})"] + ops[at:])
+
+
+class _Dataset:
+  """A dataset named in eval.*: its data config, opened source and the split evaluated."""
+
+  def __init__(self, name: str, base: dict, split: str | None):
+    self.name = name
+    self.config = dataset_specs.dataset_config(name, base)
+    self.source = common.open_data(self.config)
+    self.split = split or self.config.get("test_split") or self.config["eval_split"]
+    try:
+      n = self.source.num_examples(self.split)
+    except data.DataError as e:
+      raise data.DataError(f"eval dataset {name!r}: {e}") from None
+    if n == 0:
+      raise data.DataError(f"eval dataset {name!r}: split {self.split!r} is empty; choose a split "
+                           f"with examples (available: {self.source.splits}).")
+
+
+def _check_options(e: dict, model_cfg: dict) -> tuple[list[str], list[int]]:
+  """Validates the eval.* values that do not need data; returns corruption names and severities."""
+  if int(e.get("ece_bins") or 0) < 1:
+    raise ConfigError(f"eval.ece_bins must be a positive integer, got {e.get('ece_bins')}.")
+  names = list(e.get("corruptions") or [])
+  if names == ["all"]:
+    names = list(corruptions_lib.CORRUPTIONS)
+  unknown = [n for n in names if n not in corruptions_lib.CORRUPTIONS]
+  if unknown:
+    raise ConfigError(f"unknown corruption(s) {unknown} in eval.corruptions; valid: "
+                      f"{', '.join(corruptions_lib.CORRUPTIONS)} (or [all]).")
+  severities = list(e.get("severities") or [])
+  if names and (not severities or any(s not in corruptions_lib.SEVERITIES for s in severities)):
+    raise ConfigError(f"eval.severities must be a non-empty list of integers from 1 to 5, got "
+                      f"{severities}.")
+  adv = e.get("adversarial") or {}
+  eps = list(adv.get("epsilons") or [])
+  if any(not isinstance(x, (int, float)) or not 0 <= x <= 1 for x in eps):
+    raise ConfigError(f"eval.adversarial.epsilons are L-inf radii in [0, 1] pixel units (e.g. "
+                      f"[0.001,0.003]), got {eps}.")
+  if eps and int(adv.get("steps") or 0) < 1:
+    raise ConfigError(f"eval.adversarial.steps must be >= 1, got {adv.get('steps')}.")
+  ratios = list(e.get("capacity_sweep") or [])
+  if ratios:
+    if not common.num_experts(model_cfg):
+      raise ConfigError("eval.capacity_sweep needs a V-MoE checkpoint; this model has no MoE "
+                        "layers.")
+    if any(not isinstance(c, (int, float)) or c <= 0 for c in ratios):
+      raise ConfigError(f"eval.capacity_sweep values are capacity ratios > 0 (e.g. "
+                        f"[1.05,0.5,0.25,0.1]), got {ratios}.")
+  return names, severities
+
+
+class _Run:
+  """The state shared by the measurements of one `vmoe eval`."""
+
+  def __init__(self, config, model, params, batch_size, placement, progress_enabled):
+    self.config, self.model, self.params = config, model, params
+    self.batch_size, self.placement = batch_size, placement
+    self.loss_name = config.get("train", {}).get("loss", "softmax_xent")
+    self.step = jax.jit(predictions.make_predict_step(model))
+    self.verbose = progress_enabled and jax.process_index() == 0
+
+  def say(self, text: str) -> None:
+    if self.verbose:
+      print(text, file=sys.stderr, flush=True)
+
+  def batches(self, dataset: _Dataset, split: str | None = None, pp: str | None = None):
+    return data.eval_batches(dataset.source, split or dataset.split, pp or dataset.config["pp"],
+                             self.batch_size // jax.process_count(),
+                             process_index=jax.process_index(),
+                             process_count=jax.process_count(), cache=False)
+
+  def evaluate(self, batches, stats, what: str, step=None, params=None) -> float:
+    rate = predictions.run_pass(step or self.step, self.params if params is None else params,
+                                batches, stats, put=self.placement.put)
+    self.say(f"[eval] {what}: {stats.count} images, {rate:.0f} images/s")
+    return rate
 
 
 def run(cfg, workdir: str) -> dict:
   config = effective_config(cfg, workdir)
   parallel.initialize(config.get("distributed"))
-  model_cfg, d = config["model"], config["data"]
+  model_cfg, d, e = config["model"], config["data"], config["eval"]
   validate.check_model(model_cfg)
   placement = common.make_placement(config)
-  batch_size = int(config["eval"].get("batch_size") or d.get("eval_batch_size") or d["batch_size"])
+  batch_size = int(e.get("batch_size") or d.get("eval_batch_size") or d["batch_size"])
   validate.check_batch(batch_size, model_cfg, what="eval.batch_size")
-  params, _, step = checkpoint.load_params(config["init"]["checkpoint"])
+  corruption_names, severities = _check_options(e, model_cfg)
+  params, _, ckpt_step = checkpoint.load_params(config["init"]["checkpoint"])
   num_classes = int(params["head"]["kernel"].shape[-1])
-  source = common.open_data(d)
-  if source.num_classes != num_classes:
-    raise ConfigError(f"dataset {d['name']!r} has {source.num_classes} classes but the checkpoint's "
-                      f"head predicts {num_classes}; evaluate on data with the same label space.")
+
+  # Every dataset is opened (and its splits and classes checked) before any compute.
+  datasets = [_Dataset(name, d, e.get("split")) for name in (e.get("datasets") or [d["name"]])]
+  for ds in datasets:
+    if ds.source.num_classes != num_classes:
+      role = " (the in-distribution side of OOD detection)" if e.get("ood_datasets") else ""
+      raise ConfigError(f"eval dataset {ds.name!r}{role} has {ds.source.num_classes} classes but "
+                        f"the checkpoint's head predicts {num_classes}; evaluate on datasets with "
+                        "the same label space (OOD datasets go in eval.ood_datasets).")
+  ood = [_Dataset(name, d, None) for name in (e.get("ood_datasets") or [])]
+  in_dist = datasets[0]
+  if ood and in_dist.source.num_examples(in_dist.config["split"]) == 0:
+    raise data.DataError(f"the training split {in_dist.config['split']!r} of {in_dist.name!r} "
+                         "(needed for the Mahalanobis fit) is empty.")
+
   model = common.build_checked_model(model_cfg, num_classes)
   common.write_config(config, workdir)
-  split = d.get("test_split") or d["eval_split"]
-  loss = config.get("train", {}).get("loss", "softmax_xent")
-  evaluator = ClassificationEvaluator(
-      jax.jit(make_eval_step(model, loss)),
-      data.eval_batches(source, split, d["pp"], batch_size // jax.process_count(),
-                        process_index=jax.process_index(), process_count=jax.process_count()),
-      prefix=d["name"], put=placement.put)
+  out_dir = pathlib.Path(workdir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  ev = _Run(config, model, params, batch_size, placement, config["logger"].get("progress", True))
+  adversarial = None
+  if (e.get("adversarial") or {}).get("epsilons"):
+    from runner.evaluators.adversarial import AdversarialEvaluator
+    adv = e["adversarial"]
+    adversarial = AdversarialEvaluator(
+        model, epsilons=[float(x) for x in adv["epsilons"]], steps=int(adv["steps"]),
+        step_size=adv.get("step_size"), loss_name=ev.loss_name, prefix="",
+        put=placement.put, max_examples=adv.get("max_examples"))
+
+  summary: dict = {"checkpoint_step": ckpt_step, "split": in_dist.split}
+  images, arrays = {}, {}
   with placement.context():
-    _, logical = state_lib.abstract_params(model, data.image_shape(source, split, d["pp"]))
-    params = jax.device_put(params, placement.shardings(logical))
-    metrics = evaluator.run(params)
-  summary = {"checkpoint_step": step, "split": split, **metrics}
-  writer = MetricWriter(workdir, run_config=config, wandb=config["logger"]["wandb"], job_type="eval")
+    _, logical = state_lib.abstract_params(model, data.image_shape(in_dist.source, in_dist.split,
+                                                                   in_dist.config["pp"]))
+    shardings = placement.shardings(logical)
+    params = jax.device_put(params, shardings)
+    ev.params = params
+
+    fit = None
+    if ood:
+      fit = predictions.fit_mahalanobis(ev.step, params, ev.batches(in_dist, in_dist.config["split"]),
+                                        num_classes, put=placement.put)
+    in_scores = {}
+    for i, ds in enumerate(datasets):
+      stats = predictions.PredictionStats(loss_name=ev.loss_name, ece_bins=e["ece_bins"],
+                                          scores=bool(ood) and i == 0, mahalanobis=fit if i == 0 else None,
+                                          keep_probs=e.get("save_predictions", False))
+      rate = ev.evaluate(ev.batches(ds), stats, f"{ds.name}/{ds.split}")
+      summary.update(stats.metrics(ds.name))
+      summary[f"{ds.name}/split"] = ds.split
+      summary[f"{ds.name}/images_per_s"] = rate
+      if i == 0:
+        summary["compute/images_per_s"] = rate
+        in_scores = stats.score_arrays()
+      if e.get("plots", True):
+        path = str(out_dir / f"reliability_{_file_name(ds.name)}.png")
+        images[f"{ds.name}/reliability"] = plot_reliability_diagram(
+            stats.calibration.result(), path, title=f"{ds.name} ({ds.split})")
+      if e.get("save_predictions"):
+        arrays.update({f"{ds.name}/{k}": v for k, v in stats.kept_arrays().items()})
+        if i == 0:
+          arrays.update({f"{ds.name}/score_{k}": v for k, v in in_scores.items()})
+
+    for o in ood:
+      stats = predictions.PredictionStats(loss_name=ev.loss_name, scores=True, mahalanobis=fit,
+                                          labelled=False)
+      ev.evaluate(ev.batches(o), stats, f"OOD {o.name}/{o.split}")
+      out_scores = stats.score_arrays()
+      for score in SCORES:
+        for k, v in detection_metrics(in_scores[score], out_scores[score]).items():
+          summary[f"{in_dist.name}_vs_{o.name}/{score}/{k}"] = v
+      if e.get("save_predictions"):
+        arrays.update({f"{o.name}/score_{k}": v for k, v in out_scores.items()})
+
+    for ds in datasets if corruption_names else []:
+      per_corruption = {}
+      for name in corruption_names:
+        rows = []
+        for s in severities:
+          stats = predictions.PredictionStats(loss_name=ev.loss_name, ece_bins=e["ece_bins"])
+          ev.evaluate(ev.batches(ds, pp=corrupted_pp(ds.config["pp"], name, s)), stats,
+                      f"{ds.name} {name} severity {s}")
+          m = stats.metrics("")
+          rows.append({k: m[f"/{k}"] for k in ("error", "nll", "ece")})
+          for k, v in rows[-1].items():
+            summary[f"{ds.name}/corruption/{name}/sev_{s}/{k}"] = v
+        per_corruption[name] = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+        for k, v in per_corruption[name].items():
+          summary[f"{ds.name}/corruption/{name}/{k}"] = v
+      for k in ("error", "nll", "ece"):
+        summary[f"{ds.name}/corruption/mean/{k}"] = float(
+            np.mean([m[k] for m in per_corruption.values()]))
+
+    if adversarial is not None:
+      for ds in datasets:
+        adversarial.prefix = ds.name
+        summary.update(adversarial.run(params, ev.batches(ds)))
+        ev.say(f"[eval] {ds.name}: PGD at eps {e['adversarial']['epsilons']} done")
+
+    example = predictions.zeros_batch_like(ev.batches(in_dist))
+    summary.update(_compute_metrics(ev, model_cfg, num_classes, placement.put(example)))
+
+    ratios = e.get("capacity_sweep") or []
+    if ratios:
+      rows = _capacity_sweep(ev, in_dist, model_cfg, num_classes, ratios, placement.put(example))
+      for r in rows:
+        key = capacity_sweep.sweep_key(r["capacity_ratio"], r["batch_priority"])
+        summary.update({f"{key}/{k}": r[k] for k in ("prec@1", "nll", "gflops_per_image")})
+      capacity_sweep.write_sweep_json(rows, str(out_dir / "capacity_sweep.json"))
+      if e.get("plots", True):
+        images["capacity_sweep"] = capacity_sweep.plot_capacity_sweep(
+            rows, str(out_dir / "capacity_sweep.png"), title=f"{in_dist.name}: prec@1 vs compute")
+
+  if arrays and jax.process_index() == 0:
+    np.savez_compressed(out_dir / "predictions.npz", **arrays)
+  _write_outputs(config, workdir, ckpt_step, summary, images)
+  _print_summary(summary)
+  return summary
+
+
+def _compute_metrics(ev: _Run, model_cfg, num_classes, example) -> dict:
+  """GFLOPs per image from XLA's cost analysis of the compiled eval step; parameter counts."""
+  flops = predictions.xla_flops(ev.step, ev.params, example)
+  analytic = flops_lib.forward_flops_per_image(model_cfg, num_classes,
+                                               batch_size=ev.batch_size, train=False)
+  host_params = jax.device_get(ev.params)
+  return {
+      # A partitioned program is costed per device: times the devices, over the global batch.
+      "compute/gflops_per_image": flops * jax.device_count() / ev.batch_size / 1e9,
+      "compute/gflops_per_image_analytic": analytic / 1e9,
+      "compute/params_total": predictions.count_params(host_params),
+      "compute/params_active": predictions.active_params(host_params, model_cfg),
+  }
+
+
+def _capacity_sweep(ev: _Run, ds: _Dataset, model_cfg, num_classes, ratios, example) -> list[dict]:
+  """prec@1, NLL and GFLOPs per image at each inference capacity ratio, vanilla and BPR."""
+  rows = []
+  for bpr in (False, True):
+    for c in ratios:
+      cfg = copy.deepcopy(model_cfg)
+      cfg["router"].update(eval_capacity_ratio=float(c), batch_priority=bpr)
+      step = jax.jit(predictions.make_predict_step(common.build_checked_model(cfg, num_classes)))
+      stats = predictions.PredictionStats(loss_name=ev.loss_name)
+      ev.evaluate(ev.batches(ds), stats, f"{ds.name} C={c:g} {'BPR' if bpr else 'vanilla'}",
+                  step=step)
+      m = stats.metrics("")
+      gflops = predictions.xla_flops(step, ev.params, example) * jax.device_count() \
+          / ev.batch_size / 1e9
+      rows.append({"capacity_ratio": float(c), "batch_priority": bpr, "prec@1": m["/prec@1"],
+                   "nll": m["/nll"], "gflops_per_image": gflops,
+                   "gflops_per_image_analytic": flops_lib.forward_flops_per_image(
+                       cfg, num_classes, batch_size=ev.batch_size, train=False) / 1e9})
+  return rows
+
+
+def _write_outputs(config, workdir, step, summary, images) -> None:
+  writer = MetricWriter(workdir, run_config=config, wandb=config["logger"]["wandb"],
+                        job_type="eval")
   try:
-    writer.write(step, metrics)
+    scalars = {k: v for k, v in summary.items() if isinstance(v, (int, float))}
+    writer.write(step, scalars)
+    for key, path in images.items():
+      writer.log_image(step, key, path)
+    writer.log_table("eval/summary", ["metric", "value"], sorted(scalars.items()))
     writer.summary(summary)
   finally:
     writer.close()
-  print(" ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
-  return summary
+
+
+def _print_summary(summary: dict) -> None:
+  keys = [k for k, v in summary.items() if isinstance(v, float) and "/sev_" not in k]
+  print(" ".join(f"{k} {summary[k]:.4f}" for k in keys))
