@@ -20,6 +20,7 @@ tfds.disable_progress_bar()
 from runner.data.pipeline import eval_batches, image_shape, train_batches  # noqa: E402
 from runner.data.sources import DataError, Source, known_names, open_source  # noqa: E402
 from runner.data.pp_ops import PreprocessError  # noqa: E402
+from runner.data import corruptions  # noqa: E402,F401  (registers the corrupt(name, severity) op)
 
 __all__ = ["DataError", "PreprocessError", "Source", "eval_batches", "image_shape", "known_names",
            "open_source", "train_batches"]

@@ -1,4 +1,4 @@
-"""CIFAR-10-C image corruptions as a preprocessing op: "decode(3)|resize(32)|corrupt('fog', 3)|...".
+"""CIFAR-10-C image corruptions as a preprocessing op: "decode(3)|corrupt('contrast', 3)|...".
 
 Hendrycks & Dietterich (2019), "Benchmarking Neural Network Robustness to Common Corruptions and
 Perturbations", publish CIFAR-10-C as fixed .npy files; computing the corruptions in the input
@@ -7,6 +7,10 @@ shipping them. Severity tables are those of the reference script
 github.com/hendrycks/robustness, ImageNet-C/create_c/make_cifar_c.py (the CIFAR variant, made for
 32x32 images; the ImageNet tables are stronger). Pixel operations follow that script on [0, 1]
 floats; where it calls PIL, skimage or OpenCV the TensorFlow equivalent is used (see each function).
+Implemented: the 4 noises, Gaussian and defocus blur, contrast, brightness, saturate, JPEG and
+pixelate. Not (yet): glass/motion/zoom blur, snow, frost, fog, spatter, elastic (ImageMagick
+motion blur, frost photographs, sequential pixel swaps); the prepared TFDS sets
+cifar10_corrupted/<name>_<severity> (conf/data/cifar10_corrupted.yaml) hold all 19.
 
 Random corruptions draw from the example's stateless seed (`_next_seed`), so one `_rng` always
 gives one corrupted image, as for the random augmentations in pp_ops.
@@ -37,6 +41,7 @@ CORRUPTIONS = tuple(_PARAMS)
 # These consume a seed from `_rng`; the others are deterministic functions of the image.
 RANDOM_CORRUPTIONS = ("gaussian_noise", "shot_noise", "impulse_noise", "speckle_noise")
 SEVERITIES = (1, 2, 3, 4, 5)
+_HSV_CORRUPTIONS = ("brightness", "saturate")
 
 
 def _gaussian_noise(x, c, seed):
@@ -132,18 +137,47 @@ def _saturate(x, c, seed):
 
 
 def _jpeg_compression(x, c, seed):
-  """PIL's save(quality=c) round trip; both PIL and TF default to 4:2:0 chroma subsampling."""
+  """PIL's save(quality=c) round trip. Both encoders are libjpeg's with its standard tables and
+  4:2:0 chroma; PIL decodes with the accurate integer IDCT, TF by default with the fast one (off by
+  up to 4 levels), so the decode asks for the accurate one: the result is PIL's exactly."""
   image = tf.cast(tf.round(tf.clip_by_value(x, 0.0, 1.0) * 255.0), tf.uint8)
-  return tf.cast(tf.image.adjust_jpeg_quality(image, c), tf.float32) / 255.0
+  encoded = tf.io.encode_jpeg(image, quality=c)
+  return tf.cast(tf.io.decode_jpeg(encoded, dct_method="INTEGER_ACCURATE"), tf.float32) / 255.0
+
+
+def _box_resize_matrix(n_in, n_out):
+  """PIL's Image.resize(..., BOX) along one axis as an (n_out, n_in) matrix (precompute_coeffs in
+  Pillow's Resample.c, same float64 arithmetic): output pixel o is the plain mean of the input
+  pixels whose centres lie in its footprint, (o + 0.5) * scale -+ scale / 2 (right end included),
+  scale = n_in / n_out; upsampling (scale < 1) thus copies the one covering pixel. Unlike an area
+  resize, a pixel straddling two footprints counts fully in one of them, not in part in both."""
+  scale = tf.cast(n_in, tf.float64) / tf.cast(n_out, tf.float64)
+  filterscale = tf.maximum(scale, 1.0)
+  support = 0.5 * filterscale
+  center = (tf.cast(tf.range(n_out), tf.float64)[:, None] + 0.5) * scale
+  i = tf.cast(tf.range(n_in), tf.float64)[None, :]
+  t = (i - center + 0.5) * (1.0 / filterscale)
+  inside = ((t > -0.5) & (t <= 0.5) & (i >= tf.floor(center - support + 0.5))
+            & (i < tf.floor(center + support + 0.5)))
+  w = tf.cast(inside, tf.float64)
+  return tf.cast(w / tf.reduce_sum(w, axis=1, keepdims=True), tf.float32)
+
+
+def _box_resize(x, size):
+  """PIL BOX resize of (H, W, C) `x` to `size` (h, w): rows, then columns (PIL's horizontal pass
+  comes first; without rounding in between the order does not matter beyond float error)."""
+  hw = tf.shape(x)[:2]
+  x = tf.einsum("oh,hwc->owc", _box_resize_matrix(hw[0], size[0]), x)
+  return tf.einsum("pw,owc->opc", _box_resize_matrix(hw[1], size[1]), x)
 
 
 def _pixelate(x, c, seed):
-  """PIL BOX resize to int(side * c), then BOX back up: area down (the same box average) and
-  nearest up (PIL's BOX upsampling copies the covering pixel, up to ties at exact half pixels)."""
+  """PIL BOX resize to int(side * c), then BOX back up (nearest-pixel copies). The reference
+  resizes uint8 PIL images, rounding after each pass; on integer input this differs from it by at
+  most 1/255."""
   hw = tf.shape(x)[:2]
   small = tf.maximum(tf.cast(tf.floor(tf.cast(hw, tf.float64) * c), tf.int32), 1)
-  x = tf.image.resize(x, small, method="area")
-  return tf.image.resize(x, hw, method="nearest")
+  return _box_resize(_box_resize(x, small), hw)
 
 
 _FUNCTIONS = {name: globals()[f"_{name}"] for name in CORRUPTIONS}
@@ -152,9 +186,11 @@ _FUNCTIONS = {name: globals()[f"_{name}"] for name in CORRUPTIONS}
 @register("corrupt")
 def get_corrupt(name: str, severity: int = 3, key: str = "image"):
   """CIFAR-10-C corruption `name` at `severity` 1..5 on an RGB image in [0, 255] (uint8 or float,
-  after decode/resize, before value_range); out: float32 in [0, 255], same shape."""
+  after decode/resize, before value_range); out: float32 in [0, 255], same shape. Only brightness
+  and saturate need 3 channels; the others corrupt each channel of any image."""
   if name not in _PARAMS:
-    raise PreprocessError(f"unknown corruption {name!r}; valid corruptions: {', '.join(CORRUPTIONS)}")
+    raise PreprocessError(f"unknown corruption {name!r}; valid corruptions: "
+                          f"{', '.join(CORRUPTIONS)}")
   if isinstance(severity, bool) or not isinstance(severity, int) or severity not in SEVERITIES:
     raise PreprocessError(f"corruption severity must be an integer from {SEVERITIES[0]} to "
                           f"{SEVERITIES[-1]}, got {severity!r}")
@@ -162,6 +198,9 @@ def get_corrupt(name: str, severity: int = 3, key: str = "image"):
 
   def op(example):
     image = example[key]
+    if name in _HSV_CORRUPTIONS and image.shape[-1] not in (3, None):
+      raise PreprocessError(f"corrupt({name!r}) works in HSV and needs RGB images, got "
+                            f"{image.shape[-1]} channel(s) under {key!r}: decode(3) before it")
     seed = _next_seed(example) if name in RANDOM_CORRUPTIONS else None
     x = tf.cast(image, tf.float32) / 255.0
     out = tf.clip_by_value(fn(x, c, seed), 0.0, 1.0) * 255.0

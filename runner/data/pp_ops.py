@@ -22,6 +22,10 @@ _REGISTRY: dict[str, Callable[..., Op]] = {}
 
 class PreprocessError(UserError, ValueError):
   """A preprocessing spec that cannot be parsed or names an unknown op."""
+  # Raised while tf.data traces a map function, an error passes through autograph, which re-raises
+  # it as its own type only if that type's __init__ is Exception's; otherwise as a StagingError,
+  # which is no UserError (the CLI would print a traceback instead of the message).
+  __init__ = Exception.__init__
 
 
 def register(name: str):
@@ -48,7 +52,8 @@ def _parse_call(text: str) -> tuple[str, list, dict]:
     args = [ast.literal_eval(a) for a in node.args]
     kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
   except ValueError:
-    raise PreprocessError(f"arguments of {text!r} must be literals (numbers, strings, tuples)") from None
+    raise PreprocessError(f"arguments of {text!r} must be literals (numbers, quoted strings, "
+                          "tuples)") from None
   return node.func.id, args, kwargs
 
 

@@ -225,3 +225,12 @@ def test_bad_spec_fails_before_reading(uci):
     data.eval_batches(uci, SPLIT, "decode(3", 8)
   with pytest.raises(data.DataError):
     data.eval_batches(uci, "nope", PLAIN, 8)
+
+
+def test_error_raised_while_tracing_keeps_its_type(uci):
+  # tf.data traces the preprocessing with autograph, which would turn the error into a
+  # StagingError (no UserError: the CLI would print a traceback) unless it can rebuild its type.
+  with pytest.raises(data.PreprocessError, match="leaves no decoded image"):
+    data.eval_batches(uci, SPLIT, "keep('label')", 8)
+  with pytest.raises(data.PreprocessError, match="removed the label"):
+    data.train_batches(uci, SPLIT, "decode(3)|keep('image')", 8, seed=0)

@@ -53,10 +53,11 @@ def find_window(image: np.ndarray, crop: np.ndarray) -> tuple[int, int]:
 
 
 def test_registry_holds_exactly_the_tested_ops():
-  # A new op must get tests here: this list is what the tests below cover.
-  assert pp_ops.registered_ops() == ["central_crop", "decode", "flip_lr", "inception_crop", "keep",
-                                     "onehot", "pad", "random_crop", "resize", "resize_small",
-                                     "value_range"]
+  # A new op must get tests here: this list is what the tests below cover (corrupt: in
+  # test_data_corruptions.py; importing runner.data registers it).
+  assert pp_ops.registered_ops() == ["central_crop", "corrupt", "decode", "flip_lr",
+                                     "inception_crop", "keep", "onehot", "pad", "random_crop",
+                                     "resize", "resize_small", "value_range"]
 
 
 # --- decode -----------------------------------------------------------------------------------
