@@ -185,7 +185,7 @@ def run(cfg, workdir: str) -> dict:
     adversarial = AdversarialEvaluator(
         model, epsilons=[float(x) for x in adv["epsilons"]], steps=int(adv["steps"]),
         step_size=adv.get("step_size"), loss_name=ev.loss_name, prefix="",
-        put=placement.put, max_examples=adv.get("max_examples"))
+        put=placement.put, max_examples=adv.get("max_examples"), progress=ev.verbose)
 
   summary: dict = {"checkpoint_step": ckpt_step, "split": in_dist.split}
   images, arrays = {}, {}
@@ -252,10 +252,17 @@ def run(cfg, workdir: str) -> dict:
             np.mean([m[k] for m in per_corruption.values()]))
 
     if adversarial is not None:
+      from runner.evaluators.adversarial import plot_pgd
       for ds in datasets:
         adversarial.prefix = ds.name
-        summary.update(adversarial.run(params, ev.batches(ds)))
-        ev.say(f"[eval] {ds.name}: PGD at eps {e['adversarial']['epsilons']} done")
+        attacked = adversarial.run(params, ev.batches(ds))
+        summary.update(attacked)
+        ev.say(f"[eval] {ds.name}: PGD ({e['adversarial']['steps']} steps) at eps "
+               f"{e['adversarial']['epsilons']} done")
+        if e.get("plots", True):
+          images[f"{ds.name}/pgd"] = plot_pgd(attacked, ds.name,
+                                              str(out_dir / f"pgd_{_file_name(ds.name)}.png"),
+                                              title=f"{ds.name}: L-inf PGD")
 
     example = predictions.zeros_batch_like(ev.batches(in_dist))
     summary.update(_compute_metrics(ev, model_cfg, num_classes, placement.put(example)))

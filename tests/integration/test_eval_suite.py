@@ -31,7 +31,9 @@ def suite(digits_0to4, tmp_path_factory):
   code = cli.main(["eval", f"init.checkpoint={digits_0to4}", f"workdir={workdir}", *QUIET,
                    "eval.ood_datasets=[uci_digits_5to9,lfw_faces]", "eval.ece_bins=10",
                    "eval.corruptions=[gaussian_noise,contrast]", "eval.severities=[1,5]",
-                   "eval.capacity_sweep=[1.05,0.2]", "eval.save_predictions=true"])
+                   "eval.capacity_sweep=[1.05,0.2]", "eval.save_predictions=true",
+                   "eval.adversarial.epsilons=[0,0.02]", "eval.adversarial.steps=3",
+                   "eval.adversarial.max_examples=48"])
   assert code == 0
   return workdir, json.loads((workdir / "summary.json").read_text())
 
@@ -58,6 +60,17 @@ def test_summary_has_every_family_of_metrics(suite):
   for name in ("reliability_uci_digits_0to4.png", "capacity_sweep.png", "capacity_sweep.json",
                "metrics.jsonl", "config.yaml"):
     assert (workdir / name).stat().st_size > 0
+
+
+def test_pgd_attack_summary(suite):
+  workdir, s = suite
+  ds = "uci_digits_0to4"
+  assert s[f"{ds}/pgd/eps_0/error"] == pytest.approx(s[f"{ds}/pgd/clean/error"])
+  assert s[f"{ds}/pgd/eps_0/changed_predictions"] == 0
+  assert s[f"{ds}/pgd/eps_0/routing_change/layer_1"] == 0
+  assert s[f"{ds}/pgd/eps_0.02/loss"] > s[f"{ds}/pgd/clean/loss"]
+  assert 0 < s[f"{ds}/pgd/eps_0.02/routing_change/mean"] <= 1
+  assert (workdir / f"pgd_{ds}.png").stat().st_size > 0
 
 
 def test_capacity_sweep_trades_flops(suite):

@@ -36,7 +36,14 @@ def _mesh_axes(logical: tuple) -> tuple:
 
 class MoeMlpBlock(nn.Module):
   """Replaces a ViT MLP. Tokens of `group_size` consecutive images form one routing group; all
-  tokens of a group compete for the same expert buffers (what Batch Prioritized Routing sorts)."""
+  tokens of a group compete for the same expert buffers (what Batch Prioritized Routing sorts).
+
+  Applied with mutable=["intermediates"], it also sows `selected_experts`: (batch, tokens, k)
+  int32, every token's TOP-k experts as the router chose them, before capacity drops. That is the
+  "set of selected experts" whose change under attack the adversarial evaluator measures
+  (Puigcerver et al. 2022, App. F): a property of the token alone, whereas what survives the
+  buffers also depends on the other images of its routing group.
+  """
   num_experts: int
   mlp_dim: int
   group_size: int = 8
@@ -55,6 +62,8 @@ class MoeMlpBlock(nn.Module):
     groups = x.reshape(batch // group_size, group_size * tokens, dim)
     plan, metrics = NoisyTopKRouter(num_experts=self.num_experts, **(self.router or {}),
                                     name="router")(groups, train=train)
+    # A no-op unless the caller made "intermediates" mutable.
+    self.sow("intermediates", "selected_experts", plan.experts.reshape(batch, tokens, plan.k))
     weights = MlpExperts(self.num_experts, self.mlp_dim, name="experts")(dim)
     rng = self.make_rng("dropout") if train and self.expert_dropout else None
     mesh = _active_mesh()

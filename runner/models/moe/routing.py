@@ -39,6 +39,8 @@ class DispatchPlan:
   slot_of_assignment[g, a] is the slot, or E * C when the assignment was dropped.
   assignment_of_slot[g, s] is the assignment, or S * k when the slot is empty (zero padded).
   combine_weights[g, t, i] is the gate of token t's i-th choice, 0 where it was dropped.
+  experts[g, t, i] is token t's i-th choice (TOP-k, before capacity drops); None in plans built
+  from the other arrays alone (the per-device plans of expert parallelism).
   """
   slot_of_assignment: jax.Array
   assignment_of_slot: jax.Array
@@ -46,6 +48,7 @@ class DispatchPlan:
   num_experts: int = dataclasses.field(metadata=dict(static=True))
   capacity: int = dataclasses.field(metadata=dict(static=True))
   k: int = dataclasses.field(metadata=dict(static=True))
+  experts: jax.Array | None = None
 
   @property
   def kept(self) -> jax.Array:
@@ -143,7 +146,7 @@ def plan_dispatch(gates: jax.Array, *, k: int, capacity: int, batch_priority: bo
   return DispatchPlan(slot_of_assignment=slot_of_assignment,
                       assignment_of_slot=assignment_of_slot.astype(jnp.int32),
                       combine_weights=combine_weights, num_experts=num_experts,
-                      capacity=capacity, k=k)
+                      capacity=capacity, k=k, experts=experts)
 
 
 def squared_cv(values: jax.Array) -> jax.Array:

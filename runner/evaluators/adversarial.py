@@ -1,0 +1,264 @@
+"""L∞ PGD attacks on ViT / V-MoE classifiers: error, loss, changed predictions and routing change.
+
+Follows Puigcerver et al. 2022, "On the Adversarial Robustness of Mixture of Experts" (App. F)
+and its public reference code (google-research/vmoe, projects/adversarial_attacks):
+
+- ε is in [0, 1] pixel units, as in the paper. Images enter the model in [-1, 1]
+  (value_range(-1,1)), so the L∞ radius there is 2ε, and every step is clipped back into both the
+  ball and [-1, 1] (the reference does not clip to the valid range; we do, so adversarial images
+  stay images).
+- No random start: each attack starts from the clean image, so it is deterministic and ε = 0
+  returns the image unchanged.
+- The attacked objective is the classification loss against the true labels (softmax
+  cross-entropy by default, or the model's training loss); the MoE auxiliary losses are not part
+  of it (the reference's `attack_auxiliary_loss=False`). The model runs in inference mode: no
+  router noise, no dropout, inference capacity.
+- Step size 2.5·ε/steps by default (Madry et al. 2018), so the attack can reach the border of the
+  ball and still move along it; the reference used ε/steps (`step_size=lambda e: e / steps`).
+- Rate of routing changes of a token: 1 − IoU of its sets of selected experts (the router's TOP-k
+  before capacity drops, see `MoeMlpBlock`) on the clean and on the adversarial image; averaged
+  over the tokens of an image, then over images.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from runner.logging.progress import Progress
+from runner.train.losses import LOSSES, precision_at_1
+
+_BLOCK = re.compile(r"block_(\d+)")
+
+
+def default_step_size(epsilon, steps: int):
+  """Madry et al.'s 2.5·ε/steps, in the units of ε."""
+  return 2.5 * epsilon / steps
+
+
+def make_pgd_attack(model, loss_name: str = "softmax_xent", *, steps: int,
+                    step_size_fn: Callable | None = None):
+  """Jitted (params, images, labels, epsilon) -> adversarial images, by `steps` sign-gradient steps.
+
+  `epsilon` and `step_size_fn(epsilon)` are in [0, 1] pixel units; `epsilon` is traced, so one
+  compilation serves every ε. The loss is summed over the batch: each image's gradient is its own
+  loss's (padded rows with all-zero labels have zero softmax loss and do not move).
+  """
+  if steps < 1:
+    raise ValueError(f"PGD needs steps >= 1, got {steps}")
+  loss_fn = LOSSES[loss_name]
+  step_size_fn = step_size_fn or (lambda epsilon: default_step_size(epsilon, steps))
+
+  def total_loss(images, params, labels):
+    logits, _ = model.apply({"params": params}, images, train=False)
+    return jnp.sum(loss_fn(logits, labels))
+
+  grad_fn = jax.grad(total_loss)
+
+  def attack(params, images, labels, epsilon):
+    epsilon = jnp.asarray(epsilon, jnp.float32)
+    radius, alpha = 2.0 * epsilon, 2.0 * jnp.asarray(step_size_fn(epsilon), jnp.float32)
+    # Both constraints are boxes, so projecting onto their intersection is one clip.
+    low = jnp.maximum(images - radius, -1.0).astype(images.dtype)
+    high = jnp.minimum(images + radius, 1.0).astype(images.dtype)
+
+    def step(_, x):
+      g = grad_fn(x, params, labels)
+      return jnp.clip(x + (alpha * jnp.sign(g)).astype(x.dtype), low, high)
+
+    return jax.lax.fori_loop(0, steps, step, images)
+
+  return jax.jit(attack)
+
+
+def selected_experts(intermediates) -> dict[str, jax.Array]:
+  """{"layer_<i>": (batch, tokens, k)} from the `selected_experts` sown in block_<i>'s MoE."""
+  out = {}
+  for path, value in traverse_util.flatten_dict(dict(intermediates)).items():
+    if path[-1] != "selected_experts":
+      continue
+    blocks = [m for m in map(_BLOCK.fullmatch, path) if m]
+    if not blocks:
+      raise ValueError(f"selected_experts sown outside an encoder block: {'/'.join(path)}")
+    out[f"layer_{blocks[-1][1]}"] = value[-1]  # sow keeps a tuple of every call's value
+  return out
+
+
+def routing_change(clean: jax.Array, adversarial: jax.Array) -> jax.Array:
+  """(batch,) 1 − IoU of each token's clean and adversarial expert sets, averaged over tokens.
+
+  clean, adversarial: (batch, tokens, k) expert ids; a token's k ids are distinct (TOP-k), so
+  |A ∩ B| counts the ids of A found in B and |A ∪ B| = 2k − |A ∩ B| >= k > 0.
+  """
+  k = clean.shape[-1]
+  intersection = jnp.sum(jnp.any(clean[..., :, None] == adversarial[..., None, :], axis=-1), -1)
+  iou = (intersection / (2 * k - intersection)).astype(jnp.float32)
+  return jnp.mean(1.0 - iou, axis=-1)  # not 1 - mean: XLA's mean of ones can miss 1 by an ulp
+
+
+def make_measure_step(model, loss_name: str = "softmax_xent"):
+  """Jitted (params, batch, adversarial_images) -> sums over the real rows of the batch.
+
+  `batch` holds "image", "labels" and "_mask". Keys: clean/error, clean/loss, error, loss,
+  changed_predictions, routing_change/layer_<i> for each MoE layer, and count.
+  """
+  loss_fn = LOSSES[loss_name]
+
+  def forward(params, images):
+    (logits, _), state = model.apply({"params": params}, images, train=False,
+                                     mutable=["intermediates"])
+    return logits, selected_experts(state.get("intermediates", {}))
+
+  def step(params, batch, adversarial_images):
+    labels = batch["labels"]
+    mask = batch["_mask"].astype(jnp.float32)
+    clean_logits, clean_experts = forward(params, batch["image"])
+    adv_logits, adv_experts = forward(params, adversarial_images)
+    per_example = {
+        "clean/error": 1.0 - precision_at_1(clean_logits, labels),
+        "clean/loss": loss_fn(clean_logits, labels),
+        "error": 1.0 - precision_at_1(adv_logits, labels),
+        "loss": loss_fn(adv_logits, labels),
+        "changed_predictions": (jnp.argmax(clean_logits, -1) != jnp.argmax(adv_logits, -1)),
+    }
+    for layer, experts in clean_experts.items():
+      per_example[f"routing_change/{layer}"] = routing_change(experts, adv_experts[layer])
+    out = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in per_example.items()}
+    out["count"] = jnp.sum(mask)
+    return out
+
+  return jax.jit(step)
+
+
+def _layer_order(key: str) -> int:
+  return int(key.rsplit("_", 1)[1])
+
+
+class AdversarialEvaluator:
+  """PGD at each ε of a sweep on the same examples; averages over the real examples seen.
+
+  `step_size`: the step in [0, 1] pixel units, a float or a function of ε; None for 2.5·ε/steps.
+  `max_examples` counts rows of this process's batches (the first `max_examples`), so that every
+  process stops after the same number of batches.
+  """
+
+  def __init__(self, model, *, epsilons, steps: int, step_size=None,
+               loss_name: str = "softmax_xent", prefix: str, put=lambda batch: batch,
+               max_examples: int | None = None, progress: bool = True):
+    self.epsilons = [float(e) for e in epsilons]
+    if not self.epsilons or min(self.epsilons) < 0:
+      raise ValueError(f"epsilons must be a non-empty list of values >= 0, got {epsilons}")
+    if loss_name not in LOSSES:
+      raise ValueError(f"unknown loss {loss_name!r}; valid: {sorted(LOSSES)}")
+    if step_size is not None and not callable(step_size):
+      fixed = float(step_size)
+      step_size = lambda epsilon: fixed  # noqa: E731
+    self.attack = make_pgd_attack(model, loss_name, steps=steps, step_size_fn=step_size)
+    self.measure = make_measure_step(model, loss_name)
+    self.prefix, self.put, self.max_examples, self.progress = prefix, put, max_examples, progress
+
+  def run(self, params, batches) -> dict[str, float]:
+    rows = batches.element_spec["_mask"].shape[0]
+    total = int(batches.cardinality())
+    if self.max_examples is not None and rows:
+      limit = math.ceil(self.max_examples / rows)
+      total = limit if total < 0 else min(total, limit)
+    progress = Progress(max(total, 0), 0, rows or 0, desc=f"{self.prefix} pgd",
+                        enabled=self.progress)
+    clean: dict[str, float] = {}
+    attacked: dict[float, dict[str, float]] = {e: {} for e in self.epsilons}
+    count = 0.0
+    try:
+      for index, batch in enumerate(batches.as_numpy_iterator()):
+        mask = np.asarray(batch["_mask"], bool)
+        if self.max_examples is not None:
+          first_row = index * len(mask)
+          if first_row >= self.max_examples:
+            break
+          mask = mask & (first_row + np.arange(len(mask)) < self.max_examples)
+        batch = self.put({"image": batch["image"], "labels": batch["labels"], "_mask": mask})
+        for i, epsilon in enumerate(self.epsilons):
+          adversarial = self.attack(params, batch["image"], batch["labels"], np.float32(epsilon))
+          sums = jax.device_get(self.measure(params, batch, adversarial))
+          if i == 0:
+            count += float(sums["count"])
+            for k in ("clean/error", "clean/loss"):
+              clean[k] = clean.get(k, 0.0) + float(sums[k])
+          for k, v in sums.items():
+            if not k.startswith("clean/") and k != "count":
+              attacked[epsilon][k] = attacked[epsilon].get(k, 0.0) + float(v)
+        progress.step_done(index + 1)
+    finally:
+      progress.close()
+    count = max(count, 1.0)
+    base = f"{self.prefix}/pgd"
+    out = {f"{base}/{k}": v / count for k, v in clean.items()}
+    for epsilon, sums in attacked.items():
+      name = f"{base}/eps_{epsilon:g}"
+      changes = {k: v / count for k, v in sums.items() if k.startswith("routing_change/")}
+      out.update({f"{name}/{k}": v / count for k, v in sums.items()
+                  if not k.startswith("routing_change/")})
+      for k in sorted(changes, key=_layer_order):
+        out[f"{name}/{k}"] = changes[k]
+      if changes:
+        out[f"{name}/routing_change/mean"] = float(np.mean(list(changes.values())))
+    return out
+
+
+def plot_pgd(metrics: dict, prefix: str, path: str, title: str = "") -> str:
+  """Writes a PNG of error vs ε and routing change vs ε per MoE layer; returns the path.
+
+  Reads the keys `AdversarialEvaluator.run` writes; the clean error is drawn at ε = 0. A bare Agg
+  figure, not pyplot, so no global backend or figure state changes.
+  """
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  base = f"{prefix}/pgd/"
+  pattern = re.compile(re.escape(base) + r"eps_([^/]+)/(.+)")
+  by_eps: dict[float, dict[str, float]] = {}
+  for key, value in metrics.items():
+    m = pattern.fullmatch(key)
+    if m:
+      by_eps.setdefault(float(m[1]), {})[m[2]] = value
+  if not by_eps:
+    raise ValueError(f"no {base}eps_<e>/... keys in the metrics")
+  epsilons = sorted(by_eps)
+  layers = sorted({k.split("/", 1)[1] for sums in by_eps.values() for k in sums
+                   if k.startswith("routing_change/layer_")}, key=_layer_order)
+
+  figure = Figure(figsize=(10 if layers else 5, 4), dpi=100)
+  FigureCanvasAgg(figure)
+  axes = figure.add_subplot(1, 2 if layers else 1, 1)
+  xs, errors = list(epsilons), [by_eps[e].get("error", np.nan) for e in epsilons]
+  if f"{base}clean/error" in metrics and 0.0 not in by_eps:
+    xs, errors = [0.0] + xs, [metrics[f"{base}clean/error"]] + errors
+  axes.plot(xs, errors, marker="o", label="error")
+  axes.plot(epsilons, [by_eps[e].get("changed_predictions", np.nan) for e in epsilons],
+            marker="x", linestyle="--", label="changed predictions")
+  axes.set_xlabel("ε (L∞, [0, 1] pixel units)")
+  axes.set_ylim(0, 1)
+  axes.set_title("error under PGD")
+  axes.legend(loc="lower right")
+  if layers:
+    route = figure.add_subplot(1, 2, 2)
+    for layer in layers:
+      route.plot(epsilons, [by_eps[e].get(f"routing_change/{layer}", np.nan) for e in epsilons],
+                 marker="o", label=layer.replace("_", " "))
+    route.plot(epsilons, [by_eps[e].get("routing_change/mean", np.nan) for e in epsilons],
+               color="black", linestyle="--", label="mean")
+    route.set_xlabel("ε (L∞, [0, 1] pixel units)")
+    route.set_ylabel("1 − IoU of selected experts")
+    route.set_ylim(0, 1)
+    route.set_title("routing change under PGD")
+    route.legend(loc="upper left")
+  if title:
+    figure.suptitle(title)
+  figure.tight_layout()
+  figure.savefig(path, format="png")
+  return path
