@@ -51,6 +51,12 @@ class Source:
     name, start, stop = self._slice(split)
     return stop - start
 
+  def head(self, split: str, count: int) -> str:
+    """The first `count` examples of `split` as an absolute sub-split ('train[:98%]', 500 ->
+    'train[0:500]'), so that a cap composes with a slice."""
+    name, start, stop = self._slice(split)
+    return f"{name}[{start}:{min(stop, start + max(0, count))}]"
+
   def _slice(self, split: str) -> tuple[str, int, int]:
     match = _SLICE.match(split.replace(" ", ""))
     if not match or match["name"] not in self.splits:

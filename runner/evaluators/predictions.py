@@ -30,21 +30,21 @@ def make_predict_step(model):
   return step
 
 
-def _to_host(tree):
-  """Device arrays to NumPy; across processes, every process gets every row."""
+def to_host(tree):
+  """Global arrays as host NumPy; across processes every process gets every row (same order)."""
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
-    return multihost_utils.process_allgather(tree, tiled=True)
-  return jax.device_get(tree)
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+  return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
 def predict_batches(step, params, batches, put=lambda b: b, on_batch: Callable | None = None
                     ) -> Iterable[dict]:
   """Yields host dicts with logits, pre_logits, labels and mask for each batch of `batches`."""
   for batch in batches.as_numpy_iterator():
-    out = _to_host(step(params, put(batch)))
+    out = to_host(step(params, put(batch)))
     # Each process read its own rows: gathered in the same (process-major) order as the outputs.
-    host = _to_host({"labels": batch["labels"], "_mask": batch["_mask"]})
+    host = to_host({"labels": batch["labels"], "_mask": batch["_mask"]})
     out.update(labels=np.asarray(host["labels"]), mask=np.asarray(host["_mask"], bool))
     if on_batch is not None:
       on_batch(int(out["mask"].sum()))

@@ -12,6 +12,7 @@ from runner import checkpoint, data, parallel
 from runner.config import validate
 from runner.errors import ConfigError
 from runner.models import build_model, transfer
+from runner.tasks import fewshot_data
 from runner.train import state as state_lib
 from runner.train.loop import train_and_evaluate
 
@@ -82,6 +83,10 @@ def check_training(config: dict) -> None:
   eval_batch = config["eval"].get("batch_size") or config["data"].get("eval_batch_size")
   if eval_batch:
     validate.check_batch(eval_batch, config["model"], what="eval.batch_size")
+  if fewshot_data.enabled_in_training(config):
+    fewshot_data.check_config(config["fewshot"])
+    validate.check_batch(fewshot_data.batch_size(config["fewshot"], config["data"], eval_batch),
+                         config["model"], what="fewshot.batch_size")
 
 
 def build_checked_model(model_cfg: dict, num_classes: int):
@@ -144,8 +149,15 @@ def run_training(cfg, workdir: str, stage: str) -> dict:
   check_training(config)
   check_init_path(config, workdir)
   source = open_data(config["data"])
+  fewshot = None
+  if fewshot_data.enabled_in_training(config):  # every dataset checked before any compute
+    fewshot_cfg = config["fewshot"]
+    eval_batch = config["eval"].get("batch_size")
+    fewshot = fewshot_data.batches(fewshot_data.open_datasets(fewshot_cfg, config["data"]),
+                                   fewshot_data.batch_size(fewshot_cfg, config["data"], eval_batch))
   model = build_checked_model(config["model"], source.num_classes)
   init_params = init_from_checkpoint(config, model, source, workdir)
   write_config(config, workdir)
   return train_and_evaluate(config, model=model, source=source, placement=placement,
-                            workdir=workdir, init_params=init_params, stage=stage)
+                            workdir=workdir, init_params=init_params, stage=stage,
+                            fewshot_datasets=fewshot)

@@ -27,15 +27,8 @@ from runner.evaluators.calibration import plot_reliability_diagram
 from runner.evaluators.ood import SCORES, detection_metrics
 from runner.logging import MetricWriter
 from runner.models import flops as flops_lib
-from runner.tasks import common, dataset_specs
+from runner.tasks import common, dataset_specs, overrides
 from runner.train import state as state_lib
-
-
-def _prune_none(tree):
-  if isinstance(tree, dict):
-    pruned = {k: _prune_none(v) for k, v in tree.items() if v is not None}
-    return {k: v for k, v in pruned.items() if v != {}}
-  return tree
 
 
 def effective_config(cfg, workdir: str, own_keys=("seed", "init", "eval", "logger", "mesh",
@@ -51,7 +44,8 @@ def effective_config(cfg, workdir: str, own_keys=("seed", "init", "eval", "logge
     router["eval_capacity_ratio"] = router["capacity_ratio"]  # at inference, C is the eval C
   merged = OmegaConf.merge(
       OmegaConf.create({k: stored[k] for k in ("model", "data", "train") if k in stored}),
-      OmegaConf.create(_prune_none({"model": given["model"], "data": given.get("data") or {}})))
+      OmegaConf.create(overrides.prune_none({"model": given["model"],
+                                             "data": given.get("data") or {}})))
   config = OmegaConf.to_container(merged, resolve=True)
   own = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
   config.update({k: own[k] for k in own_keys if k in own})

@@ -7,6 +7,7 @@ the same command resumes.
 """
 from __future__ import annotations
 
+import functools
 import math
 import pathlib
 import signal
@@ -19,6 +20,7 @@ from runner import data
 from runner.checkpoint import Checkpointer
 from runner.errors import ConfigError, UserError
 from runner.evaluators.classification import ClassificationEvaluator, make_eval_step
+from runner.evaluators.fewshot import FewshotEvaluator, make_feature_fn
 from runner.logging import MetricWriter, Progress
 from runner.parallel import Placement, replicated
 from runner.train import optimizers, schedules, state as state_lib
@@ -101,9 +103,20 @@ def initial_state(checkpointer: Checkpointer, *, model, tx, image_shape, placeme
   return state, shardings, 0, origin
 
 
+def _fewshot_summary(metrics: dict) -> str:
+  means = {k.split("/")[2]: v for k, v in metrics.items()
+           if k.startswith("fewshot/mean/") and k.endswith("/accuracy")}
+  return " ".join(f"{shots} {v:.4f}" for shots, v in means.items())
+
+
 def train_and_evaluate(config: dict, *, model, source, placement: Placement, workdir: str,
-                       init_params=None, stage: str = "train") -> dict:
-  """Trains `model` on `source` as `config` says; returns the final metrics (also summary.json)."""
+                       init_params=None, stage: str = "train",
+                       fewshot_datasets: dict | None = None) -> dict:
+  """Trains `model` on `source` as `config` says; returns the final metrics (also summary.json).
+
+  `fewshot_datasets` (name -> (pool batches, test batches, num_classes)) adds linear few-shot
+  accuracy of the current parameters every `fewshot.every_steps` and at the end, as `fewshot/...`.
+  """
   workdir = pathlib.Path(workdir)
   d, t, o, s = config["data"], config["train"], config["optim"], config["schedule"]
   seed = int(config["seed"])
@@ -141,6 +154,20 @@ def train_and_evaluate(config: dict, *, model, source, placement: Placement, wor
                                     eval_batch_size // processes["process_count"], **processes)
         return ClassificationEvaluator(eval_step, batches, prefix=prefix, put=placement.put)
       val = evaluator(d["eval_split"], "val")
+      fewshot_cfg, fewshot = config.get("fewshot") or {}, None
+      if fewshot_datasets:
+        fewshot = FewshotEvaluator(None, fewshot_datasets, shots=fewshot_cfg["shots"],
+                                   seeds=fewshot_cfg["seeds"], l2_regs=fewshot_cfg.get("l2_regs"),
+                                   put=placement.put, prefix="fewshot")
+        feature_step = jax.jit(make_feature_fn(model))
+      fewshot_every = int(fewshot_cfg.get("every_steps") or 0) if fewshot else 0
+
+      def run_fewshot(step):
+        """Features of the current parameters: recomputed at every call."""
+        metrics = fewshot.run([functools.partial(feature_step, state.params)])
+        progress.message(f"[{stage}] step {step} few-shot mean accuracy: "
+                         f"{_fewshot_summary(metrics)}")
+        return metrics
       batches = data.train_batches(source, d["split"], d["pp_train"],
                                    batch_size // processes["process_count"], seed=seed,
                                    start=position, shuffle_buffer=d["shuffle_buffer"], **processes)
@@ -177,6 +204,8 @@ def train_and_evaluate(config: dict, *, model, source, placement: Placement, wor
             last_eval = val.run(state.params)
             writer.write(step, last_eval)
             progress.report(step, {**last_train, **last_eval})
+          if fewshot_every and step % fewshot_every == 0 and step != steps:
+            writer.write(step, run_fewshot(step))
           if checkpointer.should_save(step) or step == steps:
             save(step)
           if stop.signum is not None and step != steps:
@@ -188,6 +217,8 @@ def train_and_evaluate(config: dict, *, model, source, placement: Placement, wor
       final = val.run(state.params)
       if d.get("test_split"):
         final.update(evaluator(d["test_split"], "test").run(state.params))
+      if fewshot is not None:
+        final.update(run_fewshot(steps))
     writer.write(steps, final)
     progress.report(steps, {**last_train, **final})
     summary = {"step": steps, **last_train, **final,

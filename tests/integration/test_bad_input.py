@@ -95,7 +95,7 @@ def test_console_script_exit_code_and_message():
 def test_help_lists_subcommands_and_config(run_cli):
   code, out, _ = run_cli("--help")
   assert code == 0
-  for sub in ("pretrain", "finetune", "eval"):
+  for sub in ("pretrain", "finetune", "fewshot", "eval"):
     assert f"  {sub} " in out
   code, out, _ = run_cli("pretrain", "--help")
   assert code == 0 and "model: " in out and "vmoe_tiny" in out and "optim: " in out

@@ -13,7 +13,7 @@ from runner.models import catalog
 
 CONF = conf_dir()
 SWEEPS = CONF.parent / "sweeps"
-PRIMARY = ["pretrain", "finetune", "eval"]
+PRIMARY = ["pretrain", "finetune", "fewshot", "eval"]
 GROUPS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
           for group in ("data", "optim", "schedule", "experiment", "sharding")}
 
