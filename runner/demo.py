@@ -20,7 +20,12 @@ STAGES = [
     ("pretrain", "pretrain", [f"workdir={ROOT}/pretrain"]),
     ("finetune", "finetune", [f"workdir={ROOT}/finetune", f"init.checkpoint={ROOT}/pretrain"]),
     ("scratch", "finetune", [f"workdir={ROOT}/scratch", "init.checkpoint=null"]),
-    ("eval", "eval", [f"workdir={ROOT}/eval", f"init.checkpoint={ROOT}/finetune"]),
+    ("fewshot", "fewshot", [f"workdir={ROOT}/fewshot", f"init.checkpoint={ROOT}/pretrain",
+                            "fewshot.datasets=[uci_digits]", "fewshot.shots=[1,5,10,25]"]),
+    ("eval", "eval", [f"workdir={ROOT}/eval", f"init.checkpoint={ROOT}/finetune",
+                      "eval.ood_datasets=[lfw_faces]",
+                      "eval.corruptions=[gaussian_noise,gaussian_blur,contrast,jpeg_compression]",
+                      "eval.severities=[1,3,5]", "eval.capacity_sweep=[1.05,0.5,0.25,0.1]"]),
     ("eval_bpr", "eval", [f"workdir={ROOT}/eval_bpr", f"init.checkpoint={ROOT}/finetune",
                           "model.router.capacity_ratio=0.5", "model.router.batch_priority=true"]),
 ]
@@ -40,7 +45,7 @@ def table(seconds: dict[str, float]) -> str:
        fine.get("test/prec@1"), fine.get("test/nll"), seconds.get("finetune")),
       ("finetune from scratch (baseline)", "uci_digits", scratch["step"], scratch["val/prec@1"],
        scratch.get("test/prec@1"), scratch.get("test/nll"), seconds.get("scratch")),
-      ("eval, C=1.05 vanilla routing", "uci_digits test", "-", None, ev["uci_digits/prec@1"],
+      ("eval suite, C=1.05 vanilla routing", "uci_digits test", "-", None, ev["uci_digits/prec@1"],
        ev["uci_digits/nll"], seconds.get("eval")),
       ("eval, C=0.5 Batch Prioritized Routing", "uci_digits test", "-", None,
        bpr["uci_digits/prec@1"], bpr["uci_digits/nll"], seconds.get("eval_bpr")),
@@ -51,6 +56,36 @@ def table(seconds: dict[str, float]) -> str:
   for name, dataset, steps, val, test, nll, sec in rows:
     lines.append(f"| {name} | {dataset} | {steps} | {fmt(val)} | {fmt(test)} | {fmt(nll)} | "
                  f"{'-' if sec is None else f'{sec:.0f}'} |")
+  return "\n".join(lines) + "\n\n" + measurements()
+
+
+def measurements() -> str:
+  """The fine-tuned model beyond accuracy, and few-shot transfer of the pretrained one."""
+  ev, shots = _summary("eval"), _summary("fewshot")
+  ds, ood = "uci_digits", "uci_digits_vs_lfw_faces"
+  few = ", ".join(f"{s}-shot {shots[f'{ds}/{s}shot/accuracy']:.3f}" for s in (1, 5, 10, 25))
+  sweep = ", ".join(
+      f"C={c}: {ev[f'capacity_sweep/C_{c}/vanilla/prec@1']:.3f} / "
+      f"{ev[f'capacity_sweep/C_{c}/bpr/prec@1']:.3f} at "
+      f"{ev[f'capacity_sweep/C_{c}/bpr/gflops_per_image'] * 1e3:.2f} MFLOPs"
+      for c in ("1.05", "0.5", "0.25", "0.1"))
+  rows = [
+      ("calibration (uci_digits test)", f"ECE {ev[f'{ds}/ece']:.4f} (15 bins), Brier "
+       f"{ev[f'{ds}/brier']:.4f}, NLL {ev[f'{ds}/nll']:.4f}"),
+      ("far OOD: LFW crops (lfw_faces)", f"AUROC MSP {ev[f'{ood}/msp/auroc']:.3f}, entropy "
+       f"{ev[f'{ood}/entropy/auroc']:.3f}, Mahalanobis {ev[f'{ood}/mahalanobis/auroc']:.3f}; "
+       f"FPR@95 Mahalanobis {ev[f'{ood}/mahalanobis/fpr95']:.3f}"),
+      ("corruptions (4 kinds x severities 1,3,5)", f"mean error "
+       f"{ev[f'{ds}/corruption/mean/error']:.4f} vs clean {ev[f'{ds}/error']:.4f}, mean ECE "
+       f"{ev[f'{ds}/corruption/mean/ece']:.4f}"),
+      ("compute", f"{ev['compute/gflops_per_image'] * 1e3:.2f} MFLOPs/image (XLA), "
+       f"{ev['compute/params_active']:,} of {ev['compute/params_total']:,} parameters active, "
+       f"{ev['compute/images_per_s']:.0f} images/s"),
+      ("capacity sweep, prec@1 vanilla / BPR", sweep),
+      ("few-shot (pretrained, uci_digits)", few),
+  ]
+  lines = ["| measurement | result |", "|---|---|"]
+  lines += [f"| {name} | {value} |" for name, value in rows]
   return "\n".join(lines)
 
 

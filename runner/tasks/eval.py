@@ -330,5 +330,7 @@ def _write_outputs(config, workdir, step, summary, images) -> None:
 
 
 def _print_summary(summary: dict) -> None:
+  """One metric per line (per-severity values stay in summary.json)."""
   keys = [k for k, v in summary.items() if isinstance(v, float) and "/sev_" not in k]
-  print(" ".join(f"{k} {summary[k]:.4f}" for k in keys))
+  width = max((len(k) for k in keys), default=0)
+  print("\n".join(f"{k:<{width}}  {summary[k]:.4f}" for k in keys))
