@@ -45,8 +45,8 @@ def table(seconds: dict[str, float]) -> str:
        fine.get("test/prec@1"), fine.get("test/nll"), seconds.get("finetune")),
       ("finetune from scratch (baseline)", "uci_digits", scratch["step"], scratch["val/prec@1"],
        scratch.get("test/prec@1"), scratch.get("test/nll"), seconds.get("scratch")),
-      ("eval suite, C=1.05 vanilla routing", "uci_digits test", "-", None, ev["uci_digits/prec@1"],
-       ev["uci_digits/nll"], seconds.get("eval")),
+      ("eval suite, C=1.05 vanilla routing", "uci_digits test", "-", None,
+       ev["uci_digits/prec@1"], ev["uci_digits/nll"], seconds.get("eval")),
       ("eval, C=0.5 Batch Prioritized Routing", "uci_digits test", "-", None,
        bpr["uci_digits/prec@1"], bpr["uci_digits/nll"], seconds.get("eval_bpr")),
   ]
