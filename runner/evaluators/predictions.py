@@ -8,7 +8,7 @@ scores), so memory stays flat as the split grows. Full probabilities are kept on
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from typing import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -38,16 +38,13 @@ def to_host(tree):
   return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
-def predict_batches(step, params, batches, put=lambda b: b, on_batch: Callable | None = None
-                    ) -> Iterable[dict]:
+def predict_batches(step, params, batches, put=lambda b: b) -> Iterable[dict]:
   """Yields host dicts with logits, pre_logits, labels and mask for each batch of `batches`."""
   for batch in batches.as_numpy_iterator():
     out = to_host(step(params, put(batch)))
     # Each process read its own rows: gathered in the same (process-major) order as the outputs.
     host = to_host({"labels": batch["labels"], "_mask": batch["_mask"]})
     out.update(labels=np.asarray(host["labels"]), mask=np.asarray(host["_mask"], bool))
-    if on_batch is not None:
-      on_batch(int(out["mask"].sum()))
     yield out
 
 

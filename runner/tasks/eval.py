@@ -31,8 +31,7 @@ from runner.tasks import common, dataset_specs, overrides
 from runner.train import state as state_lib
 
 
-def effective_config(cfg, workdir: str, own_keys=("seed", "init", "eval", "logger", "mesh",
-                                                   "sharding", "distributed")) -> dict:
+def effective_config(cfg, workdir: str) -> dict:
   """The checkpoint's stored config with this command's non-null model/data keys on top."""
   given = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
   path = given["init"].get("checkpoint")
@@ -48,7 +47,8 @@ def effective_config(cfg, workdir: str, own_keys=("seed", "init", "eval", "logge
                                              "data": given.get("data") or {}})))
   config = OmegaConf.to_container(merged, resolve=True)
   own = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-  config.update({k: own[k] for k in own_keys if k in own})
+  config.update({k: own[k] for k in ("seed", "init", "eval", "logger", "mesh", "sharding",
+                                      "distributed")})
   config["workdir"] = str(workdir)
   return config
 
@@ -186,8 +186,8 @@ def run(cfg, workdir: str) -> dict:
   with placement.context():
     _, logical = state_lib.abstract_params(model, data.image_shape(in_dist.source, in_dist.split,
                                                                    in_dist.config["pp"]))
-    shardings = placement.shardings(logical)
-    params = jax.device_put(params, shardings)
+    host_params = params
+    params = jax.device_put(params, placement.shardings(logical))
     ev.params = params
 
     fit = None
@@ -259,7 +259,8 @@ def run(cfg, workdir: str) -> dict:
                                               title=f"{ds.name}: L-inf PGD")
 
     example = predictions.zeros_batch_like(ev.batches(in_dist))
-    summary.update(_compute_metrics(ev, model_cfg, num_classes, placement.put(example)))
+    summary.update(_compute_metrics(ev, model_cfg, num_classes, placement.put(example),
+                                    host_params))
 
     ratios = e.get("capacity_sweep") or []
     if ratios:
@@ -279,12 +280,11 @@ def run(cfg, workdir: str) -> dict:
   return summary
 
 
-def _compute_metrics(ev: _Run, model_cfg, num_classes, example) -> dict:
+def _compute_metrics(ev: _Run, model_cfg, num_classes, example, host_params) -> dict:
   """GFLOPs per image from XLA's cost analysis of the compiled eval step; parameter counts."""
   flops = predictions.xla_flops(ev.step, ev.params, example)
   analytic = flops_lib.forward_flops_per_image(model_cfg, num_classes,
                                                batch_size=ev.batch_size, train=False)
-  host_params = jax.device_get(ev.params)
   return {
       # A partitioned program is costed per device: times the devices, over the global batch.
       "compute/gflops_per_image": flops * jax.device_count() / ev.batch_size / 1e9,
