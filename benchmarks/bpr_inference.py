@@ -9,6 +9,7 @@ time per image should fall with it. Also reports the analytic forward FLOPs per 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,8 @@ def main(argv=None) -> dict:
   params = None
   steps, rows = {}, []
   for ratio in map(float, args.ratios.split(",")):
-    config = dict(base, router=dict(base["router"], eval_capacity_ratio=ratio, batch_priority=True))
+    config = dataclasses.replace(base, router=dataclasses.replace(
+        base.router, eval_capacity_ratio=ratio, batch_priority=True))
     model = build_model(config, preset["num_classes"])
     if params is None:  # the same parameters at every ratio: only inference routing changes
       params, _ = state_lib.init_params(model, shape, seed=0)
@@ -47,7 +49,8 @@ def main(argv=None) -> dict:
     steps[ratio] = lambda step=step: step(params, batch)["count"]
   times = harness.interleaved_median_ms(steps, rounds=5, steps=3)
   for ratio, ms in times.items():
-    config = dict(base, router=dict(base["router"], eval_capacity_ratio=ratio))
+    config = dataclasses.replace(base, router=dataclasses.replace(base.router,
+                                                                  eval_capacity_ratio=ratio))
     row = {"capacity_ratio": ratio, "ms_per_batch": ms, "ms_per_image": ms / bs,
            "images_per_s": bs / ms * 1e3,
            "analytic_forward_gflops_per_image": forward_flops_per_image(

@@ -12,6 +12,7 @@ rounds. Reported per model: median step time, train and eval images/s, analytic 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import jax
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
+from runner.config.schema import Classifier, DType, ModelConfig, MoeConfig, RouterConfig
 from runner.evaluators.classification import make_eval_step
 from runner.models import build_model
 from runner.models.flops import train_flops_per_image, forward_flops_per_image
@@ -38,17 +40,18 @@ PRESETS = {
 }
 
 
-def model_configs(preset: dict, dtype: str) -> dict[str, dict]:
-  base = {k: preset[k] for k in ("image_size", "patch_size", "hidden_size", "num_layers",
-                                 "mlp_dim", "num_heads")}
-  base.update(classifier="token", dtype=dtype)
-  moe = dict(base, moe=dict(layers=preset["moe_layers"], num_experts=preset["num_experts"],
-                            group_size=8), router=dict(k=2, capacity_ratio=1.05))
-  dense = dict(base, moe=dict(layers=[], num_experts=0))
+def model_configs(preset: dict, dtype: str) -> dict[str, ModelConfig]:
+  base = ModelConfig(name="bench", classifier=Classifier.token, dtype=DType(dtype),
+                     **{k: preset[k] for k in ("image_size", "patch_size", "hidden_size",
+                                               "num_layers", "mlp_dim", "num_heads")})
+  moe = dataclasses.replace(base, moe=MoeConfig(layers=preset["moe_layers"],
+                                                num_experts=preset["num_experts"], group_size=8),
+                            router=RouterConfig(k=2, capacity_ratio=1.05))
+  dense = dataclasses.replace(base, moe=MoeConfig(layers=[], num_experts=0))
   return {"vmoe": moe, "dense": dense}
 
 
-def _prepare(config: dict, preset: dict):
+def _prepare(config: ModelConfig, preset: dict):
   """Jitted train and eval steps with their inputs, as zero-argument callables."""
   batch_size, classes = preset["batch_size"], preset["num_classes"]
   model = build_model(config, classes)

@@ -1,13 +1,35 @@
-"""The one base class for mistakes in the user's input (config, data, checkpoint).
+"""Errors that stop a run with one paragraph and an exit code, never a traceback (unless debug=true).
 
-The CLI prints these as one paragraph and exits with status 2, without a traceback unless
-debug=true. Anything else is a bug and keeps its traceback.
+Two families, told apart by their exit code:
+- `UserError` (exit 2): bad input — a config value, a dataset, a checkpoint — found before compute.
+- `RunError` (exit 1): a run that cannot go on — it diverged, a checkpoint could not be saved.
+A signal that stops a run after saving exits with 128 + the signal number, as shells expect.
+Anything else is a bug and keeps its traceback.
 """
 
 
-class UserError(Exception):
+class VmoeError(Exception):
+  """Stops the command: the message says what happened and what to do."""
+  exit_code = 1
+
+
+class UserError(VmoeError):
   """Bad input: the message says what was wrong and what is valid."""
+  exit_code = 2
 
 
 class ConfigError(UserError, ValueError):
   """A config that composes but does not make sense (k > num_experts, no steps, ...)."""
+
+
+class RunError(VmoeError):
+  """The run stopped on its own: divergence, a failed checkpoint save."""
+  exit_code = 1
+
+
+class Interrupted(VmoeError):
+  """SIGINT/SIGTERM: the run saved a checkpoint and stopped; rerunning resumes."""
+
+  def __init__(self, message: str, signum: int):
+    super().__init__(message)
+    self.exit_code = 128 + int(signum)

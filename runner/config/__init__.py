@@ -1,16 +1,16 @@
-"""The config layer between Hydra and the library: schemas, model catalog registration, validation.
+"""The config layer between Hydra and the library: typed schemas, their checks, their resolution.
 
-Only this package and `runner.cli` / `runner.tasks` know about Hydra; the library below takes plain
-dicts and arguments.
+`schema` declares every key (type, default, range), `relations` the rules between keys,
+`validate` checks both once before compute, `resolve` turns a composed config into the typed
+object a task runs, `store` registers the schemas with Hydra. Only `store` imports Hydra; the
+library receives typed objects or plain arguments, never the composed dict.
 """
 from __future__ import annotations
 
 import pathlib
 
-from hydra.core.config_store import ConfigStore
-
-from runner.config.schema import (TASK_SCHEMAS, ModelConfig, MoeConfig, RouterConfig)
-from runner.models import catalog
+from runner.config.resolve import as_dict, from_dict, load
+from runner.config.validate import validate
 
 
 def conf_dir() -> pathlib.Path:
@@ -18,20 +18,4 @@ def conf_dir() -> pathlib.Path:
   return pathlib.Path(__file__).resolve().parents[2] / "conf"
 
 
-def register_model(name: str) -> None:
-  """Adds a model name of the catalog grammar as an option of the `model` config group."""
-  cfg = catalog.model_config(name)
-  node = ModelConfig(**{k: v for k, v in cfg.items() if k not in ("moe", "router")},
-                     moe=MoeConfig(**cfg["moe"]), router=RouterConfig(**cfg["router"]))
-  ConfigStore.instance().store(group="model", name=name, node=node)
-
-
-def register_configs() -> None:
-  store = ConfigStore.instance()
-  for task, schema in TASK_SCHEMAS.items():
-    store.store(name=f"{task}_schema", node=schema)
-  for name in catalog.CPU_MODELS + catalog.PAPER_MODELS:
-    register_model(name)
-
-
-register_configs()
+__all__ = ["as_dict", "conf_dir", "from_dict", "load", "validate"]

@@ -1,97 +1,165 @@
-"""Typed schemas of every config, registered in Hydra's ConfigStore.
+"""Typed schemas of every config: each key's type, default, valid range and hint, in one place.
 
-A key that is not here fails at composition ("Key 'lrr' is not in struct"); a value of the wrong
-type or outside an Enum fails with the valid choices. Config keys are the constructor argument
+Hydra composes the YAML files in conf/ against these dataclasses (runner/config/store.py registers
+them), so an unknown key or a value of the wrong type fails at composition. `key(default, check,
+hint)` adds what a type cannot say (steps >= 1, a probability in [0, 1]); relations between keys
+(k <= experts, batch divisible by devices) are in runner/config/relations.py. Both are checked by
+runner/config/validate.py, once, before any compute. Config keys are the constructor argument
 names of the library objects they configure.
+
+This module imports no Hydra and no library code at import time: the library may use these types.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
+from runner.config.checks import (Check, Choice, Items, Range, Rule, at_least, key, matches, positive,
+                                  probability, rate)
 
-class Loss(enum.Enum):
+
+class Loss(str, enum.Enum):
   softmax_xent = "softmax_xent"
   sigmoid_xent = "sigmoid_xent"
 
 
-class OptimizerName(enum.Enum):
+class OptimizerName(str, enum.Enum):
   adam = "adam"
   sgd = "sgd"
   adafactor = "adafactor"
 
 
-class ScheduleName(enum.Enum):
+class ScheduleName(str, enum.Enum):
   constant = "constant"
   linear = "linear"
   cosine = "cosine"
   rsqrt = "rsqrt"
 
 
-class Classifier(enum.Enum):
+class Classifier(str, enum.Enum):
   token = "token"
   gap = "gap"
   map = "map"
 
 
-class Priority(enum.Enum):
+class Priority(str, enum.Enum):
   max = "max"
   sum = "sum"
 
 
-class Dispatcher(enum.Enum):
+class Dispatcher(str, enum.Enum):
   indices = "indices"
   einsum = "einsum"
 
 
-class WandbMode(enum.Enum):
+class WandbMode(str, enum.Enum):
   online = "online"
   offline = "offline"
   disabled = "disabled"
 
 
-class DType(enum.Enum):
+class DType(str, enum.Enum):
   float32 = "float32"
   bfloat16 = "bfloat16"
   float16 = "float16"
 
 
+# Checks that need a registry of the library load it only when a value is checked.
+def _corruption_names() -> list[str]:
+  from runner.data.corruptions import CORRUPTIONS
+  return [*CORRUPTIONS, "all"]
+
+
+def _sharding_bundles() -> list[str]:
+  from runner.parallel.mesh import RULES
+  return list(RULES)
+
+
+class Preprocessing(Check):
+  """A `|`-separated preprocessing spec whose ops are all registered (runner/data/pp_ops.py)."""
+
+  def __call__(self, value):
+    from runner.data import pp_ops
+    try:
+      pp_ops.parse(value)
+    except pp_ops.PreprocessError as e:
+      return f"is not a valid preprocessing spec: {e}"
+    return None
+
+
+def _is_moe_layers(value) -> bool:
+  if isinstance(value, str):
+    return re.fullmatch(r"(every|last)[1-9]\d*", value) is not None
+  return isinstance(value, (list, tuple)) and all(
+      isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+
+
+def _is_weight_decay(value) -> bool:
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    return value >= 0
+  if not isinstance(value, (list, tuple)):
+    return False
+  for rule in value:
+    if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)
+            and isinstance(rule[1], (int, float)) and rule[1] >= 0):
+      return False
+    re.compile(rule[0])  # a bad pattern raises: the check reports it as invalid
+  return True
+
+
+def _is_sharding_rules(value) -> bool:
+  from runner.parallel.mesh import MESH_AXES
+
+  def axes_ok(axes):
+    axes = [axes] if isinstance(axes, str) or axes is None else axes
+    return all(a is None or a in MESH_AXES for a in axes)
+  return isinstance(value, (list, tuple)) and all(
+      isinstance(r, (list, tuple)) and len(r) == 2 and isinstance(r[0], str) and axes_ok(r[1])
+      for r in value)
+
+
+_DEVICES = Rule(lambda v: v == -1 or v >= 1, "-1 (infer from the device count) or >= 1")
+
+
 @dataclass
 class RouterConfig:
-  k: int = 2
-  capacity_ratio: float = 1.05
-  eval_capacity_ratio: Optional[float] = None  # None: same as capacity_ratio
+  k: int = key(2, at_least(1), "experts per token")
+  capacity_ratio: float = key(1.05, positive(), "1.05 upstream; below 1 drops tokens, which Batch "
+                              "Prioritized Routing makes graceful")
+  eval_capacity_ratio: Optional[float] = key(None, positive(), "null: same as capacity_ratio")
   batch_priority: bool = False
   priority: Priority = Priority.max
-  noise_std: float = 1.0  # multiplied by 1/E, as in the paper
+  noise_std: float = key(1.0, at_least(0), "multiplied by 1/E, as in the paper; 0: no noise")
 
 
 @dataclass
 class MoeConfig:
-  layers: Any = field(default_factory=list)  # "every2", "last2" or a list of block indices
-  num_experts: int = 0
-  group_size: int = 8  # images per routing group
-  expert_dropout: float = 0.0
+  layers: Any = key([], Rule(_is_moe_layers, "'every<n>', 'last<n>' (n >= 1) or a list of block "
+                             "indices >= 0"))
+  num_experts: int = key(0, at_least(0))
+  group_size: int = key(8, at_least(1), "images per routing group")
+  expert_dropout: float = key(0.0, rate())
   dispatcher: Dispatcher = Dispatcher.indices
 
 
 @dataclass
 class ModelConfig:
   name: str = MISSING
-  image_size: int = 224
-  patch_size: int = 16
-  hidden_size: int = 768
-  num_layers: int = 12
-  mlp_dim: int = 3072
-  num_heads: int = 12
+  image_size: int = key(224, at_least(1))
+  patch_size: int = key(16, at_least(1))
+  hidden_size: int = key(768, at_least(1))
+  num_layers: int = key(12, at_least(1))
+  mlp_dim: int = key(3072, at_least(1))
+  num_heads: int = key(12, at_least(1))
   classifier: Classifier = Classifier.token
-  representation_size: Optional[int] = None
-  dropout_rate: float = 0.0
-  attention_dropout_rate: float = 0.0
+  representation_size: Optional[int] = key(None, at_least(1), "null: no pre-logits layer")
+  dropout_rate: float = key(0.0, rate())
+  attention_dropout_rate: float = key(0.0, rate())
   head_bias_init: float = 0.0
   dtype: DType = DType.float32  # compute dtype; parameters and the router stay float32
   moe: MoeConfig = field(default_factory=MoeConfig)
@@ -104,14 +172,16 @@ class DataConfig:
   split: str = "train"
   eval_split: str = "validation"  # a held-out slice of `split` when the dataset has none
   test_split: Optional[str] = "test"
-  holdout_fraction: float = 0.02
+  holdout_fraction: float = key(0.02, Range(0, 1, low_open=True, high_open=True),
+                                "the held-out share of `split` when there is no eval split")
   data_dir: Optional[str] = None  # default: $TFDS_DATA_DIR or ~/tensorflow_datasets
   root: Optional[str] = None  # for data=image_folder
-  pp_train: str = "decode(3)|resize(224)|value_range(-1,1)"
-  pp: str = "decode(3)|resize(224)|value_range(-1,1)"
-  batch_size: int = 128
-  eval_batch_size: Optional[int] = None  # None: batch_size
-  shuffle_buffer: int = 50_000
+  skip_unreadable: bool = False  # image_folder: skip unreadable files (with a warning) instead of failing
+  pp_train: str = key("decode(3)|resize(224)|value_range(-1,1)", Preprocessing())
+  pp: str = key("decode(3)|resize(224)|value_range(-1,1)", Preprocessing())
+  batch_size: int = key(128, at_least(1))
+  eval_batch_size: Optional[int] = key(None, at_least(1), "null: batch_size")
+  shuffle_buffer: int = key(50_000, at_least(1))
   image_key: str = "image"
   label_key: str = "label"
 
@@ -119,63 +189,67 @@ class DataConfig:
 @dataclass
 class OptimConfig:
   name: OptimizerName = OptimizerName.adam
-  lr: float = 1e-3
-  b1: float = 0.9
-  b2: float = 0.999
-  eps: float = 1e-8
-  momentum: float = 0.9
+  lr: float = key(1e-3, positive(), "the peak learning rate")
+  b1: float = key(0.9, rate())
+  b2: float = key(0.999, rate())
+  eps: float = key(1e-8, positive())
+  momentum: float = key(0.9, rate())
   nesterov: bool = False
   # A float for every parameter, or a list of [regex, value] pairs matched against
   # "block_1/moe/experts/fc1_kernel"-style names (first match wins, unmatched: no decay).
-  weight_decay: Any = 0.0
-  grad_clip_norm: Optional[float] = 1.0
+  weight_decay: Any = key(0.0, Rule(_is_weight_decay, "a number >= 0 or a list of [regex, value "
+                                    ">= 0] pairs, e.g. '[[head/kernel,3.0],[.*kernel,0.03]]'"))
+  grad_clip_norm: Optional[float] = key(1.0, positive(), "null: no clipping")
 
 
 @dataclass
 class ScheduleConfig:
   name: ScheduleName = ScheduleName.linear
-  warmup_steps: int = 0
-  end_lr_fraction: float = 0.0  # linear/cosine decay to lr * end_lr_fraction
-  timescale: Optional[int] = None  # rsqrt: default warmup_steps (or 10_000)
-  cooldown_steps: int = 0  # rsqrt: final linear cooldown to zero
+  warmup_steps: int = key(0, at_least(0))
+  end_lr_fraction: float = key(0.0, probability(), "linear/cosine decay to lr * end_lr_fraction")
+  timescale: Optional[int] = key(None, at_least(1), "rsqrt; null: warmup_steps (or 10000)")
+  cooldown_steps: int = key(0, at_least(0), "rsqrt: final linear cooldown to zero")
 
 
 @dataclass
 class TrainConfig:
-  steps: Optional[int] = None
-  epochs: Optional[float] = None  # used when steps is None
+  steps: Optional[int] = key(None, at_least(1), "null: use train.epochs")
+  epochs: Optional[float] = key(None, positive(), "used when train.steps is null")
   loss: Loss = Loss.softmax_xent
-  aux_loss_weight: float = 0.01  # lambda of Appendix A.2
-  accum_steps: int = 1  # micro-batches per step (gradient accumulation)
-  log_every_steps: int = 50
+  aux_loss_weight: float = key(0.01, at_least(0), "lambda of Appendix A.2")
+  accum_steps: int = key(1, at_least(1), "micro-batches per step (gradient accumulation)")
+  log_every_steps: int = key(50, at_least(1))
 
 
 @dataclass
 class EvalConfig:
-  every_steps: int = 0  # 0: only at the end
-  batch_size: Optional[int] = None
+  every_steps: int = key(0, at_least(0), "0: only at the end")
+  batch_size: Optional[int] = key(None, at_least(1), "null: data.eval_batch_size or batch_size")
 
 
 @dataclass
 class AdversarialConfig:
-  epsilons: list = field(default_factory=list)  # L-inf radii in [0, 1] pixel units, e.g. [0.001, 0.003]
-  steps: int = 40  # PGD steps
-  step_size: Optional[float] = None  # None: 2.5 * epsilon / steps (Madry et al.)
-  max_examples: Optional[int] = 512  # attacks cost steps x backward passes: a subset by default
+  epsilons: List[float] = key([], Items(Range(0, 1), example="[0.001,0.003]"),
+                              "L-inf radii in [0, 1] pixel units")
+  steps: int = key(40, at_least(1), "PGD steps")
+  step_size: Optional[float] = key(None, positive(), "null: 2.5 * epsilon / steps (Madry et al.)")
+  max_examples: Optional[int] = key(512, at_least(1), "attacks cost steps x backward passes; "
+                                    "null: every example")
 
 
 @dataclass
 class EvalSuiteConfig:
   """vmoe eval: which measurements to take, on which datasets."""
-  batch_size: Optional[int] = None
-  datasets: list = field(default_factory=list)  # [] : the checkpoint's own dataset
+  batch_size: Optional[int] = key(None, at_least(1), "null: the checkpoint's eval batch size")
+  datasets: List[str] = key([], Items(unique=True), "[]: the checkpoint's own dataset")
   split: Optional[str] = None  # None: each dataset's test split (else its eval split)
-  ood_datasets: list = field(default_factory=list)  # each vs the first in-distribution dataset
-  ece_bins: int = 15
-  corruptions: list = field(default_factory=list)  # names from runner/data/corruptions.py, or [all]
-  severities: list = field(default_factory=lambda: [1, 2, 3, 4, 5])
+  ood_datasets: List[str] = key([], Items(unique=True), "each vs the first eval dataset")
+  ece_bins: int = key(15, at_least(1))
+  corruptions: List[str] = key([], Items(Choice(_corruption_names)), "or [all]")
+  severities: List[int] = key([1, 2, 3, 4, 5], Items(Range(1, 5), example="[1,3,5]"))
   adversarial: AdversarialConfig = field(default_factory=AdversarialConfig)
-  capacity_sweep: list = field(default_factory=list)  # inference C values, vanilla vs BPR
+  capacity_sweep: List[float] = key([], Items(positive(), example="[1.05,0.5,0.25,0.1]"),
+                                    "inference capacity ratios, vanilla vs BPR")
   save_predictions: bool = False
   plots: bool = True
 
@@ -183,21 +257,26 @@ class EvalSuiteConfig:
 @dataclass
 class FewshotConfig:
   """Linear few-shot evaluation on frozen pre-logits (`vmoe fewshot`, or every N steps in training)."""
-  datasets: list = field(default_factory=list)
-  shots: list = field(default_factory=lambda: [1, 5, 10, 25])
-  seeds: list = field(default_factory=lambda: [0, 1, 2])
-  l2_regs: Optional[list] = None  # None: 2^-10 ... 2^19
+  datasets: List[str] = key([], Items(unique=True), "e.g. [uci_digits,mnist5k]; "
+                            "'name:split' picks the test split")
+  shots: List[int] = key([1, 5, 10, 25], Items(at_least(1), nonempty=True, example="[1,5,10,25]"),
+                         "examples per class")
+  seeds: List[int] = key([0, 1, 2], Items(nonempty=True, example="[0,1,2]"),
+                         "accuracies are averaged over them")
+  l2_regs: Optional[List[float]] = key(None, Items(positive(), nonempty=True, increasing=True,
+                                                   example="[0.1,1,10,100]"),
+                                       "null: the grid 2^-10 ... 2^19")
   train_split: str = "train"
   test_split: Optional[str] = None  # None: each dataset's test split (else its eval split)
-  max_train_examples: Optional[int] = None  # cap on the pool the shots are drawn from
-  batch_size: Optional[int] = None
-  every_steps: int = 0  # training only: 0 = never during training
+  max_train_examples: Optional[int] = key(None, at_least(1), "null: the whole pool")
+  batch_size: Optional[int] = key(None, at_least(1), "null: the evaluation batch size")
+  every_steps: int = key(0, at_least(0), "training only: 0 = never during training")
 
 
 @dataclass
 class CheckpointConfig:
-  every_steps: int = 500
-  keep: int = 2
+  every_steps: int = key(500, at_least(0), "0: only at the end")
+  keep: int = key(2, at_least(1), "the newest checkpoints kept")
   async_save: bool = True
 
 
@@ -211,10 +290,10 @@ class InitConfig:
 @dataclass
 class WandbConfig:
   mode: WandbMode = WandbMode.offline
-  project: str = "vmoe"
+  project: str = key("vmoe", matches(r".+", "a non-empty name"))
   entity: Optional[str] = None
   name: Optional[str] = None
-  tags: list = field(default_factory=list)
+  tags: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -225,23 +304,27 @@ class LoggerConfig:
 
 @dataclass
 class MeshConfig:
-  data: int = -1  # devices along the data axis; -1: all the others
-  expert: int = 1  # devices along the expert axis; -1: the most that divide the experts
+  data: int = key(-1, _DEVICES, "devices along the data axis")
+  expert: int = key(1, _DEVICES, "devices along the expert axis; -1: the most that divide the "
+                    "experts")
 
 
 @dataclass
 class ShardingConfig:
-  name: str = "dp"  # dp | ep | fsdp_ep: a bundle of logical-axis rules (runner/parallel/mesh.py)
-  rules: Optional[list] = None  # explicit [[logical axis, mesh axis], ...] instead of the bundle
+  name: str = key("dp", Choice(_sharding_bundles), "a bundle of logical-axis rules")
+  rules: Optional[list] = key(None, Rule(_is_sharding_rules, "a list of [logical axis, mesh axis "
+                                         "(data, expert), a list of them, or null] pairs"),
+                              "null: the bundle's rules")
 
 
 @dataclass
 class DistributedConfig:
-  coordinator_address: Optional[str] = None  # host:port of process 0
-  num_processes: Optional[int] = None
-  process_id: Optional[int] = None
+  coordinator_address: Optional[str] = key(None, matches(r"[^\s:]+:\d+", "host:port"),
+                                           "of process 0")
+  num_processes: Optional[int] = key(None, at_least(1))
+  process_id: Optional[int] = key(None, at_least(0))
   auto: bool = True  # join a job JAX detects from the environment (SLURM, TPU VMs, ...)
-  timeout_seconds: int = 300
+  timeout_seconds: int = key(300, at_least(1))
 
 
 @dataclass
@@ -266,7 +349,10 @@ class TrainTask:
 
 
 def optional_copy(cls, prefix: str = "Optional"):
-  """The same dataclass with every field optional and None by default: "unchanged" overrides."""
+  """The same dataclass with every field optional and None by default: "unchanged" overrides.
+
+  Each field keeps its check, so a given override is range-checked like the key it overrides.
+  """
   fields = []
   for f in dataclasses.fields(cls):
     ftype = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # noqa: S307
@@ -274,7 +360,7 @@ def optional_copy(cls, prefix: str = "Optional"):
       sub = optional_copy(ftype, prefix)
       fields.append((f.name, sub, field(default_factory=sub)))
     else:
-      fields.append((f.name, Optional[ftype], field(default=None)))
+      fields.append((f.name, Optional[ftype], field(default=None, metadata=f.metadata)))
   return dataclasses.make_dataclass(prefix + cls.__name__, fields)
 
 
@@ -320,3 +406,44 @@ class FewshotTask:
 
 TASK_SCHEMAS = {"pretrain": TrainTask, "finetune": TrainTask, "fewshot": FewshotTask,
                 "eval": EvalTask}
+
+
+# What a later stage runs: the checkpoint's stored model and data with the command line on top.
+@dataclass
+class EvalRun:
+  """vmoe eval, resolved: the full model and data configs and the checkpoint's loss."""
+  seed: int
+  workdir: str
+  debug: bool
+  init: InitConfig
+  model: ModelConfig
+  data: DataConfig
+  loss: Loss
+  eval: EvalSuiteConfig
+  logger: LoggerConfig
+  mesh: MeshConfig
+  sharding: ShardingConfig
+  distributed: DistributedConfig
+
+
+@dataclass
+class FewshotMember:
+  """One checkpoint whose frozen features few-shot evaluation uses."""
+  path: str
+  model: ModelConfig
+  data: DataConfig
+
+
+@dataclass
+class FewshotRun:
+  """vmoe fewshot, resolved: each checkpoint's model, the preprocessing they share."""
+  seed: int
+  workdir: str
+  debug: bool
+  members: List[FewshotMember]
+  data: DataConfig  # the first member's data config: its preprocessing reads every dataset
+  fewshot: FewshotConfig
+  logger: LoggerConfig
+  mesh: MeshConfig
+  sharding: ShardingConfig
+  distributed: DistributedConfig

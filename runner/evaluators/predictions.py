@@ -167,11 +167,9 @@ def count_params(params) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
 
 
-def active_params(params, model_cfg: dict) -> int:
+def active_params(params, num_experts: int, k: int) -> int:
   """Parameters one token uses: the experts count k / E of their weights (V-MoE's "active")."""
-  moe = model_cfg.get("moe") or {}
-  e = moe.get("num_experts") or 0
-  k = (model_cfg.get("router") or {}).get("k", 1)
+  e = num_experts
   total = 0
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     size = int(np.prod(leaf.shape))

@@ -3,38 +3,41 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from runner.config.schema import ModelConfig
 from runner.models.catalog import UnknownModelError, model_config, moe_layer_indices
 from runner.models.vit import VisionTransformer
 
-_ROUTER_KEYS = ("k", "capacity_ratio", "eval_capacity_ratio", "batch_priority", "priority",
-                "noise_std")
+
+def _name(option) -> str:
+  """An enum option of the schema (or its plain string) as the string the modules take."""
+  return str(getattr(option, "value", option))
 
 
-def is_moe(config: dict) -> bool:
-  return bool(config.get("moe", {}).get("num_experts")) and bool(
-      moe_layer_indices(config["moe"].get("layers", ()), config["num_layers"]))
+def is_moe(config: ModelConfig) -> bool:
+  return bool(config.moe.num_experts) and bool(moe_layer_indices(config.moe.layers or [],
+                                                                 config.num_layers))
 
 
-def build_model(config: dict, num_classes: int) -> VisionTransformer:
+def build_model(config: ModelConfig, num_classes: int) -> VisionTransformer:
   """A `VisionTransformer` from a model config (the `model.` keys), with a head of `num_classes`."""
-  moe_cfg = config.get("moe") or {}
-  moe_layers = moe_layer_indices(moe_cfg.get("layers", ()), config["num_layers"]) if is_moe(config) else ()
   moe = None
+  moe_layers = moe_layer_indices(config.moe.layers or [], config.num_layers) if is_moe(config) else ()
   if moe_layers:
-    router = {k: v for k, v in (config.get("router") or {}).items() if k in _ROUTER_KEYS}
-    moe = dict(num_experts=moe_cfg["num_experts"], group_size=moe_cfg.get("group_size", 8),
-               expert_dropout=moe_cfg.get("expert_dropout", 0.0),
-               dispatcher=moe_cfg.get("dispatcher", "indices"), router=router)
+    r = config.router
+    router = dict(k=r.k, capacity_ratio=r.capacity_ratio, eval_capacity_ratio=r.eval_capacity_ratio,
+                  batch_priority=r.batch_priority, priority=_name(r.priority),
+                  noise_std=r.noise_std)
+    moe = dict(num_experts=config.moe.num_experts, group_size=config.moe.group_size,
+               expert_dropout=config.moe.expert_dropout,
+               dispatcher=_name(config.moe.dispatcher), router=router)
   return VisionTransformer(
-      num_classes=num_classes, patch_size=config["patch_size"], hidden_size=config["hidden_size"],
-      num_layers=config["num_layers"], mlp_dim=config["mlp_dim"], num_heads=config["num_heads"],
-      classifier=config.get("classifier", "token"),
-      representation_size=config.get("representation_size"),
-      dropout_rate=config.get("dropout_rate", 0.0),
-      attention_dropout_rate=config.get("attention_dropout_rate", 0.0),
-      head_bias_init=config.get("head_bias_init", 0.0), moe_layers=moe_layers, moe=moe,
-      dtype=jnp.dtype(config.get("dtype", "float32")))
+      num_classes=num_classes, patch_size=config.patch_size, hidden_size=config.hidden_size,
+      num_layers=config.num_layers, mlp_dim=config.mlp_dim, num_heads=config.num_heads,
+      classifier=_name(config.classifier), representation_size=config.representation_size,
+      dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate,
+      head_bias_init=config.head_bias_init, moe_layers=moe_layers, moe=moe,
+      dtype=jnp.dtype(_name(config.dtype)))
 
 
-__all__ = ["UnknownModelError", "VisionTransformer", "build_model", "is_moe", "model_config",
-           "moe_layer_indices"]
+__all__ = ["ModelConfig", "UnknownModelError", "VisionTransformer", "build_model", "is_moe",
+           "model_config", "moe_layer_indices"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+from runner.config.schema import ModelConfig, MoeConfig, RouterConfig
 from runner.errors import UserError
 
 # name: (hidden_size, num_layers, mlp_dim, num_heads)
@@ -39,7 +40,7 @@ class UnknownModelError(UserError, ValueError):
   pass
 
 
-def model_config(name: str) -> dict:
+def model_config(name: str) -> ModelConfig:
   """The full model config (constructor arguments plus image_size) for a name in the grammar."""
   m = _NAME.match(name)
   if not m or (m["kind"] == "vit" and (m["place"] or m["e"] or m["k"])):
@@ -49,14 +50,14 @@ def model_config(name: str) -> dict:
         f"{{{', '.join(s for s in SIZES if s != 'tiny')}}} (e.g. vmoe_b16_every2_e32_k2).")
   tiny = bool(m["tiny"])
   hidden, layers, mlp, heads = SIZES["tiny" if tiny else m["size"]]
-  config = dict(name=name, image_size=32 if tiny else 224, patch_size=4 if tiny else int(m["patch"]),
-                hidden_size=hidden, num_layers=layers, mlp_dim=mlp, num_heads=heads,
-                moe=dict(layers=[], num_experts=0), router=dict(k=2))
+  moe, router = MoeConfig(layers=[], num_experts=0), RouterConfig(k=2)
   if m["kind"] == "vmoe":
     placement = f"{m['place'] or 'every'}{m['n'] or 2}"
-    config["moe"] = dict(layers=placement, num_experts=int(m["e"] or (8 if tiny else 32)))
-    config["router"] = dict(k=int(m["k"] or 2))
-  return config
+    moe = MoeConfig(layers=placement, num_experts=int(m["e"] or (8 if tiny else 32)))
+    router = RouterConfig(k=int(m["k"] or 2))
+  return ModelConfig(name=name, image_size=32 if tiny else 224,
+                     patch_size=4 if tiny else int(m["patch"]), hidden_size=hidden,
+                     num_layers=layers, mlp_dim=mlp, num_heads=heads, moe=moe, router=router)
 
 
 def moe_layer_indices(layers, num_layers: int) -> tuple[int, ...]:
@@ -70,8 +71,6 @@ def moe_layer_indices(layers, num_layers: int) -> tuple[int, ...]:
     if n < 1:
       raise ValueError(f"moe.layers={layers!r} needs n >= 1")
     if m[1] == "every":
-      if n < 1:
-        raise ValueError("moe.layers=every<n> needs n >= 1")
       return tuple(range(num_layers - 1, -1, -n))[::-1]
     every2 = tuple(range(1, num_layers, 2))
     if n > len(every2):

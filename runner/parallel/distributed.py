@@ -11,31 +11,29 @@ import os
 
 import jax
 
-from runner.errors import ConfigError
-
 _CLUSTER_VARIABLES = ("SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "JAX_COORDINATOR_ADDRESS",
                       "OMPI_COMM_WORLD_SIZE")
 
 
-def _cluster_detected() -> bool:
+def cluster_detected() -> bool:
+  """Whether the environment describes a multi-process job that JAX can join by itself."""
   if os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
     return False  # a single SLURM task: nothing to coordinate
   return any(os.environ.get(v) for v in _CLUSTER_VARIABLES)
 
 
-def initialize(config: dict | None) -> None:
-  """Joins the multi-process job described by `config` (the `distributed` keys) or the environment."""
-  config = config or {}
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, auto: bool = True,
+               timeout_seconds: int = 300) -> None:
+  """Joins the multi-process job at `coordinator_address`, or the one the environment describes.
+
+  The config layer has checked that an address comes with the process count and index.
+  """
   if jax.distributed.is_initialized():
     return
-  address = config.get("coordinator_address")
-  if address:
-    num, pid = config.get("num_processes"), config.get("process_id")
-    if num is None or pid is None or not 0 <= pid < num:
-      raise ConfigError(f"distributed.coordinator_address={address} needs "
-                        f"distributed.num_processes=<n> and distributed.process_id=<0..n-1>; got "
-                        f"num_processes={num}, process_id={pid}.")
-    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid,
-                               initialization_timeout=config.get("timeout_seconds", 300))
-  elif config.get("auto", True) and _cluster_detected():
-    jax.distributed.initialize(initialization_timeout=config.get("timeout_seconds", 300))
+  if coordinator_address:
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id,
+                               initialization_timeout=timeout_seconds)
+  elif auto and cluster_detected():
+    jax.distributed.initialize(initialization_timeout=timeout_seconds)

@@ -58,16 +58,14 @@ def make_mesh(data: int = -1, expert: int = 1, devices=None, num_experts: int = 
   return Mesh(np.asarray(devices).reshape(data, expert), MESH_AXES)
 
 
-def rules_from_config(sharding: dict | None) -> tuple:
-  """Rule list from the `sharding` config: explicit `rules`, else the bundle named `name`."""
-  sharding = sharding or {}
-  if sharding.get("rules") is not None:
+def logical_rules(bundle: str = "dp", explicit: list | None = None) -> tuple:
+  """The logical-axis rules: an explicit [[logical axis, mesh axis], ...] list, else a bundle."""
+  if explicit is not None:
     return tuple((str(a), None if b is None else (tuple(b) if isinstance(b, list) else str(b)))
-                 for a, b in sharding["rules"])
-  name = sharding.get("name", "dp")
-  if name not in RULES:
-    raise ConfigError(f"unknown sharding bundle {name!r}; valid: {', '.join(RULES)}.")
-  return RULES[name]
+                 for a, b in explicit)
+  if bundle not in RULES:
+    raise ConfigError(f"unknown sharding bundle {bundle!r}; valid: {', '.join(RULES)}.")
+  return RULES[bundle]
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -113,8 +111,7 @@ class Placement:
     return with_rules(self.mesh, self.rules)
 
 
-def placement(mesh: dict | None, sharding: dict | None, num_experts: int = 0) -> Placement:
-  """The placement a config asks for (`mesh.data`, `mesh.expert`, `sharding`)."""
-  mesh = mesh or {}
-  return Placement(make_mesh(mesh.get("data", -1), mesh.get("expert", 1), num_experts=num_experts),
-                   rules_from_config(sharding))
+def placement(data: int = -1, expert: int = 1, rules: tuple = (),
+              num_experts: int = 0) -> Placement:
+  """A mesh of `data` x `expert` devices (-1: inferred) with these logical-axis rules."""
+  return Placement(make_mesh(data, expert, num_experts=num_experts), tuple(rules))

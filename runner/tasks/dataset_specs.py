@@ -6,33 +6,36 @@ read with the checkpoint's eval `pp`; only the splits and keys depend on the dat
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 
 from omegaconf import OmegaConf
 
 from runner.config import conf_dir
+from runner.config.schema import DataConfig
 
 _SPLIT_KEYS = ("split", "eval_split", "test_split", "holdout_fraction", "image_key", "label_key")
 
 
-def dataset_config(name: str, base: dict) -> dict:
+def dataset_config(name: str, base: DataConfig) -> DataConfig:
   """The data config for dataset `name`, evaluated like `base` (the checkpoint's data config).
 
   `name` may carry a split, "cifar10:test" or "uci_digits:validation[:50%]", which becomes the
   test split. The checkpoint's own dataset keeps its stored splits.
   """
   name, _, split = name.partition(":")
-  if name == base.get("name"):
-    config = copy.deepcopy(base)
+  if name == base.name:
+    config = base
   else:
-    config = {k: base[k] for k in ("pp", "batch_size", "eval_batch_size", "data_dir") if k in base}
-    config.update({"name": name, "split": "train", "eval_split": "validation",
-                   "test_split": "test", "holdout_fraction": base.get("holdout_fraction", 0.02)})
+    own = {}
     known = conf_dir() / "data" / f"{name}.yaml"
     if known.exists():
-      own = OmegaConf.to_container(OmegaConf.load(known), resolve=False)
-      config.update({k: own[k] for k in _SPLIT_KEYS if k in own and own[k] is not None})
+      loaded = OmegaConf.to_container(OmegaConf.load(known), resolve=False)
+      own = {k: loaded[k] for k in _SPLIT_KEYS if loaded.get(k) is not None}
+    config = DataConfig(name=name, pp=base.pp, pp_train=base.pp, batch_size=base.batch_size,
+                        eval_batch_size=base.eval_batch_size, data_dir=base.data_dir,
+                        holdout_fraction=own.pop("holdout_fraction", base.holdout_fraction),
+                        **{"split": "train", "eval_split": "validation", "test_split": "test",
+                           **own})
   if split:
-    config["test_split"] = split
-  config["pp"] = base["pp"]
-  return config
+    config = dataclasses.replace(config, test_split=split)
+  return dataclasses.replace(config, pp=base.pp)

@@ -9,48 +9,28 @@ first forward pass.
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 import pathlib
 import re
 import sys
 
 import jax
 import numpy as np
-from omegaconf import OmegaConf
 
-from runner import checkpoint, data, parallel
-from runner.config import validate
+from runner import checkpoint, data
+from runner.config import as_dict, derived
+from runner.config.schema import DataConfig, EvalRun
 from runner.data import corruptions as corruptions_lib
 from runner.errors import ConfigError
 from runner.evaluators import capacity_sweep, predictions
 from runner.evaluators.calibration import plot_reliability_diagram
 from runner.evaluators.ood import SCORES, detection_metrics
 from runner.logging import MetricWriter
+from runner.models import build_model
 from runner.models import flops as flops_lib
-from runner.tasks import common, dataset_specs, overrides
+from runner.parallel import Placement
+from runner.tasks import common, dataset_specs
 from runner.train import state as state_lib
-
-
-def effective_config(cfg, workdir: str) -> dict:
-  """The checkpoint's stored config with this command's non-null model/data keys on top."""
-  given = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
-  path = given["init"].get("checkpoint")
-  if not path:
-    raise ConfigError("vmoe eval needs init.checkpoint=<workdir of a pretrain/finetune run>.")
-  stored = checkpoint.read_config(path)
-  router = given["model"].get("router") or {}
-  if router.get("capacity_ratio") is not None and router.get("eval_capacity_ratio") is None:
-    router["eval_capacity_ratio"] = router["capacity_ratio"]  # at inference, C is the eval C
-  merged = OmegaConf.merge(
-      OmegaConf.create({k: stored[k] for k in ("model", "data", "train") if k in stored}),
-      OmegaConf.create(overrides.prune_none({"model": given["model"],
-                                             "data": given.get("data") or {}})))
-  config = OmegaConf.to_container(merged, resolve=True)
-  own = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-  config.update({k: own[k] for k in ("seed", "init", "eval", "logger", "mesh", "sharding",
-                                      "distributed")})
-  config["workdir"] = str(workdir)
-  return config
 
 
 def _file_name(text: str) -> str:
@@ -67,11 +47,10 @@ def corrupted_pp(pp: str, name: str, severity: int) -> str:
 class _Dataset:
   """A dataset named in eval.*: its data config, opened source and the split evaluated."""
 
-  def __init__(self, name: str, base: dict, split: str | None):
+  def __init__(self, name: str, base: DataConfig, split: str | None):
     self.name = name
-    self.config = dataset_specs.dataset_config(name, base)
-    self.source = common.open_data(self.config)
-    self.split = split or self.config.get("test_split") or self.config["eval_split"]
+    self.config, self.source = common.open_data(dataset_specs.dataset_config(name, base))
+    self.split = split or self.config.test_split or self.config.eval_split
     try:
       n = self.source.num_examples(self.split)
     except data.DataError as e:
@@ -81,46 +60,18 @@ class _Dataset:
                            f"with examples (available: {self.source.splits}).")
 
 
-def _check_options(e: dict, model_cfg: dict) -> tuple[list[str], list[int]]:
-  """Validates the eval.* values that do not need data; returns corruption names and severities."""
-  if int(e.get("ece_bins") or 0) < 1:
-    raise ConfigError(f"eval.ece_bins must be a positive integer, got {e.get('ece_bins')}.")
-  names = list(e.get("corruptions") or [])
-  if names == ["all"]:
-    names = list(corruptions_lib.CORRUPTIONS)
-  unknown = [n for n in names if n not in corruptions_lib.CORRUPTIONS]
-  if unknown:
-    raise ConfigError(f"unknown corruption(s) {unknown} in eval.corruptions; valid: "
-                      f"{', '.join(corruptions_lib.CORRUPTIONS)} (or [all]).")
-  severities = list(e.get("severities") or [])
-  if names and (not severities or any(s not in corruptions_lib.SEVERITIES for s in severities)):
-    raise ConfigError(f"eval.severities must be a non-empty list of integers from 1 to 5, got "
-                      f"{severities}.")
-  adv = e.get("adversarial") or {}
-  eps = list(adv.get("epsilons") or [])
-  if any(not isinstance(x, (int, float)) or not 0 <= x <= 1 for x in eps):
-    raise ConfigError(f"eval.adversarial.epsilons are L-inf radii in [0, 1] pixel units (e.g. "
-                      f"[0.001,0.003]), got {eps}.")
-  if eps and int(adv.get("steps") or 0) < 1:
-    raise ConfigError(f"eval.adversarial.steps must be >= 1, got {adv.get('steps')}.")
-  ratios = list(e.get("capacity_sweep") or [])
-  if ratios:
-    if not common.num_experts(model_cfg):
-      raise ConfigError("eval.capacity_sweep needs a V-MoE checkpoint; this model has no MoE "
-                        "layers.")
-    if any(not isinstance(c, (int, float)) or c <= 0 for c in ratios):
-      raise ConfigError(f"eval.capacity_sweep values are capacity ratios > 0 (e.g. "
-                        f"[1.05,0.5,0.25,0.1]), got {ratios}.")
-  return names, severities
+def corruption_names(names: list[str]) -> list[str]:
+  """eval.corruptions with [all] expanded (the names are checked by the schema)."""
+  return list(corruptions_lib.CORRUPTIONS) if list(names) == ["all"] else list(names)
 
 
 class _Run:
   """The state shared by the measurements of one `vmoe eval`."""
 
-  def __init__(self, config, model, params, batch_size, placement, progress_enabled):
+  def __init__(self, config: EvalRun, model, params, batch_size, placement, progress_enabled):
     self.config, self.model, self.params = config, model, params
     self.batch_size, self.placement = batch_size, placement
-    self.loss_name = config.get("train", {}).get("loss", "softmax_xent")
+    self.loss_name = config.loss.value
     self.step = jax.jit(predictions.make_predict_step(model))
     self.verbose = progress_enabled and jax.process_index() == 0
 
@@ -129,7 +80,7 @@ class _Run:
       print(text, file=sys.stderr, flush=True)
 
   def batches(self, dataset: _Dataset, split: str | None = None, pp: str | None = None):
-    return data.eval_batches(dataset.source, split or dataset.split, pp or dataset.config["pp"],
+    return data.eval_batches(dataset.source, split or dataset.split, pp or dataset.config.pp,
                              self.batch_size // jax.process_count(),
                              process_index=jax.process_index(),
                              process_count=jax.process_count(), cache=False)
@@ -141,64 +92,62 @@ class _Run:
     return rate
 
 
-def run(cfg, workdir: str) -> dict:
-  config = effective_config(cfg, workdir)
-  parallel.initialize(config.get("distributed"))
-  model_cfg, d, e = config["model"], config["data"], config["eval"]
-  validate.check_model(model_cfg)
-  placement = common.make_placement(config)
-  batch_size = int(e.get("batch_size") or d.get("eval_batch_size") or d["batch_size"])
-  validate.check_batch(batch_size, model_cfg, what="eval.batch_size")
-  corruption_names, severities = _check_options(e, model_cfg)
-  params, _, ckpt_step = checkpoint.load_params(config["init"]["checkpoint"])
+def run(config: EvalRun, placement: Placement) -> dict:
+  model_cfg, d, e = config.model, config.data, config.eval
+  workdir = config.workdir
+  batch_size = derived.eval_batch_size(e, d)
+  names, severities = corruption_names(e.corruptions), list(e.severities)
+  params, _, ckpt_step = checkpoint.load_params(config.init.checkpoint)
   num_classes = int(params["head"]["kernel"].shape[-1])
 
   # Every dataset is opened (and its splits and classes checked) before any compute.
-  datasets = [_Dataset(name, d, e.get("split")) for name in (e.get("datasets") or [d["name"]])]
+  datasets = [_Dataset(name, d, e.split) for name in (e.datasets or [d.name])]
   for ds in datasets:
     if ds.source.num_classes != num_classes:
-      role = " (the in-distribution side of OOD detection)" if e.get("ood_datasets") else ""
+      role = " (the in-distribution side of OOD detection)" if e.ood_datasets else ""
       raise ConfigError(f"eval dataset {ds.name!r}{role} has {ds.source.num_classes} classes but "
                         f"the checkpoint's head predicts {num_classes}; evaluate on datasets with "
                         "the same label space (OOD datasets go in eval.ood_datasets).")
-  ood = [_Dataset(name, d, None) for name in (e.get("ood_datasets") or [])]
+  ood = [_Dataset(name, d, None) for name in e.ood_datasets]
   in_dist = datasets[0]
-  if ood and in_dist.source.num_examples(in_dist.config["split"]) == 0:
-    raise data.DataError(f"the training split {in_dist.config['split']!r} of {in_dist.name!r} "
+  if ood and in_dist.source.num_examples(in_dist.config.split) == 0:
+    raise data.DataError(f"the training split {in_dist.config.split!r} of {in_dist.name!r} "
                          "(needed for the Mahalanobis fit) is empty.")
 
-  model = common.build_checked_model(model_cfg, num_classes)
+  model = build_model(model_cfg, num_classes)
+  image_shape = data.image_shape(in_dist.source, in_dist.split, in_dist.config.pp)
+  common.check_params_fit(config.init.checkpoint, ckpt_step, params, model, image_shape, "eval")
   common.write_config(config, workdir)
   out_dir = pathlib.Path(workdir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  ev = _Run(config, model, params, batch_size, placement, config["logger"].get("progress", True))
+  ev = _Run(config, model, params, batch_size, placement, config.logger.progress)
   adversarial = None
-  if (e.get("adversarial") or {}).get("epsilons"):
+  if e.adversarial.epsilons:
     from runner.evaluators.adversarial import AdversarialEvaluator
-    adv = e["adversarial"]
+    adv = e.adversarial
     adversarial = AdversarialEvaluator(
-        model, epsilons=[float(x) for x in adv["epsilons"]], steps=int(adv["steps"]),
-        step_size=adv.get("step_size"), loss_name=ev.loss_name, prefix="",
-        put=placement.put, max_examples=adv.get("max_examples"), progress=ev.verbose)
+        model, epsilons=[float(x) for x in adv.epsilons], steps=adv.steps,
+        step_size=adv.step_size, loss_name=ev.loss_name, prefix="",
+        put=placement.put, max_examples=adv.max_examples, progress=ev.verbose)
 
   summary: dict = {"checkpoint_step": ckpt_step, "split": in_dist.split}
   images, arrays = {}, {}
   with placement.context():
-    _, logical = state_lib.abstract_params(model, data.image_shape(in_dist.source, in_dist.split,
-                                                                   in_dist.config["pp"]))
+    _, logical = state_lib.abstract_params(model, image_shape)
     host_params = params
     params = jax.device_put(params, placement.shardings(logical))
     ev.params = params
 
     fit = None
     if ood:
-      fit = predictions.fit_mahalanobis(ev.step, params, ev.batches(in_dist, in_dist.config["split"]),
+      fit = predictions.fit_mahalanobis(ev.step, params, ev.batches(in_dist, in_dist.config.split),
                                         num_classes, put=placement.put)
     in_scores = {}
     for i, ds in enumerate(datasets):
-      stats = predictions.PredictionStats(loss_name=ev.loss_name, ece_bins=e["ece_bins"],
-                                          scores=bool(ood) and i == 0, mahalanobis=fit if i == 0 else None,
-                                          keep_probs=e.get("save_predictions", False))
+      stats = predictions.PredictionStats(loss_name=ev.loss_name, ece_bins=e.ece_bins,
+                                          scores=bool(ood) and i == 0,
+                                          mahalanobis=fit if i == 0 else None,
+                                          keep_probs=e.save_predictions)
       rate = ev.evaluate(ev.batches(ds), stats, f"{ds.name}/{ds.split}")
       summary.update(stats.metrics(ds.name))
       summary[f"{ds.name}/split"] = ds.split
@@ -206,11 +155,11 @@ def run(cfg, workdir: str) -> dict:
       if i == 0:
         summary["compute/images_per_s"] = rate
         in_scores = stats.score_arrays()
-      if e.get("plots", True):
+      if e.plots:
         path = str(out_dir / f"reliability_{_file_name(ds.name)}.png")
         images[f"{ds.name}/reliability"] = plot_reliability_diagram(
             stats.calibration.result(), path, title=f"{ds.name} ({ds.split})")
-      if e.get("save_predictions"):
+      if e.save_predictions:
         arrays.update({f"{ds.name}/{k}": v for k, v in stats.kept_arrays().items()})
         if i == 0:
           arrays.update({f"{ds.name}/score_{k}": v for k, v in in_scores.items()})
@@ -223,16 +172,16 @@ def run(cfg, workdir: str) -> dict:
       for score in SCORES:
         for k, v in detection_metrics(in_scores[score], out_scores[score]).items():
           summary[f"{in_dist.name}_vs_{o.name}/{score}/{k}"] = v
-      if e.get("save_predictions"):
+      if e.save_predictions:
         arrays.update({f"{o.name}/score_{k}": v for k, v in out_scores.items()})
 
-    for ds in datasets if corruption_names else []:
+    for ds in datasets if names else []:
       per_corruption = {}
-      for name in corruption_names:
+      for name in names:
         rows = []
         for s in severities:
-          stats = predictions.PredictionStats(loss_name=ev.loss_name, ece_bins=e["ece_bins"])
-          ev.evaluate(ev.batches(ds, pp=corrupted_pp(ds.config["pp"], name, s)), stats,
+          stats = predictions.PredictionStats(loss_name=ev.loss_name, ece_bins=e.ece_bins)
+          ev.evaluate(ev.batches(ds, pp=corrupted_pp(ds.config.pp, name, s)), stats,
                       f"{ds.name} {name} severity {s}")
           m = stats.metrics("")
           rows.append({k: m[f"/{k}"] for k in ("error", "nll", "ece")})
@@ -251,9 +200,9 @@ def run(cfg, workdir: str) -> dict:
         adversarial.prefix = ds.name
         attacked = adversarial.run(params, ev.batches(ds))
         summary.update(attacked)
-        ev.say(f"[eval] {ds.name}: PGD ({e['adversarial']['steps']} steps) at eps "
-               f"{e['adversarial']['epsilons']} done")
-        if e.get("plots", True):
+        ev.say(f"[eval] {ds.name}: PGD ({e.adversarial.steps} steps) at eps "
+               f"{e.adversarial.epsilons} done")
+        if e.plots:
           images[f"{ds.name}/pgd"] = plot_pgd(attacked, ds.name,
                                               str(out_dir / f"pgd_{_file_name(ds.name)}.png"),
                                               title=f"{ds.name}: L-inf PGD")
@@ -262,14 +211,14 @@ def run(cfg, workdir: str) -> dict:
     summary.update(_compute_metrics(ev, model_cfg, num_classes, placement.put(example),
                                     host_params))
 
-    ratios = e.get("capacity_sweep") or []
+    ratios = e.capacity_sweep
     if ratios:
       rows = _capacity_sweep(ev, in_dist, model_cfg, num_classes, ratios, placement.put(example))
       for r in rows:
         key = capacity_sweep.sweep_key(r["capacity_ratio"], r["batch_priority"])
         summary.update({f"{key}/{k}": r[k] for k in ("prec@1", "nll", "gflops_per_image")})
       capacity_sweep.write_sweep_json(rows, str(out_dir / "capacity_sweep.json"))
-      if e.get("plots", True):
+      if e.plots:
         images["capacity_sweep"] = capacity_sweep.plot_capacity_sweep(
             rows, str(out_dir / "capacity_sweep.png"), title=f"{in_dist.name}: prec@1 vs compute")
 
@@ -290,7 +239,8 @@ def _compute_metrics(ev: _Run, model_cfg, num_classes, example, host_params) -> 
       "compute/gflops_per_image": flops * jax.device_count() / ev.batch_size / 1e9,
       "compute/gflops_per_image_analytic": analytic / 1e9,
       "compute/params_total": predictions.count_params(host_params),
-      "compute/params_active": predictions.active_params(host_params, model_cfg),
+      "compute/params_active": predictions.active_params(
+          host_params, derived.num_experts(model_cfg), model_cfg.router.k),
   }
 
 
@@ -299,9 +249,9 @@ def _capacity_sweep(ev: _Run, ds: _Dataset, model_cfg, num_classes, ratios, exam
   rows = []
   for bpr in (False, True):
     for c in ratios:
-      cfg = copy.deepcopy(model_cfg)
-      cfg["router"].update(eval_capacity_ratio=float(c), batch_priority=bpr)
-      step = jax.jit(predictions.make_predict_step(common.build_checked_model(cfg, num_classes)))
+      cfg = dataclasses.replace(model_cfg, router=dataclasses.replace(
+          model_cfg.router, eval_capacity_ratio=float(c), batch_priority=bpr))
+      step = jax.jit(predictions.make_predict_step(build_model(cfg, num_classes)))
       stats = predictions.PredictionStats(loss_name=ev.loss_name)
       ev.evaluate(ev.batches(ds), stats, f"{ds.name} C={c:g} {'BPR' if bpr else 'vanilla'}",
                   step=step)
@@ -315,8 +265,9 @@ def _capacity_sweep(ev: _Run, ds: _Dataset, model_cfg, num_classes, ratios, exam
   return rows
 
 
-def _write_outputs(config, workdir, step, summary, images) -> None:
-  writer = MetricWriter(workdir, run_config=config, wandb=config["logger"]["wandb"],
+def _write_outputs(config: EvalRun, workdir, step, summary, images) -> None:
+  stored = as_dict(config)
+  writer = MetricWriter(workdir, run_config=stored, wandb=config.logger.wandb,
                         job_type="eval")
   try:
     scalars = {k: v for k, v in summary.items() if isinstance(v, (int, float))}

@@ -7,8 +7,8 @@ init.checkpoint it trains from scratch with the fine-tuning recipe (a baseline).
 """
 from __future__ import annotations
 
-from runner.tasks.common import run_training
+from runner.tasks.training import run_training
 
 
-def run(cfg, workdir: str) -> dict:
-  return run_training(cfg, workdir, stage="finetune")
+def run(config, placement) -> dict:
+  return run_training(config, placement, stage="finetune")

@@ -5,8 +5,8 @@ Adam, linear decay.
 """
 from __future__ import annotations
 
-from runner.tasks.common import run_training
+from runner.tasks.training import run_training
 
 
-def run(cfg, workdir: str) -> dict:
-  return run_training(cfg, workdir, stage="pretrain")
+def run(config, placement) -> dict:
+  return run_training(config, placement, stage="pretrain")

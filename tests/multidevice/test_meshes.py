@@ -6,14 +6,13 @@ Runs in its own process with XLA_FLAGS=--xla_force_host_platform_device_count=8
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from runner.checkpoint import Checkpointer
 from runner.models import build_model, model_config
-from runner.parallel import Placement, RULES, make_mesh
+from runner.parallel import Placement, RULES, logical_rules, make_mesh, placement as make_placement
 from runner.train import optimizers, schedules, state as state_lib
 from runner.train.loop import initial_state
 from runner.train.step import make_train_step
@@ -22,11 +21,11 @@ pytestmark = pytest.mark.skipif(jax.device_count() != 8,
                                 reason="needs 8 devices (run via test_multidevice.py)")
 
 BATCH, STEPS, SHAPE = 64, 3, (32, 32, 3)
-MESHES = {  # name: (data, expert, rules)
-    "8 data": (8, 1, RULES["dp"]),
-    "4 data x 2 expert": (4, 2, RULES["ep"]),
-    "1 data x 8 expert": (1, 8, RULES["ep"]),
-    "2 data x 4 expert, fsdp": (2, 4, RULES["fsdp_ep"]),
+MESHES = {  # name: (mesh.data, mesh.expert, sharding.name), as a task's config gives them
+    "8 data": (8, 1, "dp"),
+    "4 data x 2 expert": (4, 2, "ep"),
+    "1 data x 8 expert": (1, 8, "ep"),
+    "2 data x 4 expert, fsdp": (2, 4, "fsdp_ep"),
 }
 
 
@@ -65,8 +64,9 @@ def single_device(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(MESHES))
 def test_training_on_a_mesh_matches_one_device(name, single_device, tmp_path):
-  data, expert, rules = MESHES[name]
-  placement = Placement(make_mesh(data, expert), rules)
+  data, expert, bundle = MESHES[name]
+  placement = make_placement(data, expert, logical_rules(bundle), num_experts=8)
+  assert placement.mesh.devices.shape == (data, expert) and placement.rules == RULES[bundle]
   losses, state = _train(placement, tmp_path)
   ref_losses, ref_state = single_device
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)

@@ -1,13 +1,12 @@
 """Every file in conf/ and sweeps/ composes against the typed schemas, and resolves."""
 from __future__ import annotations
 
-import pathlib
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import runner.config
+import runner.config.store  # noqa: F401  (registers the schemas and model names with Hydra)
 from runner.config import conf_dir
 from runner.models import catalog
 

@@ -2,20 +2,28 @@
 extractors, evaluator keys, report helpers, model overrides and the dataset checks."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow as tf
+from omegaconf import OmegaConf
 
 from runner import parallel
+from runner.config import as_dict, derived, validate
+from runner.config.resolve import (checkpoint_paths, fewshot_run, model_overrides,
+                                   stored_model_and_data)
+from runner.config.schema import (DataConfig, DistributedConfig, FewshotConfig, FewshotMember,
+                                  FewshotRun, FewshotTask, LoggerConfig, MeshConfig, MoeConfig,
+                                  RouterConfig, ShardingConfig)
 from runner.errors import ConfigError
 from runner.evaluators import fewshot_math
 from runner.evaluators.fewshot import (FewshotEvaluator, accuracy_table, extract_features,
                                        format_table, make_feature_fn, plot_accuracy_vs_shots)
 from runner.models import build_model, catalog
-from runner.tasks import fewshot_data, overrides
-from runner.tasks.fewshot import checkpoint_paths, shared_data_config
+from runner.tasks import fewshot_data
 
 
 def _padded_batches(images, labels, num_classes, batch_size):
@@ -74,7 +82,7 @@ def test_tf_data_batches_and_a_device_placement(digits):
   batches = _padded_batches(images, labels, 3, batch_size=4)
   ds = tf.data.Dataset.from_tensor_slices(
       {k: np.stack([b[k] for b in batches]) for k in batches[0]})
-  placement = parallel.placement(None, None)
+  placement = parallel.placement(rules=parallel.logical_rules("dp"))
   with placement.context():
     features, got_labels = extract_features([jax.jit(_first)], ds, placement.put)
   np.testing.assert_allclose(features, images.reshape(13, -1)[:, :3] * 2.0, rtol=1e-6)
@@ -150,8 +158,8 @@ def test_shots_beyond_the_smallest_class_fail_clearly():
 
 
 def test_feature_fn_returns_the_models_pre_logits():
-  cfg = {**catalog.model_config("vit_tiny"), "image_size": 8, "hidden_size": 16, "num_layers": 1,
-         "mlp_dim": 32, "num_heads": 2, "representation_size": 12}
+  cfg = dataclasses.replace(catalog.model_config("vit_tiny"), image_size=8, hidden_size=16,
+                            num_layers=1, mlp_dim=32, num_heads=2, representation_size=12)
   model = build_model(cfg, num_classes=5)
   images = jnp.asarray(np.random.default_rng(0).normal(size=(3, 8, 8, 3)), jnp.float32)
   params = model.init(jax.random.key(0), images, train=False)["params"]
@@ -180,16 +188,47 @@ def test_plot_writes_a_png(tmp_path):
   assert (tmp_path / "fs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.endswith("fs.png")
 
 
+def _stored(**model):
+  """A checkpoint's stored config (plain values, as read from its config.yaml): every key of
+  vmoe_tiny, the given ones (sections merged key by key) on top."""
+  full = as_dict(catalog.model_config("vmoe_tiny"))
+  for name, value in model.items():
+    full[name] = {**full[name], **value} if isinstance(value, dict) else value
+  return {"model": full, "data": {"name": "uci_digits", "pp": "decode(3)|resize(16)"}}
+
+
 def test_model_overrides_on_the_stored_model():
-  stored = {"name": "vmoe_tiny", "hidden_size": 32, "moe": {"layers": [1], "num_experts": 8},
-            "router": {"k": 2, "capacity_ratio": 1.05, "eval_capacity_ratio": None}}
+  stored = _stored(hidden_size=32, moe={"layers": [1], "num_experts": 8},
+                   router={"k": 2, "capacity_ratio": 1.05, "eval_capacity_ratio": None})
   given = {"name": None, "hidden_size": None, "moe": {"layers": None, "num_experts": None},
            "router": {"k": 1, "capacity_ratio": 0.5, "eval_capacity_ratio": None}}
-  merged = overrides.model_with_overrides(stored, given)
-  assert merged["router"] == {"k": 1, "capacity_ratio": 0.5, "eval_capacity_ratio": 0.5}
-  assert merged["hidden_size"] == 32 and merged["moe"] == stored["moe"]
-  assert stored["router"]["k"] == 2  # the stored config is not changed
-  assert overrides.model_with_overrides(stored, None) == stored
+  # None means "unchanged"; a given capacity_ratio is also the inference one.
+  assert model_overrides(given) == {"router": {"k": 1, "capacity_ratio": 0.5,
+                                               "eval_capacity_ratio": 0.5}}
+  assert model_overrides(None) == {}
+  model, data = stored_model_and_data(stored, given)
+  assert model.router == RouterConfig(k=1, capacity_ratio=0.5, eval_capacity_ratio=0.5)
+  assert model.hidden_size == 32 and model.moe == MoeConfig(layers=[1], num_experts=8)
+  assert model.name == "vmoe_tiny" and model.num_heads == 4
+  assert data.pp == "decode(3)|resize(16)"
+  assert stored["model"]["router"]["k"] == 2  # the stored config is not changed
+  assert given["router"]["eval_capacity_ratio"] is None
+  unchanged, _ = stored_model_and_data(stored, None)
+  assert as_dict(unchanged) == stored["model"]
+  # An explicit eval_capacity_ratio wins over the given capacity_ratio.
+  explicit, _ = stored_model_and_data(stored, {"router": {"capacity_ratio": 0.5,
+                                                          "eval_capacity_ratio": 2.0}})
+  assert (explicit.router.capacity_ratio, explicit.router.eval_capacity_ratio) == (0.5, 2.0)
+  # Keys a checkpoint of an older version stored, which the schema no longer has, are ignored.
+  old, _ = stored_model_and_data(_stored(retired_key=1), None)
+  assert old == catalog.model_config("vmoe_tiny")
+
+
+def _fewshot_run(stored_by_path: dict, **fewshot):
+  """What `vmoe fewshot` resolves: init.checkpoint's stored configs, fewshot.* on top."""
+  cfg = OmegaConf.merge(OmegaConf.structured(FewshotTask),
+                        {"workdir": "/tmp/w", "fewshot": {"datasets": ["uci_digits"], **fewshot}})
+  return fewshot_run(cfg, "/tmp/w", stored_by_path)
 
 
 def test_checkpoint_paths_and_shared_preprocessing():
@@ -198,36 +237,60 @@ def test_checkpoint_paths_and_shared_preprocessing():
   for missing in (None, "", []):
     with pytest.raises(ConfigError, match="needs init.checkpoint"):
       checkpoint_paths(missing)
-  same = {"data": {"name": "x", "pp": "decode(3)|resize(16)"}}
-  assert shared_data_config(["a", "b"], [same, same]) == same["data"]
-  other = {"data": {"name": "x", "pp": "decode(3)|resize(24)"}}
+  same = _stored()
+  run = validate(_fewshot_run({"a": same, "b": same}))
+  assert [m.path for m in run.members] == ["a", "b"]
+  assert run.data == DataConfig(name="uci_digits", pp="decode(3)|resize(16)")
+  other = {**same, "data": {"name": "uci_digits", "pp": "decode(3)|resize(24)"}}
   with pytest.raises(ConfigError, match="preprocess images differently.*resize\\(24\\)"):
-    shared_data_config(["a", "b"], [same, other])
+    validate(_fewshot_run({"a": same, "b": other}))
 
 
 def test_pool_split_prefers_the_datasets_own_train_slice():
-  assert fewshot_data.pool_split({"split": "train[:98%]"}, "train") == "train[:98%]"
-  assert fewshot_data.pool_split({"split": "train"}, "train") == "train"
-  assert fewshot_data.pool_split({"split": "train[:98%]"}, "validation") == "validation"
+  sliced, whole = DataConfig(name="x", split="train[:98%]"), DataConfig(name="x", split="train")
+  assert fewshot_data.pool_split(sliced, "train") == "train[:98%]"
+  assert fewshot_data.pool_split(whole, "train") == "train"
+  assert fewshot_data.pool_split(sliced, "validation") == "validation"
+
+
+def _run_with(fewshot: FewshotConfig) -> FewshotRun:
+  member = FewshotMember(path="runs/a", model=catalog.model_config("vit_tiny"),
+                         data=DataConfig(name="uci_digits"))
+  return FewshotRun(seed=0, workdir="/tmp/w", debug=False, members=[member], data=member.data,
+                    fewshot=fewshot, logger=LoggerConfig(), mesh=MeshConfig(),
+                    sharding=ShardingConfig(), distributed=DistributedConfig())
 
 
 @pytest.mark.parametrize("change, expected", [
     ({"datasets": []}, "fewshot.datasets is empty"),
-    ({"shots": [0, 5]}, "fewshot.shots"),
-    ({"shots": []}, "fewshot.shots"),
-    ({"seeds": []}, "fewshot.seeds"),
-    ({"l2_regs": [1.0, 0.1]}, "strictly ascending"),
-    ({"max_train_examples": 0}, "max_train_examples"),
+    ({"shots": [0, 5]}, r"fewshot.shots=\[0, 5\] has the item 0, which must be >= 1"),
+    ({"shots": []}, r"fewshot.shots=\[\] must be a non-empty list"),
+    ({"seeds": []}, r"fewshot.seeds=\[\] must be a non-empty list"),
+    ({"l2_regs": [1.0, 0.1]}, r"fewshot.l2_regs=\[1.0, 0.1\] must be strictly increasing"),
+    ({"l2_regs": [0.0, 1.0]}, r"fewshot.l2_regs=.* has the item 0.0, which must be > 0"),
+    ({"max_train_examples": 0}, "fewshot.max_train_examples=0 must be >= 1"),
+    ({"batch_size": 0}, "fewshot.batch_size=0 must be >= 1"),
+    ({"datasets": ["uci_digits", "uci_digits"]}, "fewshot.datasets=.* names an item twice"),
 ])
 def test_bad_fewshot_config(change, expected):
-  config = {"datasets": ["uci_digits"], "shots": [1, 5], "seeds": [0], "l2_regs": None,
-            "max_train_examples": None, "batch_size": None, **change}
+  config = dict(datasets=["uci_digits"], shots=[1, 5], seeds=[0], l2_regs=None,
+                max_train_examples=None, batch_size=None)
+  validate(_run_with(FewshotConfig(**config)))  # the base is valid
   with pytest.raises(ConfigError, match=expected):
-    fewshot_data.check_config(config)
+    validate(_run_with(FewshotConfig(**{**config, **change})))
 
 
 def test_training_enables_fewshot_only_with_steps_and_datasets():
-  assert fewshot_data.enabled_in_training({"fewshot": {"every_steps": 5, "datasets": ["a"]}})
-  assert not fewshot_data.enabled_in_training({"fewshot": {"every_steps": 0, "datasets": ["a"]}})
-  assert not fewshot_data.enabled_in_training({"fewshot": {"every_steps": 5, "datasets": []}})
-  assert not fewshot_data.enabled_in_training({})
+  assert derived.fewshot_in_training(FewshotConfig(every_steps=5, datasets=["a"]))
+  assert not derived.fewshot_in_training(FewshotConfig(every_steps=0, datasets=["a"]))
+  assert not derived.fewshot_in_training(FewshotConfig(every_steps=5, datasets=[]))
+  assert not derived.fewshot_in_training(FewshotConfig())
+
+
+def test_fewshot_batch_size_falls_back_to_the_evaluation_batch():
+  data = DataConfig(name="x", batch_size=64, eval_batch_size=None)
+  assert derived.fewshot_batch_size(FewshotConfig(batch_size=16), data, 32) == 16
+  assert derived.fewshot_batch_size(FewshotConfig(), data, 32) == 32
+  with_eval = dataclasses.replace(data, eval_batch_size=48)
+  assert derived.fewshot_batch_size(FewshotConfig(), with_eval) == 48
+  assert derived.fewshot_batch_size(FewshotConfig(), data) == 64

@@ -6,6 +6,9 @@ import numpy as np
 import pytest
 from sklearn.metrics import accuracy_score, brier_score_loss, log_loss
 
+from runner.config import from_dict
+from runner.config.derived import num_experts
+from runner.config.schema import ModelConfig
 from runner.evaluators import predictions
 from runner.models import build_model
 from runner.train import state as state_lib
@@ -100,6 +103,7 @@ def _tiny(moe: bool):
          "mlp_dim": 32, "num_heads": 2, "classifier": "token",
          "moe": {"layers": [1] if moe else [], "num_experts": 4 if moe else 0, "group_size": 2},
          "router": {"k": 2, "capacity_ratio": 1.0}}
+  cfg = from_dict(ModelConfig, cfg)
   model = build_model(cfg, 3)
   params, _ = state_lib.init_params(model, (8, 8, 3), 0)
   return cfg, model, params
@@ -110,9 +114,13 @@ def test_parameter_counts():
   total = predictions.count_params(params)
   assert total == sum(x.size for x in jax.tree_util.tree_leaves(params))
   experts = sum(x.size for x in jax.tree_util.tree_leaves(params["block_1"]["moe"]["experts"]))
-  assert predictions.active_params(params, cfg) == total - experts + experts * 2 // 4
+  assert num_experts(cfg) == 4 and cfg.router.k == 2
+  assert predictions.active_params(params, num_experts(cfg), cfg.router.k) == (
+      total - experts + experts * 2 // 4)
   dense_cfg, _, dense = _tiny(moe=False)
-  assert predictions.active_params(dense, dense_cfg) == predictions.count_params(dense)
+  assert num_experts(dense_cfg) == 0
+  assert predictions.active_params(dense, num_experts(dense_cfg), dense_cfg.router.k) == (
+      predictions.count_params(dense))
 
 
 def test_xla_flops_of_the_predict_step_grow_with_the_batch():

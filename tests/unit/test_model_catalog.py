@@ -1,9 +1,13 @@
 """Model-name grammar, size table (V-MoE paper, Table 7) and MoE placement."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from runner.errors import UserError
+from runner.config import from_dict
+from runner.config.schema import ModelConfig, MoeConfig, RouterConfig
+from runner.errors import ConfigError, UserError
 from runner.models import UnknownModelError, build_model, is_moe, model_config, moe_layer_indices
 from runner.models.catalog import CPU_MODELS, PAPER_MODELS, SIZES
 
@@ -23,20 +27,22 @@ def test_sizes_match_table_7(size):
 
 def test_vit_config_from_name():
   c = model_config("vit_b16")
-  assert (c["hidden_size"], c["num_layers"], c["mlp_dim"], c["num_heads"]) == (768, 12, 3072, 12)
-  assert c["patch_size"] == 16 and c["image_size"] == 224
+  assert isinstance(c, ModelConfig)
+  assert (c.hidden_size, c.num_layers, c.mlp_dim, c.num_heads) == (768, 12, 3072, 12)
+  assert c.patch_size == 16 and c.image_size == 224
   assert not is_moe(c)
   assert build_model(c, 10).moe_layers == ()
 
 
 def test_vmoe_config_defaults_and_overrides():
   c = model_config("vmoe_s32_last2")
-  assert c["moe"]["num_experts"] == 32 and c["router"]["k"] == 2
-  assert c["patch_size"] == 32 and c["num_layers"] == 8
+  assert c.moe.num_experts == 32 and c.router.k == 2
+  assert c.patch_size == 32 and c.num_layers == 8
   c = model_config("vmoe_b16_every2_e8_k1")
-  assert c["moe"] == dict(layers="every2", num_experts=8) and c["router"] == dict(k=1)
+  # The name sets these; every other key keeps its schema default.
+  assert c.moe == MoeConfig(layers="every2", num_experts=8) and c.router == RouterConfig(k=1)
   tiny = model_config("vmoe_tiny")
-  assert tiny["moe"]["num_experts"] == 8 and tiny["patch_size"] == 4 and tiny["image_size"] == 32
+  assert tiny.moe.num_experts == 8 and tiny.patch_size == 4 and tiny.image_size == 32
   assert is_moe(tiny)
 
 
@@ -50,7 +56,7 @@ def test_vmoe_config_defaults_and_overrides():
 ])
 def test_paper_moe_placements(name, layers):
   c = model_config(name)
-  assert moe_layer_indices(c["moe"]["layers"], c["num_layers"]) == layers
+  assert moe_layer_indices(c.moe.layers, c.num_layers) == layers
   model = build_model(c, 10)
   assert tuple(model.moe_layers) == layers
   assert model.moe["num_experts"] == 32 and model.moe["router"]["k"] == 2
@@ -94,21 +100,30 @@ def test_bad_names_raise_unknown_model_error_listing_valid_names(name):
 @pytest.mark.parametrize("name", CPU_MODELS + PAPER_MODELS)
 def test_every_listed_name_resolves(name):
   c = model_config(name)
-  assert c["name"] == name
+  assert c.name == name
   assert is_moe(c) == name.startswith("vmoe")
 
 
 def test_explicit_layer_list_in_config_builds_those_moe_layers():
-  c = dict(model_config("vit_tiny"), moe=dict(layers=[0, 2], num_experts=4, group_size=4),
-           router=dict(k=1, capacity_ratio=2.0, unknown_key=1))
+  c = dataclasses.replace(model_config("vit_tiny"),
+                          moe=MoeConfig(layers=[0, 2], num_experts=4, group_size=4),
+                          router=RouterConfig(k=1, capacity_ratio=2.0))
   model = build_model(c, 10)
   assert tuple(model.moe_layers) == (0, 2)
   assert model.moe["group_size"] == 4 and model.moe["num_experts"] == 4
-  # Only router keys the router understands are passed on.
-  assert model.moe["router"] == dict(k=1, capacity_ratio=2.0)
+  # The router receives exactly the schema's router keys, enums as the strings it takes.
+  assert model.moe["router"] == dict(k=1, capacity_ratio=2.0, eval_capacity_ratio=None,
+                                     batch_priority=False, priority="max", noise_std=1.0)
+  assert model.moe["dispatcher"] == "indices" and type(model.moe["dispatcher"]) is str
+
+
+def test_unknown_router_key_is_a_config_error():
+  """A key the router does not understand fails when the typed config is built, not later."""
+  with pytest.raises(ConfigError, match="unknown_key"):
+    from_dict(ModelConfig, {"name": "vit_tiny", "router": {"k": 1, "unknown_key": 1}})
 
 
 def test_zero_experts_means_dense():
-  c = dict(model_config("vit_tiny"), moe=dict(layers="every2", num_experts=0))
+  c = dataclasses.replace(model_config("vit_tiny"), moe=MoeConfig(layers="every2", num_experts=0))
   assert not is_moe(c)
   assert build_model(c, 10).moe is None

@@ -5,16 +5,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from runner.config import from_dict
+from runner.config.schema import ModelConfig
 from runner.models import build_model
 from runner.train import optimizers, schedules, state as state_lib
 from runner.train.step import make_train_step
 
-CONFIG = dict(image_size=16, patch_size=4, hidden_size=32, num_layers=2, mlp_dim=64, num_heads=2,
+CONFIG = dict(name="vmoe_test", image_size=16, patch_size=4, hidden_size=32, num_layers=2, mlp_dim=64, num_heads=2,
               moe=dict(layers=[1], num_experts=4, group_size=4), router=dict(k=2))
 
 
 def _model(dtype):
-  return build_model(dict(CONFIG, dtype=dtype), 10)
+  return build_model(from_dict(ModelConfig, dict(CONFIG, dtype=dtype)), 10)
 
 
 def test_bfloat16_compute_keeps_float32_parameters_and_router():

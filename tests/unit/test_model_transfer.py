@@ -13,15 +13,19 @@ import pytest
 from scipy import ndimage
 
 from runner.checkpoint import CheckpointError
+from runner.config import from_dict
+from runner.config.schema import ModelConfig
 from runner.models import build_model
 from runner.models.transfer import adapt_params, flatten, resize_position_embedding
 from runner.train.state import abstract_params
 
+# Plain values of the model keys; random_tree types them (image sizes come from `image`).
 BASE = dict(patch_size=2, hidden_size=8, num_layers=2, mlp_dim=16, num_heads=2)
 
 
 def random_tree(config, num_classes, image, seed):
-  shapes, _ = abstract_params(build_model(config, num_classes), image)
+  typed = from_dict(ModelConfig, dict(config, name="transfer_test", image_size=image[0]))
+  shapes, _ = abstract_params(build_model(typed, num_classes), image)
   rng = np.random.default_rng(seed)
   return jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), shapes)
 

@@ -6,6 +6,8 @@ runs real computation (two small jit compilations).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -90,7 +92,7 @@ TABLE_7_PARAMS_M = {
 @pytest.mark.parametrize("name", sorted(TABLE_7_PARAMS_M))
 def test_parameter_counts_match_table_7(name):
   config = model_config(name)
-  config["representation_size"] = config["hidden_size"]
+  config = dataclasses.replace(config, representation_size=config.hidden_size)
   params, _ = abstract_params(build_model(config, JFT_CLASSES), (224, 224, 3))
   assert round(count_params(params) / 1e6, 1) == TABLE_7_PARAMS_M[name]
 

@@ -7,12 +7,15 @@ import numpy as np
 import optax
 import pytest
 
+from runner.config import from_dict
+from runner.config.schema import ModelConfig
 from runner.models import build_model
 from runner.train.optimizers import OPTIMIZERS, make_optimizer, param_names, weight_decay_tree
 from runner.train.state import abstract_params
 
-TINY_VMOE = dict(patch_size=4, hidden_size=16, num_layers=2, mlp_dim=32, num_heads=2,
-                 moe=dict(layers=[1], num_experts=4, group_size=2), router=dict(k=2))
+TINY_VMOE = from_dict(ModelConfig, dict(
+    name="optim_test", image_size=8, patch_size=4, hidden_size=16, num_layers=2, mlp_dim=32,
+    num_heads=2, moe=dict(layers=[1], num_experts=4, group_size=2), router=dict(k=2)))
 
 
 @pytest.fixture(scope="module")

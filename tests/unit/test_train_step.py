@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from runner.config import from_dict
+from runner.config.schema import ModelConfig
 from runner.models import build_model
 from runner.train import optimizers, schedules
 from runner.train.state import TrainState, abstract_params
@@ -17,8 +19,11 @@ from runner.train.step import make_train_step
 
 IMAGE = (8, 8, 3)
 NUM_CLASSES = 3
-DENSE = dict(patch_size=4, hidden_size=16, num_layers=1, mlp_dim=32, num_heads=2)
-VMOE = dict(DENSE, moe=dict(layers=[0], num_experts=4, group_size=2), router=dict(k=2))
+_DENSE = dict(name="step_test", image_size=IMAGE[0], patch_size=4, hidden_size=16, num_layers=1,
+              mlp_dim=32, num_heads=2)
+DENSE = from_dict(ModelConfig, _DENSE)
+VMOE = from_dict(ModelConfig, dict(_DENSE, moe=dict(layers=[0], num_experts=4, group_size=2),
+                                   router=dict(k=2)))
 AUX_WEIGHT = 0.37
 
 

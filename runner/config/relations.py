@@ -1,0 +1,237 @@
+"""Rules between config keys, each stated once: k <= experts, a batch that tiles the devices, ...
+
+A relation is a function whose parameters name config sections (`model`, `data`, `train`, ...)
+and whose annotations say which schema each must be; it applies to every config that has those
+sections with those types (a training config, a resolved eval run, ...), and returns what is wrong
+in one sentence naming the keys and values, or None. A parameter named `devices` receives the
+number of devices: such relations run once the devices are known (after multi-host start-up).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from typing import Callable
+
+from runner.config import derived
+from runner.config.schema import (DataConfig, DistributedConfig, EvalConfig, EvalSuiteConfig,
+                                  FewshotConfig, FewshotRun, MeshConfig, ModelConfig, TrainConfig)
+from runner.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Relation:
+  fn: Callable[..., str | None]
+  sections: dict  # parameter name -> the schema type it must have
+
+  @property
+  def needs_devices(self) -> bool:
+    return "devices" in inspect.signature(self.fn).parameters
+
+  def arguments(self, config, devices: int | None) -> dict | None:
+    """The sections this relation reads from `config`, or None when it does not apply."""
+    if self.needs_devices and devices is None:
+      return None
+    args = {"devices": devices} if self.needs_devices else {}
+    for name, schema in self.sections.items():
+      value = config if isinstance(config, schema) and name == "run" else getattr(config, name,
+                                                                                   None)
+      if not isinstance(value, schema):
+        return None
+      args[name] = value
+    return args
+
+
+RELATIONS: list[Relation] = []
+
+
+def relation(fn):
+  hints = typing.get_type_hints(fn)
+  sections = {name: hints[name] for name in inspect.signature(fn).parameters if name != "devices"}
+  RELATIONS.append(Relation(fn, sections))
+  return fn
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+@relation
+def heads_split_the_width(model: ModelConfig):
+  if model.hidden_size % model.num_heads:
+    return (f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads="
+            f"{model.num_heads}; each head takes hidden_size / num_heads dimensions.")
+
+
+@relation
+def patches_tile_the_image(model: ModelConfig):
+  if model.image_size % model.patch_size:
+    return (f"model.image_size={model.image_size} is not divisible by model.patch_size="
+            f"{model.patch_size}; patches must tile the image.")
+
+
+@relation
+def moe_layers_exist(model: ModelConfig):
+  try:
+    layers = derived.moe_layers(model)
+  except ValueError as e:
+    return f"model.moe.layers: {e}."
+  if layers and model.moe.num_experts < 1:
+    return (f"model.moe.layers={model.moe.layers} needs model.moe.num_experts >= 1 (or "
+            "model.moe.layers=[] for a dense ViT).")
+
+
+@relation
+def k_at_most_experts(model: ModelConfig):
+  experts = derived.num_experts(model)
+  if experts and model.router.k > experts:
+    return (f"model.router.k={model.router.k} selects more experts per token than there are "
+            f"(model.moe.num_experts={experts}); valid: 1 <= k <= {experts}.")
+
+
+# --- data --------------------------------------------------------------------------------------
+
+@relation
+def image_folder_has_a_root(data: DataConfig):
+  if data.name == "image_folder" and not data.root:
+    return ("data=image_folder needs data.root=<dir>, a folder holding train/ and test/ "
+            "(optionally validation/) with one sub-folder of images per class.")
+
+
+# --- training ----------------------------------------------------------------------------------
+
+@relation
+def duration_given(train: TrainConfig):
+  if train.steps is None and train.epochs is None:
+    return "set the training duration: train.steps=<n> or train.epochs=<x>."
+
+
+@relation
+def fewshot_in_training_names_datasets(train: TrainConfig, fewshot: FewshotConfig):
+  if fewshot.every_steps and not fewshot.datasets:
+    return (f"fewshot.every_steps={fewshot.every_steps} needs datasets to evaluate: "
+            "fewshot.datasets=[uci_digits] (embedded or prepared TFDS names).")
+
+
+# --- evaluation and few-shot -------------------------------------------------------------------
+
+@relation
+def corruptions_have_severities(eval: EvalSuiteConfig):
+  if eval.corruptions and not eval.severities:
+    return ("eval.severities is empty but eval.corruptions names corruptions: give severities "
+            "from 1 to 5, e.g. eval.severities=[1,3,5].")
+
+
+@relation
+def capacity_sweep_needs_experts(eval: EvalSuiteConfig, model: ModelConfig):
+  if eval.capacity_sweep and not derived.num_experts(model):
+    return (f"eval.capacity_sweep={eval.capacity_sweep} needs a V-MoE checkpoint; model "
+            f"{model.name} has no MoE layers.")
+
+
+@relation
+def fewshot_names_datasets(run: FewshotRun):
+  if not run.fewshot.datasets:
+    return ("fewshot.datasets is empty: name the datasets to evaluate, e.g. "
+            "fewshot.datasets=[uci_digits,mnist5k] (embedded or prepared TFDS names; "
+            "'name:split' picks the test split).")
+
+
+@relation
+def members_share_preprocessing(run: FewshotRun):
+  pps = [m.data.pp for m in run.members]
+  if len(set(pps)) > 1:
+    listing = "; ".join(f"{m.path}: {m.data.pp!r}" for m in run.members)
+    return ("the checkpoints of init.checkpoint preprocess images differently, so their features "
+            f"cannot be concatenated image by image ({listing}); combine checkpoints trained at "
+            "the same resolution and value range.")
+
+
+# --- multi-host start-up -----------------------------------------------------------------------
+
+@relation
+def coordinator_knows_the_processes(distributed: DistributedConfig):
+  d = distributed
+  if d.coordinator_address is None:
+    return None
+  if d.num_processes is None or d.process_id is None or d.process_id >= d.num_processes:
+    return (f"distributed.coordinator_address={d.coordinator_address} needs "
+            f"distributed.num_processes=<n> and distributed.process_id=<0..n-1>; got "
+            f"num_processes={d.num_processes}, process_id={d.process_id}.")
+
+
+# --- the devices -------------------------------------------------------------------------------
+
+def batch_problem(batch_size: int, what: str, model: ModelConfig, devices: int,
+                  accum_steps: int = 1) -> str | None:
+  """A batch must split evenly over the devices, the micro-batches, and the routing groups."""
+  if batch_size % devices:
+    return (f"{what}={batch_size} is not divisible by the {devices} devices; use a multiple of "
+            f"{devices}.")
+  if batch_size % accum_steps:
+    return f"train.accum_steps={accum_steps} must divide {what}={batch_size}."
+  if not derived.num_experts(model):
+    return None
+  group = model.moe.group_size
+  per_device = batch_size // accum_steps // devices
+  fits = per_device % group == 0 if devices > 1 else (per_device % group == 0 or per_device < group)
+  if not fits:
+    return (f"{what}={batch_size} gives {per_device} images per device and micro-batch "
+            f"({devices} device(s), train.accum_steps={accum_steps}); routing groups of "
+            f"model.moe.group_size={group} images must tile each device's share: use a multiple "
+            f"of {group * devices * accum_steps} images, or a group size dividing {per_device}.")
+  return None
+
+
+@relation
+def train_batch_fits(data: DataConfig, train: TrainConfig, model: ModelConfig, devices: int):
+  return batch_problem(data.batch_size, "data.batch_size", model, devices, train.accum_steps)
+
+
+@relation
+def training_eval_batch_fits(data: DataConfig, eval: EvalConfig, model: ModelConfig,
+                             devices: int):
+  if eval.batch_size or data.eval_batch_size:
+    return batch_problem(derived.eval_batch_size(eval, data), "eval.batch_size", model, devices)
+
+
+@relation
+def training_fewshot_batch_fits(data: DataConfig, eval: EvalConfig, fewshot: FewshotConfig,
+                                model: ModelConfig, devices: int):
+  if derived.fewshot_in_training(fewshot):
+    return batch_problem(derived.fewshot_batch_size(fewshot, data, eval.batch_size),
+                         "fewshot.batch_size", model, devices)
+
+
+@relation
+def eval_batch_fits(data: DataConfig, eval: EvalSuiteConfig, model: ModelConfig, devices: int):
+  return batch_problem(derived.eval_batch_size(eval, data), "eval.batch_size", model, devices)
+
+
+@relation
+def fewshot_batch_fits(run: FewshotRun, devices: int):
+  size = derived.fewshot_batch_size(run.fewshot, run.data)
+  for member in run.members:
+    problem = batch_problem(size, "fewshot.batch_size", member.model, devices)
+    if problem:
+      return problem
+
+
+def _mesh_problem(mesh: MeshConfig, experts: int, devices: int) -> str | None:
+  from runner.parallel.mesh import mesh_shape
+  try:
+    mesh_shape(mesh.data, mesh.expert, devices, experts)
+  except ConfigError as e:
+    return str(e)
+  return None
+
+
+@relation
+def mesh_fits(mesh: MeshConfig, model: ModelConfig, devices: int):
+  return _mesh_problem(mesh, derived.num_experts(model), devices)
+
+
+@relation
+def fewshot_mesh_fits(run: FewshotRun, devices: int):
+  for member in run.members:
+    problem = _mesh_problem(run.mesh, derived.num_experts(member.model), devices)
+    if problem:
+      return problem

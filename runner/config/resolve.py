@@ -1,0 +1,158 @@
+"""From a composed config to the typed, validated object a task runs.
+
+pretrain/finetune run their composed config as it is. eval and fewshot take the model and data
+from the config stored with the checkpoint, with the command line's non-null `model.*`/`data.*`
+keys on top (interpolations such as `${model.image_size}` in a data option resolve against the
+merged model). Each result is checked by `validate` before it is returned.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import (InterpolationResolutionError, MissingMandatoryValue,
+                              OmegaConfBaseException)
+
+from runner.config.schema import (DataConfig, EvalRun, FewshotMember, FewshotRun, Loss,
+                                  ModelConfig, TrainConfig, TrainTask)
+from runner.config.validate import validate
+from runner.errors import ConfigError
+
+
+def typed(node):
+  """OmegaConf node -> dataclass instance, with unset or unresolvable values as ConfigErrors."""
+  try:
+    return OmegaConf.to_object(node)
+  except MissingMandatoryValue as e:
+    raise ConfigError(f"{e.full_key} has no value and needs one: add {e.full_key}=<value> "
+                      "(for data=image_folder: data.root=<dir with train/ and test/>).") from None
+  except InterpolationResolutionError as e:
+    raise ConfigError(f"cannot resolve {e.full_key}: {str(e).splitlines()[0]}") from None
+  except OmegaConfBaseException as e:
+    key = getattr(e, "full_key", None) or "the config"
+    raise ConfigError(f"bad value for {key}: {str(e).splitlines()[0]}") from None
+
+
+def from_dict(schema, values: dict):
+  """A typed `schema` instance from plain values (unknown keys are an error), defaults filled in."""
+  try:
+    return typed(OmegaConf.merge(OmegaConf.structured(schema), values))
+  except OmegaConfBaseException as e:
+    key = getattr(e, "full_key", None) or schema.__name__
+    raise ConfigError(f"bad value for {key}: {str(e).splitlines()[0]}") from None
+
+
+def as_dict(config) -> dict:
+  """A typed config as plain JSON-able Python (enums as their names), for files and W&B."""
+  return OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True)
+
+
+def train_task(cfg: DictConfig, workdir: str) -> TrainTask:
+  task = typed(cfg)
+  task.workdir = str(workdir)
+  return task
+
+
+# --- stored configs ----------------------------------------------------------------------------
+
+def _known(schema, stored: dict) -> dict:
+  """The keys of `stored` that `schema` has (a checkpoint of an older version may have others)."""
+  out = {}
+  types = typing.get_type_hints(schema)
+  for name, value in (stored or {}).items():
+    if name not in types:
+      continue
+    sub = types[name]
+    out[name] = _known(sub, value) if dataclasses.is_dataclass(sub) and isinstance(
+        value, dict) else value
+  return out
+
+
+def _prune_none(tree):
+  """The tree without None leaves and without the sub-trees left empty by that."""
+  if isinstance(tree, dict):
+    pruned = {k: _prune_none(v) for k, v in tree.items() if v is not None}
+    return {k: v for k, v in pruned.items() if v != {}}
+  return tree
+
+
+def model_overrides(given: dict | None) -> dict:
+  """Given `model.*` keys (None = unchanged). At inference the capacity ratio that matters is
+  `eval_capacity_ratio`, so a given `router.capacity_ratio` sets it too unless it is given."""
+  changes = _prune_none(dict(given or {}))
+  router = changes.get("router") or {}
+  if "capacity_ratio" in router and "eval_capacity_ratio" not in router:
+    router["eval_capacity_ratio"] = router["capacity_ratio"]
+  return changes
+
+
+def stored_model_and_data(stored: dict, model: dict | None = None,
+                          data: dict | None = None) -> tuple[ModelConfig, DataConfig]:
+  """The checkpoint's model and data configs with the given (unresolved) overrides on top."""
+  base = OmegaConf.create({"model": OmegaConf.structured(ModelConfig),
+                           "data": OmegaConf.structured(DataConfig)})
+  try:
+    merged = OmegaConf.merge(
+        base, {"model": _known(ModelConfig, stored.get("model")),
+               "data": _known(DataConfig, stored.get("data"))},
+        {"model": model_overrides(model), "data": _prune_none(dict(data or {}))})
+  except OmegaConfBaseException as e:
+    key = getattr(e, "full_key", None) or "the stored config"
+    raise ConfigError(f"bad value for {key}: {str(e).splitlines()[0]}") from None
+  return typed(merged.model), typed(merged.data)
+
+
+def stored_loss(stored: dict) -> Loss:
+  return Loss(_known(TrainConfig, stored.get("train")).get("loss", Loss.softmax_xent))
+
+
+def eval_run(cfg: DictConfig, workdir: str, stored: dict) -> EvalRun:
+  given = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
+  model, data = stored_model_and_data(stored, given.get("model"), given.get("data"))
+  own = {name: typed(cfg[name]) for name in ("init", "eval", "logger", "mesh", "sharding",
+                                             "distributed")}
+  return EvalRun(seed=cfg.seed, workdir=str(workdir), debug=cfg.debug, model=model, data=data,
+                 loss=stored_loss(stored), **own)
+
+
+def checkpoint_paths(value, command: str = "fewshot") -> list[str]:
+  """init.checkpoint as a list of paths: one workdir, or a list of them."""
+  paths = [value] if isinstance(value, str) else list(value or [])
+  paths = [str(p) for p in paths if p is not None and str(p).strip()]
+  if not paths:
+    raise ConfigError(f"vmoe {command} needs init.checkpoint=<workdir of a pretrain/finetune run>, "
+                      "or a list of them, init.checkpoint=[runs/a,runs/b], to concatenate their "
+                      "pre-logit features.")
+  return paths
+
+
+def fewshot_run(cfg: DictConfig, workdir: str, stored: dict[str, dict]) -> FewshotRun:
+  """`stored`: checkpoint path -> its stored config, in the order of init.checkpoint."""
+  given = OmegaConf.to_container(cfg.model, resolve=False, enum_to_str=True)
+  members = []
+  for path, config in stored.items():
+    model, data = stored_model_and_data(config, given)
+    members.append(FewshotMember(path=path, model=model, data=data))
+  own = {name: typed(cfg[name]) for name in ("fewshot", "logger", "mesh", "sharding",
+                                             "distributed")}
+  return FewshotRun(seed=cfg.seed, workdir=str(workdir), debug=cfg.debug, members=members,
+                    data=members[0].data, **own)
+
+
+def load(task: str, cfg: DictConfig, workdir: str | None = None):
+  """The validated typed config of subcommand `task` (reading checkpoints' stored configs)."""
+  from runner import checkpoint  # eval and fewshot only; the library never imports this module
+  if workdir is None:
+    workdir = "" if OmegaConf.is_missing(cfg, "workdir") else str(cfg.workdir)
+  if task in ("pretrain", "finetune"):
+    return validate(train_task(cfg, workdir))
+  if task == "eval":
+    path = cfg.init.checkpoint
+    if not path:
+      raise ConfigError("vmoe eval needs init.checkpoint=<workdir of a pretrain/finetune run>.")
+    return validate(eval_run(cfg, workdir, checkpoint.read_config(path)))
+  if task == "fewshot":
+    paths = checkpoint_paths(OmegaConf.to_container(cfg.init, resolve=True)["checkpoint"])
+    return validate(fewshot_run(cfg, workdir, {p: checkpoint.read_config(p) for p in paths}))
+  raise ValueError(f"unknown task {task!r}")

@@ -1,0 +1,27 @@
+"""Registers the schemas and the catalog's model names in Hydra's ConfigStore (the CLI's business).
+
+Composition checks every YAML file against these typed nodes: an unknown key or a value of the
+wrong type fails there, with the valid keys or choices.
+"""
+from __future__ import annotations
+
+from hydra.core.config_store import ConfigStore
+
+from runner.config.schema import TASK_SCHEMAS
+from runner.models import catalog
+
+
+def register_model(name: str) -> None:
+  """Adds a model name of the catalog grammar as an option of the `model` config group."""
+  ConfigStore.instance().store(group="model", name=name, node=catalog.model_config(name))
+
+
+def register_configs() -> None:
+  store = ConfigStore.instance()
+  for task, schema in TASK_SCHEMAS.items():
+    store.store(name=f"{task}_schema", node=schema)
+  for name in catalog.CPU_MODELS + catalog.PAPER_MODELS:
+    register_model(name)
+
+
+register_configs()

@@ -1,0 +1,69 @@
+"""pretrain and finetune: the same steps; their configs differ (data, optimizer, head)."""
+from __future__ import annotations
+
+import dataclasses
+
+from runner import checkpoint, data
+from runner.config import as_dict, derived
+from runner.config.schema import TrainTask
+from runner.models import build_model, transfer
+from runner.parallel import Placement
+from runner.tasks import common, fewshot_data
+from runner.train import state as state_lib
+from runner.train.loop import train_and_evaluate
+
+
+def _model_differences(stored: dict, current: dict, prefix: str = "model.") -> str:
+  """'model.hidden_size 32 -> 48, ...' for the architecture keys that differ."""
+  ignore = {"name", "dropout_rate", "attention_dropout_rate", "dtype", "router", "image_size",
+            "expert_dropout", "dispatcher", "group_size"}
+  out = []
+  for key in sorted(set(stored) | set(current)):
+    if key in ignore:
+      continue
+    a, b = stored.get(key), current.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      sub = _model_differences(a, b, f"{prefix}{key}.")
+      out += [sub] if sub else []
+    elif a != b:
+      out.append(f"{prefix}{key} {a} -> {b}")
+  return ", ".join(out)
+
+
+def init_from_checkpoint(config: TrainTask, model, source: data.Source):
+  """Parameters for `model` mapped from init.checkpoint (an earlier stage's run)."""
+  init = config.init
+  restored, stored, step = checkpoint.load_params(init.checkpoint)
+  fresh, _ = state_lib.init_params(model, data.image_shape(source, config.data.split,
+                                                           config.data.pp_train), config.seed)
+  try:
+    return transfer.adapt_params(restored, fresh, reinit_head=init.reinit_head,
+                                 dense_to_experts=init.dense_to_experts,
+                                 source=f"checkpoint {init.checkpoint} (step {step})")
+  except checkpoint.CheckpointError as e:
+    stored_model = stored.get("model", {})
+    diff = _model_differences(stored_model, as_dict(config.model))
+    raise checkpoint.CheckpointError(
+        f"{e} The checkpoint was trained with model={stored_model.get('name')}"
+        + (f", which differs from this one in {diff}" if diff else "")
+        + "; pass the same model (and model.* overrides) as that run.") from None
+
+
+def run_training(config: TrainTask, placement: Placement, stage: str) -> dict:
+  resuming = checkpoint.has_checkpoints(config.workdir)
+  if config.init.checkpoint and not resuming:
+    checkpoint.locate(config.init.checkpoint)  # a wrong path fails before the data is read
+  data_config, source = common.open_data(config.data)
+  config = dataclasses.replace(config, data=data_config)
+  fewshot = None
+  if derived.fewshot_in_training(config.fewshot):  # every dataset checked before any compute
+    fewshot = fewshot_data.batches(
+        fewshot_data.open_datasets(config.fewshot, config.data),
+        derived.fewshot_batch_size(config.fewshot, config.data, config.eval.batch_size))
+  model = build_model(config.model, source.num_classes)
+  init_params = None
+  if config.init.checkpoint and not resuming:
+    init_params = init_from_checkpoint(config, model, source)
+  common.write_config(config, config.workdir)
+  return train_and_evaluate(config, model=model, source=source, placement=placement,
+                            init_params=init_params, stage=stage, fewshot_datasets=fewshot)
