@@ -7,10 +7,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from runner.data import image_folder
 from runner.data.embedded import EMBEDDED
 from runner.errors import UserError
 
@@ -112,11 +114,16 @@ def known_names() -> list[str]:
 
 
 def open_source(name: str, data_dir: str | None = None, root: str | None = None,
-                image_key: str = "image", label_key: str = "label") -> Source:
-  """Opens (and for embedded datasets, prepares) a dataset, or raises DataError explaining why not."""
+                image_key: str = "image", label_key: str = "label",
+                skip_unreadable: bool = False) -> Source:
+  """Opens (and for embedded datasets, prepares) a dataset, or raises DataError explaining why not.
+
+  skip_unreadable (image folders only) leaves out unreadable and non-image files with a warning
+  instead of failing.
+  """
   data_dir = data_dir or default_data_dir()
   if name == IMAGE_FOLDER:
-    builder = _image_folder(root)
+    builder = _image_folder(root, skip_unreadable)
   elif name in EMBEDDED:
     builder = EMBEDDED[name](data_dir=data_dir)
     if not _is_prepared(builder):
@@ -146,7 +153,8 @@ def _is_prepared(builder) -> bool:
   return tf.io.gfile.exists(os.path.join(builder.data_dir, "dataset_info.json"))
 
 
-def _image_folder(root: str | None):
+def _image_folder(root: str | None, skip_unreadable: bool = False):
+  """Scans the whole folder first, so that every fault is reported at once and before compute."""
   if not root:
     raise DataError("data=image_folder needs data.root=<dir>, a folder holding train/ and test/ "
                     "(optionally validation/) with one sub-folder of images per class.")
@@ -156,11 +164,13 @@ def _image_folder(root: str | None):
     raise DataError(f"data.root={root!r} must contain a train/ folder of class sub-folders "
                     f"(and test/, optionally validation/); "
                     + (f"it contains {found}." if found is not None else "it does not exist."))
-  builder = tfds.folder_dataset.ImageFolder(root)
-  if "train" not in builder.info.splits or not builder.info.splits["train"].num_examples:
-    raise DataError(f"{root}/train has no images in class sub-folders: expected "
-                    f"{root}/train/<class name>/<image>.png|.jpg|.jpeg.")
-  return builder
+  scan = image_folder.scan(root)
+  if skip_unreadable and scan.bad_files:
+    print(scan.warning(), file=sys.stderr)
+  error = scan.error(skip_unreadable)
+  if error:
+    raise DataError(error)
+  return image_folder.ScannedImageFolder(root, scan.examples)
 
 
 def _prepared_tfds_builder(name: str, data_dir: str):
