@@ -4,7 +4,6 @@ One module-scoped fixture writes three steps (keep=2) once; the tests read them 
 """
 from __future__ import annotations
 
-import pathlib
 import shutil
 
 import jax
