@@ -1,7 +1,8 @@
 """metrics.jsonl (one JSON object per logging step), summary.json and one W&B run per job.
 
 Only process 0 writes. W&B is offline by default (the run lands in <workdir>/wandb and can be
-synced later with `wandb sync`); a resumed job continues the same W&B run id.
+synced later with `wandb sync`); online mode falls back to offline when the server cannot be
+reached (see wandb_run.py); a resumed job continues the same W&B run id.
 """
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import uuid
 import jax
 import numpy as np
 
+from runner.config.schema import WandbConfig, WandbMode
+from runner.logging import wandb_run
+
 
 def _jsonable(value):
   value = np.asarray(value)
@@ -24,7 +28,7 @@ def _jsonable(value):
 
 
 class MetricWriter:
-  def __init__(self, workdir: str, *, run_config: dict, wandb: dict | None = None,
+  def __init__(self, workdir: str, *, run_config: dict, wandb: WandbConfig | None = None,
                job_type: str = "train"):
     self.workdir = pathlib.Path(workdir)
     self.active = jax.process_index() == 0
@@ -33,21 +37,19 @@ class MetricWriter:
       return
     self.workdir.mkdir(parents=True, exist_ok=True)
     self.jsonl = open(self.workdir / "metrics.jsonl", "a")
-    wandb = dict(wandb or {})
-    if wandb.get("mode", "disabled") != "disabled":
+    if wandb is not None and wandb.mode != WandbMode.disabled:
       self.run = self._start_wandb(wandb, run_config, job_type)
 
-  def _start_wandb(self, cfg: dict, run_config: dict, job_type: str):
-    import wandb
+  def _start_wandb(self, cfg: WandbConfig, run_config: dict, job_type: str):
     id_file = self.workdir / "wandb_run_id"
     run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id)
     os.environ.setdefault("WANDB_SILENT", "true")
-    return wandb.init(project=cfg.get("project"), entity=cfg.get("entity"),
-                      name=cfg.get("name") or self.workdir.name, tags=list(cfg.get("tags") or []),
-                      dir=str(self.workdir), mode=cfg["mode"], config=run_config, id=run_id,
-                      resume="allow", job_type=job_type, reinit="finish_previous",
-                      settings=wandb.Settings(console="off"))
+    return wandb_run.start_run(
+        cfg.mode.value, str(self.workdir), project=cfg.project, entity=cfg.entity,
+        name=cfg.name or self.workdir.name, tags=list(cfg.tags),
+        config=run_config, id=run_id, resume="allow", job_type=job_type,
+        reinit="finish_previous")
 
   def write(self, step: int, metrics: dict) -> None:
     if not self.active or not metrics:
