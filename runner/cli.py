@@ -1,10 +1,15 @@
 """`vmoe <subcommand> [hydra overrides]`: compose the subcommand's config with Hydra, run its task.
 
-Before Hydra runs, the overrides are composed once more here so that a typo or a bad value is
-reported as one paragraph naming what is valid, instead of Hydra's multi-line error.
+Before Hydra runs (and creates the workdir), the overrides are composed here and the result is
+validated against the schema (runner/config), for every combination of a sweep's values, so a
+typo or a bad value is reported as one paragraph naming what is valid, and nothing is written.
+Errors that stop a run (runner/errors.py) print one paragraph and exit with their code; only
+debug=true shows tracebacks.
 """
 from __future__ import annotations
 
+import itertools
+import logging
 import os
 import sys
 
@@ -94,24 +99,47 @@ def _split_args(args: list[str]) -> tuple[dict, list[str], bool]:
   return flags, overrides, show
 
 
-def _first_values(overrides: list[str]) -> list[str]:
-  """Sweep overrides (a=1,2 / a=range(3)) reduced to their first value, hydra.* dropped."""
+# Validating each job of a sweep before any runs costs one composition each; beyond this many
+# jobs only the first values of each swept key are checked up front (every job is checked anyway
+# when it starts).
+MAX_CHECKED_JOBS = 64
+
+
+def _sweep_axes(overrides: list[str], study: dict) -> tuple[list[str], list[list[str]]]:
+  """(fixed overrides, one list of `key=value` per swept key), hydra.* dropped.
+
+  `study` holds a sweep study's own `hydra.sweeper.params`; the command line wins over it.
+  """
   from hydra.core.override_parser.overrides_parser import OverridesParser
-  out = []
-  for ov in OverridesParser.create().parse_overrides(overrides):
+  parser = OverridesParser.create()
+  fixed, axes, given = [], [], set()
+  for ov in parser.parse_overrides(overrides):
     if ov.key_or_group.startswith("hydra"):
       continue
+    given.add(ov.key_or_group)
     if ov.is_sweep_override():
-      first = next(iter(ov.sweep_string_iterator()))
-      out.append(f"{ov.get_key_element()}={first}")
+      axes.append([f"{ov.get_key_element()}={v}" for v in ov.sweep_string_iterator()])
     else:
-      out.append(ov.input_line)
-  return out
+      fixed.append(ov.input_line)
+  for key, values in study.items():
+    if key not in given:
+      ov = parser.parse_overrides([f"{key}={values}"])[0]
+      axes.append([f"{key}={v}" for v in ov.sweep_string_iterator()]
+                  if ov.is_sweep_override() else [ov.input_line])
+  return fixed, axes
+
+
+def _jobs(overrides: list[str], study: dict) -> list[list[str]]:
+  """The overrides of every job of the sweep (just one job without a sweep)."""
+  fixed, axes = _sweep_axes(overrides, study)
+  jobs = itertools.islice(itertools.product(*axes), MAX_CHECKED_JOBS + 1)
+  combos = [fixed + list(c) for c in jobs]
+  return combos if len(combos) <= MAX_CHECKED_JOBS else [fixed + [a[0] for a in axes]]
 
 
 def _register_requested_models(overrides: list[str]) -> None:
   """model=<name> in the catalog grammar (vmoe_b16_every2_e32_k2) becomes a `model` option."""
-  from runner.config import register_model
+  from runner.config.store import register_model
   from runner.models import catalog
   for ov in overrides:
     key, _, value = ov.partition("=")
@@ -163,7 +191,8 @@ def _explain_composition_error(err: Exception, sub: str, overrides: list[str],
   return f"cannot compose the {sub} config from {overrides}: {' '.join(str(err).split())}"
 
 
-def _compose(config_dir: str | None, config_name: str, overrides: list[str]):
+def _compose(config_dir: str | None, config_name: str, overrides: list[str],
+             with_hydra: bool = False):
   from hydra import compose, initialize_config_dir
   from runner.config import conf_dir
   primary, extra = str(conf_dir()), []
@@ -171,11 +200,31 @@ def _compose(config_dir: str | None, config_name: str, overrides: list[str]):
     primary = os.path.abspath(config_dir)
     extra = [f"hydra.searchpath=[file://{conf_dir()}]"]
   with initialize_config_dir(config_dir=primary, version_base=None):
-    return compose(config_name, overrides=extra + overrides)
+    return compose(config_name, overrides=extra + overrides, return_hydra_config=with_hydra)
+
+
+def _study_params(config_dir: str | None, config_name: str, overrides: list[str]) -> dict:
+  """A sweep study's `hydra.sweeper.params` (empty for the primary configs)."""
+  from omegaconf import OmegaConf
+  first = _sweep_axes(overrides, {})[0]
+  params = _compose(config_dir, config_name, first, with_hydra=True).hydra.sweeper.get("params")
+  return dict(OmegaConf.to_container(params)) if params else {}
+
+
+def _device_count_if_local(composed) -> int | None:
+  """The device count, when this process alone is the job (else it is known only after start-up,
+  and the task checks the devices then)."""
+  from runner.parallel.distributed import cluster_detected
+  if composed.get("distributed", {}).get("coordinator_address") or cluster_detected():
+    return None
+  import jax
+  return jax.device_count()
 
 
 def check_overrides(sub: str, args: list[str]) -> str | None:
-  """The error paragraph if the overrides do not compose, else None."""
+  """The error paragraph if the overrides (every job of a sweep) do not compose and validate."""
+  from runner import config as config_layer
+  from runner.errors import UserError
   flags, overrides, show = _split_args(args)
   if show:
     return None
@@ -183,24 +232,61 @@ def check_overrides(sub: str, args: list[str]) -> str | None:
   config_name = flags.get("-cn") or flags.get("--config-name") or sub
   _register_requested_models(overrides)
   try:
-    _compose(config_dir, config_name, _first_values(overrides))
+    jobs = _jobs(overrides, _study_params(config_dir, config_name, overrides))
   except Exception as err:  # Hydra/OmegaConf raise many types; all mean "bad input"
     return _explain_composition_error(err, sub, overrides, config_dir, config_name)
+  for job in jobs:
+    try:
+      composed = _compose(config_dir, config_name, job)
+    except Exception as err:
+      return _explain_composition_error(err, sub, job, config_dir, config_name)
+    try:
+      typed = config_layer.load(sub, composed)
+      config_layer.validate(typed, devices=_device_count_if_local(composed))
+    except UserError as err:
+      swept = [o for o in job if o not in overrides]
+      return (f"in the sweep job {' '.join(swept)}: " if swept else "") + str(err)
   return None
+
+
+def _quiet_library_noise() -> None:
+  """Orbax/TensorStore report a failed read by absl ERROR lines and, from their callback threads,
+  "Event loop is closed" tracebacks after the error has reached us: the one-paragraph message
+  says it all, so both are dropped (debug=true keeps them)."""
+  logging.getLogger("absl").setLevel(logging.CRITICAL)
+  default = sys.unraisablehook
+  if getattr(default, "vmoe_quiet", False):
+    return  # installed by an earlier command in this process (the demo, tests)
+
+  def hook(unraisable):
+    if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
+        unraisable.exc_value):
+      return
+    default(unraisable)
+  hook.vmoe_quiet = True
+  sys.unraisablehook = hook
 
 
 def _job(sub: str):
   def job(cfg):
     from hydra.core.hydra_config import HydraConfig
-    from runner.errors import UserError
+    from runner import config as config_layer
+    from runner.errors import VmoeError
     from runner.tasks import run_task
     try:
-      return run_task(sub, cfg, HydraConfig.get().runtime.output_dir)
-    except UserError as e:
+      typed = config_layer.load(sub, cfg, HydraConfig.get().runtime.output_dir)
+      return run_task(sub, typed)
+    except VmoeError as e:
       if cfg.get("debug"):
         raise
       print(f"vmoe {sub}: error: {e}", file=sys.stderr)
-      sys.exit(2)
+      sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal
+      if cfg.get("debug"):
+        raise
+      print(f"vmoe {sub}: interrupted before training started; nothing was saved.",
+            file=sys.stderr)
+      sys.exit(130)
   return job
 
 
@@ -217,7 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   _quiet_environment()
   import hydra
+  import runner.config.store  # noqa: F401  (registers the schemas and model names with Hydra)
   from runner.config import conf_dir
+  if not any(arg.lstrip("+").lower() in ("debug=true", "debug=1") for arg in rest):
+    _quiet_library_noise()
   problem = check_overrides(sub, rest)
   if problem:
     print(f"vmoe {sub}: error: {problem}", file=sys.stderr)

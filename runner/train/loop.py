@@ -1,16 +1,22 @@
 """The training loop shared by `pretrain` and `finetune`.
 
-Start-up precedence (big_vision's, made explicit): resume from this workdir's latest checkpoint >
-initialise from an earlier stage's parameters > initialise from scratch. Durations are converted
-to steps once, here. SIGINT/SIGTERM finish the current step, save a checkpoint, and exit; rerunning
-the same command resumes.
+Start-up precedence (big_vision's, made explicit): resume from this workdir's newest readable
+checkpoint > initialise from an earlier stage's parameters > initialise from scratch. Durations are
+converted to steps once, here. Faults end the run without losing more than the steps since the
+last checkpoint:
+- SIGINT/SIGTERM finish the current step, save, and exit (128 + signal); a second signal exits at
+  once. Rerunning the same command resumes.
+- A non-finite loss or gradient norm stops the run before anything is saved from that state (the
+  check trails the dispatched step by one, so the device never waits for the host, and runs
+  synchronously before every save).
 """
 from __future__ import annotations
 
 import functools
 import math
-import pathlib
+import os
 import signal
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +24,9 @@ import numpy as np
 
 from runner import data
 from runner.checkpoint import Checkpointer
-from runner.errors import ConfigError, UserError
+from runner.config import as_dict, derived
+from runner.config.schema import TrainTask
+from runner.errors import Interrupted, RunError
 from runner.evaluators.classification import ClassificationEvaluator, make_eval_step
 from runner.evaluators.fewshot import FewshotEvaluator, make_feature_fn
 from runner.logging import MetricWriter, Progress
@@ -27,21 +35,20 @@ from runner.train import optimizers, schedules, state as state_lib
 from runner.train.step import make_train_step
 
 
-class Interrupted(UserError):
-  """The run was stopped by a signal after saving a checkpoint."""
+class Diverged(RunError):
+  """The loss or the gradient norm stopped being a finite number."""
 
 
-def total_steps(train: dict, num_examples: int, batch_size: int) -> int:
+def total_steps(steps: int | None, epochs: float | None, num_examples: int,
+                batch_size: int) -> int:
   """train.steps, or train.epochs converted with the split size and batch size."""
-  if train.get("steps"):
-    return int(train["steps"])
-  if train.get("epochs"):
-    return max(1, math.ceil(train["epochs"] * num_examples / batch_size))
-  raise ConfigError("set the training duration: train.steps=<n> or train.epochs=<x>.")
+  if steps:
+    return int(steps)
+  return max(1, math.ceil(epochs * num_examples / batch_size))
 
 
 class _StopFlag:
-  """Turns the first SIGINT/SIGTERM into a request to stop after the current step."""
+  """The first SIGINT/SIGTERM asks to stop after the current step; a second one exits at once."""
 
   def __init__(self):
     self.signum = None
@@ -56,13 +63,22 @@ class _StopFlag:
     return self
 
   def _handle(self, signum, frame):
-    if self.signum is not None:  # second signal: stop now
-      raise KeyboardInterrupt
+    if self.signum is not None:
+      # The last committed checkpoint is intact (Orbax commits by renaming a finished folder).
+      print(f"vmoe: second signal ({signal.Signals(signum).name}): exiting now without saving; "
+            "rerun the same command to resume from the last checkpoint.", file=sys.stderr,
+            flush=True)
+      os._exit(128 + signum)
     self.signum = signum
 
   def __exit__(self, *exc):
     for sig, handler in self.previous.items():
       signal.signal(sig, handler)
+
+
+def _warn(text: str) -> None:
+  if jax.process_index() == 0:
+    print(text, file=sys.stderr, flush=True)
 
 
 def _mean_metrics(history: list[dict]) -> dict:
@@ -76,21 +92,24 @@ def _abstract(tree, shardings):
 
 
 def initial_state(checkpointer: Checkpointer, *, model, tx, image_shape, placement: Placement,
-                  seed: int, init_params=None):
+                  seed: int, init_params=None, warn=print):
   """(state, state shardings, data position, where it came from): resume > init > scratch."""
   abstract, logical = state_lib.abstract_params(model, image_shape)
   param_shardings = placement.shardings(logical)
   opt_init = jax.jit(tx.init).lower(_abstract(abstract, param_shardings)).compile()
   shardings = state_lib.TrainState(step=replicated(placement.mesh), params=param_shardings,
                                    opt_state=opt_init.output_shardings)
-  latest = checkpointer.latest_step()
-  if latest is not None:
-    params, opt_state, meta = checkpointer.restore(
-        latest, _abstract(abstract, param_shardings),
-        _abstract(jax.eval_shape(tx.init, abstract), shardings.opt_state))
-    state = state_lib.TrainState(step=jnp.asarray(latest, jnp.int32), params=params,
-                                 opt_state=opt_state)
-    return state, shardings, int(meta["position"]), f"resumed from step {latest}"
+  restored = checkpointer.restore_latest(
+      _abstract(abstract, param_shardings),
+      _abstract(jax.eval_shape(tx.init, abstract), shardings.opt_state))
+  if restored is not None:
+    for step, reason in restored.skipped:
+      warn(f"warning: checkpoint step {step} cannot be read ({reason}); it was moved to "
+           f"unreadable_checkpoints/ in the workdir, and the run resumes from step "
+           f"{restored.step}.")
+    state = state_lib.TrainState(step=jnp.asarray(restored.step, jnp.int32),
+                                 params=restored.params, opt_state=restored.opt_state)
+    return state, shardings, int(restored.meta["position"]), f"resumed from step {restored.step}"
   if init_params is not None:
     params = jax.device_put(init_params, param_shardings)
     origin = "initialised from an earlier stage"
@@ -109,7 +128,47 @@ def _fewshot_summary(metrics: dict) -> str:
   return " ".join(f"{shots} {v:.4f}" for shots, v in means.items())
 
 
-def train_and_evaluate(config: dict, *, model, source, placement: Placement, workdir: str,
+class _DivergenceGuard:
+  """Fails the run at the first step whose loss or gradient norm is not finite."""
+
+  def __init__(self, config: TrainTask, checkpointer: Checkpointer):
+    self.config, self.checkpointer = config, checkpointer
+    self.pending = None  # (step, metrics) dispatched but not yet checked
+
+  def dispatched(self, step: int, metrics: dict) -> None:
+    """Checks the previous step (finished by now, so this does not stall the device)."""
+    if self.pending is not None:
+      self.check(*self.pending)
+    self.pending = (step, metrics)
+
+  def check_pending(self) -> None:
+    if self.pending is not None:
+      self.check(*self.pending)
+      self.pending = None
+
+  def check(self, step: int, metrics: dict) -> None:
+    names = ("train/loss", "train/grad_norm")
+    values = dict(zip(names, map(float, jax.device_get([metrics[k] for k in names]))))
+    if all(math.isfinite(v) for v in values.values()):
+      return
+    self.checkpointer.wait()
+    last = self.checkpointer.latest_step()
+    if last is not None:
+      kept = (f"the last good checkpoint, step {last} in {self.checkpointer.directory}, is kept; "
+              "rerunning the same command resumes from it")
+    else:
+      kept = "no checkpoint had been saved yet, so rerunning starts again from step 0"
+    o = self.config.optim
+    clip = (f"optim.grad_clip_norm (now {o.grad_clip_norm})" if o.grad_clip_norm
+            else "gradient clipping, optim.grad_clip_norm=1.0 (now off)")
+    quantities = ", ".join(f"{k} is {v}" for k, v in values.items())
+    raise Diverged(
+        f"training diverged at step {step}: {quantities}. The run stopped and saved nothing "
+        f"from that state; {kept}. Try a lower optim.lr (now {o.lr:g}), {clip}, or a longer "
+        f"warmup (schedule.warmup_steps, now {self.config.schedule.warmup_steps}).")
+
+
+def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement,
                        init_params=None, stage: str = "train",
                        fewshot_datasets: dict | None = None) -> dict:
   """Trains `model` on `source` as `config` says; returns the final metrics (also summary.json).
@@ -117,50 +176,52 @@ def train_and_evaluate(config: dict, *, model, source, placement: Placement, wor
   `fewshot_datasets` (name -> (pool batches, test batches, num_classes)) adds linear few-shot
   accuracy of the current parameters every `fewshot.every_steps` and at the end, as `fewshot/...`.
   """
-  workdir = pathlib.Path(workdir)
-  d, t, o, s = config["data"], config["train"], config["optim"], config["schedule"]
-  seed = int(config["seed"])
-  batch_size = int(d["batch_size"])
-  eval_batch_size = int(config["eval"].get("batch_size") or d.get("eval_batch_size") or batch_size)
-  steps = total_steps(t, source.num_examples(d["split"]), batch_size)
+  workdir = config.workdir
+  d, t, o, s = config.data, config.train, config.optim, config.schedule
+  seed = config.seed
+  batch_size = d.batch_size
+  eval_batch_size = derived.eval_batch_size(config.eval, d)
+  steps = total_steps(t.steps, t.epochs, source.num_examples(d.split), batch_size)
   processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
 
-  image_shape = data.image_shape(source, d["split"], d["pp_train"])
-  schedule = schedules.make_schedule(s["name"], o["lr"], steps, s.get("warmup_steps", 0),
-                                     s.get("end_lr_fraction", 0.0), s.get("timescale"),
-                                     s.get("cooldown_steps", 0))
+  image_shape = data.image_shape(source, d.split, d.pp_train)
+  schedule = schedules.make_schedule(s.name.value, o.lr, steps, s.warmup_steps,
+                                     s.end_lr_fraction, s.timescale, s.cooldown_steps)
   abstract, _ = state_lib.abstract_params(model, image_shape)
-  tx = optimizers.make_optimizer(schedule=schedule, params=abstract, **o)
-  ckpt = config["checkpoint"]
-  checkpointer = Checkpointer(workdir / "checkpoints", keep=ckpt["keep"],
-                              every_steps=ckpt["every_steps"], async_save=ckpt.get("async_save", True))
-  writer = MetricWriter(str(workdir), run_config=config, wandb=config["logger"]["wandb"],
-                        job_type=stage)
-  progress = None
+  tx = optimizers.make_optimizer(o.name.value, schedule, abstract, b1=o.b1, b2=o.b2, eps=o.eps,
+                                 momentum=o.momentum, nesterov=o.nesterov,
+                                 weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm)
+  ckpt = config.checkpoint
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=ckpt.keep,
+                              every_steps=ckpt.every_steps, async_save=ckpt.async_save)
+  stored_config = as_dict(config)
+  progress = writer = None
   try:
     with placement.context():
       state, shardings, position, origin = initial_state(
           checkpointer, model=model, tx=tx, image_shape=image_shape, placement=placement,
-          seed=seed, init_params=init_params)
+          seed=seed, init_params=init_params, warn=_warn)
+      writer = MetricWriter(workdir, run_config=stored_config,
+                            wandb=config.logger.wandb, job_type=stage)
       step_fn = jax.jit(
-          make_train_step(model, tx, schedule, loss=t["loss"], aux_loss_weight=t["aux_loss_weight"],
-                          accum_steps=t.get("accum_steps", 1), seed=seed),
+          make_train_step(model, tx, schedule, loss=t.loss.value,
+                          aux_loss_weight=t.aux_loss_weight, accum_steps=t.accum_steps, seed=seed),
           in_shardings=(shardings, placement.batch_sharding), out_shardings=(shardings, None),
           donate_argnums=0)
-      eval_step = jax.jit(make_eval_step(model, t["loss"]))
+      eval_step = jax.jit(make_eval_step(model, t.loss.value))
 
       def evaluator(split, prefix):
-        batches = data.eval_batches(source, split, d["pp"],
+        batches = data.eval_batches(source, split, d.pp,
                                     eval_batch_size // processes["process_count"], **processes)
         return ClassificationEvaluator(eval_step, batches, prefix=prefix, put=placement.put)
-      val = evaluator(d["eval_split"], "val")
-      fewshot_cfg, fewshot = config.get("fewshot") or {}, None
+      val = evaluator(d.eval_split, "val")
+      fewshot_cfg, fewshot = config.fewshot, None
       if fewshot_datasets:
-        fewshot = FewshotEvaluator(None, fewshot_datasets, shots=fewshot_cfg["shots"],
-                                   seeds=fewshot_cfg["seeds"], l2_regs=fewshot_cfg.get("l2_regs"),
+        fewshot = FewshotEvaluator(None, fewshot_datasets, shots=fewshot_cfg.shots,
+                                   seeds=fewshot_cfg.seeds, l2_regs=fewshot_cfg.l2_regs,
                                    put=placement.put, prefix="fewshot")
         feature_step = jax.jit(make_feature_fn(model))
-      fewshot_every = int(fewshot_cfg.get("every_steps") or 0) if fewshot else 0
+      fewshot_every = fewshot_cfg.every_steps if fewshot else 0
 
       def run_fewshot(step):
         """Features of the current parameters: recomputed at every call."""
@@ -168,33 +229,36 @@ def train_and_evaluate(config: dict, *, model, source, placement: Placement, wor
         progress.message(f"[{stage}] step {step} few-shot mean accuracy: "
                          f"{_fewshot_summary(metrics)}")
         return metrics
-      batches = data.train_batches(source, d["split"], d["pp_train"],
+      batches = data.train_batches(source, d.split, d.pp_train,
                                    batch_size // processes["process_count"], seed=seed,
-                                   start=position, shuffle_buffer=d["shuffle_buffer"], **processes)
+                                   start=position, shuffle_buffer=d.shuffle_buffer, **processes)
 
       start_step = int(state.step)
       progress = Progress(steps, start_step, batch_size, desc=stage,
-                          enabled=config["logger"].get("progress", True))
+                          enabled=config.logger.progress)
       progress.message(f"[{stage}] {model.__class__.__name__} with "
                        f"{state_lib.count_params(abstract):,} parameters, {origin}; "
                        f"{steps} steps of {batch_size} images on {placement.mesh.size} device(s) "
                        f"-> {workdir}")
-      log_every = max(1, int(t.get("log_every_steps", 50)))
-      eval_every = int(config["eval"].get("every_steps") or 0)
+      eval_every = config.eval.every_steps
       history, last_train = [], {}
+      guard = _DivergenceGuard(config, checkpointer)
 
       def save(step):
+        guard.check_pending()  # never save a non-finite state
         checkpointer.save(step, state.params, state.opt_state,
-                          meta={"step": step, "position": position}, config=config)
+                          meta={"step": step, "position": position}, config=stored_config)
 
       with _StopFlag() as stop:
         for step in range(start_step + 1, steps + 1):
           batch = placement.put(next(batches))
           position += batch_size // processes["process_count"]
           state, metrics = step_fn(state, batch)
+          guard.dispatched(step, metrics)
           history.append(metrics)
           progress.step_done(step)
-          if step % log_every == 0 or step == steps:
+          if step % t.log_every_steps == 0 or step == steps:
+            guard.check_pending()
             last_train = _mean_metrics(history)
             last_train["train/images_per_s"] = progress.images_per_second(step)
             history = []
@@ -211,14 +275,16 @@ def train_and_evaluate(config: dict, *, model, source, placement: Placement, wor
           if stop.signum is not None and step != steps:
             save(step)
             checkpointer.wait()
-            raise Interrupted(f"stopped by signal {stop.signum} after step {step}; checkpoint "
-                              f"saved in {workdir / 'checkpoints'}. Rerun the same command to "
-                              "resume.")
+            raise Interrupted(f"stopped by {signal.Signals(stop.signum).name} after step {step}; "
+                              f"checkpoint saved in {checkpointer.directory}. Rerun the same "
+                              "command to resume.", stop.signum)
+        guard.check_pending()
       final = val.run(state.params)
-      if d.get("test_split"):
-        final.update(evaluator(d["test_split"], "test").run(state.params))
+      if d.test_split:
+        final.update(evaluator(d.test_split, "test").run(state.params))
       if fewshot is not None:
         final.update(run_fewshot(steps))
+    checkpointer.wait()  # the final checkpoint is committed before the run reports success
     writer.write(steps, final)
     progress.report(steps, {**last_train, **final})
     summary = {"step": steps, **last_train, **final,
@@ -229,4 +295,5 @@ def train_and_evaluate(config: dict, *, model, source, placement: Placement, wor
     if progress is not None:
       progress.close()
     checkpointer.close()
-    writer.close()
+    if writer is not None:
+      writer.close()
