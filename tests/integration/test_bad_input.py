@@ -1,18 +1,31 @@
-"""Bad input fails before any compute: exit code 2, one paragraph naming what is valid, no traceback."""
+"""Bad input fails before any compute: exit code 2, one paragraph naming the culprit and what is
+valid, no traceback, and nothing a later resume could mistake for a run.
+
+Config values fail when the CLI validates the composed config, before Hydra creates the workdir:
+those cases assert that the workdir does not exist at all. Data and checkpoint faults are found by
+the task before its first step: those cases assert that no checkpoint, W&B run or summary exists.
+"""
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 
 import pytest
+from PIL import Image
 
-from conftest import QUIET, TINY_MODEL
+from conftest import TINY_MODEL
 
-FAST = [*QUIET, "train.steps=1", "data.batch_size=16"]
+pytestmark = pytest.mark.xdist_group("bad_input")
+
+# W&B offline (not disabled), so that "no W&B run was started" is a real check.
+LOGS = ["logger.wandb.mode=offline", "logger.progress=false"]
+TRAIN = [*TINY_MODEL, *LOGS, "train.steps=1", "data.batch_size=16"]
 
 
-def _fails_clearly(result, *expected):
+def _fails_clearly(result, *expected) -> str:
   code, out, err = result
   assert code == 2, (code, out, err)
   assert "Traceback" not in err and "Traceback" not in out
@@ -23,65 +36,348 @@ def _fails_clearly(result, *expected):
   return err
 
 
-@pytest.mark.parametrize("args, expected", [
+def _nothing_like_a_run(workdir: pathlib.Path) -> None:
+  for artefact in ("checkpoints", "wandb", "summary.json", "metrics.jsonl"):
+    assert not (workdir / artefact).exists(), artefact
+
+
+# --- config values, pretrain / finetune --------------------------------------------------------
+
+TRAINING_CASES = [
+    # ranges of single keys
+    (["train.steps=-5"], ["train.steps=-5", "must be >= 1"]),
+    (["train.steps=null", "train.epochs=-1"], ["train.epochs=-1", "must be > 0"]),
+    (["train.steps=null"], ["train.steps=<n>", "train.epochs=<x>"]),
+    (["optim.lr=-0.1"], ["optim.lr=-0.1", "must be > 0"]),
+    (["optim.lr=0"], ["optim.lr=0", "must be > 0"]),
+    (["data.batch_size=0"], ["data.batch_size=0", "must be >= 1"]),
+    (["data.eval_batch_size=0"], ["data.eval_batch_size=0", ">= 1"]),
+    (["data.holdout_fraction=1.5"], ["data.holdout_fraction=1.5", "(0, 1)"]),
+    (["data.shuffle_buffer=0"], ["data.shuffle_buffer=0"]),
+    (["model.dropout_rate=1.0"], ["model.dropout_rate=1.0", "[0, 1)"]),
+    (["model.moe.expert_dropout=-0.1"], ["model.moe.expert_dropout=-0.1", "[0, 1)"]),
+    (["model.router.noise_std=-1"], ["model.router.noise_std=-1", ">= 0"]),
+    (["model.router.capacity_ratio=0"], ["model.router.capacity_ratio=0", "> 0"]),
+    (["model.router.k=0"], ["model.router.k=0", ">= 1"]),
+    (["optim.b1=1.0"], ["optim.b1=1.0", "[0, 1)"]),
+    (["optim.eps=0"], ["optim.eps=0", "> 0"]),
+    (["optim.grad_clip_norm=-1"], ["optim.grad_clip_norm=-1", "> 0", "null: no clipping"]),
+    (["optim.weight_decay=-0.1"], ["optim.weight_decay=-0.1", "[regex, value >= 0]"]),
+    (['optim.weight_decay=[["(",1.0]]'], ["optim.weight_decay", "regex"]),
+    (["schedule.warmup_steps=-1"], ["schedule.warmup_steps=-1", ">= 0"]),
+    (["schedule.end_lr_fraction=2"], ["schedule.end_lr_fraction=2", "[0, 1]"]),
+    (["train.accum_steps=0"], ["train.accum_steps=0", ">= 1"]),
+    (["train.log_every_steps=0"], ["train.log_every_steps=0"]),
+    (["train.aux_loss_weight=-1"], ["train.aux_loss_weight=-1", ">= 0"]),
+    (["eval.every_steps=-1"], ["eval.every_steps=-1", "0: only at the end"]),
+    (["checkpoint.keep=0"], ["checkpoint.keep=0", ">= 1"]),
+    (["checkpoint.every_steps=-1"], ["checkpoint.every_steps=-1"]),
+    (["mesh.expert=0"], ["mesh.expert=0", "-1 (infer from the device count) or >= 1"]),
+    (["sharding.name=nope"], ["sharding.name='nope'", "dp, ep, fsdp_ep"]),
+    (["sharding.rules=[[embed,nope]]"], ["sharding.rules", "mesh axis (data, expert)"]),
+    (["distributed.coordinator_address=nohost"], ["distributed.coordinator_address", "host:port"]),
+    (["logger.wandb.mode=sometimes"], ["logger.wandb.mode", "online", "offline", "disabled"]),
+    # relations between keys
+    (["model.router.k=9"], ["model.router.k=9", "num_experts=8", "1 <= k <= 8"]),
+    (["model.num_heads=3"], ["model.hidden_size=32", "model.num_heads=3"]),
+    (["model.image_size=18"], ["model.image_size=18", "model.patch_size=4"]),
+    (["model.moe.layers=every0"], ["model.moe.layers='every0'", "every<n>"]),
+    (["model.moe.layers=[0,5]"], ["model.moe.layers", "[5] out of range", "2-block"]),
+    (["model.moe.num_experts=0"], ["model.moe.num_experts >= 1"]),
+    (["train.accum_steps=3"], ["train.accum_steps=3", "data.batch_size=16"]),
+    (["data.batch_size=12"], ["data.batch_size=12", "group_size=8"]),
+    (["mesh.data=3"], ["mesh.data=3", "devices"]),
+    (["distributed.coordinator_address=localhost:1234"],
+     ["distributed.num_processes=<n>", "distributed.process_id"]),
+    (["fewshot.every_steps=5", "fewshot.datasets=[]"], ["fewshot.every_steps=5", "fewshot.datasets"]),
+    (["fewshot.every_steps=5", "fewshot.shots=[0]"], ["fewshot.shots=[0]", "item 0", ">= 1"]),
+    (["fewshot.l2_regs=[1,0.5]"], ["fewshot.l2_regs=[1.0, 0.5]", "strictly increasing"]),
+    # several problems are reported together
+    (["train.steps=-5", "optim.lr=-0.1"], ["2 problems", "train.steps=-5", "optim.lr=-0.1"]),
+    # composition: unknown names and keys, types
     (["model=vmoe_nope"], ["unknown model 'vmoe_nope'", "vmoe_tiny", "vit_b16"]),
     (["data=nope"], ["data=", "mnist5k", "uci_digits", "image_folder"]),
     (["optim=nope"], ["optim=", "adam", "sgd", "adafactor"]),
     (["optim.name=adamw"], ["optim.name", "adam", "sgd", "adafactor"]),
     (["optim.lrr=1"], ["unknown config key 'optim.lrr'", "lr", "momentum"]),
     (["train.steps=many"], ["train.steps"]),
-    (["model.router.k=9"], ["model.router.k=9", "num_experts=8", "1 <= k <= 8"]),
-    (["model.router.capacity_ratio=0"], ["capacity_ratio"]),
-    (["data.batch_size=12"], ["group_size=8"]),
-    (["data=tfds", "data.name=cifar10"], ["cifar10", "not prepared", "tfds build"]),
-    (["data=tfds", "data.name=no_such_dataset"], ["unknown dataset 'no_such_dataset'", "mnist5k"]),
     (["data=image_folder"], ["data.root"]),
-    (["data.split=val"], ["no split 'val'", "train (4000 examples)"]),
-    (['data.pp_train="decode|blur(3)"'], ["unknown preprocessing op 'blur'", "resize"]),
+    (['data.pp_train="decode|blur(3)"'], ["data.pp_train", "unknown preprocessing op 'blur'",
+                                          "resize"]),
     (["data.pp_train=decode|blur(3)"], ["must be quoted"]),
-    (["init.checkpoint=/no/such/run"], ["does not exist"]),
-])
-def test_pretrain_bad_input(args, expected, run_cli, tmp_path):
-  _fails_clearly(run_cli("pretrain", f"workdir={tmp_path}", *TINY_MODEL, *FAST, *args), *expected)
-  assert not (tmp_path / "checkpoints").exists()
+]
+
+
+@pytest.mark.parametrize("args, expected", TRAINING_CASES, ids=lambda v: " ".join(v)[:60])
+def test_training_config_value(args, expected, run_cli, tmp_path):
+  workdir = tmp_path / "w"
+  _fails_clearly(run_cli("pretrain", f"workdir={workdir}", *TRAIN, *args), *expected)
+  assert not workdir.exists()  # validated before Hydra created anything
+
+
+def test_finetune_config_value(run_cli, tmp_path):
+  workdir = tmp_path / "w"
+  _fails_clearly(run_cli("finetune", f"workdir={workdir}", *TRAIN, "optim.momentum=1.5"),
+                 "optim.momentum=1.5", "[0, 1)")
+  assert not workdir.exists()
+
+
+def test_a_sweep_with_one_bad_value_runs_no_job(run_cli, tmp_path):
+  workdir = tmp_path / "sweep"
+  _fails_clearly(run_cli("pretrain", "--multirun", f"workdir={workdir}", *TRAIN,
+                         "optim.lr=1e-3,-1"), "in the sweep job optim.lr=-1", "optim.lr=-1")
+  assert not workdir.exists()
+
+
+def test_debug_shows_the_traceback(run_cli, tmp_path):
+  code, _, err = run_cli("pretrain", f"workdir={tmp_path}", *TRAIN, "train.steps=-5", "debug=true")
+  assert code == 2 and "train.steps=-5" in err
 
 
 def test_unknown_subcommand(run_cli):
   _fails_clearly(run_cli("pretrian"), "unknown subcommand 'pretrian'", "pretrain", "finetune")
 
 
-def test_finetune_from_a_missing_checkpoint(run_cli, tmp_path):
-  _fails_clearly(run_cli("finetune", f"workdir={tmp_path}", "init.checkpoint=/no/such/run", *FAST),
-                 "does not exist")
+# --- data --------------------------------------------------------------------------------------
+
+def _png(path: pathlib.Path) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  Image.new("RGB", (8, 8), (10, 120, 200)).save(path)
 
 
-def test_finetune_from_an_empty_folder(run_cli, tmp_path):
-  (tmp_path / "empty").mkdir()
-  _fails_clearly(run_cli("finetune", f"workdir={tmp_path / 'w'}",
-                         f"init.checkpoint={tmp_path / 'empty'}", *FAST), "no checkpoint found")
+@pytest.fixture
+def broken_folder(tmp_path) -> pathlib.Path:
+  """An image folder with every kind of fault: an unreadable image, a stray file, an empty class
+  folder, a class missing from a split."""
+  root = tmp_path / "images"
+  for split in ("train", "test"):
+    for cls in ("cat", "dog"):
+      for i in range(4):
+        _png(root / split / cls / f"{i}.png")
+  (root / "train" / "cat" / "broken.png").write_bytes(b"\x89PNG not really")
+  (root / "train" / "dog" / "notes.txt").write_text("meeting notes")
+  (root / "test" / "bird").mkdir()
+  _png(root / "test" / "fish" / "0.png")
+  return root
 
 
-def test_checkpoint_of_the_wrong_shape(run_cli, tmp_path):
-  code, _, err = run_cli("pretrain", f"workdir={tmp_path / 'up'}", "model=vit_tiny", *TINY_MODEL,
-                         *FAST)
-  assert code == 0, err
-  bigger = [o for o in TINY_MODEL if "hidden_size" not in o] + ["model.hidden_size=48"]
-  err = _fails_clearly(run_cli("finetune", f"workdir={tmp_path / 'down'}", "model=vit_tiny",
-                               f"init.checkpoint={tmp_path / 'up'}", *bigger, *FAST),
-                       "does not fit the model", "checkpoint (32,) vs model (48,)",
-                       "model.hidden_size 32 -> 48")
-  assert not (tmp_path / "down" / "checkpoints").exists()
+def test_broken_image_folder_is_listed_before_compute(broken_folder, run_cli, tmp_path):
+  workdir = tmp_path / "w"
+  err = _fails_clearly(run_cli("pretrain", f"workdir={workdir}", *TRAIN, "data=image_folder",
+                               f"data.root={broken_folder}"),
+                       f"data.root={broken_folder}", "train/cat/broken.png",
+                       "train/dog/notes.txt", "test/bird", "'fish' is in test/ but not in train/",
+                       "data.skip_unreadable=true")
+  assert "2 unreadable or non-image files" in err
+  _nothing_like_a_run(workdir)
 
 
-def test_eval_needs_a_checkpoint(run_cli, tmp_path):
-  _fails_clearly(run_cli("eval", f"workdir={tmp_path}", *QUIET), "init.checkpoint")
+def test_skip_unreadable_still_refuses_a_class_missing_from_train(broken_folder, run_cli,
+                                                                  tmp_path):
+  workdir = tmp_path / "w"
+  code, _, err = run_cli("pretrain", f"workdir={workdir}", *TRAIN, "data=image_folder",
+                         f"data.root={broken_folder}", "data.skip_unreadable=true")
+  assert code == 2 and "warning: skipped 2 unreadable or non-image files" in err
+  assert "'fish' is in test/ but not in train/" in err and "Traceback" not in err
+  _nothing_like_a_run(workdir)
 
 
-def test_debug_shows_the_traceback(run_cli, tmp_path):
-  code, _, err = run_cli("pretrain", f"workdir={tmp_path}", *TINY_MODEL, *FAST, "model.router.k=9",
-                         "debug=true")
-  assert code != 0 and 'File "' in err and "ConfigError: model.router.k=9" in err
+def test_image_folder_without_images(run_cli, tmp_path):
+  (tmp_path / "images" / "train" / "cat").mkdir(parents=True)
+  _fails_clearly(run_cli("pretrain", f"workdir={tmp_path / 'w'}", *TRAIN, "data=image_folder",
+                         f"data.root={tmp_path / 'images'}"), "no images")
+  _nothing_like_a_run(tmp_path / "w")
 
+
+@pytest.mark.parametrize("args, expected", [
+    (["data=tfds", "data.name=cifar10"], ["cifar10", "not prepared", "tfds build", "data_dir"]),
+    (["data=tfds", "data.name=no_such_dataset"], ["unknown dataset 'no_such_dataset'", "mnist5k"]),
+    (["data.split=val"], ["no split 'val'", "train (4000 examples)"]),
+    (["fewshot.every_steps=1", "fewshot.datasets=[lfw_faces]", "fewshot.shots=[50]"],
+     ["'lfw_faces'", "50 shots"]),
+])
+def test_training_data(args, expected, run_cli, tmp_path):
+  _fails_clearly(run_cli("pretrain", f"workdir={tmp_path}", *TRAIN, *args), *expected)
+  _nothing_like_a_run(tmp_path)
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """A tiny V-MoE run (checkpoints at steps 1 and 2), a tiny ViT run, and damaged copies."""
+  from runner import cli
+  root = tmp_path_factory.mktemp("runs")
+  quiet = ["logger.wandb.mode=disabled", "logger.progress=false"]
+  assert cli.main(["pretrain", f"workdir={root / 'vmoe'}", *TINY_MODEL, *quiet, "train.steps=2",
+                   "checkpoint.every_steps=1", "data.batch_size=16"]) == 0
+  assert cli.main(["pretrain", f"workdir={root / 'vit'}", "model=vit_tiny", *TINY_MODEL, *quiet,
+                   "train.steps=1", "data.batch_size=16"]) == 0
+  damaged = {
+      "corrupt_params": lambda d: _garbage(d / "checkpoints/2/params/_METADATA"),
+      "corrupt_config": lambda d: _garbage(d / "checkpoints/2/config/metadata"),
+      "corrupt_arrays": lambda d: [_garbage(p) for p in (d / "checkpoints/2/params").rglob("d/*")],
+      "partial": lambda d: shutil.rmtree(d / "checkpoints/2/params"),
+      "all_corrupt": lambda d: [_garbage(d / f"checkpoints/{s}/params/_METADATA") for s in (1, 2)],
+  }
+  for name, damage in damaged.items():
+    shutil.copytree(root / "vmoe", root / name)
+    damage(root / name)
+  (root / "file.txt").write_text("not a run")
+  (root / "empty").mkdir()
+  return {name: root / name for name in ["vmoe", "vit", "file.txt", "empty", *damaged]}
+
+
+def _garbage(path: pathlib.Path) -> None:
+  path.write_bytes(os.urandom(256))
+
+
+CHECKPOINT_CASES = [
+    ("finetune", ["init.checkpoint=/no/such/run"], ["init.checkpoint='/no/such/run'",
+                                                     "does not exist"]),
+    ("finetune", ["init.checkpoint={file.txt}"], ["no checkpoint found", "file.txt"]),
+    ("finetune", ["init.checkpoint={empty}"], ["no checkpoint found", "empty"]),
+    ("finetune", ["init.checkpoint={partial}"], ["checkpoints/2 is partial", "params missing",
+                                                 "checkpoints/1"]),
+    ("finetune", ["init.checkpoint={corrupt_params}"], ["checkpoints/2 cannot be read",
+                                                        "params is corrupted"]),
+    ("finetune", ["init.checkpoint={corrupt_arrays}"], ["checkpoints/2 cannot be read",
+                                                        "params is corrupted"]),
+    ("finetune", ["init.checkpoint={corrupt_config}"], ["config is corrupted"]),
+    ("finetune", ["init.checkpoint={vmoe}", "model.hidden_size=48"],
+     ["does not fit the model", "checkpoint (32,) vs model (48,)", "model.hidden_size 32 -> 48"]),
+    ("eval", ["init.checkpoint={corrupt_config}"], ["checkpoints/2 cannot be read",
+                                                    "config is corrupted"]),
+    ("eval", ["init.checkpoint={corrupt_params}"], ["params is corrupted"]),
+    ("eval", ["init.checkpoint={partial}"], ["is partial"]),
+    ("eval", ["init.checkpoint=/no/such/run"], ["does not exist"]),
+    ("eval", [], ["vmoe eval needs init.checkpoint"]),
+    ("eval", ["init.checkpoint={vmoe}", "model.hidden_size=48"],
+     ["does not fit its model", "model.* may change inference settings"]),
+    ("fewshot", ["init.checkpoint={corrupt_config}"], ["config is corrupted"]),
+    ("fewshot", ["init.checkpoint={corrupt_arrays}"], ["params is corrupted"]),
+    ("fewshot", ["init.checkpoint=null"], ["vmoe fewshot needs init.checkpoint"]),
+]
+
+
+def _fill(args: list[str], runs: dict) -> list[str]:
+  """'{name}' in an argument -> the path of that run."""
+  out = []
+  for arg in args:
+    for name, path in runs.items():
+      arg = arg.replace("{" + name + "}", str(path))
+    out.append(arg)
+  return out
+
+
+@pytest.mark.parametrize("sub, args, expected", CHECKPOINT_CASES,
+                         ids=lambda v: " ".join(v)[:50] if isinstance(v, list) else v)
+def test_checkpoint_input(sub, args, expected, runs, run_cli, tmp_path):
+  workdir = tmp_path / "w"
+  extra = TRAIN if sub == "finetune" else LOGS
+  _fails_clearly(run_cli(sub, f"workdir={workdir}", *extra, *_fill(args, runs)), *expected)
+  _nothing_like_a_run(workdir)
+
+
+def test_resume_with_no_readable_checkpoint_refuses_and_moves_nothing(runs, run_cli, tmp_path):
+  workdir = tmp_path / "rerun"
+  shutil.copytree(runs["all_corrupt"], workdir)
+  before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+  _fails_clearly(run_cli("pretrain", f"workdir={workdir}", *TINY_MODEL, *LOGS, "train.steps=2",
+                         "checkpoint.every_steps=1", "data.batch_size=16"),
+                 "no checkpoint in", "step 2:", "step 1:", "does not start from scratch",
+                 "mv ")
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
+  assert not (workdir / "unreadable_checkpoints").exists()
+
+
+# --- eval and fewshot options --------------------------------------------------------------------
+
+EVAL_CASES = [
+    (["eval.ece_bins=0"], ["eval.ece_bins=0", ">= 1"]),
+    (["eval.corruptions=[fog_machine]"], ["eval.corruptions", "'fog_machine'", "contrast",
+                                          "or [all]"]),
+    (["eval.corruptions=[contrast]", "eval.severities=[0,6]"], ["eval.severities=[0, 6]",
+                                                                 "[1, 5]"]),
+    (["eval.corruptions=[contrast]", "eval.severities=[]"], ["eval.severities is empty"]),
+    (["eval.adversarial.epsilons=[8]"], ["eval.adversarial.epsilons=[8.0]", "[0, 1]",
+                                         "pixel units"]),
+    (["eval.adversarial.steps=0"], ["eval.adversarial.steps=0", ">= 1"]),
+    (["eval.adversarial.step_size=0"], ["eval.adversarial.step_size=0", "> 0"]),
+    (["eval.capacity_sweep=[0]"], ["eval.capacity_sweep=[0.0]", "> 0"]),
+    (["eval.batch_size=12"], ["eval.batch_size=12", "group_size=8"]),
+    (["eval.datasets=[uci_digits,uci_digits]"], ["eval.datasets", "twice"]),
+    (["model.router.k=0"], ["model.router.k=0", ">= 1"]),
+    (["model.router.k=9"], ["model.router.k=9", "1 <= k <= 8"]),
+    (["model.router.capacity_ratio=-1"], ["model.router.capacity_ratio=-1", "> 0"]),
+]
+
+
+@pytest.mark.parametrize("args, expected", EVAL_CASES, ids=lambda v: " ".join(v)[:60])
+def test_eval_config_value(args, expected, runs, run_cli, tmp_path):
+  workdir = tmp_path / "w"
+  _fails_clearly(run_cli("eval", f"workdir={workdir}", f"init.checkpoint={runs['vmoe']}", *LOGS,
+                         *args), *expected)
+  assert not workdir.exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["eval.capacity_sweep=[0.5]"], ["eval.capacity_sweep=[0.5] needs a V-MoE checkpoint"]),
+    (["model.router.k=1"], None),  # inference settings of a ViT: nothing to route, still fine
+])
+def test_eval_of_a_vit(args, expected, runs, run_cli, tmp_path):
+  workdir = tmp_path / "w"
+  result = run_cli("eval", f"workdir={workdir}", f"init.checkpoint={runs['vit']}", *LOGS, *args)
+  if expected is None:
+    assert result[0] == 0, result[2]
+    return
+  _fails_clearly(result, *expected)
+  assert not workdir.exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["eval.datasets=[mnist5k,lfw_faces]"], ["'lfw_faces'", "2 classes", "predicts 10"]),
+    (["eval.ood_datasets=[no_such_dataset]"], ["unknown dataset 'no_such_dataset'"]),
+    (['eval.split="test[:0]"'], ["is empty"]),
+])
+def test_eval_data(args, expected, runs, run_cli, tmp_path):
+  _fails_clearly(run_cli("eval", f"workdir={tmp_path}", f"init.checkpoint={runs['vmoe']}", *LOGS,
+                         *args), *expected)
+  _nothing_like_a_run(tmp_path)
+
+
+FEWSHOT_CASES = [
+    (["fewshot.shots=[]"], ["fewshot.shots=[]", "non-empty"]),
+    (["fewshot.shots=[0,5]"], ["fewshot.shots=[0, 5]", ">= 1"]),
+    (["fewshot.seeds=[]"], ["fewshot.seeds=[]", "non-empty"]),
+    (["fewshot.l2_regs=[1,0.5]"], ["fewshot.l2_regs", "strictly increasing"]),
+    (["fewshot.l2_regs=[0,1]"], ["fewshot.l2_regs", "> 0"]),
+    (["fewshot.datasets=[]"], ["fewshot.datasets is empty"]),
+    (["fewshot.max_train_examples=0"], ["fewshot.max_train_examples=0", ">= 1"]),
+    (["fewshot.batch_size=12"], ["fewshot.batch_size=12", "group_size=8"]),
+    (["model.router.k=9"], ["model.router.k=9"]),
+]
+
+
+@pytest.mark.parametrize("args, expected", FEWSHOT_CASES, ids=lambda v: " ".join(v)[:60])
+def test_fewshot_config_value(args, expected, runs, run_cli, tmp_path):
+  workdir = tmp_path / "w"
+  _fails_clearly(run_cli("fewshot", f"workdir={workdir}", f"init.checkpoint={runs['vmoe']}",
+                         *LOGS, *args), *expected)
+  assert not workdir.exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["fewshot.shots=[1000]"], ["class", "fewer than the 1000 shots"]),
+    (["fewshot.datasets=[uci_digits:nosplit]"], ["no split 'nosplit'", "validation"]),
+])
+def test_fewshot_data(args, expected, runs, run_cli, tmp_path):
+  _fails_clearly(run_cli("fewshot", f"workdir={tmp_path}", f"init.checkpoint={runs['vmoe']}",
+                         *LOGS, *args), *expected)
+  _nothing_like_a_run(tmp_path)
+
+
+# --- the installed entry point -----------------------------------------------------------------
 
 def test_console_script_exit_code_and_message():
   """The installed `vmoe` executable itself: non-zero exit, the paragraph, no traceback."""

@@ -122,10 +122,10 @@ def test_faces_are_farther_than_digits(suite):
 @pytest.mark.parametrize("args, expected", [
     (["eval.datasets=[mnist5k]"], "has 10 classes but the checkpoint's head predicts 5"),
     (["eval.ood_datasets=[no_such_dataset]"], "no_such_dataset"),
-    (["eval.corruptions=[fog_machine]"], "unknown corruption"),
+    (["eval.corruptions=[fog_machine]"], "eval.corruptions=['fog_machine'] has the item"),
     (["eval.corruptions=[contrast]", "eval.severities=[0,6]"], "eval.severities"),
     (['eval.split="test[:0]"'], "is empty"),
-    (["eval.adversarial.epsilons=[8]"], "[0, 1] pixel units"),
+    (["eval.adversarial.epsilons=[8]"], "which must be in [0, 1]"),
     (["eval.ece_bins=0"], "eval.ece_bins"),
 ])
 def test_bad_eval_input_fails_before_compute(digits_0to4, tmp_path, run_cli, args, expected):

@@ -64,7 +64,8 @@ def test_fewshot_writes_metrics_summary_plot_and_table(vmoe_run, tmp_path, run_c
   (record,) = _lines(tmp_path / "metrics.jsonl")
   assert record["step"] == 2 and "mean/5shot/accuracy" in record and "mean/5shot/l2_reg" in record
   config = yaml.safe_load((tmp_path / "config.yaml").read_text())
-  assert config["model"]["router"]["k"] == 1 and config["model"]["name"] == "vmoe_tiny"
+  (member,) = config["members"]
+  assert member["model"]["router"]["k"] == 1 and member["model"]["name"] == "vmoe_tiny"
   assert config["data"]["pp"] == "decode(3)|resize(16)|value_range(-1,1)"
   assert (tmp_path / "fewshot_accuracy.png").read_bytes()[:4] == b"\x89PNG"
   lines = out.strip().splitlines()  # after any dataset preparation messages
@@ -82,7 +83,7 @@ def test_two_checkpoints_concatenate_their_features(vmoe_run, vit_run, tmp_path,
   assert summary["checkpoint_step"] == [2, 4]
   assert 0 <= summary["uci_digits/5shot/accuracy"] <= 1
   config = yaml.safe_load((tmp_path / "config.yaml").read_text())
-  assert [m["name"] for m in config["models"]] == ["vmoe_tiny", "vit_tiny"]
+  assert [m["model"]["name"] for m in config["members"]] == ["vmoe_tiny", "vit_tiny"]
 
 
 @pytest.mark.parametrize("args, expected", [

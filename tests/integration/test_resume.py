@@ -1,7 +1,9 @@
-"""A crash or kill loses at most the steps since the last checkpoint; rerunning resumes exactly."""
+"""A crash, kill, signal or damaged checkpoint loses at most the steps since the last good
+checkpoint; rerunning the same command resumes to exactly the parameters of an uninterrupted run."""
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -61,8 +63,8 @@ def test_interrupted_run_resumes_to_identical_parameters(how, uninterrupted, tmp
   _, err = proc.communicate(timeout=120)
   if how == "sigkill":
     assert proc.returncode == -signal.SIGKILL
-  else:  # graceful: finish the step, save, explain, exit non-zero
-    assert proc.returncode == 2, err
+  else:  # graceful: finish the step, save, explain, exit 128 + SIGTERM
+    assert proc.returncode == 128 + signal.SIGTERM, err
     assert "Rerun the same command to resume" in err and "Traceback" not in err
   steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").glob("*") if p.name.isdigit())
   assert steps and steps[-1] < 40, "the run finished before it was interrupted"
@@ -79,3 +81,49 @@ def _leaves(tree):
   import jax
   return [(jax.tree_util.keystr(p), np.asarray(v))
           for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _same_parameters(a, b):
+  for (path, x), (_, y) in zip(_leaves(a), _leaves(b)):
+    np.testing.assert_array_equal(x, y, err_msg=path)
+
+
+def test_a_second_signal_exits_at_once_and_the_rerun_resumes(uninterrupted, tmp_path, run_cli):
+  proc = _start(tmp_path)
+  _wait_for_checkpoint(proc, tmp_path)
+  proc.send_signal(signal.SIGTERM)
+  time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  start = time.time()
+  _, err = proc.communicate(timeout=60)
+  assert time.time() - start < 30
+  assert proc.returncode == 128 + signal.SIGTERM, err
+  assert "Traceback" not in err
+  assert "second signal" in err or "Rerun the same command" in err  # the first may have won
+
+  code, _, err = run_cli(*ARGS, f"workdir={tmp_path}")
+  assert code == 0, err
+  _same_parameters(uninterrupted, _final_params(tmp_path))
+
+
+def _damage(step_dir: pathlib.Path) -> None:
+  """Random bytes over every array file of the step's parameters."""
+  files = [p for p in (step_dir / "params").rglob("*") if p.is_file() and p.parent.name == "d"]
+  assert files
+  for path in files:
+    path.write_bytes(os.urandom(path.stat().st_size or 64))
+
+
+def test_unreadable_latest_checkpoint_falls_back_to_the_previous_one(uninterrupted, tmp_path,
+                                                                     run_cli):
+  code, _, err = run_cli(*ARGS, f"workdir={tmp_path}")
+  assert code == 0, err
+  steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").glob("*") if p.name.isdigit())
+  assert steps == [30, 40]
+  _damage(tmp_path / "checkpoints" / "40")
+
+  code, _, err = run_cli(*ARGS, f"workdir={tmp_path}")
+  assert code == 0, err
+  assert "checkpoint step 40 cannot be read" in err and "resumes from step 30" in err
+  assert (tmp_path / "unreadable_checkpoints" / "40").is_dir()  # kept for a look, not deleted
+  _same_parameters(uninterrupted, _final_params(tmp_path))
