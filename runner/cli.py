@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "finetune": "fine-tune a checkpoint with a new head (default: embedded UCI digits)",
     "fewshot": "linear few-shot accuracy of frozen features (ridge on pre-logits, 1-25 shots)",
     "eval": "evaluate a checkpoint: accuracy, NLL, calibration, OOD, corruptions, PGD, GFLOPs",
+    "ensemble": "evaluate checkpoints as one ensemble (deep, partitioned, MC-dropout): + diversity",
 }
 USAGE = """usage: vmoe <subcommand> [overrides ...] [--multirun] [--cfg job] [--help]
 

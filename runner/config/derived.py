@@ -15,6 +15,20 @@ def num_experts(model: ModelConfig) -> int:
   return int(model.moe.num_experts) if model.moe.num_experts and moe_layers(model) else 0
 
 
+def ensemble_size(model: ModelConfig) -> int:
+  """Members of a partitioned batch ensemble (1 for a V-MoE or a ViT)."""
+  return int(model.moe.ensemble_size) if num_experts(model) else 1
+
+
+def experts_per_router(model: ModelConfig) -> int:
+  """The experts one routing decision chooses among: E, or E / M for a partitioned ensemble."""
+  from runner.config.schema import EnsembleVariant
+  experts, m = num_experts(model), ensemble_size(model)
+  if m > 1 and model.moe.ensemble_variant != EnsembleVariant.tiling_only:
+    return experts // m
+  return experts
+
+
 def eval_batch_size(eval, data: DataConfig) -> int:
   """eval.batch_size, else data.eval_batch_size, else data.batch_size."""
   return int(eval.batch_size or data.eval_batch_size or data.batch_size)
@@ -28,3 +42,8 @@ def fewshot_batch_size(fewshot: FewshotConfig, data: DataConfig,
 
 def fewshot_in_training(fewshot: FewshotConfig) -> bool:
   return fewshot.every_steps > 0 and bool(fewshot.datasets)
+
+
+def model_output(loss) -> str:
+  """How a model's (or its ensemble members') outputs are probabilities: softmax or sigmoid."""
+  return "sigmoid" if getattr(loss, "value", loss) == "sigmoid_xent" else "softmax"

@@ -14,8 +14,9 @@ import typing
 from typing import Callable
 
 from runner.config import derived
-from runner.config.schema import (DataConfig, DistributedConfig, EvalConfig, EvalSuiteConfig,
-                                  FewshotConfig, FewshotRun, MeshConfig, ModelConfig, TrainConfig)
+from runner.config.schema import (DataConfig, DistributedConfig, EnsembleRun, EnsembleVariant,
+                                  EvalConfig, EvalSuiteConfig, FewshotConfig, FewshotRun,
+                                  MeshConfig, ModelConfig, TrainConfig)
 from runner.errors import ConfigError
 
 
@@ -81,10 +82,33 @@ def moe_layers_exist(model: ModelConfig):
 
 @relation
 def k_at_most_experts(model: ModelConfig):
-  experts = derived.num_experts(model)
-  if experts and model.router.k > experts:
+  experts, per_member = derived.num_experts(model), derived.experts_per_router(model)
+  if not experts or model.router.k <= per_member:
+    return None
+  if per_member == experts:
     return (f"model.router.k={model.router.k} selects more experts per token than there are "
             f"(model.moe.num_experts={experts}); valid: 1 <= k <= {experts}.")
+  return (f"model.router.k={model.router.k} selects more experts per token than each ensemble "
+          f"member has (model.moe.num_experts={experts} / model.moe.ensemble_size="
+          f"{model.moe.ensemble_size} = {per_member}); valid: 1 <= k <= {per_member}.")
+
+
+@relation
+def ensemble_needs_experts(model: ModelConfig):
+  m = model.moe.ensemble_size
+  if m == 1:
+    if model.moe.ensemble_variant != EnsembleVariant.pbe:
+      return (f"model.moe.ensemble_variant={model.moe.ensemble_variant.value} is an ablation of "
+              "a partitioned batch ensemble: it needs model.moe.ensemble_size >= 2.")
+    return None
+  if not derived.num_experts(model):
+    return (f"model.moe.ensemble_size={m} needs MoE layers: the members of a partitioned batch "
+            f"ensemble are partitions of the experts, and model {model.name} has none (use a "
+            "vmoe_* model, or a deep ensemble of ViTs with vmoe ensemble).")
+  if model.moe.num_experts % m:
+    return (f"model.moe.ensemble_size={m} does not divide model.moe.num_experts="
+            f"{model.moe.num_experts}: each member gets an equal share of the experts; use a "
+            f"divisor of {model.moe.num_experts}.")
 
 
 # --- data --------------------------------------------------------------------------------------
@@ -143,6 +167,51 @@ def members_share_preprocessing(run: FewshotRun):
     return ("the checkpoints of init.checkpoint preprocess images differently, so their features "
             f"cannot be concatenated image by image ({listing}); combine checkpoints trained at "
             "the same resolution and value range.")
+
+
+@relation
+def ensemble_has_members(run: EnsembleRun):
+  mc = run.ensemble.mc_dropout
+  if mc:
+    if len(run.members) != 1:
+      return (f"ensemble.mc_dropout={mc} samples one checkpoint with its dropout on, but "
+              f"init.checkpoint names {len(run.members)}; give one, or drop ensemble.mc_dropout "
+              "for a deep ensemble of them.")
+    if mc < 2:
+      return f"ensemble.mc_dropout={mc} is one sample, not an ensemble: use 2 or more."
+    model = run.members[0].model
+    if not (model.moe.expert_dropout or model.dropout_rate or model.attention_dropout_rate):
+      return ("ensemble.mc_dropout needs a model with dropout, but model.moe.expert_dropout, "
+              "model.dropout_rate and model.attention_dropout_rate of "
+              f"{run.members[0].path} are all 0 (set model.moe.expert_dropout=0.1, the "
+              "fine-tuning rate, to sample with it).")
+    return None
+  size = sum(derived.ensemble_size(m.model) if m.model.moe.ensemble_variant
+             != EnsembleVariant.partition_only else 1 for m in run.members)
+  if size < 2:
+    return (f"init.checkpoint names one member ({run.members[0].path}), which is not an ensemble: "
+            "give two or more checkpoints, a partitioned batch ensemble "
+            "(model.moe.ensemble_size >= 2), or ensemble.mc_dropout=<M> samples of one.")
+
+
+@relation
+def ensemble_members_agree(run: EnsembleRun):
+  for what, value in (("preprocess images", lambda m: m.data.pp),
+                      ("were trained with different losses", lambda m: m.loss.value)):
+    values = [value(m) for m in run.members]
+    if len(set(values)) > 1:
+      listing = "; ".join(f"{m.path}: {v!r}" for m, v in zip(run.members, values))
+      verb = what if what.startswith("were") else f"{what} differently"
+      return (f"the members of init.checkpoint {verb} ({listing}), so their predictions cannot "
+              "be averaged image by image; combine checkpoints trained with the same "
+              "preprocessing and loss.")
+
+
+@relation
+def ensemble_capacity_sweep_needs_experts(run: EnsembleRun):
+  if run.eval.capacity_sweep and not any(derived.num_experts(m.model) for m in run.members):
+    return (f"eval.capacity_sweep={run.eval.capacity_sweep} needs V-MoE members; none of "
+            "init.checkpoint has MoE layers.")
 
 
 # --- multi-host start-up -----------------------------------------------------------------------
@@ -206,13 +275,24 @@ def eval_batch_fits(data: DataConfig, eval: EvalSuiteConfig, model: ModelConfig,
   return batch_problem(derived.eval_batch_size(eval, data), "eval.batch_size", model, devices)
 
 
-@relation
-def fewshot_batch_fits(run: FewshotRun, devices: int):
-  size = derived.fewshot_batch_size(run.fewshot, run.data)
-  for member in run.members:
-    problem = batch_problem(size, "fewshot.batch_size", member.model, devices)
+def _members_batch_problem(members, size: int, what: str, devices: int) -> str | None:
+  for member in members:
+    problem = batch_problem(size, what, member.model, devices)
     if problem:
       return problem
+  return None
+
+
+@relation
+def fewshot_batch_fits(run: FewshotRun, devices: int):
+  return _members_batch_problem(run.members, derived.fewshot_batch_size(run.fewshot, run.data),
+                                "fewshot.batch_size", devices)
+
+
+@relation
+def ensemble_batch_fits(run: EnsembleRun, devices: int):
+  return _members_batch_problem(run.members, derived.eval_batch_size(run.eval, run.data),
+                                "eval.batch_size", devices)
 
 
 def _mesh_problem(mesh: MeshConfig, experts: int, devices: int) -> str | None:
@@ -229,9 +309,19 @@ def mesh_fits(mesh: MeshConfig, model: ModelConfig, devices: int):
   return _mesh_problem(mesh, derived.num_experts(model), devices)
 
 
-@relation
-def fewshot_mesh_fits(run: FewshotRun, devices: int):
+def _members_mesh_problem(run, devices: int) -> str | None:
   for member in run.members:
     problem = _mesh_problem(run.mesh, derived.num_experts(member.model), devices)
     if problem:
       return problem
+  return None
+
+
+@relation
+def fewshot_mesh_fits(run: FewshotRun, devices: int):
+  return _members_mesh_problem(run, devices)
+
+
+@relation
+def ensemble_mesh_fits(run: EnsembleRun, devices: int):
+  return _members_mesh_problem(run, devices)

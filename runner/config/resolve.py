@@ -14,8 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import (InterpolationResolutionError, MissingMandatoryValue,
                               OmegaConfBaseException)
 
-from runner.config.schema import (DataConfig, EvalRun, FewshotMember, FewshotRun, Loss,
-                                  ModelConfig, TrainConfig, TrainTask)
+from runner.config.schema import (DataConfig, EnsembleMember, EnsembleRun, EvalRun,
+                                  FewshotMember, FewshotRun, InitConfig, Loss, ModelConfig,
+                                  TrainConfig, TrainTask)
 from runner.config.validate import validate
 from runner.errors import ConfigError
 
@@ -87,9 +88,27 @@ def model_overrides(given: dict | None) -> dict:
   return changes
 
 
+# A later stage may change how a checkpoint runs (router k, capacity, BPR, dtype), not what it is.
+_ENSEMBLE_KEYS = ("ensemble_size", "ensemble_variant")
+
+
+def _keeps_the_ensemble(stored: dict, model: dict) -> None:
+  stored_moe, given_moe = stored.get("moe") or {}, (model.get("moe") or {})
+  for key in _ENSEMBLE_KEYS:
+    given = given_moe.get(key)
+    kept = stored_moe.get(key, 1 if key == "ensemble_size" else "pbe")
+    if given is not None and str(given) != str(kept):
+      raise ConfigError(
+          f"model.moe.{key}={given} differs from the checkpoint's {kept}: the members of a "
+          "partitioned batch ensemble are fixed when it is trained. Fine-tune it into another "
+          "ensemble (vmoe finetune init.checkpoint=... model.moe.ensemble_size=<M> "
+          "init.repartition_experts=true), or drop the override.")
+
+
 def stored_model_and_data(stored: dict, model: dict | None = None,
                           data: dict | None = None) -> tuple[ModelConfig, DataConfig]:
   """The checkpoint's model and data configs with the given (unresolved) overrides on top."""
+  _keeps_the_ensemble(stored.get("model") or {}, _prune_none(dict(model or {})))
   base = OmegaConf.create({"model": OmegaConf.structured(ModelConfig),
                            "data": OmegaConf.structured(DataConfig)})
   try:
@@ -121,9 +140,10 @@ def checkpoint_paths(value, command: str = "fewshot") -> list[str]:
   paths = [value] if isinstance(value, str) else list(value or [])
   paths = [str(p) for p in paths if p is not None and str(p).strip()]
   if not paths:
+    what = ("to concatenate their pre-logit features" if command == "fewshot"
+            else "to average their predictions")
     raise ConfigError(f"vmoe {command} needs init.checkpoint=<workdir of a pretrain/finetune run>, "
-                      "or a list of them, init.checkpoint=[runs/a,runs/b], to concatenate their "
-                      "pre-logit features.")
+                      f"or a list of them, init.checkpoint=[runs/a,runs/b], {what}.")
   return paths
 
 
@@ -140,6 +160,22 @@ def fewshot_run(cfg: DictConfig, workdir: str, stored: dict[str, dict]) -> Fewsh
                     data=members[0].data, **own)
 
 
+def ensemble_run(cfg: DictConfig, workdir: str, stored: dict[str, dict]) -> EnsembleRun:
+  """`stored`: checkpoint path -> its stored config, in the order of init.checkpoint."""
+  given = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
+  members = []
+  for path, config in stored.items():
+    model, data = stored_model_and_data(config, given.get("model"), given.get("data"))
+    init = _known(InitConfig, config.get("init"))
+    members.append(EnsembleMember(path=path, model=model, data=data, loss=stored_loss(config),
+                                  stage=config.get("stage"), upstream=init.get("checkpoint"),
+                                  seed=config.get("seed")))
+  own = {name: typed(cfg[name]) for name in ("eval", "ensemble", "logger", "mesh", "sharding",
+                                             "distributed")}
+  return EnsembleRun(seed=cfg.seed, workdir=str(workdir), debug=cfg.debug, members=members,
+                     data=members[0].data, loss=members[0].loss, **own)
+
+
 def load(task: str, cfg: DictConfig, workdir: str | None = None):
   """The validated typed config of subcommand `task` (reading checkpoints' stored configs)."""
   from runner import checkpoint  # eval and fewshot only; the library never imports this module
@@ -152,7 +188,11 @@ def load(task: str, cfg: DictConfig, workdir: str | None = None):
     if not path:
       raise ConfigError("vmoe eval needs init.checkpoint=<workdir of a pretrain/finetune run>.")
     return validate(eval_run(cfg, workdir, checkpoint.read_config(path)))
-  if task == "fewshot":
-    paths = checkpoint_paths(OmegaConf.to_container(cfg.init, resolve=True)["checkpoint"])
-    return validate(fewshot_run(cfg, workdir, {p: checkpoint.read_config(p) for p in paths}))
+  if task in ("fewshot", "ensemble"):
+    paths = checkpoint_paths(OmegaConf.to_container(cfg.init, resolve=True)["checkpoint"], task)
+    stored = {p: checkpoint.read_config(p) for p in paths}
+    if len(stored) != len(paths):
+      raise ConfigError(f"init.checkpoint={paths} names a checkpoint twice.")
+    make = fewshot_run if task == "fewshot" else ensemble_run
+    return validate(make(cfg, workdir, stored))
   raise ValueError(f"unknown task {task!r}")

@@ -57,6 +57,13 @@ class Dispatcher(str, enum.Enum):
   einsum = "einsum"
 
 
+class EnsembleVariant(str, enum.Enum):
+  """Partitioned batch ensembles and the two ablations of the E³ paper's Table 3."""
+  pbe = "pbe"  # tiled representations, experts partitioned between the members
+  tiling_only = "tiling_only"  # tiled representations, one router over all experts
+  partition_only = "partition_only"  # no tiling: each token picks k experts in every partition
+
+
 class WandbMode(str, enum.Enum):
   online = "online"
   offline = "offline"
@@ -145,6 +152,9 @@ class MoeConfig:
   group_size: int = key(8, at_least(1), "images per routing group")
   expert_dropout: float = key(0.0, rate())
   dispatcher: Dispatcher = Dispatcher.indices
+  # Partitioned batch ensembles (E³): M members, each with E/M of the experts and its own router.
+  ensemble_size: int = key(1, at_least(1), "1: a V-MoE; M > 1: a partitioned batch ensemble")
+  ensemble_variant: EnsembleVariant = EnsembleVariant.pbe
 
 
 @dataclass
@@ -285,6 +295,9 @@ class InitConfig:
   checkpoint: Optional[str] = None  # a workdir or a checkpoint dir written by an earlier stage
   reinit_head: bool = True  # fine-tuning: a new zero-initialised head
   dense_to_experts: bool = False  # fine-tuning a V-MoE from a dense ViT: copy its MLPs into experts
+  # A partitioned batch ensemble may start a model with another ensemble_size only when asked:
+  # its experts are then divided anew between the members.
+  repartition_experts: bool = False
 
 
 @dataclass
@@ -404,8 +417,31 @@ class FewshotTask:
   distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
+@dataclass
+class EnsembleConfig:
+  mc_dropout: int = key(0, at_least(0), "0: off; M >= 2: M samples of one checkpoint with its "
+                        "dropout on at inference")
+
+
+@dataclass
+class EnsembleTask:
+  """ensemble: checkpoints (or MC-dropout samples of one) evaluated as one ensemble."""
+  seed: int = 0
+  workdir: str = MISSING
+  debug: bool = False
+  init: FewshotInitConfig = field(default_factory=FewshotInitConfig)
+  model: ModelOverrides = field(default_factory=ModelOverrides)
+  data: DataOverrides = field(default_factory=DataOverrides)
+  eval: EvalSuiteConfig = field(default_factory=EvalSuiteConfig)
+  ensemble: EnsembleConfig = field(default_factory=EnsembleConfig)
+  logger: LoggerConfig = field(default_factory=LoggerConfig)
+  mesh: MeshConfig = field(default_factory=MeshConfig)
+  sharding: ShardingConfig = field(default_factory=ShardingConfig)
+  distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
 TASK_SCHEMAS = {"pretrain": TrainTask, "finetune": TrainTask, "fewshot": FewshotTask,
-                "eval": EvalTask}
+                "eval": EvalTask, "ensemble": EnsembleTask}
 
 
 # What a later stage runs: the checkpoint's stored model and data with the command line on top.
@@ -443,6 +479,35 @@ class FewshotRun:
   members: List[FewshotMember]
   data: DataConfig  # the first member's data config: its preprocessing reads every dataset
   fewshot: FewshotConfig
+  logger: LoggerConfig
+  mesh: MeshConfig
+  sharding: ShardingConfig
+  distributed: DistributedConfig
+
+
+@dataclass
+class EnsembleMember:
+  """One checkpoint of an ensemble, with what its stored config says about its origin."""
+  path: str
+  model: ModelConfig
+  data: DataConfig
+  loss: Loss
+  stage: Optional[str] = None  # "pretrain" or "finetune" (None: a checkpoint that does not say)
+  upstream: Optional[str] = None  # the init.checkpoint it was trained from
+  seed: Optional[int] = None
+
+
+@dataclass
+class EnsembleRun:
+  """vmoe ensemble, resolved: every member's model and the data and loss they share."""
+  seed: int
+  workdir: str
+  debug: bool
+  members: List[EnsembleMember]
+  data: DataConfig  # the first member's, with the command line's data.* on top
+  loss: Loss
+  eval: EvalSuiteConfig
+  ensemble: EnsembleConfig
   logger: LoggerConfig
   mesh: MeshConfig
   sharding: ShardingConfig

@@ -34,6 +34,7 @@ from runner.logging.progress import Progress
 from runner.train.losses import LOSSES, precision_at_1
 
 _BLOCK = re.compile(r"block_(\d+)")
+_MEMBER = re.compile(r"member_\d+")  # a model of an `Ensemble` (runner/models/ensemble.py)
 
 
 def default_step_size(epsilon, steps: int):
@@ -77,7 +78,8 @@ def make_pgd_attack(model, loss_name: str = "softmax_xent", *, steps: int,
 
 
 def selected_experts(intermediates) -> dict[str, jax.Array]:
-  """{"layer_<i>": (batch, tokens, k)} from the `selected_experts` sown in block_<i>'s MoE."""
+  """{"layer_<i>": (batch, tokens, k)} from the `selected_experts` sown in block_<i>'s MoE
+  ("member_<j>/layer_<i>" for the models of an ensemble)."""
   out = {}
   for path, value in traverse_util.flatten_dict(dict(intermediates)).items():
     if path[-1] != "selected_experts":
@@ -85,7 +87,8 @@ def selected_experts(intermediates) -> dict[str, jax.Array]:
     blocks = [m for m in map(_BLOCK.fullmatch, path) if m]
     if not blocks:
       raise ValueError(f"selected_experts sown outside an encoder block: {'/'.join(path)}")
-    out[f"layer_{blocks[-1][1]}"] = value[-1]  # sow keeps a tuple of every call's value
+    member = [p + "/" for p in path if _MEMBER.fullmatch(p)]
+    out[f"{''.join(member[:1])}layer_{blocks[-1][1]}"] = value[-1]  # sow keeps every call's value
   return out
 
 
@@ -230,7 +233,8 @@ def plot_pgd(metrics: dict, prefix: str, path: str, title: str = "") -> str:
     raise ValueError(f"no {base}eps_<e>/... keys in the metrics")
   epsilons = sorted(by_eps)
   layers = sorted({k.split("/", 1)[1] for sums in by_eps.values() for k in sums
-                   if k.startswith("routing_change/layer_")}, key=_layer_order)
+                   if k.startswith("routing_change/") and k != "routing_change/mean"},
+                  key=_layer_order)
 
   figure = Figure(figsize=(10 if layers else 5, 4), dpi=100)
   FigureCanvasAgg(figure)

@@ -20,13 +20,21 @@ from runner.evaluators.ood import MahalanobisFit, logit_scores
 
 def make_predict_step(model):
   """(params, batch) -> logits and float32 pre-logits of every row (padded rows included), and
-  per MoE layer the fraction of real tokens that no expert processed (summed over real rows)."""
+  per MoE layer the fraction of real tokens that no expert processed (summed over real rows).
+
+  For an ensemble (a partitioned batch ensemble, or `runner.models.ensemble.Ensemble`) the logits
+  are those of the members' mean probability, `member_logits` (B, M, C) the members' own, and the
+  pre-logits the members' side by side.
+  """
   def step(params, batch):
     logits, extras = model.apply({"params": params}, batch["image"], train=False)
     real = batch["_mask"].astype(jnp.float32).sum()
     dropped = {f"moe/{layer}/fraction_dropped_tokens": m["fraction_dropped_tokens"] * real
                for layer, m in extras["routing"].items()}
-    return {"logits": logits, "pre_logits": extras["pre_logits"], "sums": dropped}
+    out = {"logits": logits, "pre_logits": extras["pre_logits"], "sums": dropped}
+    if "member_logits" in extras:
+      out["member_logits"] = extras["member_logits"]
+    return out
   return step
 
 
@@ -168,7 +176,10 @@ def count_params(params) -> int:
 
 
 def active_params(params, num_experts: int, k: int) -> int:
-  """Parameters one token uses: the experts count k / E of their weights (V-MoE's "active")."""
+  """Parameters one token uses: the experts count k / E of their weights (V-MoE's "active").
+
+  For a partitioned batch ensemble pass E / M: a member's token chooses among its partition.
+  """
   e = num_experts
   total = 0
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):

@@ -18,8 +18,11 @@ def is_moe(config: ModelConfig) -> bool:
                                                                  config.num_layers))
 
 
-def build_model(config: ModelConfig, num_classes: int) -> VisionTransformer:
-  """A `VisionTransformer` from a model config (the `model.` keys), with a head of `num_classes`."""
+def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") -> VisionTransformer:
+  """A `VisionTransformer` from a model config (the `model.` keys), with a head of `num_classes`.
+
+  `output` ("softmax" or "sigmoid", from train.loss) is how ensemble members' predictions average.
+  """
   moe = None
   moe_layers = moe_layer_indices(config.moe.layers or [], config.num_layers) if is_moe(config) else ()
   if moe_layers:
@@ -30,12 +33,15 @@ def build_model(config: ModelConfig, num_classes: int) -> VisionTransformer:
     moe = dict(num_experts=config.moe.num_experts, group_size=config.moe.group_size,
                expert_dropout=config.moe.expert_dropout,
                dispatcher=_name(config.moe.dispatcher), router=router)
+    if config.moe.ensemble_size > 1:  # a V-MoE's module arguments stay exactly as they were
+      moe.update(ensemble_size=config.moe.ensemble_size,
+                 ensemble_variant=_name(config.moe.ensemble_variant))
   return VisionTransformer(
       num_classes=num_classes, patch_size=config.patch_size, hidden_size=config.hidden_size,
       num_layers=config.num_layers, mlp_dim=config.mlp_dim, num_heads=config.num_heads,
       classifier=_name(config.classifier), representation_size=config.representation_size,
       dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate,
-      head_bias_init=config.head_bias_init, moe_layers=moe_layers, moe=moe,
+      head_bias_init=config.head_bias_init, moe_layers=moe_layers, moe=moe, output=output,
       dtype=jnp.dtype(_name(config.dtype)))
 
 

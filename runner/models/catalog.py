@@ -1,8 +1,11 @@
 """Model names in the papers' grammar, resolved from one size table.
 
   vit_<size><patch>                              vit_s32, vit_b16, vit_l16, vit_h14
-  vmoe_<size><patch>_<every|last><n>[_e<E>][_k<k>]  vmoe_s32_last2, vmoe_b16_every2_e32_k2
-  vit_tiny, vmoe_tiny                            CPU sizes (image 32, patch 4)
+  vmoe_<size><patch>_<every|last><n>[_e<E>][_k<k>][_m<M>]  vmoe_s32_last2, vmoe_b16_every2_e32_k2
+  vit_tiny, vmoe_tiny[_k<k>][_m<M>]              CPU sizes (image 32, patch 4)
+
+`_m<M>` makes a partitioned batch ensemble of M members (E³, Allingham et al.): vmoe_tiny_m2,
+vmoe_s32_last2_e32_k1_m2.
 
 Sizes follow the V-MoE paper's Table 7 (hidden size, blocks, MLP size, heads). "every2" puts MoE
 MLPs on every second block (1, 3, 5, ... counting from 0); "lastN" keeps the last N of those, as
@@ -33,7 +36,7 @@ PAPER_MODELS = (
 CPU_MODELS = ("vit_tiny", "vmoe_tiny")
 _NAME = re.compile(
     r"^(?P<kind>vit|vmoe)_(?:(?P<tiny>tiny)|(?P<size>ti|s|b|l|h)(?P<patch>\d+))"
-    r"(?:_(?P<place>every|last)(?P<n>\d+))?(?:_e(?P<e>\d+))?(?:_k(?P<k>\d+))?$")
+    r"(?:_(?P<place>every|last)(?P<n>\d+))?(?:_e(?P<e>\d+))?(?:_k(?P<k>\d+))?(?:_m(?P<m>\d+))?$")
 
 
 class UnknownModelError(UserError, ValueError):
@@ -43,17 +46,19 @@ class UnknownModelError(UserError, ValueError):
 def model_config(name: str) -> ModelConfig:
   """The full model config (constructor arguments plus image_size) for a name in the grammar."""
   m = _NAME.match(name)
-  if not m or (m["kind"] == "vit" and (m["place"] or m["e"] or m["k"])):
+  if not m or (m["kind"] == "vit" and (m["place"] or m["e"] or m["k"] or m["m"])):
     raise UnknownModelError(
         f"unknown model {name!r}. Valid names: {', '.join(CPU_MODELS + PAPER_MODELS)}, or any "
-        "vit_<size><patch> / vmoe_<size><patch>_<every|last><n>[_e<E>][_k<k>] with size in "
-        f"{{{', '.join(s for s in SIZES if s != 'tiny')}}} (e.g. vmoe_b16_every2_e32_k2).")
+        "vit_<size><patch> / vmoe_<size><patch>_<every|last><n>[_e<E>][_k<k>][_m<M>] with size "
+        f"in {{{', '.join(s for s in SIZES if s != 'tiny')}}} (e.g. vmoe_b16_every2_e32_k2, "
+        "vmoe_tiny_k1_m2).")
   tiny = bool(m["tiny"])
   hidden, layers, mlp, heads = SIZES["tiny" if tiny else m["size"]]
   moe, router = MoeConfig(layers=[], num_experts=0), RouterConfig(k=2)
   if m["kind"] == "vmoe":
     placement = f"{m['place'] or 'every'}{m['n'] or 2}"
-    moe = MoeConfig(layers=placement, num_experts=int(m["e"] or (8 if tiny else 32)))
+    moe = MoeConfig(layers=placement, num_experts=int(m["e"] or (8 if tiny else 32)),
+                    ensemble_size=int(m["m"] or 1))
     router = RouterConfig(k=int(m["k"] or 2))
   return ModelConfig(name=name, image_size=32 if tiny else 224,
                      patch_size=4 if tiny else int(m["patch"]), hidden_size=hidden,

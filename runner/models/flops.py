@@ -4,17 +4,36 @@ Conventions (the V-MoE / MFU convention): a (m x k) @ (k x n) matmul costs 2*m*k
 are counted at their padded capacity (every buffer slot is computed, filled or not); dispatch
 bookkeeping, softmax, normalisation and activations are not counted. A training step costs three
 forward passes (forward, and two matmuls per matmul in the backward pass).
+
+Partitioned batch ensembles (E³, `model.moe.ensemble_size` M > 1; spec ensembles-e3.md §1.10):
+  pbe             the representation is repeated M times right before the first block with an MoE
+                  MLP; that block (its attention included), every later block, the pre-logits layer
+                  and the head run on M rows per image. Each replica routes within its member's
+                  E/M experts with that member's router columns (router: M·D·E/M = D·E per token);
+                  a routing group holds group_size images × M replicas, so each expert sees
+                  group_size·T tokens: capacity = expert_capacity(group_size·T, E/M, k, C).
+  tiling_only     repeated as pbe, but one router over all E experts on every replica (router:
+                  M·D·E per token), groups of group_size·M rows: capacity =
+                  expert_capacity(group_size·M·T, E, k, C).
+  partition_only  no repetition; each token picks k experts in every partition with the member
+                  routers (router: D·E per token); capacity = expert_capacity(group_size·T, E/M, k, C).
+In every case an MoE layer computes E·capacity/group_size expert slots per image. M = 1 is a
+V-MoE; a model without MoE layers (a ViT) ignores M.
 """
 from __future__ import annotations
 
-from runner.config.schema import Classifier, ModelConfig
+from runner.config.schema import Classifier, EnsembleVariant, ModelConfig
 from runner.models.catalog import moe_layer_indices
 from runner.models.moe.routing import expert_capacity
 
 
 def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size: int,
                             train: bool = True) -> float:
-  """Forward matmul FLOPs per image of a model config (the `model.` keys) at `batch_size`."""
+  """Forward matmul FLOPs per image of a model config (the `model.` keys) at `batch_size`.
+
+  Counted per input image: with a tiled ensemble (pbe, tiling_only) the M replicas of an image
+  are all part of its cost.
+  """
   d, m, layers = config.hidden_size, config.mlp_dim, config.num_layers
   p = config.patch_size
   patches = (config.image_size // p) ** 2
@@ -24,27 +43,46 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
   dense_mlp = 2 * 2.0 * tokens * d * m
   moe, router = config.moe, config.router
   moe_layers = moe_layer_indices(moe.layers or [], layers) if moe.num_experts else ()
+  e = moe.num_experts
+  members = moe.ensemble_size if moe_layers else 1  # a dense ViT has nothing to partition
+  variant = EnsembleVariant(moe.ensemble_variant)
+  if members > 1 and e % members:
+    raise ValueError(f"model.moe.num_experts={e} is not divisible by "
+                     f"model.moe.ensemble_size={members}")
+  tiled = members > 1 and variant in (EnsembleVariant.pbe, EnsembleVariant.tiling_only)
+  first_tiled = min(moe_layers) if tiled else layers
+  rows = 1  # rows per image: M from the first MoE block on when tiled
   for i in range(layers):
-    flops += attention
+    if i == first_tiled:
+      rows = members
+    flops += rows * attention
     if i not in moe_layers:
-      flops += dense_mlp
+      flops += rows * dense_mlp
       continue
-    e = moe.num_experts
     ratio = router.capacity_ratio
     if not train and router.eval_capacity_ratio is not None:
       ratio = router.eval_capacity_ratio
-    group = min(moe.group_size, batch_size)
-    capacity = expert_capacity(group * tokens, e, router.k, ratio)
+    group = min(moe.group_size, batch_size)  # images per routing group (per member when tiled)
+    if members == 1:
+      capacity = expert_capacity(group * tokens, e, router.k, ratio)
+      router_flops = 2.0 * tokens * d * e
+    elif variant == EnsembleVariant.tiling_only:
+      capacity = expert_capacity(group * members * tokens, e, router.k, ratio)
+      router_flops = members * 2.0 * tokens * d * e  # every replica scores all E experts
+    else:  # pbe (M replicas, E/M columns each) or partition_only (one token, all M partitions)
+      capacity = expert_capacity(group * tokens, e // members, router.k, ratio)
+      router_flops = 2.0 * tokens * d * e
     slots_per_image = e * capacity / group
-    flops += 2.0 * tokens * d * e  # router
+    flops += router_flops
     flops += 2 * 2.0 * slots_per_image * d * m  # experts at padded capacity
   if config.classifier == Classifier.map:  # one probe query attending to every token, then an MLP
-    flops += 2.0 * d * d + 2.0 * tokens * d * 2 * d + 2 * 2.0 * tokens * d + 2.0 * d * d + 4.0 * d * m
+    flops += rows * (2.0 * d * d + 2.0 * tokens * d * 2 * d + 2 * 2.0 * tokens * d + 2.0 * d * d
+                     + 4.0 * d * m)
   width = d
   if config.representation_size:
-    flops += 2.0 * d * config.representation_size
+    flops += rows * 2.0 * d * config.representation_size
     width = config.representation_size
-  return flops + 2.0 * width * num_classes
+  return flops + rows * 2.0 * width * num_classes
 
 
 def train_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size: int) -> float:

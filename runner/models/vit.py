@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from runner.models import ensemble
 from runner.models.moe.layer import MoeMlpBlock
 
 part = nn.with_logical_partitioning
@@ -24,15 +25,16 @@ class MlpBlock(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, *, train: bool):
+  def __call__(self, x, *, train: bool, dropout: bool | None = None):
+    dropout = train if dropout is None else dropout
     d = x.shape[-1]
     xavier, tiny = nn.initializers.xavier_uniform(), nn.initializers.normal(1e-6)
     h = nn.Dense(self.mlp_dim, dtype=self.dtype, name="fc1",
                  kernel_init=part(xavier, ("embed", "mlp")), bias_init=part(tiny, ("mlp",)))(x)
-    h = nn.Dropout(self.dropout_rate)(nn.gelu(h), deterministic=not train)
+    h = nn.Dropout(self.dropout_rate)(nn.gelu(h), deterministic=not dropout)
     y = nn.Dense(d, dtype=self.dtype, name="fc2",
                  kernel_init=part(xavier, ("mlp", "embed")), bias_init=part(tiny, ("embed",)))(h)
-    return nn.Dropout(self.dropout_rate)(y, deterministic=not train)
+    return nn.Dropout(self.dropout_rate)(y, deterministic=not dropout)
 
 
 class SelfAttention(nn.Module):
@@ -42,7 +44,8 @@ class SelfAttention(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, *, train: bool):
+  def __call__(self, x, *, train: bool, dropout: bool | None = None):
+    dropout = train if dropout is None else dropout
     d = x.shape[-1]
     if d % self.num_heads:
       raise ValueError(f"hidden size {d} is not divisible by num_heads {self.num_heads}")
@@ -63,7 +66,7 @@ class SelfAttention(nn.Module):
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, S, H, hd)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q * head_dim**-0.5, k)
     weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(self.dtype)
-    weights = nn.Dropout(self.dropout_rate)(weights, deterministic=not train)
+    weights = nn.Dropout(self.dropout_rate)(weights, deterministic=not dropout)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b * n, h * head_dim)
     out = out @ w_out.reshape(h * head_dim, d).astype(self.dtype)
     return out.reshape(b, n, d) + b_out.astype(self.dtype)
@@ -79,17 +82,20 @@ class EncoderBlock(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, *, train: bool):
+  def __call__(self, x, *, train: bool, dropout: bool | None = None):
+    dropout = train if dropout is None else dropout
     y = nn.LayerNorm(dtype=self.dtype, name="norm1")(x)
     y = SelfAttention(self.num_heads, self.attention_dropout_rate, self.dtype, name="attention")(
-        y, train=train)
-    x = x + nn.Dropout(self.dropout_rate)(y, deterministic=not train)
+        y, train=train, dropout=dropout)
+    x = x + nn.Dropout(self.dropout_rate)(y, deterministic=not dropout)
     y = nn.LayerNorm(dtype=self.dtype, name="norm2")(x)
     if self.moe is None:
-      y, metrics = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, name="mlp")(y, train=train), {}
+      y = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, name="mlp")(
+          y, train=train, dropout=dropout)
+      metrics = {}
     else:
       y, metrics = MoeMlpBlock(mlp_dim=self.mlp_dim, dtype=self.dtype, **self.moe, name="moe")(
-          y, train=train)
+          y, train=train, dropout=dropout)
     return x + y, metrics
 
 
@@ -100,7 +106,7 @@ class MapHead(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, *, train: bool):
+  def __call__(self, x, *, train: bool, dropout: bool | None = None):
     b, _, d = x.shape
     probe = self.param("probe", part(nn.initializers.xavier_uniform(), (None, None, "embed")),
                        (1, 1, d))
@@ -108,12 +114,20 @@ class MapHead(nn.Module):
     y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dtype=self.dtype,
                                         name="attention")(probe, x)
     z = nn.LayerNorm(dtype=self.dtype, name="norm")(y)
-    y = y + MlpBlock(self.mlp_dim, dtype=self.dtype, name="mlp")(z, train=train)
+    y = y + MlpBlock(self.mlp_dim, dtype=self.dtype, name="mlp")(z, train=train, dropout=dropout)
     return y[:, 0]
 
 
 class VisionTransformer(nn.Module):
-  """ViT / V-MoE classifier. Argument names are the config keys under `model.`."""
+  """ViT / V-MoE classifier. Argument names are the config keys under `model.`.
+
+  A partitioned batch ensemble (`moe["ensemble_size"]` M > 1, variant "pbe" or "tiling_only")
+  tiles its representation M times right before the first MoE block, so everything before runs
+  once; `logits` are then the members' mean probability as logits (`output` says whether members
+  are softmax or sigmoid classifiers), `extras["member_logits"]` (B, M, C) the members' own, and
+  `extras["pre_logits"]` the members' representations side by side (B, M*width): the joint
+  features of few-shot evaluation and Mahalanobis scores.
+  """
   num_classes: int
   patch_size: int
   hidden_size: int
@@ -127,23 +141,35 @@ class VisionTransformer(nn.Module):
   head_bias_init: float = 0.0
   moe_layers: Sequence[int] = ()
   moe: dict | None = None  # MoeMlpBlock keyword arguments shared by all MoE layers
+  output: str = "softmax"  # how ensemble members' predictions are averaged
   dtype: Any = jnp.float32
 
+  @property
+  def tiles(self) -> int:
+    """Copies of each image from the first MoE block on (the members of a tiled ensemble)."""
+    moe = self.moe or {}
+    tiled = moe.get("ensemble_variant", "pbe") in ("pbe", "tiling_only")
+    return int(moe.get("ensemble_size", 1)) if self.moe_layers and tiled else 1
+
   @nn.compact
-  def __call__(self, images: jax.Array, *, train: bool = False):
+  def __call__(self, images: jax.Array, *, train: bool = False, dropout: bool | None = None):
+    """`dropout` (default: `train`) applies dropout at inference too: MC-dropout samples."""
+    dropout = train if dropout is None else dropout
     x = self.embed(images)
     b, n, d = x.shape
     if self.classifier == "token":
       cls = self.param("cls", part(nn.initializers.zeros, (None, None, "embed")), (1, 1, d))
       x = jnp.concatenate([jnp.tile(cls, (b, 1, 1)).astype(x.dtype), x], axis=1)
-    x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=not dropout)
     routing_metrics = {}
     for i in range(self.num_layers):
+      if self.tiles > 1 and i == min(self.moe_layers):
+        x = jnp.repeat(x, self.tiles, axis=0)  # image-major: row b*M + m is member m's copy
       block = EncoderBlock(self.mlp_dim, self.num_heads, self.dropout_rate,
                            self.attention_dropout_rate,
                            moe=self.moe if i in self.moe_layers else None, dtype=self.dtype,
                            name=f"block_{i}")
-      x, metrics = block(x, train=train)
+      x, metrics = block(x, train=train, dropout=dropout)
       if metrics:
         routing_metrics[f"layer_{i}"] = metrics
     x = nn.LayerNorm(dtype=self.dtype, name="encoder_norm")(x)
@@ -152,7 +178,8 @@ class VisionTransformer(nn.Module):
     elif self.classifier == "gap":
       x = x.mean(axis=1)
     elif self.classifier == "map":
-      x = MapHead(self.num_heads, self.mlp_dim, self.dtype, name="map_head")(x, train=train)
+      x = MapHead(self.num_heads, self.mlp_dim, self.dtype, name="map_head")(x, train=train,
+                                                                          dropout=dropout)
     else:
       raise ValueError(f"unknown classifier {self.classifier!r}; valid: {CLASSIFIERS}")
     if self.representation_size:
@@ -165,9 +192,13 @@ class VisionTransformer(nn.Module):
                       bias_init=part(nn.initializers.constant(self.head_bias_init),
                                      ("classes",)))(x)
     aux = sum((m["auxiliary_loss"] for m in routing_metrics.values()), jnp.zeros(()))
-    extras = {"pre_logits": pre_logits.astype(jnp.float32), "routing": routing_metrics,
-              "auxiliary_loss": aux}
-    return logits.astype(jnp.float32), extras
+    logits, pre_logits = logits.astype(jnp.float32), pre_logits.astype(jnp.float32)
+    extras = {"pre_logits": pre_logits, "routing": routing_metrics, "auxiliary_loss": aux}
+    if self.tiles > 1:
+      extras["member_logits"] = ensemble.members(logits, self.tiles)
+      extras["pre_logits"] = pre_logits.reshape(b, -1)
+      logits = ensemble.combine_logits(extras["member_logits"], self.output)
+    return logits, extras
 
   def embed(self, images):
     """Non-overlapping patches, linearly projected, plus learned position embeddings."""

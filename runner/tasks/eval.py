@@ -6,10 +6,14 @@ choose the measurements: classification and calibration on eval.datasets, OOD de
 eval.ood_datasets, corruptions, PGD attacks, compute, and a capacity sweep. Everything that can be
 checked (datasets, splits, class counts, corruption names, sweep values) is checked before the
 first forward pass.
+
+`evaluate` is shared with `vmoe ensemble`: it measures "the members' prediction", one model or
+several. With more than one member (a partitioned batch ensemble, a deep ensemble, MC-dropout
+samples) the prediction is the members' mean probability, and each dataset also gets the members'
+own metrics and their diversity (runner/evaluators/ensemble.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 import re
 import sys
@@ -17,20 +21,19 @@ import sys
 import jax
 import numpy as np
 
-from runner import checkpoint, data
+from runner import data
 from runner.config import as_dict, derived
 from runner.config.schema import DataConfig, EvalRun
 from runner.data import corruptions as corruptions_lib
 from runner.errors import ConfigError
 from runner.evaluators import capacity_sweep, predictions
 from runner.evaluators.calibration import plot_reliability_diagram
+from runner.evaluators.ensemble import EnsembleStats
 from runner.evaluators.ood import SCORES, detection_metrics
 from runner.logging import MetricWriter
-from runner.models import build_model
-from runner.models import flops as flops_lib
 from runner.parallel import Placement
 from runner.tasks import common, dataset_specs
-from runner.train import state as state_lib
+from runner.tasks import members as members_lib
 
 
 def _file_name(text: str) -> str:
@@ -66,14 +69,16 @@ def corruption_names(names: list[str]) -> list[str]:
 
 
 class _Run:
-  """The state shared by the measurements of one `vmoe eval`."""
+  """The state shared by the measurements of one `vmoe eval` or `vmoe ensemble`."""
 
-  def __init__(self, config: EvalRun, model, params, batch_size, placement, progress_enabled):
-    self.config, self.model, self.params = config, model, params
+  def __init__(self, config, members: members_lib.Members, batch_size, placement):
+    self.config, self.members = config, members
+    self.model = members.model()
     self.batch_size, self.placement = batch_size, placement
     self.loss_name = config.loss.value
-    self.step = jax.jit(predictions.make_predict_step(model))
-    self.verbose = progress_enabled and jax.process_index() == 0
+    self.step = jax.jit(predictions.make_predict_step(self.model))
+    self.verbose = config.logger.progress and jax.process_index() == 0
+    self.params = None
 
   def say(self, text: str) -> None:
     if self.verbose:
@@ -85,20 +90,45 @@ class _Run:
                              process_index=jax.process_index(),
                              process_count=jax.process_count(), cache=False)
 
-  def evaluate(self, batches, stats, what: str, step=None, params=None) -> float:
-    rate = predictions.run_pass(step or self.step, self.params if params is None else params,
-                                batches, stats, put=self.placement.put)
+  def evaluate(self, batches, stats, what: str, step=None) -> float:
+    rate = predictions.run_pass(step or self.step, self.params, batches, stats,
+                                put=self.placement.put)
     self.say(f"[eval] {what}: {stats.count} images, {rate:.0f} images/s")
     return rate
 
 
+class _EnsembleStats(predictions.PredictionStats):
+  """The ensemble's prediction, plus its members' own metrics and their diversity."""
+
+  def __init__(self, *, output: str, keep_members: bool = False, **kwargs):
+    super().__init__(**kwargs)
+    self.members = EnsembleStats(num_bins=self.calibration.num_bins, output=output,
+                                 keep=keep_members)
+
+  def update(self, out: dict) -> None:
+    super().update(out)
+    if out["mask"].any():
+      probs = predictions.probabilities(out["member_logits"], self.loss_name)
+      self.members.update(probs, out["labels"], out["mask"])
+
+  def metrics(self, prefix: str) -> dict[str, float]:
+    return {**super().metrics(prefix), **self.members.metrics(prefix)}
+
+
 def run(config: EvalRun, placement: Placement) -> dict:
-  model_cfg, d, e = config.model, config.data, config.eval
+  members = members_lib.load([(config.init.checkpoint, config.model)],
+                             output=derived.model_output(config.loss))
+  return evaluate(config, members, placement, job_type="eval")
+
+
+def evaluate(config, members: members_lib.Members, placement: Placement, *, job_type: str,
+             extra_summary: dict | None = None) -> dict:
+  """Every measurement of `config.eval` on the members' prediction; summary.json and W&B."""
+  d, e = config.data, config.eval
   workdir = config.workdir
   batch_size = derived.eval_batch_size(e, d)
   names, severities = corruption_names(e.corruptions), list(e.severities)
-  params, _, ckpt_step = checkpoint.load_params(config.init.checkpoint)
-  num_classes = int(params["head"]["kernel"].shape[-1])
+  num_classes = members.num_classes
 
   # Every dataset is opened (and its splits and classes checked) before any compute.
   datasets = [_Dataset(name, d, e.split) for name in (e.datasets or [d.name])]
@@ -114,28 +144,31 @@ def run(config: EvalRun, placement: Placement) -> dict:
     raise data.DataError(f"the training split {in_dist.config.split!r} of {in_dist.name!r} "
                          "(needed for the Mahalanobis fit) is empty.")
 
-  model = build_model(model_cfg, num_classes)
   image_shape = data.image_shape(in_dist.source, in_dist.split, in_dist.config.pp)
-  common.check_params_fit(config.init.checkpoint, ckpt_step, params, model, image_shape, "eval")
+  members.check_fit(image_shape, job_type)
   common.write_config(config, workdir)
   out_dir = pathlib.Path(workdir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  ev = _Run(config, model, params, batch_size, placement, config.logger.progress)
+  ev = _Run(config, members, batch_size, placement)
+  output = derived.model_output(config.loss)
+  ensemble = members.size > 1
   adversarial = None
   if e.adversarial.epsilons:
     from runner.evaluators.adversarial import AdversarialEvaluator
     adv = e.adversarial
     adversarial = AdversarialEvaluator(
-        model, epsilons=[float(x) for x in adv.epsilons], steps=adv.steps,
+        ev.model, epsilons=[float(x) for x in adv.epsilons], steps=adv.steps,
         step_size=adv.step_size, loss_name=ev.loss_name, prefix="",
         put=placement.put, max_examples=adv.max_examples, progress=ev.verbose)
 
-  summary: dict = {"checkpoint_step": ckpt_step, "split": in_dist.split}
+  steps = members.steps
+  summary: dict = {"checkpoint_step": steps[0] if len(steps) == 1 else steps,
+                   "split": in_dist.split, **(extra_summary or {})}
+  if ensemble or extra_summary:
+    summary["ensemble/size"] = members.size
   images, arrays = {}, {}
   with placement.context():
-    _, logical = state_lib.abstract_params(model, image_shape)
-    host_params = params
-    params = jax.device_put(params, placement.shardings(logical))
+    params = members.place(placement, image_shape)
     ev.params = params
 
     fit = None
@@ -144,10 +177,10 @@ def run(config: EvalRun, placement: Placement) -> dict:
                                         num_classes, put=placement.put)
     in_scores = {}
     for i, ds in enumerate(datasets):
-      stats = predictions.PredictionStats(loss_name=ev.loss_name, ece_bins=e.ece_bins,
-                                          scores=bool(ood) and i == 0,
-                                          mahalanobis=fit if i == 0 else None,
-                                          keep_probs=e.save_predictions)
+      kwargs = dict(loss_name=ev.loss_name, ece_bins=e.ece_bins, scores=bool(ood) and i == 0,
+                    mahalanobis=fit if i == 0 else None, keep_probs=e.save_predictions)
+      stats = (_EnsembleStats(output=output, keep_members=e.save_predictions, **kwargs)
+               if ensemble else predictions.PredictionStats(**kwargs))
       rate = ev.evaluate(ev.batches(ds), stats, f"{ds.name}/{ds.split}")
       summary.update(stats.metrics(ds.name))
       summary[f"{ds.name}/split"] = ds.split
@@ -161,6 +194,8 @@ def run(config: EvalRun, placement: Placement) -> dict:
             stats.calibration.result(), path, title=f"{ds.name} ({ds.split})")
       if e.save_predictions:
         arrays.update({f"{ds.name}/{k}": v for k, v in stats.kept_arrays().items()})
+        if ensemble:
+          arrays[f"{ds.name}/member_probs"] = stats.members.kept()
         if i == 0:
           arrays.update({f"{ds.name}/score_{k}": v for k, v in in_scores.items()})
 
@@ -208,12 +243,11 @@ def run(config: EvalRun, placement: Placement) -> dict:
                                               title=f"{ds.name}: L-inf PGD")
 
     example = predictions.zeros_batch_like(ev.batches(in_dist))
-    summary.update(_compute_metrics(ev, model_cfg, num_classes, placement.put(example),
-                                    host_params))
+    summary.update(_compute_metrics(ev, placement.put(example)))
 
     ratios = e.capacity_sweep
     if ratios:
-      rows = _capacity_sweep(ev, in_dist, model_cfg, num_classes, ratios, placement.put(example))
+      rows = _capacity_sweep(ev, in_dist, ratios, placement.put(example))
       for r in rows:
         key = capacity_sweep.sweep_key(r["capacity_ratio"], r["batch_priority"])
         summary.update({f"{key}/{k}": r[k] for k in ("prec@1", "nll", "gflops_per_image")})
@@ -224,34 +258,31 @@ def run(config: EvalRun, placement: Placement) -> dict:
 
   if arrays and jax.process_index() == 0:
     np.savez_compressed(out_dir / "predictions.npz", **arrays)
-  _write_outputs(config, workdir, ckpt_step, summary, images)
+  _write_outputs(config, workdir, job_type, members.steps[0], summary, images)
   _print_summary(summary)
   return summary
 
 
-def _compute_metrics(ev: _Run, model_cfg, num_classes, example, host_params) -> dict:
-  """GFLOPs per image from XLA's cost analysis of the compiled eval step; parameter counts."""
+def _compute_metrics(ev: _Run, example) -> dict:
+  """GFLOPs per image (the whole ensemble) from XLA's cost analysis of the compiled eval step;
+  parameter counts."""
   flops = predictions.xla_flops(ev.step, ev.params, example)
-  analytic = flops_lib.forward_flops_per_image(model_cfg, num_classes,
-                                               batch_size=ev.batch_size, train=False)
   return {
       # A partitioned program is costed per device: times the devices, over the global batch.
       "compute/gflops_per_image": flops * jax.device_count() / ev.batch_size / 1e9,
-      "compute/gflops_per_image_analytic": analytic / 1e9,
-      "compute/params_total": predictions.count_params(host_params),
-      "compute/params_active": predictions.active_params(
-          host_params, derived.num_experts(model_cfg), model_cfg.router.k),
+      "compute/gflops_per_image_analytic": ev.members.analytic_flops(ev.batch_size) / 1e9,
+      "compute/params_total": ev.members.params_total(),
+      "compute/params_active": ev.members.params_active(),
   }
 
 
-def _capacity_sweep(ev: _Run, ds: _Dataset, model_cfg, num_classes, ratios, example) -> list[dict]:
+def _capacity_sweep(ev: _Run, ds: _Dataset, ratios, example) -> list[dict]:
   """prec@1, NLL and GFLOPs per image at each inference capacity ratio, vanilla and BPR."""
   rows = []
   for bpr in (False, True):
     for c in ratios:
-      cfg = dataclasses.replace(model_cfg, router=dataclasses.replace(
-          model_cfg.router, eval_capacity_ratio=float(c), batch_priority=bpr))
-      step = jax.jit(predictions.make_predict_step(build_model(cfg, num_classes)))
+      changes = dict(eval_capacity_ratio=float(c), batch_priority=bpr)
+      step = jax.jit(predictions.make_predict_step(ev.members.model(**changes)))
       stats = predictions.PredictionStats(loss_name=ev.loss_name)
       ev.evaluate(ev.batches(ds), stats, f"{ds.name} C={c:g} {'BPR' if bpr else 'vanilla'}",
                   step=step)
@@ -260,15 +291,15 @@ def _capacity_sweep(ev: _Run, ds: _Dataset, model_cfg, num_classes, ratios, exam
           / ev.batch_size / 1e9
       rows.append({"capacity_ratio": float(c), "batch_priority": bpr, "prec@1": m["/prec@1"],
                    "nll": m["/nll"], "gflops_per_image": gflops,
-                   "gflops_per_image_analytic": flops_lib.forward_flops_per_image(
-                       cfg, num_classes, batch_size=ev.batch_size, train=False) / 1e9})
+                   "gflops_per_image_analytic": ev.members.analytic_flops(
+                       ev.batch_size, **changes) / 1e9})
   return rows
 
 
-def _write_outputs(config: EvalRun, workdir, step, summary, images) -> None:
+def _write_outputs(config, workdir, job_type, step, summary, images) -> None:
   stored = as_dict(config)
   writer = MetricWriter(workdir, run_config=stored, wandb=config.logger.wandb,
-                        job_type="eval")
+                        job_type=job_type)
   try:
     scalars = {k: v for k, v in summary.items() if isinstance(v, (int, float))}
     writer.write(step, scalars)

@@ -30,9 +30,23 @@ def _model_differences(stored: dict, current: dict, prefix: str = "model.") -> s
   return ", ".join(out)
 
 
+def _check_ensemble_size(config: TrainTask, stored: dict) -> None:
+  """A partitioned batch ensemble starts another ensemble size only when asked (a V-MoE may start
+  any: its experts are partitioned as they are)."""
+  stored_size = int((stored.get("model", {}).get("moe") or {}).get("ensemble_size") or 1)
+  size = config.model.moe.ensemble_size
+  if stored_size > 1 and size != stored_size and not config.init.repartition_experts:
+    raise checkpoint.CheckpointError(
+        f"init.checkpoint={config.init.checkpoint} is a partitioned batch ensemble of "
+        f"{stored_size} members, and model.moe.ensemble_size={size}: its experts would change "
+        "members. Set model.moe.ensemble_size to the checkpoint's, or init.repartition_experts="
+        "true to divide its experts anew.")
+
+
 def init_from_checkpoint(config: TrainTask, model, source: data.Source):
   """Parameters for `model` mapped from init.checkpoint (an earlier stage's run)."""
   init = config.init
+  _check_ensemble_size(config, checkpoint.read_config(init.checkpoint))
   restored, stored, step = checkpoint.load_params(init.checkpoint)
   fresh, _ = state_lib.init_params(model, data.image_shape(source, config.data.split,
                                                            config.data.pp_train), config.seed)
@@ -60,7 +74,8 @@ def run_training(config: TrainTask, placement: Placement, stage: str) -> dict:
     fewshot = fewshot_data.batches(
         fewshot_data.open_datasets(config.fewshot, config.data),
         derived.fewshot_batch_size(config.fewshot, config.data, config.eval.batch_size))
-  model = build_model(config.model, source.num_classes)
+  model = build_model(config.model, source.num_classes,
+                      output=derived.model_output(config.train.loss))
   init_params = None
   if config.init.checkpoint and not resuming:
     init_params = init_from_checkpoint(config, model, source)

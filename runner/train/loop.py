@@ -194,7 +194,9 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
   ckpt = config.checkpoint
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=ckpt.keep,
                               every_steps=ckpt.every_steps, async_save=ckpt.async_save)
-  stored_config = as_dict(config)
+  # What later stages read back: the model, the data, and where the run came from (the ensemble
+  # type of `vmoe ensemble` is read from its members' stages and upstream checkpoints).
+  stored_config = {**as_dict(config), "stage": stage}
   progress = writer = None
   try:
     with placement.context():

@@ -12,7 +12,7 @@ from runner.models import catalog
 
 CONF = conf_dir()
 SWEEPS = CONF.parent / "sweeps"
-PRIMARY = ["pretrain", "finetune", "fewshot", "eval"]
+PRIMARY = ["pretrain", "finetune", "fewshot", "eval", "ensemble"]
 GROUPS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
           for group in ("data", "optim", "schedule", "experiment", "sharding")}
 
@@ -37,7 +37,7 @@ def test_every_file_in_conf_is_covered():
 
 @pytest.mark.parametrize("name", PRIMARY)
 def test_primary_configs_compose_and_resolve(name):
-  overrides = ["init.checkpoint=runs/x"] if name == "eval" else []
+  overrides = ["init.checkpoint=runs/x"] if name in ("eval", "ensemble") else []
   config = _resolved(_compose(name, overrides))
   assert set(config) >= {"seed", "workdir", "debug", "logger"}
 

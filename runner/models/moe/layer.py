@@ -34,15 +34,41 @@ def _mesh_axes(logical: tuple) -> tuple:
   return tuple(spec) + (None,) * (len(logical) - len(spec))
 
 
+def _partition_major(buffers: jax.Array, partitions: int) -> jax.Array:
+  """(E/P, G*P, C, D) buffers of per-partition plans -> (E, G, C, D), expert p*E/P + e."""
+  experts, blocks, capacity, dim = buffers.shape
+  g = blocks // partitions
+  return buffers.reshape(experts, g, partitions, capacity, dim).transpose(2, 0, 1, 3, 4).reshape(
+      partitions * experts, g, capacity, dim)
+
+
+def _partition_blocks(outputs: jax.Array, partitions: int) -> jax.Array:
+  """The inverse of `_partition_major`."""
+  experts, g, capacity, dim = outputs.shape
+  e = experts // partitions
+  return outputs.reshape(partitions, e, g, capacity, dim).transpose(1, 2, 0, 3, 4).reshape(
+      e, g * partitions, capacity, dim)
+
+
 class MoeMlpBlock(nn.Module):
   """Replaces a ViT MLP. Tokens of `group_size` consecutive images form one routing group; all
   tokens of a group compete for the same expert buffers (what Batch Prioritized Routing sorts).
 
-  Applied with mutable=["intermediates"], it also sows `selected_experts`: (batch, tokens, k)
-  int32, every token's TOP-k experts as the router chose them, before capacity drops. That is the
-  "set of selected experts" whose change under attack the adversarial evaluator measures
-  (Puigcerver et al. 2022, App. F): a property of the token alone, whereas what survives the
-  buffers also depends on the other images of its routing group.
+  A partitioned batch ensemble (`ensemble_size` M > 1, Allingham et al.) splits the E experts into
+  M partitions of E/M, one per member:
+  - "pbe": rows are tiled, image-major (row b*M + m is member m's copy of image b, as
+    `jnp.repeat`); a routing group holds `group_size` images x M copies, and member m's tokens are
+    routed among its partition's experts only, by its own router columns.
+  - "tiling_only": tiled rows, one router over all E experts (the ablation without partitions).
+  - "partition_only": rows are not tiled; each token is routed in every partition (k experts in
+    each) and the M partitions' outputs are summed (the ablation without tiling).
+
+  Applied with mutable=["intermediates"], it also sows `selected_experts`: (images, tokens, k)
+  int32, every token's TOP-k experts as the router chose them, before capacity drops (for an
+  ensemble, (images, M*tokens, k) for tiled rows and (images, tokens, M*k) for partition_only).
+  That is the "set of selected experts" whose change under attack the adversarial evaluator
+  measures (Puigcerver et al. 2022, App. F): a property of the token alone, whereas what survives
+  the buffers also depends on the other images of its routing group.
   """
   num_experts: int
   mlp_dim: int
@@ -50,42 +76,87 @@ class MoeMlpBlock(nn.Module):
   expert_dropout: float = 0.0
   dispatcher: str = "indices"
   router: dict | None = None  # keyword arguments of NoisyTopKRouter
+  ensemble_size: int = 1
+  ensemble_variant: str = "pbe"
   dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, train: bool) -> tuple[jax.Array, dict]:
-    batch, tokens, dim = x.shape
-    group_size = min(self.group_size, batch)
-    if batch % group_size:
-      raise ValueError(f"batch size {batch} is not a multiple of the routing group size "
+  def __call__(self, x: jax.Array, *, train: bool,
+               dropout: bool | None = None) -> tuple[jax.Array, dict]:
+    """`dropout` (default: `train`) turns expert dropout on; MC-dropout sets it at inference."""
+    rows, tokens, dim = x.shape
+    m = self.ensemble_size
+    tiled = m > 1 and self.ensemble_variant in ("pbe", "tiling_only")
+    images = rows // m if tiled else rows
+    group_size = min(self.group_size, images)
+    if images % group_size or (tiled and rows % m):
+      raise ValueError(f"batch size {images} is not a multiple of the routing group size "
                        f"{group_size} images")
-    groups = x.reshape(batch // group_size, group_size * tokens, dim)
+    num_groups = images // group_size
+    partitioned = m > 1 and self.ensemble_variant in ("pbe", "partition_only")
+    partitions = m if partitioned else 1
+    if not partitioned:  # rows of a group are consecutive: images (and their copies)
+      blocks = x.reshape(num_groups, rows // num_groups * tokens, dim)
+    elif tiled:  # pbe: (G, images, M, T, D) -> member blocks (G*M, images*T, D)
+      blocks = x.reshape(num_groups, group_size, m, tokens, dim).transpose(0, 2, 1, 3, 4)
+      blocks = blocks.reshape(num_groups * m, group_size * tokens, dim)
+    else:  # partition_only: every group once per partition
+      groups = x.reshape(num_groups, 1, group_size * tokens, dim)
+      blocks = jnp.broadcast_to(groups, (num_groups, m, group_size * tokens, dim)).reshape(
+          num_groups * m, group_size * tokens, dim)
     plan, metrics = NoisyTopKRouter(num_experts=self.num_experts, **(self.router or {}),
-                                    name="router")(groups, train=train)
+                                    partitions=partitions, name="router")(blocks, train=train)
     # A no-op unless the caller made "intermediates" mutable.
-    self.sow("intermediates", "selected_experts", plan.experts.reshape(batch, tokens, plan.k))
+    self.sow("intermediates", "selected_experts",
+             self._selected(plan, num_groups, group_size, tokens, partitions, tiled))
     weights = MlpExperts(self.num_experts, self.mlp_dim, name="experts")(dim)
-    rng = self.make_rng("dropout") if train and self.expert_dropout else None
+    dropout = train if dropout is None else dropout
+    rng = self.make_rng("dropout") if dropout and self.expert_dropout else None
     mesh = _active_mesh()
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["expert"]
-    if mesh is None or groups.shape[0] % shards:  # e.g. the 1-image batch of initialisation
-      y = self._experts_local(groups.astype(self.dtype), plan, weights, rng, expert_axis=None)
+    blocks = blocks.astype(self.dtype)
+    if mesh is None or num_groups % shards:  # e.g. the 1-image batch of initialisation
+      y = self._experts_local(blocks, plan, weights, rng, partitions, expert_axis=None)
     else:
-      y = self._experts_sharded(mesh, groups.astype(self.dtype), plan, weights, rng)
-    return y.reshape(batch, tokens, dim).astype(x.dtype), metrics
+      y = self._experts_sharded(mesh, blocks, plan, weights, rng, partitions)
+    if not partitioned:
+      y = y.reshape(rows, tokens, dim)
+    elif tiled:
+      y = y.reshape(num_groups, m, group_size, tokens, dim).transpose(0, 2, 1, 3, 4)
+      y = y.reshape(rows, tokens, dim)
+    else:
+      y = y.reshape(num_groups, m, group_size * tokens, dim).sum(axis=1).reshape(rows, tokens, dim)
+    return y.astype(x.dtype), metrics
 
-  def _experts_local(self, groups, plan, weights, rng, *, expert_axis):
+  def _selected(self, plan, num_groups, group_size, tokens, partitions, tiled) -> jax.Array:
+    """Each image's tokens' TOP-k experts (global expert ids), for the adversarial evaluator."""
+    experts = plan.experts
+    images = num_groups * group_size
+    if partitions == 1:  # rows of a tiled batch are image-major: one image's copies are adjacent
+      return experts.reshape(images, -1, plan.k)
+    m = partitions
+    experts = experts.reshape(num_groups, m, group_size, tokens, plan.k)
+    experts = experts + (jnp.arange(m) * (self.num_experts // m))[None, :, None, None, None]
+    if tiled:  # (G, M, images, T, k) -> (images, M*T, k)
+      return experts.transpose(0, 2, 1, 3, 4).reshape(images, m * tokens, plan.k)
+    return experts.transpose(0, 2, 3, 1, 4).reshape(images, tokens, m * plan.k)
+
+  def _experts_local(self, blocks, plan, weights, rng, partitions, *, expert_axis):
     """Dispatch, experts, combine on this device's groups; all-to-all over `expert_axis`."""
-    buffers = dispatch_lib.dispatch(groups, plan, self.dispatcher)  # (E, G, C, D)
+    buffers = dispatch_lib.dispatch(blocks, plan, self.dispatcher)  # (E/P, G*P, C, D)
+    if partitions > 1:
+      buffers = _partition_major(buffers, partitions)  # (E, G, C, D)
     if expert_axis is not None:  # (E, G, C, D) -> (E / n, n * G, C, D)
       buffers = jax.lax.all_to_all(buffers, expert_axis, 0, 1, tiled=True)
     outputs = apply_experts(weights, buffers, dropout_rate=self.expert_dropout, rng=rng,
                             dtype=self.dtype)
     if expert_axis is not None:
       outputs = jax.lax.all_to_all(outputs, expert_axis, 1, 0, tiled=True)
+    if partitions > 1:
+      outputs = _partition_blocks(outputs, partitions)
     return dispatch_lib.combine(outputs, plan, self.dispatcher)
 
-  def _experts_sharded(self, mesh, groups, plan, weights, rng):
+  def _experts_sharded(self, mesh, groups, plan, weights, rng, partitions):
     weight_axes = [_mesh_axes(axes) for axes in LOGICAL_AXES]
     expert_axis = weight_axes[0][0]  # where the expert dimension of the weights lives
     batch_spec = P(BATCH_AXES)
@@ -107,7 +178,7 @@ class MoeMlpBlock(nn.Module):
         for axis in BATCH_AXES:
           rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
       return self._experts_local(groups, local_plan, gathered, rng if use_dropout else None,
-                                 expert_axis=expert_axis)
+                                 partitions, expert_axis=expert_axis)
 
     in_specs = (batch_spec, batch_spec, batch_spec, batch_spec, P(),
                 *(P(*axes) for axes in weight_axes))

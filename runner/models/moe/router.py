@@ -7,9 +7,27 @@ import flax.linen as nn
 
 from runner.models.moe import routing
 
+_KERNEL_INIT = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
+
+
+class _PartitionedKernel(nn.Module):
+  """The router's (D, E) kernel, at the path and with the initialisation of `nn.Dense`, so that a
+  V-MoE checkpoint and a partitioned batch ensemble share it unchanged."""
+  num_experts: int
+
+  @nn.compact
+  def __call__(self, dim: int) -> jax.Array:
+    return self.param("kernel", _KERNEL_INIT, (dim, self.num_experts), jnp.float32)
+
 
 class NoisyTopKRouter(nn.Module):
   """g(x) = TOP_k(softmax(Wx + eps)); returns a `DispatchPlan` and per-layer metrics.
+
+  With `partitions` P > 1 (a partitioned batch ensemble, E³) the E experts form P contiguous
+  partitions of E/P, and group g is routed by partition g % P alone: its own E/P router columns,
+  softmax, noise (std noise_std / (E/P)), TOP-k, capacity and auxiliary losses, exactly as a
+  V-MoE with E/P experts (Allingham et al., eq. 3 and Ω_partition of App. D.2). The plan then
+  indexes the E/P experts of each group's partition.
 
   The router always computes in float32: routing decisions are discrete and bfloat16 rounding of
   the gates would change them.
@@ -21,19 +39,26 @@ class NoisyTopKRouter(nn.Module):
   batch_priority: bool = False
   priority: str = "max"
   noise_std: float = 1.0
+  partitions: int = 1
 
   @nn.compact
   def __call__(self, x: jax.Array, *, train: bool) -> tuple[routing.DispatchPlan, dict]:
-    """x: (G, S, D) groups of tokens."""
-    _, num_tokens, _ = x.shape
-    # The expert dimension of the router stays whole on every device: top-k needs all of it.
-    kernel_init = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
-    logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32,
-                      param_dtype=jnp.float32, kernel_init=kernel_init,
-                      name="dense")(x.astype(jnp.float32))
+    """x: (G, S, D) groups of tokens (G a multiple of `partitions`)."""
+    num_groups, num_tokens, dim = x.shape
+    p = self.partitions
+    experts = self.num_experts // p
+    x = x.astype(jnp.float32)
+    if p == 1:
+      # The expert dimension of the router stays whole on every device: top-k needs all of it.
+      logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32,
+                        param_dtype=jnp.float32, kernel_init=_KERNEL_INIT, name="dense")(x)
+    else:  # (G/P, P, S, D) x (D, P, E/P): each group meets its partition's columns only
+      kernel = _PartitionedKernel(self.num_experts, name="dense")(dim).reshape(dim, p, experts)
+      logits = jnp.einsum("gpsd,dpe->gpse", x.reshape(num_groups // p, p, num_tokens, dim),
+                          kernel).reshape(num_groups, num_tokens, experts)
     gates_clean = jax.nn.softmax(logits)
     metrics = {"importance_loss": routing.importance_loss(gates_clean).mean()}
-    noise_std = self.noise_std / self.num_experts
+    noise_std = self.noise_std / experts
     if train and noise_std > 0:
       noisy = logits + noise_std * jax.random.normal(self.make_rng("gating"), logits.shape)
       gates = jax.nn.softmax(noisy)
@@ -45,12 +70,13 @@ class NoisyTopKRouter(nn.Module):
     ratio = self.capacity_ratio
     if not train and self.eval_capacity_ratio is not None:
       ratio = self.eval_capacity_ratio
-    capacity = routing.expert_capacity(num_tokens, self.num_experts, self.k, ratio)
+    capacity = routing.expert_capacity(num_tokens, experts, self.k, ratio)
     plan = routing.plan_dispatch(gates, k=self.k, capacity=capacity,
                                  batch_priority=self.batch_priority, priority=self.priority)
     kept = plan.kept
     metrics["fraction_dropped_tokens"] = jnp.mean(~kept.any(axis=-1))
     metrics["fraction_dropped_assignments"] = jnp.mean(~kept)
-    # Fraction of the layer's buffer slots each expert filled, averaged over groups.
-    metrics["expert_load"] = jnp.mean(plan.expert_of_slot_filled, axis=0) / capacity
+    # Fraction of the layer's buffer slots each of the E experts filled, averaged over groups.
+    filled = plan.expert_of_slot_filled.reshape(num_groups // p, self.num_experts)
+    metrics["expert_load"] = jnp.mean(filled, axis=0) / capacity
     return plan, metrics

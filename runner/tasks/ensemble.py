@@ -1,0 +1,47 @@
+"""`vmoe ensemble init.checkpoint=[runs/a,runs/b]`: checkpoints evaluated as one ensemble.
+
+The prediction is the mean of the members' probabilities (never of their logits); every `eval.*`
+measurement of `vmoe eval` applies to it, and each dataset also gets every member's metrics and
+the members' diversity. The members are the checkpoints' own (a partitioned batch ensemble brings
+M), or `ensemble.mc_dropout` samples of one checkpoint with its dropout on. The ensemble's type is
+read from the members' stored configs (Allingham et al.'s names):
+
+- `pbe`: one partitioned batch ensemble;
+- `down-DE`: fine-tuned from the same upstream checkpoint (different fine-tuning seeds);
+- `up-DE`: sharing no starting point (different upstream checkpoints, or trained from scratch);
+- `mc-dropout`: samples of one checkpoint;
+- `mixed`: anything else (e.g. a partitioned ensemble next to a V-MoE).
+"""
+from __future__ import annotations
+
+from runner.config import derived
+from runner.config.schema import EnsembleRun, EnsembleVariant
+from runner.parallel import Placement
+from runner.tasks import members as members_lib
+from runner.tasks.eval import evaluate
+
+
+def ensemble_type(config: EnsembleRun) -> str:
+  members = config.members
+  if config.ensemble.mc_dropout:
+    return "mc-dropout"
+  partitioned = [m.model.moe.ensemble_size > 1 and m.model.moe.ensemble_variant
+                 != EnsembleVariant.partition_only for m in members]
+  if any(partitioned):
+    return "pbe" if len(members) == 1 else "mixed"
+  upstreams = [m.upstream for m in members]
+  if all(m.stage == "finetune" for m in members) and None not in upstreams and len(
+      set(upstreams)) == 1:
+    return "down-DE"
+  if len(set(upstreams)) == len(upstreams) or all(u is None for u in upstreams):
+    return "up-DE"
+  return "mixed"
+
+
+def run(config: EnsembleRun, placement: Placement) -> dict:
+  members = members_lib.load([(m.path, m.model) for m in config.members],
+                             output=derived.model_output(config.loss), mc_samples=config.ensemble.mc_dropout,
+                             seed=config.seed)
+  return evaluate(config, members, placement, job_type="ensemble",
+                  extra_summary={"ensemble/type": ensemble_type(config),
+                                 "checkpoint": [m.path for m in config.members]})

@@ -1,0 +1,129 @@
+"""The checkpoints that `vmoe eval` and `vmoe ensemble` evaluate, run as one model.
+
+One checkpoint (a ViT, a V-MoE, a partitioned batch ensemble) is its own flax model; several
+checkpoints (a deep ensemble) or MC-dropout samples become a `runner.models.ensemble.Ensemble`.
+Either way the evaluators see "a model" whose logits are the prediction and whose extras carry
+the members' logits when there are several (design principle 12: an ensemble is a list of
+members).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from runner import checkpoint
+from runner.config import derived
+from runner.config.schema import EnsembleVariant, ModelConfig
+from runner.errors import ConfigError
+from runner.evaluators import predictions
+from runner.models import build_model
+from runner.models import flops as flops_lib
+from runner.models.ensemble import Ensemble
+from runner.tasks import common
+from runner.train import state as state_lib
+
+
+@dataclasses.dataclass
+class Checkpoint:
+  path: str
+  step: int
+  config: ModelConfig
+  params: dict  # host NumPy arrays
+
+
+class Members:
+  """Loaded checkpoints, the way they combine, and what they cost."""
+
+  def __init__(self, checkpoints: list[Checkpoint], *, output: str, mc_samples: int = 0,
+               seed: int = 0):
+    self.checkpoints, self.output, self.mc_samples, self.seed = checkpoints, output, mc_samples, seed
+    heads = [int(c.params["head"]["kernel"].shape[-1]) for c in checkpoints]
+    if len(set(heads)) > 1:
+      listing = "; ".join(f"{c.path}: {h} classes" for c, h in zip(checkpoints, heads))
+      raise ConfigError("the members of an ensemble must predict the same classes, but their "
+                        f"heads differ ({listing}); combine checkpoints fine-tuned on the same "
+                        "dataset.")
+    self.num_classes = heads[0]
+    self.placed = None
+
+  @property
+  def is_one_model(self) -> bool:
+    return len(self.checkpoints) == 1 and not self.mc_samples
+
+  def model(self, **router_changes):
+    """The flax model of one checkpoint, or an `Ensemble`; `router_changes` (inference capacity,
+    Batch Prioritized Routing) apply to every member with experts."""
+    configs = [c.config for c in self.checkpoints]
+    if router_changes:
+      configs = [dataclasses.replace(c, router=dataclasses.replace(c.router, **router_changes))
+                 for c in configs]
+    models = [build_model(c, self.num_classes, output=self.output) for c in configs]
+    if self.is_one_model:
+      return models[0]
+    return Ensemble(models, output=self.output, mc_samples=self.mc_samples, seed=self.seed)
+
+  @property
+  def size(self) -> int:
+    """Members in all (a V-MoE or a ViT alone: 1)."""
+    if self.mc_samples:
+      return self.mc_samples
+    return sum(derived.ensemble_size(c.config) if c.config.moe.ensemble_variant
+               != EnsembleVariant.partition_only else 1 for c in self.checkpoints)
+
+  @property
+  def has_experts(self) -> bool:
+    return any(derived.num_experts(c.config) for c in self.checkpoints)
+
+  def check_fit(self, image_shape, command: str) -> None:
+    for c in self.checkpoints:
+      model = build_model(c.config, self.num_classes, output=self.output)
+      common.check_params_fit(c.path, c.step, c.params, model, image_shape, command)
+
+  def place(self, placement, image_shape):
+    """Parameters on the devices, laid out as each model's logical axes say (call once)."""
+    placed = []
+    for c in self.checkpoints:
+      _, logical = state_lib.abstract_params(
+          build_model(c.config, self.num_classes, output=self.output), image_shape)
+      placed.append(jax.device_put(c.params, placement.shardings(logical)))
+    self.placed = placed[0] if self.is_one_model else tuple(placed)
+    return self.placed
+
+  def analytic_flops(self, batch_size: int, **router_changes) -> float:
+    """Forward matmul FLOPs per image of every member (MC-dropout: of every sample)."""
+    total = 0.0
+    for c in self.checkpoints:
+      config = c.config
+      if router_changes:
+        config = dataclasses.replace(config, router=dataclasses.replace(config.router,
+                                                                        **router_changes))
+      total += flops_lib.forward_flops_per_image(config, self.num_classes, batch_size=batch_size,
+                                                 train=False)
+    return total * (self.mc_samples or 1)
+
+  def params_total(self) -> int:
+    return sum(predictions.count_params(c.params) for c in self.checkpoints)
+
+  def params_active(self) -> int:
+    """Parameters one image uses: each member's experts count k / E (per partition, k of E/M)."""
+    total = 0
+    for c in self.checkpoints:
+      experts = derived.num_experts(c.config)
+      chosen = c.config.router.k * (derived.ensemble_size(c.config) if experts else 1)
+      total += predictions.active_params(c.params, experts, min(chosen, experts or 1))
+    return total
+
+  @property
+  def steps(self) -> list[int]:
+    return [c.step for c in self.checkpoints]
+
+
+def load(paths_and_models: list[tuple[str, ModelConfig]], *, output: str, mc_samples: int = 0,
+         seed: int = 0) -> Members:
+  """Reads every checkpoint's parameters (host memory), checks their heads agree."""
+  checkpoints = []
+  for path, config in paths_and_models:
+    params, _, step = checkpoint.load_params(path)
+    checkpoints.append(Checkpoint(path=path, step=step, config=config, params=params))
+  return Members(checkpoints, output=output, mc_samples=mc_samples, seed=seed)
