@@ -12,7 +12,7 @@ comma := ,
 JEMALLOC := $(firstword $(wildcard $(VENV)/lib/libjemalloc.so.2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2))
 WITH_JEMALLOC := $(if $(JEMALLOC),LD_PRELOAD=$(abspath $(JEMALLOC)) MALLOC_CONF=oversize_threshold:0$(comma)dirty_decay_ms:60000$(comma)muzzy_decay_ms:60000 VMOE_ALLOCATOR=jemalloc,)
 
-.PHONY: install demo test test-full bench clean
+.PHONY: install demo test test-full bench study-ensembles clean
 
 install: $(STAMP)
 
@@ -37,6 +37,10 @@ test: install
 
 test-full: install
 	$(WITH_JEMALLOC) $(BIN)/python -m pytest -q -n 2 --dist loadgroup
+
+# The efficient-ensembles paper's comparison on the embedded data (README, "Efficient ensembles").
+study-ensembles: install
+	$(WITH_JEMALLOC) $(BIN)/python -m runner.studies.ensembles
 
 bench: install
 	$(WITH_JEMALLOC) $(BIN)/python -m benchmarks.run_all

@@ -20,6 +20,10 @@ STAGES = [
     ("pretrain", "pretrain", [f"workdir={ROOT}/pretrain"]),
     ("finetune", "finetune", [f"workdir={ROOT}/finetune", f"init.checkpoint={ROOT}/pretrain"]),
     ("scratch", "finetune", [f"workdir={ROOT}/scratch", "init.checkpoint=null"]),
+    # A partitioned batch ensemble (E³): the same upstream V-MoE fine-tuned as 2 members of 4
+    # experts each, K=1; then evaluated as one ensemble with the V-MoE fine-tune.
+    ("pbe", "finetune", [f"workdir={ROOT}/pbe", f"init.checkpoint={ROOT}/pretrain",
+                         "model.moe.ensemble_size=2", "model.router.k=1"]),
     ("fewshot", "fewshot", [f"workdir={ROOT}/fewshot", f"init.checkpoint={ROOT}/pretrain",
                             "fewshot.datasets=[uci_digits]", "fewshot.shots=[1,5,10,25]"]),
     ("eval", "eval", [f"workdir={ROOT}/eval", f"init.checkpoint={ROOT}/finetune",
@@ -28,6 +32,8 @@ STAGES = [
                       "eval.severities=[1,3,5]", "eval.capacity_sweep=[1.05,0.5,0.25,0.1]"]),
     ("eval_bpr", "eval", [f"workdir={ROOT}/eval_bpr", f"init.checkpoint={ROOT}/finetune",
                           "model.router.capacity_ratio=0.5", "model.router.batch_priority=true"]),
+    ("ensemble", "ensemble", [f"workdir={ROOT}/ensemble",
+                              f"init.checkpoint=[{ROOT}/pbe,{ROOT}/finetune]"]),
 ]
 
 
@@ -37,7 +43,7 @@ def _summary(name: str) -> dict:
 
 def table(seconds: dict[str, float]) -> str:
   pre, fine, scratch = _summary("pretrain"), _summary("finetune"), _summary("scratch")
-  ev, bpr = _summary("eval"), _summary("eval_bpr")
+  ev, bpr, pbe, ens = _summary("eval"), _summary("eval_bpr"), _summary("pbe"), _summary("ensemble")
   rows = [
       ("pretrain vmoe_tiny", "mnist5k", pre["step"], pre["val/prec@1"], pre.get("test/prec@1"),
        pre.get("test/nll"), seconds.get("pretrain")),
@@ -45,10 +51,14 @@ def table(seconds: dict[str, float]) -> str:
        fine.get("test/prec@1"), fine.get("test/nll"), seconds.get("finetune")),
       ("finetune from scratch (baseline)", "uci_digits", scratch["step"], scratch["val/prec@1"],
        scratch.get("test/prec@1"), scratch.get("test/nll"), seconds.get("scratch")),
+      ("finetune pBE (K=1, M=2) from pretrain", "uci_digits", pbe["step"], pbe["val/prec@1"],
+       pbe.get("test/prec@1"), pbe.get("test/nll"), seconds.get("pbe")),
       ("eval suite, C=1.05 vanilla routing", "uci_digits test", "-", None,
        ev["uci_digits/prec@1"], ev["uci_digits/nll"], seconds.get("eval")),
       ("eval, C=0.5 Batch Prioritized Routing", "uci_digits test", "-", None,
        bpr["uci_digits/prec@1"], bpr["uci_digits/nll"], seconds.get("eval_bpr")),
+      ("ensemble: pBE + V-MoE fine-tunes", "uci_digits test", "-", None,
+       ens["uci_digits/prec@1"], ens["uci_digits/nll"], seconds.get("ensemble")),
   ]
   fmt = lambda v: "-" if v is None else (f"{v:.4f}" if isinstance(v, float) else str(v))
   lines = ["| stage | data | steps | val prec@1 | test prec@1 | test NLL | seconds |",
@@ -61,7 +71,7 @@ def table(seconds: dict[str, float]) -> str:
 
 def measurements() -> str:
   """The fine-tuned model beyond accuracy, and few-shot transfer of the pretrained one."""
-  ev, shots = _summary("eval"), _summary("fewshot")
+  ev, shots, ens = _summary("eval"), _summary("fewshot"), _summary("ensemble")
   ds, ood = "uci_digits", "uci_digits_vs_lfw_faces"
   few = ", ".join(f"{s}-shot {shots[f'{ds}/{s}shot/accuracy']:.3f}" for s in (1, 5, 10, 25))
   sweep = ", ".join(
@@ -83,6 +93,12 @@ def measurements() -> str:
        f"{ev['compute/images_per_s']:.0f} images/s"),
       ("capacity sweep, prec@1 vanilla / BPR", sweep),
       ("few-shot (pretrained, uci_digits)", few),
+      ("ensemble of the pBE's 2 members and the V-MoE (3 members)",
+       f"ECE {ens[f'{ds}/ece']:.4f} vs {ev[f'{ds}/ece']:.4f} for the V-MoE alone; members' "
+       f"mean NLL {ens[f'{ds}/member_mean/nll']:.4f}, ensemble NLL {ens[f'{ds}/nll']:.4f}; "
+       f"diversity: KL {ens[f'{ds}/diversity/kl']:.4f}, disagreement "
+       f"{ens[f'{ds}/diversity/disagreement']:.4f}; "
+       f"{ens['compute/gflops_per_image'] * 1e3:.2f} MFLOPs/image"),
   ]
   lines = ["| measurement | result |", "|---|---|"]
   lines += [f"| {name} | {value} |" for name, value in rows]

@@ -20,6 +20,15 @@ def ensemble_size(model: ModelConfig) -> int:
   return int(model.moe.ensemble_size) if num_experts(model) else 1
 
 
+def predictions_per_image(model: ModelConfig) -> int:
+  """How many member predictions a model makes: M for a tiled ensemble (pbe, tiling_only), else 1
+  (partition_only combines its partitions inside the layer)."""
+  from runner.config.schema import EnsembleVariant
+  if model.moe.ensemble_variant == EnsembleVariant.partition_only:
+    return 1
+  return ensemble_size(model)
+
+
 def experts_per_router(model: ModelConfig) -> int:
   """The experts one routing decision chooses among: E, or E / M for a partitioned ensemble."""
   from runner.config.schema import EnsembleVariant

@@ -243,8 +243,10 @@ def batch_problem(batch_size: int, what: str, model: ModelConfig, devices: int,
   per_device = batch_size // accum_steps // devices
   fits = per_device % group == 0 if devices > 1 else (per_device % group == 0 or per_device < group)
   if not fits:
+    split = f"{devices} device(s)" + (f", train.accum_steps={accum_steps}"
+                                      if what == "data.batch_size" else "")
     return (f"{what}={batch_size} gives {per_device} images per device and micro-batch "
-            f"({devices} device(s), train.accum_steps={accum_steps}); routing groups of "
+            f"({split}); routing groups of "
             f"model.moe.group_size={group} images must tile each device's share: use a multiple "
             f"of {group * devices * accum_steps} images, or a group size dividing {per_device}.")
   return None

@@ -51,13 +51,6 @@ class Ensemble:
       raise ValueError("MC-dropout samples one model")
     self.models, self.output, self.mc_samples, self.seed = list(models), output, mc_samples, seed
 
-  @property
-  def size(self) -> int:
-    """Members in all: MC samples, or the sum of each model's (tiled) members."""
-    if self.mc_samples:
-      return self.mc_samples
-    return sum(getattr(model, "tiles", 1) for model in self.models)
-
   def _runs(self, params):
     """(name, model, params, apply keyword arguments) of every forward pass."""
     if self.mc_samples:

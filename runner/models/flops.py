@@ -45,8 +45,8 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
   moe_layers = moe_layer_indices(moe.layers or [], layers) if moe.num_experts else ()
   e = moe.num_experts
   members = moe.ensemble_size if moe_layers else 1  # a dense ViT has nothing to partition
-  variant = EnsembleVariant(moe.ensemble_variant)
-  if members > 1 and e % members:
+  variant = EnsembleVariant(moe.ensemble_variant)  # tiling_only needs no partition of the experts
+  if members > 1 and variant != EnsembleVariant.tiling_only and e % members:
     raise ValueError(f"model.moe.num_experts={e} is not divisible by "
                      f"model.moe.ensemble_size={members}")
   tiled = members > 1 and variant in (EnsembleVariant.pbe, EnsembleVariant.tiling_only)

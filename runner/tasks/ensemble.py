@@ -14,26 +14,42 @@ read from the members' stored configs (Allingham et al.'s names):
 """
 from __future__ import annotations
 
+import os
+
+from runner import checkpoint
 from runner.config import derived
-from runner.config.schema import EnsembleRun, EnsembleVariant
+from runner.config.schema import EnsembleRun
 from runner.parallel import Placement
 from runner.tasks import members as members_lib
 from runner.tasks.eval import evaluate
+
+
+def _origin(path: str | None):
+  """A checkpoint path as (directory, step), however it was written (runs/up, runs/up/
+  checkpoints/20, ./runs/up/); the normalised path when it can no longer be found."""
+  if path is None:
+    return None
+  try:
+    directory, step = checkpoint.locate(path)
+    return str(directory.resolve()), step
+  except checkpoint.CheckpointError:
+    return os.path.normpath(os.path.abspath(path))
 
 
 def ensemble_type(config: EnsembleRun) -> str:
   members = config.members
   if config.ensemble.mc_dropout:
     return "mc-dropout"
-  partitioned = [m.model.moe.ensemble_size > 1 and m.model.moe.ensemble_variant
-                 != EnsembleVariant.partition_only for m in members]
-  if any(partitioned):
+  if any(derived.predictions_per_image(m.model) > 1 for m in members):
     return "pbe" if len(members) == 1 else "mixed"
-  upstreams = [m.upstream for m in members]
+  upstreams = [_origin(m.upstream) for m in members]
   if all(m.stage == "finetune" for m in members) and None not in upstreams and len(
       set(upstreams)) == 1:
     return "down-DE"
-  if len(set(upstreams)) == len(upstreams) or all(u is None for u in upstreams):
+  one_stage = len({m.stage for m in members}) == 1
+  independent = len(set(upstreams)) == len(upstreams) or all(u is None for u in upstreams)
+  own = {_origin(m.path) for m in members}
+  if one_stage and independent and not own & set(upstreams):
     return "up-DE"
   return "mixed"
 

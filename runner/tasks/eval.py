@@ -118,7 +118,8 @@ class _EnsembleStats(predictions.PredictionStats):
 def run(config: EvalRun, placement: Placement) -> dict:
   members = members_lib.load([(config.init.checkpoint, config.model)],
                              output=derived.model_output(config.loss))
-  return evaluate(config, members, placement, job_type="eval")
+  partitioned = {"ensemble/type": "pbe"} if members.size > 1 else None
+  return evaluate(config, members, placement, job_type="eval", extra_summary=partitioned)
 
 
 def evaluate(config, members: members_lib.Members, placement: Placement, *, job_type: str,

@@ -65,11 +65,9 @@ class Members:
 
   @property
   def size(self) -> int:
-    """Members in all (a V-MoE or a ViT alone: 1)."""
-    if self.mc_samples:
-      return self.mc_samples
-    return sum(derived.ensemble_size(c.config) if c.config.moe.ensemble_variant
-               != EnsembleVariant.partition_only else 1 for c in self.checkpoints)
+    """Members in all (a V-MoE or a ViT alone: 1; MC-dropout of a pBE: samples x M)."""
+    tiled = sum(derived.predictions_per_image(c.config) for c in self.checkpoints)
+    return tiled * (self.mc_samples or 1)
 
   @property
   def has_experts(self) -> bool:
@@ -91,16 +89,27 @@ class Members:
     return self.placed
 
   def analytic_flops(self, batch_size: int, **router_changes) -> float:
-    """Forward matmul FLOPs per image of every member (MC-dropout: of every sample)."""
+    """Forward matmul FLOPs per image of every member.
+
+    MC-dropout samples share what precedes the first layer with dropout: for a V-MoE whose only
+    dropout is in its experts (the paper's MC-dropout V-MoE, tiled at the first MoE layer) they are
+    counted as its tiled copies; otherwise as whole separate passes.
+    """
     total = 0.0
     for c in self.checkpoints:
       config = c.config
       if router_changes:
         config = dataclasses.replace(config, router=dataclasses.replace(config.router,
                                                                         **router_changes))
-      total += flops_lib.forward_flops_per_image(config, self.num_classes, batch_size=batch_size,
-                                                 train=False)
-    return total * (self.mc_samples or 1)
+      samples = self.mc_samples or 1
+      if samples > 1 and derived.num_experts(config) and derived.ensemble_size(config) == 1 and \
+          not (config.dropout_rate or config.attention_dropout_rate):
+        config = dataclasses.replace(config, moe=dataclasses.replace(
+            config.moe, ensemble_size=samples, ensemble_variant=EnsembleVariant.tiling_only))
+        samples = 1
+      total += samples * flops_lib.forward_flops_per_image(
+          config, self.num_classes, batch_size=batch_size, train=False)
+    return total
 
   def params_total(self) -> int:
     return sum(predictions.count_params(c.params) for c in self.checkpoints)

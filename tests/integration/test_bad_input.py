@@ -398,3 +398,91 @@ def test_help_lists_subcommands_and_config(run_cli):
   code, out, _ = run_cli("pretrain", "--cfg", "job", "model=vit_s32")
   assert code == 0
   assert "hidden_size: 512" in out and "patch_size: 32" in out and "num_layers: 8" in out
+
+
+# --- ensembles: partitioned batch ensembles (pBE) and vmoe ensemble ------------------------------
+
+ENSEMBLE_MODEL_CASES = [
+    (["model.moe.ensemble_size=3"], ["model.moe.ensemble_size=3", "does not divide",
+                                     "model.moe.num_experts=8", "divisor of 8"]),
+    (["model=vmoe_tiny_k3_m4"], ["model.router.k=3", "model.moe.ensemble_size=4",
+                                 "1 <= k <= 2"]),
+    (["model=vit_tiny", "model.moe.ensemble_size=2"], ["model.moe.ensemble_size=2",
+                                                        "needs MoE layers", "vit_tiny"]),
+    (["model.moe.ensemble_variant=tiling_only"], ["model.moe.ensemble_variant=tiling_only",
+                                                  "ensemble_size >= 2"]),
+    (["model.moe.ensemble_size=0"], ["model.moe.ensemble_size=0", ">= 1"]),
+    (["model.moe.ensemble_variant=nope"], ["model.moe.ensemble_variant", "pbe", "tiling_only",
+                                           "partition_only"]),
+]
+
+
+@pytest.mark.parametrize("args, expected", ENSEMBLE_MODEL_CASES, ids=lambda v: " ".join(v)[:60])
+def test_ensemble_model_config_value(args, expected, run_cli, tmp_path):
+  workdir = tmp_path / "w"
+  _fails_clearly(run_cli("pretrain", f"workdir={workdir}", *TRAIN, *args), *expected)
+  assert not workdir.exists()
+
+
+@pytest.fixture(scope="module")
+def ensemble_runs(runs, tmp_path_factory):
+  """`runs` plus a pBE (vmoe_tiny_k1_m2 at 8x8 pixels, so its preprocessing differs from the
+  16x16 runs) and a V-MoE fine-tuned on digits 0-4 (5 classes, expert dropout 0.1)."""
+  from runner import cli
+  root = tmp_path_factory.mktemp("ensemble_runs")
+  quiet = ["logger.wandb.mode=disabled", "logger.progress=false", "train.steps=1",
+           "data.batch_size=16"]
+  assert cli.main(["pretrain", f"workdir={root / 'pbe8'}", "model=vmoe_tiny_k1_m2", *TINY_MODEL,
+                   "model.image_size=8", *quiet]) == 0
+  assert cli.main(["finetune", f"workdir={root / 'digits04'}", f"init.checkpoint={runs['vmoe']}",
+                   *TINY_MODEL, "data.name=uci_digits_0to4", *quiet]) == 0
+  return {**runs, "pbe8": root / "pbe8", "digits04": root / "digits04"}
+
+
+# (subcommand, arguments, expected substrings, whether the config alone is at fault: then the
+# workdir must not exist; otherwise no checkpoint, W&B run or summary may exist in it)
+ENSEMBLE_CASES = [
+    ("ensemble", ["init.checkpoint={vmoe}"], ["names one member", "not an ensemble",
+                                              "ensemble.mc_dropout=<M>"], True),
+    ("ensemble", ["init.checkpoint=[{vmoe}]"], ["names one member"], True),
+    ("ensemble", [], ["vmoe ensemble needs init.checkpoint"], True),
+    ("ensemble", ["init.checkpoint=[{vmoe},{vmoe}]"], ["names a checkpoint twice"], True),
+    ("ensemble", ["init.checkpoint=[{vmoe},{digits04}]"],
+     ["same classes", "{vmoe}: 10 classes", "{digits04}: 5 classes"], False),
+    ("ensemble", ["init.checkpoint=[{vmoe},{pbe8}]"],
+     ["preprocess images differently", "{vmoe}", "resize(16)", "{pbe8}", "resize(8)"], True),
+    ("ensemble", ["init.checkpoint={digits04}", "ensemble.mc_dropout=1"],
+     ["ensemble.mc_dropout=1", "one sample", "2 or more"], True),
+    ("ensemble", ["init.checkpoint=[{vmoe},{vit}]", "ensemble.mc_dropout=2"],
+     ["ensemble.mc_dropout=2", "samples one checkpoint", "names 2"], True),
+    ("ensemble", ["init.checkpoint={vmoe}", "ensemble.mc_dropout=2"],
+     ["ensemble.mc_dropout needs a model with dropout", "{vmoe}", "model.moe.expert_dropout"],
+     True),
+    ("ensemble", ["init.checkpoint={digits04}", "ensemble.mc_dropout=-1"],
+     ["ensemble.mc_dropout=-1", ">= 0"], True),
+    ("ensemble", ["init.checkpoint={pbe8}", "model.moe.ensemble_size=4"],
+     ["model.moe.ensemble_size=4", "checkpoint's 2", "init.repartition_experts"], True),
+    ("eval", ["init.checkpoint={pbe8}", "model.moe.ensemble_size=4"],
+     ["model.moe.ensemble_size=4", "checkpoint's 2", "init.repartition_experts"], True),
+    ("eval", ["init.checkpoint={pbe8}", "model.moe.ensemble_variant=tiling_only"],
+     ["model.moe.ensemble_variant=tiling_only", "checkpoint's pbe"], True),
+    ("eval", ["init.checkpoint={vmoe}", "model.moe.ensemble_size=2"],
+     ["model.moe.ensemble_size=2", "checkpoint's 1"], True),
+    ("finetune", ["init.checkpoint={pbe8}"],
+     ["is a partitioned batch ensemble of 2 members", "model.moe.ensemble_size=1",
+      "init.repartition_experts=true"], False),
+]
+
+
+@pytest.mark.parametrize("sub, args, expected, config_only", ENSEMBLE_CASES,
+                         ids=lambda v: " ".join(v)[:60] if isinstance(v, list) else str(v))
+def test_ensemble_input(sub, args, expected, config_only, ensemble_runs, run_cli, tmp_path):
+  workdir = tmp_path / "w"
+  extra = TRAIN if sub == "finetune" else LOGS
+  expected = _fill(expected, ensemble_runs)
+  _fails_clearly(run_cli(sub, f"workdir={workdir}", *extra, *_fill(args, ensemble_runs)),
+                 *expected)
+  if config_only:
+    assert not workdir.exists()  # validated before Hydra created anything
+  else:
+    _nothing_like_a_run(workdir)

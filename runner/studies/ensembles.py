@@ -1,0 +1,134 @@
+"""`make study-ensembles`: the efficient-ensembles paper's comparison on the embedded data.
+
+Stages, each a real `vmoe` command run in this process (rerunning resumes finished ones):
+1. `vmoe pretrain` the upstream V-MoE (the demo's: vmoe_tiny, K=2, 8 experts, MNIST-5k);
+2. `vmoe finetune -cd sweeps -cn ensembles`: V-MoE K=1 and K=2, pBE (K=1, M=2), only tiling and
+   only partitioning, four seeds each, on the UCI digits;
+3. `vmoe eval` of every run; `vmoe ensemble` of the down-DE pairs (K=1 seeds 0+1, 2+3) and of
+   MC-dropout samples (M=2) of each K=1 run; `vmoe fewshot` of each on MNIST-5k (pBE: the joint
+   features of its members; down-DE: both members' features concatenated);
+4. a Markdown table (mean ± standard deviation over the replicates) in results.md.
+Extra arguments go to every stage (e.g. `logger.wandb.mode=disabled`).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+from runner import cli
+
+ROOT = pathlib.Path("runs/studies/ensembles")
+UPSTREAM = ROOT / "upstream"
+FINETUNE = ROOT / "finetune"
+SEEDS = (0, 1, 2, 3)
+VARIANTS = ("e3_vmoe_k1", "e3_vmoe_k2", "e3_pbe", "e3_tiling_only", "e3_partition_only")
+EVAL = ["eval.ood_datasets=[lfw_faces]"]
+FEWSHOT = ["fewshot.datasets=[mnist5k]", "fewshot.shots=[1,5,10]", "fewshot.seeds=[0,1,2]"]
+ROWS = [  # (row of the table, variant or ensemble name)
+    ("V-MoE, K=1", "e3_vmoe_k1"),
+    ("V-MoE, K=2", "e3_vmoe_k2"),
+    ("pBE, (K, M) = (1, 2)", "e3_pbe"),
+    ("only tiling, (1, 2)", "e3_tiling_only"),
+    ("only partitioning, (1, 2)", "e3_partition_only"),
+    ("down-DE, 2 x V-MoE K=1", "down_de"),
+    ("MC-dropout, 2 samples of V-MoE K=1", "mc_dropout"),
+]
+
+
+def _run(sub: str, args: list[str], extra: list[str]) -> None:
+  print(f"\n=== vmoe {sub} {' '.join(args + extra)}", file=sys.stderr, flush=True)
+  try:
+    code = cli.main([sub] + args + extra)
+  except SystemExit as e:
+    code = e.code
+  if code:
+    raise SystemExit(f"study-ensembles: vmoe {sub} failed (exit {code})")
+
+
+def _run_dir(variant: str, seed: int) -> pathlib.Path:
+  return FINETUNE / variant / f"seed_{seed}"
+
+
+def _replicates(name: str) -> list[tuple[str, list[str]]]:
+  """(output name, checkpoints) of each replicate of a table row."""
+  k1 = [_run_dir("e3_vmoe_k1", s) for s in SEEDS]
+  if name == "down_de":
+    return [(f"down_de_{i}", [str(k1[i]), str(k1[i + 1])]) for i in range(0, len(k1), 2)]
+  if name == "mc_dropout":
+    return [(f"mc_dropout_{s}", [str(k1[s])]) for s in SEEDS]
+  return [(f"{name}_{s}", [str(_run_dir(name, s))]) for s in SEEDS]
+
+
+def stages(extra: list[str]) -> None:
+  _run("pretrain", [f"workdir={UPSTREAM}"], extra)
+  _run("finetune", ["-cd", "sweeps", "-cn", "ensembles", f"init.checkpoint={UPSTREAM}"], extra)
+  for _, name in ROWS:
+    for out, checkpoints in _replicates(name):
+      listed = f"init.checkpoint=[{','.join(checkpoints)}]"
+      if name in VARIANTS:
+        _run("eval", [f"workdir={ROOT / 'evals' / out}", f"init.checkpoint={checkpoints[0]}",
+                      *EVAL], extra)
+      else:
+        mc = ["ensemble.mc_dropout=2"] if name == "mc_dropout" else []
+        _run("ensemble", [f"workdir={ROOT / 'evals' / out}", listed, *EVAL, *mc], extra)
+      if name != "mc_dropout":  # MC-dropout's features are its model's (few-shot is deterministic)
+        _run("fewshot", [f"workdir={ROOT / 'fewshot' / out}", listed, *FEWSHOT], extra)
+
+
+def _summary(kind: str, name: str) -> dict:
+  return json.loads((ROOT / kind / name / "summary.json").read_text())
+
+
+def _cell(values: list[float], digits: int = 3) -> str:
+  values = [v for v in values if v is not None]
+  if not values:
+    return "-"
+  if len(values) == 1:
+    return f"{values[0]:.{digits}f}"
+  return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def table() -> str:
+  ds = "uci_digits"
+  lines = ["| model | prec@1 | NLL | ECE | KL | disagreement | MFLOPs/image | 10-shot MNIST | n |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for row, name in ROWS:
+    evals, shots = [], []
+    for out, _ in _replicates(name):
+      evals.append(_summary("evals", out))
+      fewshot = ROOT / "fewshot" / out / "summary.json"
+      shots.append(json.loads(fewshot.read_text())["mnist5k/10shot/accuracy"]
+                   if fewshot.exists() else None)
+    if name == "mc_dropout":  # the same features as the V-MoE K=1 runs it samples
+      shots = [_summary("fewshot", f"e3_vmoe_k1_{s}")["mnist5k/10shot/accuracy"] for s in SEEDS]
+    col = lambda key: [e.get(key) for e in evals]  # noqa: E731
+    lines.append(
+        f"| {row} | {_cell(col(f'{ds}/prec@1'))} | {_cell(col(f'{ds}/nll'))} | "
+        f"{_cell(col(f'{ds}/ece'))} | {_cell(col(f'{ds}/diversity/kl'), 4)} | "
+        f"{_cell(col(f'{ds}/diversity/disagreement'))} | "
+        f"{_cell([g * 1e3 for g in col('compute/gflops_per_image')], 1)} | "
+        f"{_cell(shots)} | {len(evals)} |")
+  ood = "uci_digits_vs_lfw_faces/msp/auroc"
+  lines += ["", "| model | far-OOD AUROC (MSP) vs LFW | Mahalanobis |", "|---|---|---|"]
+  for row, name in ROWS:
+    evals = [_summary("evals", out) for out, _ in _replicates(name)]
+    lines.append(f"| {row} | {_cell([e.get(ood) for e in evals])} | "
+                 f"{_cell([e.get(ood.replace('msp', 'mahalanobis')) for e in evals])} |")
+  return "\n".join(lines)
+
+
+def main(extra: list[str]) -> int:
+  start = time.perf_counter()
+  stages(extra)
+  report = table()
+  (ROOT / "results.md").write_text(report + "\n")
+  print("\n" + report + f"\n\n(also in {ROOT / 'results.md'}; "
+        f"{(time.perf_counter() - start) / 60:.1f} min)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
