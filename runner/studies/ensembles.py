@@ -68,13 +68,16 @@ def stages(extra: list[str]) -> None:
   for _, name in ROWS:
     for out, checkpoints in _replicates(name):
       listed = f"init.checkpoint=[{','.join(checkpoints)}]"
-      if name in VARIANTS:
+      if (ROOT / "evals" / out / "summary.json").exists():
+        pass  # evaluated by an earlier run of the study
+      elif name in VARIANTS:
         _run("eval", [f"workdir={ROOT / 'evals' / out}", f"init.checkpoint={checkpoints[0]}",
                       *EVAL], extra)
       else:
         mc = ["ensemble.mc_dropout=2"] if name == "mc_dropout" else []
         _run("ensemble", [f"workdir={ROOT / 'evals' / out}", listed, *EVAL, *mc], extra)
-      if name != "mc_dropout":  # MC-dropout's features are its model's (few-shot is deterministic)
+      done = (ROOT / "fewshot" / out / "summary.json").exists()
+      if name != "mc_dropout" and not done:  # MC-dropout's features are its model's (deterministic)
         _run("fewshot", [f"workdir={ROOT / 'fewshot' / out}", listed, *FEWSHOT], extra)
 
 

@@ -1,5 +1,8 @@
 """Training on meshes of 8 (fake CPU) devices matches one device; shardings are what they claim.
 
+For a V-MoE and for a partitioned batch ensemble (E³), whose members' tokens travel to the devices
+of their partition's experts under expert parallelism.
+
 Runs in its own process with XLA_FLAGS=--xla_force_host_platform_device_count=8
 (tests/integration/test_multidevice.py starts it); skipped anywhere else.
 """
@@ -36,9 +39,10 @@ def _batches():
           for _ in range(STEPS)]
 
 
-def _train(placement, workdir):
-  """STEPS train steps of vmoe_tiny (no dropout) on `placement`; (losses, final state)."""
-  model = build_model(model_config("vmoe_tiny"), 10)
+def _train(placement, workdir, name: str = "vmoe_tiny"):
+  """STEPS train steps of model `name` (no dropout) on `placement`; (losses, final state, eval
+  outputs on the first batch: logits and, for an ensemble, member logits and joint features)."""
+  model = build_model(model_config(name), 10)
   schedule = schedules.make_schedule("linear", 1e-3, 100, 2)
   abstract, _ = state_lib.abstract_params(model, SHAPE)
   tx = optimizers.make_optimizer("adam", schedule, abstract, weight_decay=0.1, grad_clip_norm=1.0)
@@ -53,22 +57,33 @@ def _train(placement, workdir):
     for batch in _batches():
       state, metrics = step(state, placement.put(batch))
       losses.append(float(metrics["train/loss"]))
-  return losses, state
+
+    def predict(params, images):
+      logits, extras = model.apply({"params": params}, images, train=False)
+      return {"logits": logits, **{k: extras[k] for k in ("member_logits", "pre_logits")
+                                   if k in extras}}
+    images = placement.put({"image": _batches()[0]["image"]})["image"]
+    outputs = jax.tree.map(np.asarray, jax.jit(predict)(state.params, images))
+  return losses, state, outputs
 
 
-@pytest.fixture(scope="module")
-def single_device(tmp_path_factory):
+# A V-MoE, and a partitioned batch ensemble (E³: 2 members of 4 experts, k=1) that must shard alike.
+MODELS = ("vmoe_tiny", "vmoe_tiny_k1_m2")
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def single_device(request, tmp_path_factory):
   placement = Placement(make_mesh(1, 1, devices=jax.devices()[:1]), RULES["dp"])
-  return _train(placement, tmp_path_factory.mktemp("one"))
+  return request.param, _train(placement, tmp_path_factory.mktemp("one"), request.param)
 
 
 @pytest.mark.parametrize("name", list(MESHES))
 def test_training_on_a_mesh_matches_one_device(name, single_device, tmp_path):
+  model_name, (ref_losses, ref_state, ref_outputs) = single_device
   data, expert, bundle = MESHES[name]
   placement = make_placement(data, expert, logical_rules(bundle), num_experts=8)
   assert placement.mesh.devices.shape == (data, expert) and placement.rules == RULES[bundle]
-  losses, state = _train(placement, tmp_path)
-  ref_losses, ref_state = single_device
+  losses, state, outputs = _train(placement, tmp_path, model_name)
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state.params)[0],
                           jax.tree.leaves(ref_state.params)):
@@ -76,6 +91,11 @@ def test_training_on_a_mesh_matches_one_device(name, single_device, tmp_path):
     # updates of up to ~1e-6 there; everything else agrees to float32 rounding.
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5,
                                err_msg=jax.tree_util.keystr(path))
+  for key, value in outputs.items():  # the prediction (an ensemble's: every member's too)
+    np.testing.assert_allclose(value, ref_outputs[key], rtol=1e-4, atol=1e-5, err_msg=key)
+  if model_name != "vmoe_tiny":
+    members = outputs["member_logits"]
+    assert members.shape == (BATCH, 2, 10) and np.abs(members[:, 0] - members[:, 1]).max() > 1e-4
   if expert == 1:
     assert "all-to-all" not in _train.compiled_text
   if expert > 1:
@@ -91,7 +111,7 @@ def test_training_on_a_mesh_matches_one_device(name, single_device, tmp_path):
 
 def test_save_on_8_devices_restore_on_1_and_on_2x4(tmp_path):
   placement = Placement(make_mesh(8, 1), RULES["dp"])
-  _, state = _train(placement, tmp_path / "unused")
+  _, state, _ = _train(placement, tmp_path / "unused")
   checkpointer = Checkpointer(tmp_path / "ckpt", async_save=False)
   checkpointer.save(3, state.params, state.opt_state, meta={"position": 0}, config={})
   checkpointer.wait()
@@ -114,3 +134,57 @@ def test_save_on_8_devices_restore_on_1_and_on_2x4(tmp_path):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(jax.tree.leaves(opt_state), jax.tree.leaves(state.opt_state)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_het_xl_head_trains_on_a_mesh_as_on_one_device(tmp_path):
+  """vmoe_tiny with a HET-XL head (learned τ, 8 MC samples): the same losses, τ and eval logits
+  on 8 data-parallel devices and on a 4 x 2 expert-parallel mesh as on one device. The noise
+  draws (B, S, R) are sharded with the batch and must not depend on the sharding."""
+  import dataclasses
+
+  from runner.config.schema import HeadConfig, HeadType
+  from runner.models import heads
+
+  config = dataclasses.replace(model_config("vmoe_tiny"), head=HeadConfig(
+      type=HeadType.het_xl, num_factors=4, train_mc_samples=8, eval_mc_samples=8))
+
+  def train(placement, workdir):
+    model = build_model(config, 10)
+    schedule = schedules.make_schedule("linear", 1e-3, 100, 2)
+    abstract, _ = state_lib.abstract_params(model, SHAPE)
+    tx = optimizers.make_optimizer("adam", schedule, abstract, weight_decay=0.1,
+                                   grad_clip_norm=1.0)
+    with placement.context():
+      state, shardings, _, _ = initial_state(Checkpointer(workdir), model=model, tx=tx,
+                                             image_shape=SHAPE, placement=placement, seed=0)
+      step = jax.jit(make_train_step(model, tx, schedule, loss="softmax_xent",
+                                     aux_loss_weight=0.01),
+                     in_shardings=(shardings, placement.batch_sharding),
+                     out_shardings=(shardings, None))
+      losses, temperatures = [], []
+      for batch in _batches():
+        state, metrics = step(state, placement.put(batch))
+        losses.append(float(metrics["train/loss"]))
+        temperatures.append(float(metrics["train/temperature"]))
+      images = placement.put({"image": _batches()[0]["image"]})["image"]
+      logits = np.asarray(jax.jit(lambda p, x: model.apply({"params": p}, x, train=False)[0])(
+          state.params, images))
+    return losses, temperatures, state, logits
+
+  one = train(Placement(make_mesh(1, 1, devices=jax.devices()[:1]), RULES["dp"]),
+              tmp_path / "one")
+  t = float(one[2].params["head"]["pre_sigmoid_temperature"][0])
+  assert t != 0.0 and one[1][0] == pytest.approx(2.525, abs=1e-6)  # τ was learned
+  assert np.all(np.isfinite(one[3]))
+  np.testing.assert_allclose(np.exp(one[3]).sum(-1), 1.0, atol=1e-5)  # log p̄
+  for data, expert, bundle in ((8, 1, "dp"), (4, 2, "ep")):
+    placement = make_placement(data, expert, logical_rules(bundle), num_experts=8)
+    losses, temperatures, state, logits = train(placement, tmp_path / f"{data}x{expert}")
+    np.testing.assert_allclose(losses, one[0], rtol=2e-5, err_msg=bundle)
+    np.testing.assert_allclose(temperatures, one[1], rtol=1e-6, err_msg=bundle)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state.params["head"])[0],
+                            jax.tree.leaves(one[2].params["head"])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5,
+                                 err_msg=f"{bundle} head{jax.tree_util.keystr(path)}")
+    np.testing.assert_allclose(logits, one[3], rtol=1e-4, atol=1e-5, err_msg=bundle)
+  assert heads.num_classes(one[2].params) == 10
