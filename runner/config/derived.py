@@ -38,6 +38,11 @@ def experts_per_router(model: ModelConfig) -> int:
   return experts
 
 
+def pre_logits_width(model: ModelConfig) -> int:
+  """The width of the representation the classifier head reads."""
+  return int(model.representation_size or model.hidden_size)
+
+
 def eval_batch_size(eval, data: DataConfig) -> int:
   """eval.batch_size, else data.eval_batch_size, else data.batch_size."""
   return int(eval.batch_size or data.eval_batch_size or data.batch_size)

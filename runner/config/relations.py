@@ -15,7 +15,7 @@ from typing import Callable
 
 from runner.config import derived
 from runner.config.schema import (DataConfig, DistributedConfig, EnsembleRun, EnsembleVariant,
-                                  EvalConfig, EvalSuiteConfig, FewshotConfig, FewshotRun,
+                                  EvalConfig, EvalSuiteConfig, FewshotConfig, FewshotRun, HeadType,
                                   MeshConfig, ModelConfig, TrainConfig)
 from runner.errors import ConfigError
 
@@ -109,6 +109,30 @@ def ensemble_needs_experts(model: ModelConfig):
     return (f"model.moe.ensemble_size={m} does not divide model.moe.num_experts="
             f"{model.moe.num_experts}: each member gets an equal share of the experts; use a "
             f"divisor of {model.moe.num_experts}.")
+
+
+@relation
+def head_temperature_in_bounds(model: ModelConfig):
+  head = model.head
+  low, high = head.temperature_bounds
+  if head.type == HeadType.det and head.temperature is not None:
+    return (f"model.head.temperature={head.temperature} is set, but model.head.type=det has no "
+            "temperature: set model.head.type=het or het_xl for a heteroscedastic head.")
+  if head.type != HeadType.det and head.temperature is not None and not low <= head.temperature <= high:
+    return (f"model.head.temperature={head.temperature} lies outside model.head.temperature_bounds="
+            f"{list(head.temperature_bounds)}; give a temperature in [{low:g}, {high:g}], widen the "
+            "bounds, or model.head.temperature=null to learn it there.")
+
+
+@relation
+def het_xl_noise_fits_the_pre_logits(model: ModelConfig):
+  head = model.head
+  width = derived.pre_logits_width(model)
+  if head.type == HeadType.het_xl and head.latent_dim is not None and head.latent_dim != width:
+    return (f"model.head.latent_dim={head.latent_dim} does not match the pre-logits' width {width} "
+            f"(model.representation_size, else model.hidden_size): HET-XL adds its noise to the "
+            "pre-logits before the shared classifier, so the two must match; set "
+            f"model.head.latent_dim={width} or null.")
 
 
 # --- data --------------------------------------------------------------------------------------

@@ -64,6 +64,13 @@ class EnsembleVariant(str, enum.Enum):
   partition_only = "partition_only"  # no tiling: each token picks k experts in every partition
 
 
+class HeadType(str, enum.Enum):
+  """The classifier head: deterministic, or heteroscedastic (Collier et al., HET-XL paper)."""
+  det = "det"  # a linear classifier
+  het = "het"  # Gaussian noise on the logits, MC-averaged probabilities
+  het_xl = "het_xl"  # Gaussian noise on the pre-logits, through the shared linear classifier
+
+
 class WandbMode(str, enum.Enum):
   online = "online"
   offline = "offline"
@@ -157,6 +164,31 @@ class MoeConfig:
   ensemble_variant: EnsembleVariant = EnsembleVariant.pbe
 
 
+def _is_bounds(value) -> bool:
+  return (isinstance(value, (list, tuple)) and len(value) == 2
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+          and 0 < value[0] < value[1])
+
+
+@dataclass
+class HeadConfig:
+  """The classifier head. Defaults are the HET-XL paper's (App. N.1): a parameter-efficient
+  covariance of rank R = 50 plus a rank-1 term, 1000 MC samples, τ learned in [0.05, 5]."""
+  type: HeadType = HeadType.det
+  num_factors: int = key(50, at_least(1), "R, the rank of the low-rank covariance term")
+  parameter_efficient: bool = True  # V(x) = J o (1 v(x)^T): parameters independent of R x classes
+  train_mc_samples: int = key(1000, at_least(1))
+  eval_mc_samples: int = key(1000, at_least(1))
+  temperature: Optional[float] = key(None, positive(), "null: learned within temperature_bounds")
+  temperature_bounds: List[float] = key([0.05, 5.0], Rule(_is_bounds, "[low, high] with 0 < low < "
+                                                          "high, e.g. [0.05,5.0]"))
+  latent_dim: Optional[int] = key(None, at_least(1), "het_xl: the noise's width; null: the "
+                                  "pre-logits' width, the only one that fits")
+  mc_chunk_size: Optional[int] = key(None, at_least(1), "MC samples computed at a time (memory "
+                                     "grows with it, not with the samples); null: all at once")
+  share_samples_across_batch: bool = False  # the same noise draws for every example of a batch
+
+
 @dataclass
 class ModelConfig:
   name: str = MISSING
@@ -171,9 +203,10 @@ class ModelConfig:
   dropout_rate: float = key(0.0, rate())
   attention_dropout_rate: float = key(0.0, rate())
   head_bias_init: float = 0.0
-  dtype: DType = DType.float32  # compute dtype; parameters and the router stay float32
+  dtype: DType = DType.float32  # compute dtype; parameters, the router and the head stay float32
   moe: MoeConfig = field(default_factory=MoeConfig)
   router: RouterConfig = field(default_factory=RouterConfig)
+  head: HeadConfig = field(default_factory=HeadConfig)
 
 
 @dataclass
@@ -187,6 +220,8 @@ class DataConfig:
   data_dir: Optional[str] = None  # default: $TFDS_DATA_DIR or ~/tensorflow_datasets
   root: Optional[str] = None  # for data=image_folder
   skip_unreadable: bool = False  # image_folder: skip unreadable files (with a warning) instead of failing
+  label_noise: float = key(0.0, probability(), "the fraction of training labels replaced by random "
+                           "classes, the same examples in every run; evaluation labels stay clean")
   pp_train: str = key("decode(3)|resize(224)|value_range(-1,1)", Preprocessing())
   pp: str = key("decode(3)|resize(224)|value_range(-1,1)", Preprocessing())
   batch_size: int = key(128, at_least(1))

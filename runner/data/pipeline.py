@@ -47,15 +47,45 @@ def _with_rng(seed: int, process_index: int = 0):
   return fn
 
 
+# Label noise corrupts the same examples in every run (and every member of an ensemble): a
+# property of the dataset variant, not of the run's seed.
+LABEL_NOISE_SEED = 20_221_107
+
+
+def noisy_labels(source: Source, fraction: float):
+  """A fixed `fraction` of the examples, chosen by their index, get a uniformly random class
+  (possibly their own): the label-noise variant of a dataset (evaluation labels stay clean)."""
+  key = source.label_key
+
+  def fn(example):
+    index = tf.cast(example["_index"], tf.int32)
+    seed = tf.stack([tf.constant(LABEL_NOISE_SEED, tf.int32), index])
+    flip = tf.random.stateless_uniform([], seed=seed) < fraction
+    random_class = tf.random.stateless_uniform([], seed=seed + 1, minval=0,
+                                               maxval=source.num_classes, dtype=tf.int32)
+    label = example[key]
+    example = dict(example)
+    example[key] = tf.where(flip, tf.cast(random_class, label.dtype), label)
+    del example["_index"]
+    return example
+  return fn
+
+
 def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed: int,
                   start: int = 0, shuffle_buffer: int = 50_000, process_index: int = 0,
-                  process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
+                  process_count: int = 1, label_noise: float = 0.0
+                  ) -> Iterator[dict[str, np.ndarray]]:
   """Endless batches from example position `start` (counted per process) onwards.
 
   Each batch dict holds `image` (B, H, W, C) float32 and `labels` (B, num_classes) float32.
+  `label_noise` replaces that fraction of the training labels by random classes (`noisy_labels`).
   """
   preprocess = _finish(source, pp_ops.parse(pp), pp)
-  raw = source.read(split, process_index, process_count)
+  if label_noise:
+    raw = source.read(split, process_index, process_count, with_index=True).map(
+        noisy_labels(source, label_noise))
+  else:
+    raw = source.read(split, process_index, process_count)
   num = source.num_examples(split) // process_count
   if num < batch_size:
     raise ValueError(f"split {split!r} of {source.name!r} has {num} examples per process, fewer "

@@ -80,11 +80,13 @@ class Source:
     return match["name"], start, stop
 
   def read(self, split: str, process_index: int = 0, process_count: int = 1, *,
-           drop_remainder: bool = True) -> tf.data.Dataset:
+           drop_remainder: bool = True, with_index: bool = False) -> tf.data.Dataset:
     """Raw examples of `split` (images still encoded), this process's contiguous share of them.
 
     With drop_remainder every process gets n // count examples (training: equal streams);
     without, the first n % count processes get one more, so every example is read once.
+    `with_index` adds `_index`, each example's position in its named split (stable across
+    processes, slices and epochs).
     """
     name, first, last = self._slice(split)
     begin, end = process_share(last - first, process_index, process_count, drop_remainder)
@@ -93,10 +95,15 @@ class Source:
     if isinstance(self.builder, tfds.folder_dataset.ImageFolder):
       # ImageFolder has no sub-split API; its record order is already a fixed shuffle.
       ds = self.builder.as_dataset(split=name, shuffle_files=False, decoders=decoders)
-      return ds.skip(start).take(stop - start)
-    read_config = tfds.ReadConfig(interleave_cycle_length=1, add_tfds_id=False)
-    return self.builder.as_dataset(split=f"{name}[{start}:{stop}]", shuffle_files=False,
+      ds = ds.skip(start).take(stop - start)
+    else:
+      read_config = tfds.ReadConfig(interleave_cycle_length=1, add_tfds_id=False)
+      ds = self.builder.as_dataset(split=f"{name}[{start}:{stop}]", shuffle_files=False,
                                    decoders=decoders, read_config=read_config)
+    if with_index:
+      ds = tf.data.Dataset.zip(tf.data.Dataset.range(start, stop), ds).map(
+          lambda index, example: {**example, "_index": index})
+    return ds
 
 
 def process_share(n: int, index: int, count: int, drop_remainder: bool) -> tuple[int, int]:

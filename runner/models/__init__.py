@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from runner.config.schema import ModelConfig
+from runner.config.schema import HeadType, ModelConfig
 from runner.models.catalog import UnknownModelError, model_config, moe_layer_indices
 from runner.models.vit import VisionTransformer
 
@@ -36,12 +36,21 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
     if config.moe.ensemble_size > 1:  # a V-MoE's module arguments stay exactly as they were
       moe.update(ensemble_size=config.moe.ensemble_size,
                  ensemble_variant=_name(config.moe.ensemble_variant))
+  head = None
+  if config.head.type != HeadType.det:
+    h = config.head
+    head = dict(latent=h.type == HeadType.het_xl, num_factors=h.num_factors,
+                parameter_efficient=h.parameter_efficient, train_mc_samples=h.train_mc_samples,
+                eval_mc_samples=h.eval_mc_samples, temperature=h.temperature,
+                temperature_bounds=tuple(h.temperature_bounds), mc_chunk_size=h.mc_chunk_size,
+                share_samples_across_batch=h.share_samples_across_batch)
   return VisionTransformer(
       num_classes=num_classes, patch_size=config.patch_size, hidden_size=config.hidden_size,
       num_layers=config.num_layers, mlp_dim=config.mlp_dim, num_heads=config.num_heads,
       classifier=_name(config.classifier), representation_size=config.representation_size,
       dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate,
-      head_bias_init=config.head_bias_init, moe_layers=moe_layers, moe=moe, output=output,
+      head_bias_init=config.head_bias_init, moe_layers=moe_layers, moe=moe, head=head,
+      output=output,
       dtype=jnp.dtype(_name(config.dtype)))
 
 

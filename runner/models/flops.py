@@ -19,10 +19,16 @@ Partitioned batch ensembles (E³, `model.moe.ensemble_size` M > 1; spec ensemble
                   routers (router: D·E per token); capacity = expert_capacity(group_size·T, E/M, k, C).
 In every case an MoE layer computes E·capacity/group_size expert slots per image. M = 1 is a
 V-MoE; a model without MoE layers (a ViT) ignores M.
+
+Heteroscedastic heads (HET-XL paper, Table 11; S MC samples, R factors, D the pre-logits' width,
+K classes, Q = K for HET and D for HET-XL): the mean classifier 2·D·K; the rank-1 scale 2·D·Q;
+the low-rank scale 2·D·Q (parameter-efficient v(x)) plus 2·S·R·Q for the draws through J, or
+2·D·Q·R plus 2·S·R·Q (full); HET-XL also sends every sample through the classifier, 2·S·D·K.
+S is the training or the evaluation number of samples.
 """
 from __future__ import annotations
 
-from runner.config.schema import Classifier, EnsembleVariant, ModelConfig
+from runner.config.schema import Classifier, EnsembleVariant, HeadType, ModelConfig
 from runner.models.catalog import moe_layer_indices
 from runner.models.moe.routing import expert_capacity
 
@@ -82,7 +88,23 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
   if config.representation_size:
     flops += rows * 2.0 * d * config.representation_size
     width = config.representation_size
-  return flops + rows * 2.0 * width * num_classes
+  return flops + rows * head_flops(config, width, num_classes, train=train)
+
+
+def head_flops(config: ModelConfig, width: int, num_classes: int, *, train: bool) -> float:
+  """Matmul FLOPs of the classifier head for one image (one row)."""
+  head, d, k = config.head, width, num_classes
+  if head.type == HeadType.det:
+    return 2.0 * d * k
+  s = head.train_mc_samples if train else head.eval_mc_samples
+  r = head.num_factors
+  q = d if head.type == HeadType.het_xl else k
+  flops = 2.0 * d * k + 2.0 * d * q  # mean classifier, rank-1 scale
+  flops += 2.0 * d * q if head.parameter_efficient else 2.0 * d * q * r  # v(x), or V(x)
+  flops += 2.0 * s * r * q  # the draws through J (or V)
+  if head.type == HeadType.het_xl:
+    flops += 2.0 * s * d * k  # every noisy representation through the shared classifier
+  return flops
 
 
 def train_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size: int) -> float:

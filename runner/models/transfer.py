@@ -1,7 +1,9 @@
 """Mapping a checkpoint's parameters onto a (possibly different) model for fine-tuning.
 
 Rules, applied by parameter name:
-- the classifier head is re-initialised (new number of classes) when asked;
+- the classifier head is re-initialised (new number of classes) when asked, a heteroscedastic
+  head whole; kept, a linear head becomes a heteroscedastic head's mean classifier (fresh noise
+  layers) and back;
 - position embeddings are resized bilinearly when the patch grid changes (new resolution);
 - with `dense_to_experts`, a dense MLP initialises every expert of the MoE MLP that replaces it,
   and the new router starts from its fresh initialisation;
@@ -54,17 +56,48 @@ def _dense_source(name: str) -> str | None:
   return None
 
 
+def _head_counterpart(name: str) -> str | None:
+  """A linear head's parameter for a heteroscedastic head's mean classifier, and back:
+  'head/loc_layer/kernel' <-> 'head/kernel'."""
+  parts = name.split("/")
+  if parts[:2] == ["head", "loc_layer"] and len(parts) == 3:
+    return f"head/{parts[2]}"
+  if parts[0] == "head" and len(parts) == 2:
+    return f"head/loc_layer/{parts[1]}"
+  return None
+
+
 def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts: bool = False,
                  source: str = "checkpoint"):
-  """Parameters shaped like `fresh` (a freshly initialised tree), filled from `restored`."""
+  """Parameters shaped like `fresh` (a freshly initialised tree), filled from `restored`.
+
+  Keeping the head (`reinit_head=False`) across head types maps a linear head onto a
+  heteroscedastic head's mean classifier (and back); the noise parameters a linear head lacks
+  start fresh.
+  """
   old, new = flatten(restored), flatten(fresh)
   out, problems, used = {}, [], set()
+  linear_head = "head/kernel" in old
   for name, target in new.items():
     shape = tuple(np.shape(target))
     if name.startswith("head/") and reinit_head:
       out[name] = np.asarray(target)
       used.add(name)
       continue
+    if name.startswith("head/") and name not in old:
+      counterpart = _head_counterpart(name)
+      if counterpart in old:
+        value = np.asarray(old[counterpart])
+        used.add(counterpart)
+        if value.shape == shape:
+          out[name] = value
+        else:
+          problems.append(f"{name}: checkpoint {counterpart} {value.shape} vs model {shape} "
+                          "(set init.reinit_head=true for a new number of classes or head type)")
+        continue
+      if linear_head or name.endswith("pre_sigmoid_temperature"):
+        out[name] = np.asarray(target)  # a new heteroscedastic head's noise layers, a learned τ
+        continue
     if name in old:
       value = np.asarray(old[name])
       used.add(name)
@@ -76,8 +109,8 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
         except ValueError as e:
           problems.append(f"{name}: {e}")
       else:
-        hint = " (set init.reinit_head=true for a new number of classes)" if name.startswith(
-            "head/") else ""
+        hint = (" (set init.reinit_head=true for a new number of classes or head type)"
+                if name.startswith("head/") else "")
         problems.append(f"{name}: checkpoint {value.shape} vs model {shape}{hint}")
       continue
     dense = _dense_source(name)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from runner.models import ensemble
+from runner.models.heads import HeteroscedasticHead
 from runner.models.moe.layer import MoeMlpBlock
 
 part = nn.with_logical_partitioning
@@ -127,6 +128,10 @@ class VisionTransformer(nn.Module):
   are softmax or sigmoid classifiers), `extras["member_logits"]` (B, M, C) the members' own, and
   `extras["pre_logits"]` the members' representations side by side (B, M*width): the joint
   features of few-shot evaluation and Mahalanobis scores.
+
+  A heteroscedastic head (`head`, runner/models/heads.py) returns the log of its MC-mean
+  probability as logits, with `extras["loc_logits"]` (the noise-free logits) and
+  `extras["temperature"]`; the pre-logits stay deterministic.
   """
   num_classes: int
   patch_size: int
@@ -141,7 +146,8 @@ class VisionTransformer(nn.Module):
   head_bias_init: float = 0.0
   moe_layers: Sequence[int] = ()
   moe: dict | None = None  # MoeMlpBlock keyword arguments shared by all MoE layers
-  output: str = "softmax"  # how ensemble members' predictions are averaged
+  head: dict | None = None  # HeteroscedasticHead keyword arguments; None: a linear head
+  output: str = "softmax"  # softmax or sigmoid probabilities (ensemble members, MC samples)
   dtype: Any = jnp.float32
 
   @property
@@ -187,15 +193,24 @@ class VisionTransformer(nn.Module):
                            kernel_init=part(nn.initializers.lecun_normal(), ("embed", "mlp")),
                            bias_init=part(nn.initializers.zeros, ("mlp",)))(x))
     pre_logits = x
-    logits = nn.Dense(self.num_classes, dtype=self.dtype, name="head",
-                      kernel_init=part(nn.initializers.zeros, (None, "classes")),
-                      bias_init=part(nn.initializers.constant(self.head_bias_init),
-                                     ("classes",)))(x)
+    head_extras = {}
+    if self.head is None:
+      logits = nn.Dense(self.num_classes, dtype=self.dtype, name="head",
+                        kernel_init=part(nn.initializers.zeros, (None, "classes")),
+                        bias_init=part(nn.initializers.constant(self.head_bias_init),
+                                       ("classes",)))(x)
+    else:
+      logits, head_extras = HeteroscedasticHead(
+          self.num_classes, **self.head, head_bias_init=self.head_bias_init, output=self.output,
+          name="head")(x, train=train)
     aux = sum((m["auxiliary_loss"] for m in routing_metrics.values()), jnp.zeros(()))
     logits, pre_logits = logits.astype(jnp.float32), pre_logits.astype(jnp.float32)
-    extras = {"pre_logits": pre_logits, "routing": routing_metrics, "auxiliary_loss": aux}
+    extras = {"pre_logits": pre_logits, "routing": routing_metrics, "auxiliary_loss": aux,
+              **head_extras}
     if self.tiles > 1:
       extras["member_logits"] = ensemble.members(logits, self.tiles)
+      if "loc_logits" in extras:
+        extras["loc_logits"] = ensemble.members(extras["loc_logits"], self.tiles)
       extras["pre_logits"] = pre_logits.reshape(b, -1)
       logits = ensemble.combine_logits(extras["member_logits"], self.output)
     return logits, extras

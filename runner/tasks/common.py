@@ -47,6 +47,9 @@ def open_data(d: DataConfig) -> tuple[DataConfig, data.Source]:
   source = data.open_source(d.name, data_dir=d.data_dir, root=d.root, image_key=d.image_key,
                             label_key=d.label_key, skip_unreadable=d.skip_unreadable)
   source.num_examples(d.split)  # raises with the valid splits
+  if d.label_noise and source.multilabel:
+    raise data.DataError(f"data.label_noise={d.label_noise} replaces a label by a random class, "
+                         f"but dataset {d.name!r} is multi-label; use a single-label dataset.")
   split, eval_split, test_split = d.split, d.eval_split, d.test_split
   if not source.has_split(eval_split):
     if split not in source.splits:

@@ -19,7 +19,7 @@ from runner.config.schema import FewshotRun
 from runner.evaluators.fewshot import (FewshotEvaluator, accuracy_table, format_table,
                                        make_feature_fn, plot_accuracy_vs_shots)
 from runner.logging import MetricWriter
-from runner.models import build_model
+from runner.models import build_model, heads
 from runner.parallel import Placement
 from runner.tasks import common, fewshot_data
 from runner.train import state as state_lib
@@ -43,7 +43,7 @@ def run(config: FewshotRun, placement: Placement) -> dict:
   members = []
   for member in config.members:
     params, _, step = checkpoint.load_params(member.path)
-    model = build_model(member.model, int(params["head"]["kernel"].shape[-1]))
+    model = build_model(member.model, heads.num_classes(params))
     common.check_params_fit(member.path, step, params, model, image_shape, "fewshot")
     members.append((member.path, step, model, params))
   common.write_config(config, workdir)

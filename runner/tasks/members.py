@@ -17,7 +17,7 @@ from runner.config import derived
 from runner.config.schema import EnsembleVariant, ModelConfig
 from runner.errors import ConfigError
 from runner.evaluators import predictions
-from runner.models import build_model
+from runner.models import build_model, heads
 from runner.models import flops as flops_lib
 from runner.models.ensemble import Ensemble
 from runner.tasks import common
@@ -38,13 +38,13 @@ class Members:
   def __init__(self, checkpoints: list[Checkpoint], *, output: str, mc_samples: int = 0,
                seed: int = 0):
     self.checkpoints, self.output, self.mc_samples, self.seed = checkpoints, output, mc_samples, seed
-    heads = [int(c.params["head"]["kernel"].shape[-1]) for c in checkpoints]
-    if len(set(heads)) > 1:
-      listing = "; ".join(f"{c.path}: {h} classes" for c, h in zip(checkpoints, heads))
+    classes = [heads.num_classes(c.params) for c in checkpoints]
+    if len(set(classes)) > 1:
+      listing = "; ".join(f"{c.path}: {n} classes" for c, n in zip(checkpoints, classes))
       raise ConfigError("the members of an ensemble must predict the same classes, but their "
                         f"heads differ ({listing}); combine checkpoints fine-tuned on the same "
                         "dataset.")
-    self.num_classes = heads[0]
+    self.num_classes = classes[0]
     self.placed = None
 
   @property

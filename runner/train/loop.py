@@ -233,7 +233,8 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
         return metrics
       batches = data.train_batches(source, d.split, d.pp_train,
                                    batch_size // processes["process_count"], seed=seed,
-                                   start=position, shuffle_buffer=d.shuffle_buffer, **processes)
+                                   start=position, shuffle_buffer=d.shuffle_buffer,
+                                   label_noise=d.label_noise, **processes)
 
       start_step = int(state.step)
       progress = Progress(steps, start_step, batch_size, desc=stage,

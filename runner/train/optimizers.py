@@ -15,13 +15,21 @@ def param_names(params) -> dict:
       lambda path, _: "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), params)
 
 
+# Never decayed: a heteroscedastic head's temperature logit (decay would pull τ to the middle of
+# its bounds, which regularises nothing).
+NO_DECAY = re.compile(r"(.*/)?pre_sigmoid_temperature")
+
+
 def weight_decay_tree(params, weight_decay) -> dict:
   """Per-parameter decay: one float for all, or [[regex, value], ...] (first full match wins)."""
   if isinstance(weight_decay, (int, float)):
-    return jax.tree.map(lambda _: float(weight_decay), params)
-  rules = [(re.compile(pattern), float(value)) for pattern, value in weight_decay]
+    rules = [(re.compile(".*"), float(weight_decay))]
+  else:
+    rules = [(re.compile(pattern), float(value)) for pattern, value in weight_decay]
 
   def lookup(name):
+    if NO_DECAY.fullmatch(name):
+      return 0.0
     for pattern, value in rules:
       if pattern.fullmatch(name):
         return value

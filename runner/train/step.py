@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from runner.models.heads import NOISE_RNG
 from runner.train.losses import LOSSES, precision_at_1
 from runner.train.state import TrainState
 
@@ -22,8 +23,11 @@ def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: 
 
   def objective(params, images, labels, rng):
     gating, dropout = jax.random.split(rng)
+    # A heteroscedastic head's MC draws, a stream of its own: fold_in(rng, 1) would be the dropout
+    # key (split(k)[i] == fold_in(k, i) with partitionable threefry).
+    noise = jax.random.fold_in(rng, 2)
     logits, extras = model.apply({"params": params}, images, train=True,
-                                 rngs={"gating": gating, "dropout": dropout})
+                                 rngs={"gating": gating, "dropout": dropout, NOISE_RNG: noise})
     if "member_logits" in extras:  # an ensemble learns from the mean of its members' losses
       member_logits = extras["member_logits"]
       cls_loss = loss_fn(member_logits, labels[:, None, :]).mean()
@@ -33,6 +37,8 @@ def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: 
     total = cls_loss + aux_loss_weight * aux
     metrics = {"train/loss": total, "train/cls_loss": cls_loss, "train/aux_loss": aux,
                "train/prec@1": precision_at_1(logits, labels).mean()}
+    if "temperature" in extras:  # a heteroscedastic head's τ (learned, or fixed)
+      metrics["train/temperature"] = extras["temperature"]
     for layer, layer_metrics in extras["routing"].items():
       metrics.update({f"moe/{layer}/{k}": v for k, v in layer_metrics.items()})
     return total, metrics

@@ -486,3 +486,74 @@ def test_ensemble_input(sub, args, expected, config_only, ensemble_runs, run_cli
     assert not workdir.exists()  # validated before Hydra created anything
   else:
     _nothing_like_a_run(workdir)
+
+
+# --- heteroscedastic heads and label noise -------------------------------------------------------
+
+HEAD_CASES = [
+    (["model.head.type=nope"], ["model.head.type", "'nope'", "det", "het", "het_xl"]),
+    (["model.head.type=het", "model.head.num_factors=0"], ["model.head.num_factors=0", ">= 1"]),
+    (["model.head.type=het_xl", "model.head.train_mc_samples=0"],
+     ["model.head.train_mc_samples=0", ">= 1"]),
+    (["model.head.type=het_xl", "model.head.eval_mc_samples=-1"],
+     ["model.head.eval_mc_samples=-1", ">= 1"]),
+    (["model.head.type=het", "model.head.mc_chunk_size=0"], ["model.head.mc_chunk_size=0", ">= 1"]),
+    (["model.head.type=het", "model.head.temperature=9"],
+     ["model.head.temperature=9.0", "model.head.temperature_bounds=[0.05, 5.0]",
+      "model.head.temperature=null"]),
+    (["model.head.type=het_xl", "model.head.temperature=9"], ["model.head.temperature=9.0",
+                                                               "[0.05, 5]"]),
+    (["model.head.type=het", "model.head.temperature=0"], ["model.head.temperature=0.0", "> 0"]),
+    (["model.head.temperature=1.5"], ["model.head.temperature=1.5", "model.head.type=det",
+                                      "het or het_xl"]),
+    (["model.head.type=het_xl", "model.head.temperature_bounds=[5,0.05]"],
+     ["model.head.temperature_bounds=[5.0, 0.05]", "0 < low < high"]),
+    (["model.head.type=het_xl", "model.head.latent_dim=7"],
+     ["model.head.latent_dim=7", "width 32", "model.head.latent_dim=32 or null"]),
+    (["data.label_noise=1.5"], ["data.label_noise=1.5", "[0, 1]"]),
+    (["data.label_noise=-0.1"], ["data.label_noise=-0.1", "[0, 1]"]),
+    # several problems are reported together
+    (["model.head.type=het", "model.head.num_factors=0", "model.head.train_mc_samples=0"],
+     ["2 problems", "model.head.num_factors=0", "model.head.train_mc_samples=0"]),
+]
+
+
+@pytest.mark.parametrize("args, expected", HEAD_CASES, ids=lambda v: " ".join(v)[:60])
+def test_head_config_value(args, expected, run_cli, tmp_path):
+  workdir = tmp_path / "w"
+  _fails_clearly(run_cli("pretrain", f"workdir={workdir}", *TRAIN, *args), *expected)
+  assert not workdir.exists()  # validated before Hydra created anything
+
+
+@pytest.fixture(scope="module")
+def het_run(tmp_path_factory):
+  """A tiny V-MoE with a HET-XL head (1 step)."""
+  from runner import cli
+  root = tmp_path_factory.mktemp("het_run")
+  assert cli.main(["pretrain", f"workdir={root / 'het_xl'}", *TINY_MODEL,
+                   "logger.wandb.mode=disabled", "logger.progress=false", "train.steps=1",
+                   "data.batch_size=16",
+                   "model.head.type=het_xl", "model.head.train_mc_samples=4",
+                   "model.head.eval_mc_samples=4"]) == 0
+  return root / "het_xl"
+
+
+@pytest.mark.parametrize("sub, args, expected, config_only", [
+    ("eval", ["model.head.eval_mc_samples=0"], ["model.head.eval_mc_samples=0", ">= 1"], True),
+    ("eval", ["model.head.type=det"], ["does not fit its model", "head/kernel",
+                                        "not the architecture"], False),
+    ("eval", ["model.head.num_factors=3"], ["does not fit its model",
+                                            "head/scale_layer_homoscedastic/kernel"], False),
+    ("finetune", ["model.head.type=het", "init.reinit_head=false"],
+     ["does not fit the model", "head/diag_layer/kernel", "init.reinit_head=true"], False),
+], ids=lambda v: " ".join(v)[:60] if isinstance(v, list) else str(v))
+def test_a_het_checkpoint_with_another_head(sub, args, expected, config_only, het_run, run_cli,
+                                            tmp_path):
+  workdir = tmp_path / "w"
+  extra = TRAIN if sub == "finetune" else LOGS
+  _fails_clearly(run_cli(sub, f"workdir={workdir}", f"init.checkpoint={het_run}", *extra, *args),
+                 *expected)
+  if config_only:
+    assert not workdir.exists()
+  else:
+    _nothing_like_a_run(workdir)

@@ -1,0 +1,96 @@
+"""Heteroscedastic heads: peak memory and step time of a `vit_tiny` train step, DET vs HET vs HET-XL.
+
+For S = 16, 256 and 1000 MC samples and K = 10 and 1000 classes, the compiled train step's
+memory from XLA's own accounting (`memory_analysis()`: arguments + outputs + temporaries - aliased
+buffers; on CPU this is the working set of the step) and its time, the heads alternating round by
+round in one process. HET and HET-XL materialise B x S x K tensors (and HET-XL B x S x D); with
+`model.head.mc_chunk_size` the samples are computed a chunk at a time under rematerialisation,
+so memory follows the chunk, not S: measured for S = 1000 with chunks of 64.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import harness
+from runner.config.schema import HeadConfig, HeadType
+from runner.models import build_model, model_config
+from runner.train import optimizers, schedules, state as state_lib
+from runner.train.step import make_train_step
+
+BATCH, IMAGE = 128, (32, 32, 3)
+
+
+def _config(head: str, samples: int, chunk: int | None):
+  config = model_config("vit_tiny")
+  if head == "det":
+    return config
+  return dataclasses.replace(config, head=HeadConfig(
+      type=HeadType(head), num_factors=50, parameter_efficient=True, train_mc_samples=samples,
+      eval_mc_samples=samples, temperature=None, mc_chunk_size=chunk))
+
+
+def _prepare(config, classes: int):
+  model = build_model(config, classes)
+  params, _ = state_lib.init_params(model, IMAGE, seed=0)
+  schedule = schedules.make_schedule("linear", 1e-3, 10_000, 100)
+  tx = optimizers.make_optimizer("adam", schedule, params, grad_clip_norm=1.0)
+  state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               opt_state=tx.init(params))
+  rng = np.random.default_rng(0)
+  batch = {"image": jnp.asarray(rng.standard_normal((BATCH,) + IMAGE), jnp.float32),
+           "labels": jax.nn.one_hot(rng.integers(0, classes, BATCH), classes)}
+  step = jax.jit(make_train_step(model, tx, schedule, loss="softmax_xent", aux_loss_weight=0.01),
+                 donate_argnums=0)
+  compiled = step.lower(state, batch).compile()
+  memory = compiled.memory_analysis()
+  peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+          + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+  box = {"state": state}
+
+  def train():
+    box["state"], metrics = compiled(box["state"], batch)
+    return metrics["train/loss"]
+  for _ in range(2):
+    jax.block_until_ready(train())
+  return train, peak, memory.temp_size_in_bytes, state_lib.count_params(params)
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--samples", default="16,256,1000")
+  parser.add_argument("--classes", default="10,1000")
+  parser.add_argument("--chunk", type=int, default=64)
+  parser.add_argument("--rounds", type=int, default=3)
+  args = parser.parse_args(argv)
+  rows = []
+  for classes in map(int, args.classes.split(",")):
+    variants = {"det": ("det", 0, None)}
+    for samples in map(int, args.samples.split(",")):
+      for head in ("het", "het_xl"):
+        variants[f"{head} S={samples}"] = (head, samples, None)
+    top = max(map(int, args.samples.split(",")))
+    for head in ("het", "het_xl"):
+      variants[f"{head} S={top} chunk={args.chunk}"] = (head, top, args.chunk)
+    prepared = {name: _prepare(_config(*v), classes) for name, v in variants.items()}
+    times = harness.interleaved_median_ms({n: p[0] for n, p in prepared.items()},
+                                          rounds=args.rounds, steps=2)
+    for name, (head, samples, chunk) in variants.items():
+      _, peak, temp, params = prepared[name]
+      row = {"classes": classes, "head": head, "samples": samples, "chunk": chunk,
+             "step_ms": times[name], "peak_mb": peak / 2**20, "temp_mb": temp / 2**20,
+             "params": params}
+      rows.append(row)
+      print(f"K={classes:<5} {name:<24} step {row['step_ms']:8.1f} ms, peak {row['peak_mb']:8.1f} "
+            f"MB (temp {row['temp_mb']:8.1f} MB), {params:,} parameters", flush=True)
+  record = {"machine": harness.machine(), "batch": BATCH, "model": "vit_tiny", "rows": rows}
+  print(f"written to {harness.write('het_head', record)}")
+  return record
+
+
+if __name__ == "__main__":
+  main()
