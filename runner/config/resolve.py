@@ -176,9 +176,40 @@ def ensemble_run(cfg: DictConfig, workdir: str, stored: dict[str, dict]) -> Ense
                      data=members[0].data, loss=members[0].loss, **own)
 
 
+def released_config(path: str, cfg: DictConfig, task: str) -> dict:
+  """What stands for the stored config of a released checkpoint: the given model and data.
+
+  Released checkpoints carry bare parameters, so the model (and, but for few-shot, the dataset
+  the head predicts) must be named; the message says what the checkpoint looks like.
+  """
+  from runner import weights
+  given = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+  model, data = _prune_none(given.get("model") or {}), _prune_none(given.get("data") or {})
+  needs_data = task != "fewshot"
+  missing = [k for k, v in (("model", model), ("data", data if needs_data else {"name": 1}))
+             if not v.get("name")]
+  if missing:
+    example = "model=vmoe_s32_last2" + (" data=imagenet2012" if needs_data else "")
+    raise ConfigError(
+        f"init.checkpoint={path} is {weights.describe(path)}, which stores parameters only, no "
+        f"config: vmoe {task} needs {' and '.join(f'{m}=' for m in missing)} for it (e.g. "
+        f"{example}: the model whose parameters these are"
+        + (", and the dataset its head predicts)." if needs_data else ")."))
+  if not needs_data:
+    datasets = given.get("fewshot", {}).get("datasets") or ["released"]
+    data = {"name": str(datasets[0]).split(":")[0],
+            "pp": f"decode(3)|resize({model.get('image_size', 224)})|value_range(-1,1)"}
+  return {"model": model, "data": data, "stage": "released"}
+
+
+def _stored(path: str, cfg: DictConfig, task: str) -> dict:
+  from runner import weights  # eval, fewshot, ensemble only; the library never imports this module
+  stored = weights.stored_config(path)
+  return released_config(path, cfg, task) if stored is None else stored
+
+
 def load(task: str, cfg: DictConfig, workdir: str | None = None):
   """The validated typed config of subcommand `task` (reading checkpoints' stored configs)."""
-  from runner import checkpoint  # eval and fewshot only; the library never imports this module
   if workdir is None:
     workdir = "" if OmegaConf.is_missing(cfg, "workdir") else str(cfg.workdir)
   if task in ("pretrain", "finetune"):
@@ -187,10 +218,10 @@ def load(task: str, cfg: DictConfig, workdir: str | None = None):
     path = cfg.init.checkpoint
     if not path:
       raise ConfigError("vmoe eval needs init.checkpoint=<workdir of a pretrain/finetune run>.")
-    return validate(eval_run(cfg, workdir, checkpoint.read_config(path)))
+    return validate(eval_run(cfg, workdir, _stored(path, cfg, task)))
   if task in ("fewshot", "ensemble"):
     paths = checkpoint_paths(OmegaConf.to_container(cfg.init, resolve=True)["checkpoint"], task)
-    stored = {p: checkpoint.read_config(p) for p in paths}
+    stored = {p: _stored(p, cfg, task) for p in paths}
     if len(stored) != len(paths):
       raise ConfigError(f"init.checkpoint={paths} names a checkpoint twice.")
     make = fewshot_run if task == "fewshot" else ensemble_run

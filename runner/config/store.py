@@ -7,13 +7,19 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
+from runner.config.resolve import as_dict
 from runner.config.schema import TASK_SCHEMAS
 from runner.models import catalog
 
 
 def register_model(name: str) -> None:
-  """Adds a model name of the catalog grammar as an option of the `model` config group."""
-  ConfigStore.instance().store(group="model", name=name, node=catalog.model_config(name))
+  """Adds a model name of the catalog grammar as an option of the `model` config group.
+
+  As plain values, not a typed node: the same option then fills a task's full model config
+  (pretrain) and the all-optional model overrides of eval, ensemble and few-shot (a released
+  checkpoint names its model), each checked against its own schema.
+  """
+  ConfigStore.instance().store(group="model", name=name, node=as_dict(catalog.model_config(name)))
 
 
 def register_configs() -> None:

@@ -12,7 +12,7 @@ import dataclasses
 
 import jax
 
-from runner import checkpoint
+from runner import weights
 from runner.config import derived
 from runner.config.schema import EnsembleVariant, ModelConfig
 from runner.errors import ConfigError
@@ -133,6 +133,6 @@ def load(paths_and_models: list[tuple[str, ModelConfig]], *, output: str, mc_sam
   """Reads every checkpoint's parameters (host memory), checks their heads agree."""
   checkpoints = []
   for path, config in paths_and_models:
-    params, _, step = checkpoint.load_params(path)
+    params, _, step = weights.load(path, ensemble_size=derived.ensemble_size(config))
     checkpoints.append(Checkpoint(path=path, step=step, config=config, params=params))
   return Members(checkpoints, output=output, mc_samples=mc_samples, seed=seed)

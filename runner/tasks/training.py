@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from runner import checkpoint, data
+from runner import checkpoint, data, weights
 from runner.config import as_dict, derived
 from runner.config.schema import TrainTask
 from runner.models import build_model, transfer
@@ -44,10 +44,14 @@ def _check_ensemble_size(config: TrainTask, stored: dict) -> None:
 
 
 def init_from_checkpoint(config: TrainTask, model, source: data.Source):
-  """Parameters for `model` mapped from init.checkpoint (an earlier stage's run)."""
+  """Parameters for `model` mapped from init.checkpoint (an earlier stage's run, or a released
+  checkpoint)."""
   init = config.init
-  _check_ensemble_size(config, checkpoint.read_config(init.checkpoint))
-  restored, stored, step = checkpoint.load_params(init.checkpoint)
+  stored = weights.stored_config(init.checkpoint)
+  if stored is not None:
+    _check_ensemble_size(config, stored)
+  restored, stored, step = weights.load(init.checkpoint,
+                                        ensemble_size=derived.ensemble_size(config.model))
   fresh, _ = state_lib.init_params(model, data.image_shape(source, config.data.split,
                                                            config.data.pp_train), config.seed)
   try:
@@ -55,6 +59,10 @@ def init_from_checkpoint(config: TrainTask, model, source: data.Source):
                                  dense_to_experts=init.dense_to_experts,
                                  source=f"checkpoint {init.checkpoint} (step {step})")
   except checkpoint.CheckpointError as e:
+    if not stored:  # a released checkpoint: no config to compare with
+      raise checkpoint.CheckpointError(
+          f"{e} init.checkpoint={init.checkpoint} is {weights.describe(init.checkpoint)}; pass "
+          "the model= that matches it (the head and the position embeddings may differ).") from None
     stored_model = stored.get("model", {})
     diff = _model_differences(stored_model, as_dict(config.model))
     raise checkpoint.CheckpointError(
@@ -66,7 +74,7 @@ def init_from_checkpoint(config: TrainTask, model, source: data.Source):
 def run_training(config: TrainTask, placement: Placement, stage: str) -> dict:
   resuming = checkpoint.has_checkpoints(config.workdir)
   if config.init.checkpoint and not resuming:
-    checkpoint.locate(config.init.checkpoint)  # a wrong path fails before the data is read
+    weights.check(config.init.checkpoint)  # a wrong path fails before the data is read
   data_config, source = common.open_data(config.data)
   config = dataclasses.replace(config, data=data_config)
   fewshot = None

@@ -1,0 +1,1 @@
+"""Reading checkpoints written by other code bases."""

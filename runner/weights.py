@@ -1,0 +1,90 @@
+"""Where a stage's parameters come from: a run of this project, or a released checkpoint.
+
+Our runs are Orbax checkpoints with their config (runner.checkpoint, the one door for them).
+Released checkpoints — google-research/vmoe's `<prefix>.index` + `<prefix>.data-*` files and
+big_vision / vision_transformer ViT `.npz` files — hold bare parameters under the reference's
+names; runner.interop reads and renames them. They carry no config, so the stages that read the
+model and data from a checkpoint need `model=` and `data=` for them.
+"""
+from __future__ import annotations
+
+import pathlib
+import zipfile
+
+import numpy as np
+
+from runner import checkpoint
+from runner.checkpoint import CheckpointError
+from runner.interop import mapping, vmoe_format
+from runner.models import transfer
+
+VMOE = "google-research/vmoe checkpoint"
+NPZ = "ViT .npz (big_vision / vision_transformer)"
+
+
+def released_kind(path: str | None) -> str | None:
+  """VMOE or NPZ for a released checkpoint, None for anything else (our runs included)."""
+  if not path:
+    return None
+  if vmoe_format.is_vmoe_checkpoint(str(path)):
+    return VMOE
+  if str(path).endswith(".npz") and pathlib.Path(path).expanduser().is_file():
+    return NPZ
+  return None
+
+
+def check(path: str) -> None:
+  """Fails (CheckpointError) unless `path` is one of our checkpoints or a released one."""
+  if released_kind(path) is None:
+    checkpoint.locate(path)
+
+
+def stored_config(path: str) -> dict | None:
+  """The config stored with one of our checkpoints; None for a released checkpoint (it has none)."""
+  if released_kind(path) is not None:
+    return None
+  return checkpoint.read_config(path)
+
+
+def _read_npz(path: str) -> dict[str, np.ndarray]:
+  """Every array of a `.npz`, read one at a time (np.load is lazy per array)."""
+  try:
+    with np.load(pathlib.Path(path).expanduser(), allow_pickle=False) as f:
+      return {name: f[name] for name in f.files}
+  except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+    raise CheckpointError(f"init.checkpoint={path} cannot be read as a .npz file ({e}); a "
+                          "ViT checkpoint of big_vision or vision_transformer is a NumPy .npz "
+                          "archive of named arrays.") from None
+
+
+def read_released(path: str) -> dict[str, np.ndarray]:
+  """The reference-named flat parameters of a released checkpoint."""
+  if released_kind(path) == VMOE:
+    return vmoe_format.read(str(path))
+  return _read_npz(path)
+
+
+def describe(path: str) -> str:
+  """'a google-research/vmoe checkpoint that looks like: hidden size 512, ...' for error messages."""
+  flat = read_released(path)
+  hint = mapping.model_hint(flat)
+  listed = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in hint.items() if v is not None)
+  return f"a {released_kind(path)}" + (f" ({listed})" if listed else "")
+
+
+def load(path: str, *, ensemble_size: int = 1) -> tuple[dict, dict, int]:
+  """(parameters as host NumPy arrays under our names, stored config, step).
+
+  A released checkpoint gives an empty config and step 0; a partitioned-ensemble (E³) router
+  stored as (D, M, E/M) is checked against `ensemble_size` and read as (D, E).
+  """
+  kind = released_kind(path)
+  if kind is None:
+    return checkpoint.load_params(path)
+  flat = read_released(path)
+  try:
+    ours = mapping.to_ours(flat, ensemble_size=ensemble_size)
+  except CheckpointError as e:
+    raise CheckpointError(f"init.checkpoint={path} ({kind}): {e}") from None
+  del flat
+  return transfer.unflatten(ours), {}, 0

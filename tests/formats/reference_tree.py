@@ -1,0 +1,120 @@
+"""Random parameter trees under the reference code's names (google-research/vmoe V-MoE and E³,
+big_vision and vision_transformer ViTs), shaped as the reference code creates them: what a
+released checkpoint holds, for tests that map, write and load them."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+  hidden: int = 32
+  layers: int = 4
+  mlp: int = 64
+  heads: int = 2
+  patch: int = 4
+  image: int = 16
+  classes: int = 10
+
+  @property
+  def tokens(self) -> int:
+    return (self.image // self.patch) ** 2
+
+
+SUBLAYERS = {  # (blocks scope, norm1, attention, norm2, dense mlp)
+    "vmoe": ("Encoder", "LayerNorm_0", "SelfAttention", "LayerNorm_1", "Mlp"),
+    "big_vision": ("Transformer", "LayerNorm_0", "MultiHeadDotProductAttention_0", "LayerNorm_1",
+                   "MlpBlock_0"),
+    "vision_transformer": ("Transformer", "LayerNorm_0", "MultiHeadDotProductAttention_1",
+                           "LayerNorm_2", "MlpBlock_3"),
+}
+
+
+class _Random:
+  def __init__(self, seed):
+    self.rng = np.random.default_rng(seed)
+
+  def __call__(self, shape, std, mean=0.0):
+    return (mean + std * self.rng.standard_normal(shape)).astype(np.float32)
+
+
+def _norm(r, out, scope, d):
+  D = d.hidden
+  out[f"{scope}/scale"], out[f"{scope}/bias"] = r((D,), 0.1, 1.0), r((D,), 0.1)
+
+
+def _attention(r, out, scope, d):
+  D, HEADS = d.hidden, d.heads
+  for p in ("query", "key", "value"):
+    out[f"{scope}/{p}/kernel"] = r((D, HEADS, D // HEADS), 0.15)
+    out[f"{scope}/{p}/bias"] = r((HEADS, D // HEADS), 0.05)
+  out[f"{scope}/out/kernel"] = r((HEADS, D // HEADS, D), 0.1)
+  out[f"{scope}/out/bias"] = r((D,), 0.05)
+
+
+def _mlp(r, out, scope, d):
+  D, MLP = d.hidden, d.mlp
+  out[f"{scope}/Dense_0/kernel"], out[f"{scope}/Dense_0/bias"] = r((D, MLP), 0.15), r((MLP,), 0.05)
+  out[f"{scope}/Dense_1/kernel"], out[f"{scope}/Dense_1/bias"] = r((MLP, D), 0.1), r((D,), 0.05)
+
+
+def reference_tree(layout, *, seed=0, moe_layers=(), experts=4, members=1, router="stacked",
+                   classifier="token", representation=None, scanned=False, dims: Dims = Dims()):
+  """Reference-named random parameters, shaped as the reference code creates them."""
+  d = dims
+  D, LAYERS, MLP, PATCH, TOKENS, CLASSES = d.hidden, d.layers, d.mlp, d.patch, d.tokens, d.classes
+  r = _Random(seed)
+  enc, n1, att, n2, mlp = SUBLAYERS[layout]
+  out = {}
+  blocks = []
+  for i in range(LAYERS):
+    block = {}
+    _norm(r, block, n1, d)
+    _attention(r, block, att, d)
+    _norm(r, block, n2, d)
+    if i in moe_layers:  # vmoe's vmapped experts (leading E axis) and router
+      block["Moe/Mlp/Dense_0/kernel"] = r((experts, D, MLP), 0.15)
+      block["Moe/Mlp/Dense_0/bias"] = r((experts, MLP), 0.05)
+      block["Moe/Mlp/Dense_1/kernel"] = r((experts, MLP, D), 0.1)
+      block["Moe/Mlp/Dense_1/bias"] = r((experts, D), 0.05)
+      kernel = r((D, members, experts // members), 0.3)  # E³: nn.vmap over members, axis 1
+      if router == "flat":  # as a converted checkpoint might hold it
+        kernel = kernel.reshape(D, experts)
+      block["Moe/Router/dense/kernel"] = kernel
+    else:
+      _mlp(r, block, mlp, d)
+    blocks.append(block)
+  if scanned:
+    out.update({f"{enc}/encoderblock/{n}": np.stack([b[n] for b in blocks]) for n in blocks[0]})
+  else:
+    out.update({f"{enc}/encoderblock_{i}/{n}": v
+                for i, b in enumerate(blocks) for n, v in b.items()})
+  _norm(r, out, f"{enc}/encoder_norm", d)
+  out["embedding/kernel"], out["embedding/bias"] = r((PATCH, PATCH, 3, D), 0.1), r((D,), 0.05)
+  token = classifier == "token"
+  if token:
+    out["cls"] = r((1, 1, D), 0.3)
+  if layout == "big_vision":
+    out["pos_embedding"] = r((1, TOKENS, D), 0.3)
+  else:
+    out[f"{enc}/posembed_input/pos_embedding"] = r((1, TOKENS + token, D), 0.3)
+  if classifier == "map":
+    if layout == "vmoe":
+      scope, att, ln, m = "MapHead", "MultiHeadDotProductAttention", "LayerNorm", "Mlp"
+    else:
+      scope, att, ln, m = "MAPHead_0", "MultiHeadDotProductAttention_0", "LayerNorm_0", "MlpBlock_0"
+    out[f"{scope}/probe"] = r((1, 1, D), 0.5)
+    _attention(r, out, f"{scope}/{att}", d)
+    _norm(r, out, f"{scope}/{ln}", d)
+    _mlp(r, out, f"{scope}/{m}", d)
+  width = D
+  if representation:
+    out["pre_logits/kernel"] = r((D, representation), 0.3)
+    out["pre_logits/bias"] = r((representation,), 0.1)
+    width = representation
+  out["head/kernel"], out["head/bias"] = r((width, CLASSES), 0.3), r((CLASSES,), 0.1)
+  return out
+
+

@@ -1,0 +1,123 @@
+"""Released checkpoints through the CLI: google-research/vmoe's format (a V-MoE and an E³ model) and
+a big_vision ViT `.npz`, written by the tests' own writers with reference-named random parameters
+shaped like the tiny test model, then evaluated, fine-tuned (upcycled, at a new resolution),
+few-shot evaluated and ensembled; a checkpoint without its config needs model= and data=.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+from conftest import QUIET, TINY_MODEL
+from formats import vmoe_writer
+from formats.reference_tree import Dims, reference_tree
+
+pytestmark = pytest.mark.xdist_group("released")
+
+DIMS = Dims(hidden=32, layers=2, mlp=64, heads=2, patch=4, image=16, classes=10)
+EXPERTS = 8  # vmoe_tiny's, on block 1 of 2 (every2)
+EVAL = [*QUIET, "data=uci_digits", "eval.corruptions=[]", "eval.ood_datasets=[]",
+        "eval.capacity_sweep=[]"]
+FINETUNE = [*QUIET, "train.steps=2", "data.batch_size=16"]
+
+
+def _summary(workdir: pathlib.Path) -> dict:
+  return json.loads((workdir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory) -> dict[str, str]:
+  root = tmp_path_factory.mktemp("released")
+  vmoe = reference_tree("vmoe", moe_layers=(1,), experts=EXPERTS, dims=DIMS)
+  vmoe_writer.write(str(root / "vmoe_tiny"), vmoe, num_shards=3, chunks_per_array=2)
+  e3 = reference_tree("vmoe", seed=1, moe_layers=(1,), experts=EXPERTS, members=2, dims=DIMS)
+  vmoe_writer.write(str(root / "e3_tiny"), e3, num_shards=2)
+  vit = reference_tree("big_vision", seed=2, dims=DIMS)
+  np.savez(root / "vit_tiny.npz", **{f"params/{k}": v for k, v in vit.items()})
+  return {"vmoe": str(root / "vmoe_tiny"), "e3": str(root / "e3_tiny.index"),
+          "vit": str(root / "vit_tiny.npz"), "root": str(root),
+          "vmoe_params": str(sum(v.size for v in vmoe.values()) - DIMS.hidden)}  # class position folded
+
+
+def test_vmoe_checkpoint_evaluates(run_cli, released, tmp_path):
+  code, _, err = run_cli("eval", f"init.checkpoint={released['vmoe']}", "model=vmoe_tiny",
+                         *TINY_MODEL, *EVAL, f"workdir={tmp_path}")
+  assert code == 0, err
+  summary = _summary(tmp_path)
+  assert 0.0 <= summary["uci_digits/prec@1"] <= 1.0 and np.isfinite(summary["uci_digits/nll"])
+  assert summary["compute/params_total"] == int(released["vmoe_params"])
+
+
+def test_released_checkpoint_without_model_and_data_is_a_clear_error(run_cli, released, tmp_path):
+  code, _, err = run_cli("eval", f"init.checkpoint={released['vmoe']}", *QUIET,
+                         f"workdir={tmp_path / 'x'}")
+  assert code == 2 and "Traceback" not in err
+  assert "google-research/vmoe checkpoint" in err and "model=" in err and "data=" in err
+  assert "hidden size 32" in err  # what the checkpoint looks like
+  assert not (tmp_path / "x").exists()
+
+
+def test_released_checkpoint_with_a_missing_shard_is_a_clear_error(run_cli, released, tmp_path):
+  broken = pathlib.Path(released["root"]) / "broken"
+  tree = reference_tree("vmoe", moe_layers=(1,), experts=EXPERTS, dims=DIMS)
+  vmoe_writer.write(str(broken), tree, num_shards=2)
+  pathlib.Path(f"{broken}.data-00001-of-00002").unlink()
+  code, _, err = run_cli("eval", f"init.checkpoint={broken}", "model=vmoe_tiny", *TINY_MODEL,
+                         *EVAL, f"workdir={tmp_path / 'x'}")
+  assert code == 2 and "Traceback" not in err and "data-00001-of-00002" in err
+  assert not any((tmp_path / "x" / a).exists() for a in ("summary.json", "metrics.jsonl", "wandb"))
+
+
+def test_vmoe_checkpoint_finetunes_at_a_new_resolution(run_cli, released, tmp_path):
+  code, _, err = run_cli("finetune", f"init.checkpoint={released['vmoe']}", "model=vmoe_tiny",
+                         *TINY_MODEL, "model.image_size=24", *FINETUNE, f"workdir={tmp_path}")
+  assert code == 0, err  # 4x4 -> 6x6 position embeddings, a new head
+  assert (tmp_path / "checkpoints").is_dir()
+
+
+def test_e3_checkpoint_evaluates_as_an_ensemble_and_finetunes(run_cli, released, tmp_path):
+  code, _, err = run_cli("eval", f"init.checkpoint={released['e3']}", "model=vmoe_tiny_k1_m2",
+                         *TINY_MODEL, *EVAL, f"workdir={tmp_path / 'eval'}")
+  assert code == 0, err
+  summary = _summary(tmp_path / "eval")
+  assert summary["ensemble/size"] == 2 and summary["ensemble/type"] == "pbe"
+  assert summary["uci_digits/diversity/kl"] > 0  # two members with their own experts and routers
+  code, _, err = run_cli("finetune", f"init.checkpoint={released['e3']}", "model=vmoe_tiny_k1_m2",
+                         *TINY_MODEL, *FINETUNE, f"workdir={tmp_path / 'ft'}")
+  assert code == 0, err
+  code, _, err = run_cli("finetune", f"init.checkpoint={released['e3']}", "model=vmoe_tiny_k1_m4",
+                         *TINY_MODEL, *FINETUNE, f"workdir={tmp_path / 'm4'}")
+  assert code == 2 and "Traceback" not in err and "ensemble" in err
+  assert not (tmp_path / "m4" / "checkpoints").exists()
+
+
+def test_vit_npz_evaluates_and_upcycles_into_a_vmoe(run_cli, released, tmp_path):
+  code, _, err = run_cli("eval", f"init.checkpoint={released['vit']}", "model=vit_tiny",
+                         *TINY_MODEL, *EVAL, f"workdir={tmp_path / 'eval'}")
+  assert code == 0, err
+  code, _, err = run_cli("finetune", f"init.checkpoint={released['vit']}", "model=vmoe_tiny",
+                         *TINY_MODEL, "init.dense_to_experts=true", *FINETUNE,
+                         f"workdir={tmp_path / 'up'}")
+  assert code == 0, err
+  code, _, err = run_cli("finetune", f"init.checkpoint={released['vit']}", "model=vmoe_tiny",
+                         *TINY_MODEL, *FINETUNE, f"workdir={tmp_path / 'no'}")
+  assert code == 2 and "init.dense_to_experts=true" in err
+
+
+@pytest.mark.slow
+def test_released_checkpoints_few_shot_and_ensemble(run_cli, released, tmp_path):
+  code, _, err = run_cli("fewshot", f"init.checkpoint=[{released['vit']}]", "model=vit_tiny",
+                         *TINY_MODEL, *QUIET, "fewshot.datasets=[uci_digits]", "fewshot.shots=[1,5]",
+                         "fewshot.seeds=[0]", f"workdir={tmp_path / 'fewshot'}")
+  assert code == 0, err
+  assert 0.0 <= _summary(tmp_path / "fewshot")["uci_digits/5shot/accuracy"] <= 1.0
+  other = pathlib.Path(released["root"]) / "vmoe_tiny_b"
+  vmoe_writer.write(str(other), reference_tree("vmoe", seed=7, moe_layers=(1,), experts=EXPERTS,
+                                               dims=DIMS))
+  code, _, err = run_cli("ensemble", f"init.checkpoint=[{released['vmoe']},{other}]",
+                         "model=vmoe_tiny", *TINY_MODEL, *EVAL, f"workdir={tmp_path / 'ens'}")
+  assert code == 0, err
+  summary = _summary(tmp_path / "ens")
+  assert summary["ensemble/size"] == 2 and summary["ensemble/type"] == "up-DE"
