@@ -84,7 +84,8 @@ def measurements() -> str:
        f"{ev[f'{ds}/brier']:.4f}, NLL {ev[f'{ds}/nll']:.4f}"),
       ("far OOD: LFW crops (lfw_faces)", f"AUROC MSP {ev[f'{ood}/msp/auroc']:.3f}, entropy "
        f"{ev[f'{ood}/entropy/auroc']:.3f}, Mahalanobis {ev[f'{ood}/mahalanobis/auroc']:.3f}; "
-       f"FPR@95 Mahalanobis {ev[f'{ood}/mahalanobis/fpr95']:.3f}"),
+       f"FPR@95 Mahalanobis {ev[f'{ood}/mahalanobis/fpr95_in_positive']:.3f} (in-dist "
+       f"positive), {ev[f'{ood}/mahalanobis/fpr95_ood_positive']:.3f} (OOD positive)"),
       ("corruptions (4 kinds x severities 1,3,5)", f"mean error "
        f"{ev[f'{ds}/corruption/mean/error']:.4f} vs clean {ev[f'{ds}/error']:.4f}, mean ECE "
        f"{ev[f'{ds}/corruption/mean/ece']:.4f}"),

@@ -14,9 +14,9 @@ import typing
 from typing import Callable
 
 from runner.config import derived
-from runner.config.schema import (DataConfig, DistributedConfig, EnsembleRun, EnsembleVariant,
-                                  EvalConfig, EvalSuiteConfig, FewshotConfig, FewshotRun, HeadType,
-                                  MeshConfig, ModelConfig, TrainConfig)
+from runner.config.schema import (AdversarialProtocol, DataConfig, DistributedConfig, EnsembleRun,
+                                  EnsembleVariant, EvalConfig, EvalSuiteConfig, FewshotConfig,
+                                  FewshotRun, HeadType, MeshConfig, ModelConfig, TrainConfig)
 from runner.errors import ConfigError
 
 
@@ -166,6 +166,16 @@ def corruptions_have_severities(eval: EvalSuiteConfig):
   if eval.corruptions and not eval.severities:
     return ("eval.severities is empty but eval.corruptions names corruptions: give severities "
             "from 1 to 5, e.g. eval.severities=[1,3,5].")
+
+
+@relation
+def reference_attack_fixes_its_step(eval: EvalSuiteConfig):
+  adv = eval.adversarial
+  if adv.protocol == AdversarialProtocol.reference and adv.step_size is not None:
+    return (f"eval.adversarial.step_size={adv.step_size} is set, but "
+            "eval.adversarial.protocol=reference steps by epsilon / eval.adversarial.steps, as "
+            "the reference code does; drop eval.adversarial.step_size, or use "
+            "eval.adversarial.protocol=default for a step of your choice.")
 
 
 @relation

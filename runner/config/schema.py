@@ -71,6 +71,24 @@ class HeadType(str, enum.Enum):
   het_xl = "het_xl"  # Gaussian noise on the pre-logits, through the shared linear classifier
 
 
+class FewshotProtocol(str, enum.Enum):
+  """How the few-shot ridge sees the features (runner/evaluators/fewshot_math.py)."""
+  reference = "reference"  # standardised by the shots' mean and std, bias feature 100 (vmoe)
+  plain = "plain"  # raw features, a bias column of ones
+
+
+class CapacityRounding(str, enum.Enum):
+  """How an expert's buffer size follows from k * tokens * C / E (runner/models/moe/routing.py)."""
+  paper = "paper"  # round half up, at least 1 (V-MoE §2.4)
+  reference = "reference"  # ceil, then up to a multiple of 4 (vmoe/moe.py compute_capacity)
+
+
+class AdversarialProtocol(str, enum.Enum):
+  """PGD and routing-change rules (runner/evaluators/adversarial.py)."""
+  default = "default"  # step 2.5·ε/steps, clipped to the ball and [-1, 1]; TOP-k before drops
+  reference = "reference"  # step ε/steps, no clipping; experts that receive the token
+
+
 class WandbMode(str, enum.Enum):
   online = "online"
   offline = "offline"
@@ -149,6 +167,8 @@ class RouterConfig:
   batch_priority: bool = False
   priority: Priority = Priority.max
   noise_std: float = key(1.0, at_least(0), "multiplied by 1/E, as in the paper; 0: no noise")
+  capacity_rounding: CapacityRounding = key(CapacityRounding.paper, hint="paper: round(k*N*C/E); "
+                                            "reference: ceil, then a multiple of 4 (vmoe code)")
 
 
 @dataclass
@@ -184,7 +204,9 @@ class HeadConfig:
                                                           "high, e.g. [0.05,5.0]"))
   latent_dim: Optional[int] = key(None, at_least(1), "het_xl: the noise's width; null: the "
                                   "pre-logits' width, the only one that fits")
-  mc_chunk_size: Optional[int] = key(None, at_least(1), "MC samples computed at a time (memory "
+  # 64: at S = 1000 samples a vit_tiny step with K = 1000 classes needs 0.78 GB instead of 3.5 GB
+  # (benchmarks/het_head.py); fewer samples than a chunk run at once.
+  mc_chunk_size: Optional[int] = key(64, at_least(1), "MC samples computed at a time (memory "
                                      "grows with it, not with the samples); null: all at once")
   share_samples_across_batch: bool = False  # the same noise draws for every example of a batch
 
@@ -245,6 +267,14 @@ class OptimConfig:
   weight_decay: Any = key(0.0, Rule(_is_weight_decay, "a number >= 0 or a list of [regex, value "
                                     ">= 0] pairs, e.g. '[[head/kernel,3.0],[.*kernel,0.03]]'"))
   grad_clip_norm: Optional[float] = key(1.0, positive(), "null: no clipping")
+  # Adafactor only (big_vision's variant, as vmoe's V-MoE-15B recipe):
+  beta2_cap: float = key(0.999, Range(0, 1, low_open=True), "Adafactor: the second-moment decay "
+                         "min(beta2_cap, 1 - t^-0.8), as big_vision and vmoe; 1: uncapped")
+  min_dim_size_to_factor: int = key(32, at_least(1), "Adafactor: factor the second moment of a "
+                                    "parameter whose two largest dims are at least this (vmoe: "
+                                    "num_experts + 1 keeps the expert axis unfactored)")
+  clipping_threshold: Optional[float] = key(1.0, positive(), "Adafactor: update clipping by block "
+                                            "RMS; null: none, as big_vision and vmoe")
 
 
 @dataclass
@@ -277,9 +307,13 @@ class AdversarialConfig:
   epsilons: List[float] = key([], Items(Range(0, 1), example="[0.001,0.003]"),
                               "L-inf radii in [0, 1] pixel units")
   steps: int = key(40, at_least(1), "PGD steps")
-  step_size: Optional[float] = key(None, positive(), "null: 2.5 * epsilon / steps (Madry et al.)")
+  step_size: Optional[float] = key(None, positive(), "null: 2.5 * epsilon / steps (Madry et al.); "
+                                   "protocol=reference fixes epsilon / steps")
   max_examples: Optional[int] = key(512, at_least(1), "attacks cost steps x backward passes; "
                                     "null: every example")
+  protocol: AdversarialProtocol = key(AdversarialProtocol.default, hint="reference: the vmoe "
+                                      "adversarial_attacks code's step ε/steps, no clipping, "
+                                      "routing change on the experts that receive each token")
 
 
 @dataclass
@@ -316,6 +350,9 @@ class FewshotConfig:
   max_train_examples: Optional[int] = key(None, at_least(1), "null: the whole pool")
   batch_size: Optional[int] = key(None, at_least(1), "null: the evaluation batch size")
   every_steps: int = key(0, at_least(0), "training only: 0 = never during training")
+  protocol: FewshotProtocol = key(FewshotProtocol.reference, hint="reference: features "
+                                  "standardised by the shots' statistics, bias feature 100 (vmoe, "
+                                  "big_vision); plain: raw features, a bias column of ones")
 
 
 @dataclass

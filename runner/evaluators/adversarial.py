@@ -1,23 +1,38 @@
 """L∞ PGD attacks on ViT / V-MoE classifiers: error, loss, changed predictions and routing change.
 
 Follows Puigcerver et al. 2022, "On the Adversarial Robustness of Mixture of Experts" (App. F)
-and its public reference code (google-research/vmoe, projects/adversarial_attacks):
+and its public reference code (google-research/vmoe, vmoe/projects/adversarial_attacks:
+attacks.py `stateless_attack_pgd`, `sum_intersection_over_union`; restore.py
+`get_combine_weights`). Two protocols share everything but the step rule and what routing change
+compares:
 
 - ε is in [0, 1] pixel units, as in the paper. Images enter the model in [-1, 1]
-  (value_range(-1,1)), so the L∞ radius there is 2ε, and every step is clipped back into both the
-  ball and [-1, 1] (the reference does not clip to the valid range; we do, so adversarial images
-  stay images).
+  (value_range(-1,1)), so the L∞ radius there is 2ε (the reference's `max_epsilon` is given in
+  model units, e.g. 1/127.5 for ε = 1/255).
 - No random start: each attack starts from the clean image, so it is deterministic and ε = 0
   returns the image unchanged.
 - The attacked objective is the classification loss against the true labels (softmax
   cross-entropy by default, or the model's training loss); the MoE auxiliary losses are not part
   of it (the reference's `attack_auxiliary_loss=False`). The model runs in inference mode: no
-  router noise, no dropout, inference capacity.
-- Step size 2.5·ε/steps by default (Madry et al. 2018), so the attack can reach the border of the
-  ball and still move along it; the reference used ε/steps (`step_size=lambda e: e / steps`).
+  router noise, no dropout, inference capacity (the reference restores its model with
+  deterministic=True).
+
+protocol="default":
+- Step size 2.5·ε/steps (Madry et al. 2018), so the attack can reach the border of the ball and
+  still move along it; every step is clipped back into both the ball and [-1, 1], so adversarial
+  images stay images. The loss is summed over the batch.
 - Rate of routing changes of a token: 1 − IoU of its sets of selected experts (the router's TOP-k
   before capacity drops, see `MoeMlpBlock`) on the clean and on the adversarial image; averaged
   over the tokens of an image, then over images.
+
+protocol="reference" (the reference code):
+- `steps` updates x ← x + (ε/steps)·sign(∇x mean loss) from the clean image, with no projection
+  and no clipping to [-1, 1]: the steps alone keep the change within ε.
+- Routing change of a token: 1 − IoU of the experts that actually process it, those with a
+  non-zero combine weight after capacity drops, on the clean and on the adversarial image; a
+  token dropped by every expert on both images counts IoU 0, as the reference's
+  `jnp.where(union > 0, intersection / union, 0)` does. Averaged over the tokens of an image,
+  then over images (the reference's 1 − sum_iou / num_images).
 """
 from __future__ import annotations
 
@@ -37,33 +52,57 @@ _BLOCK = re.compile(r"block_(\d+)")
 _MEMBER = re.compile(r"member_\d+")  # a model of an `Ensemble` (runner/models/ensemble.py)
 
 
+PROTOCOLS = ("default", "reference")
+
+
+def _protocol(protocol) -> str:
+  name = str(getattr(protocol, "value", protocol))
+  if name not in PROTOCOLS:
+    raise ValueError(f"unknown adversarial protocol {name!r}; valid: {PROTOCOLS}")
+  return name
+
+
 def default_step_size(epsilon, steps: int):
   """Madry et al.'s 2.5·ε/steps, in the units of ε."""
   return 2.5 * epsilon / steps
 
 
 def make_pgd_attack(model, loss_name: str = "softmax_xent", *, steps: int,
-                    step_size_fn: Callable | None = None):
+                    step_size_fn: Callable | None = None, protocol="default"):
   """Jitted (params, images, labels, epsilon) -> adversarial images, by `steps` sign-gradient steps.
 
   `epsilon` and `step_size_fn(epsilon)` are in [0, 1] pixel units; `epsilon` is traced, so one
-  compilation serves every ε. The loss is summed over the batch: each image's gradient is its own
-  loss's (padded rows with all-zero labels have zero softmax loss and do not move).
+  compilation serves every ε. "default": the loss is summed over the batch (each image's gradient
+  is its own loss's: padded rows with all-zero labels have zero softmax loss and do not move),
+  every step is clipped to the 2ε ball and [-1, 1]. "reference": the mean loss (as the reference;
+  the sign of each image's gradient is the same), step ε/steps unless `step_size_fn` is given, no
+  clipping.
   """
   if steps < 1:
     raise ValueError(f"PGD needs steps >= 1, got {steps}")
+  protocol = _protocol(protocol)
   loss_fn = LOSSES[loss_name]
+  # The reference's own rule is computed as it does, delta = max_epsilon / num_updates with
+  # max_epsilon = 2ε in model units, so the steps agree to the last bit.
+  reference_rule = protocol == "reference" and step_size_fn is None
   step_size_fn = step_size_fn or (lambda epsilon: default_step_size(epsilon, steps))
+  reduce = jnp.mean if protocol == "reference" else jnp.sum
 
   def total_loss(images, params, labels):
     logits, _ = model.apply({"params": params}, images, train=False)
-    return jnp.sum(loss_fn(logits, labels))
+    return reduce(loss_fn(logits, labels))
 
   grad_fn = jax.grad(total_loss)
 
   def attack(params, images, labels, epsilon):
     epsilon = jnp.asarray(epsilon, jnp.float32)
-    radius, alpha = 2.0 * epsilon, 2.0 * jnp.asarray(step_size_fn(epsilon), jnp.float32)
+    radius = 2.0 * epsilon
+    alpha = radius / steps if reference_rule else 2.0 * jnp.asarray(step_size_fn(epsilon),
+                                                                    jnp.float32)
+    if protocol == "reference":
+      def step(_, x):
+        return x + (alpha * jnp.sign(grad_fn(x, params, labels))).astype(x.dtype)
+      return jax.lax.fori_loop(0, steps, step, images)
     # Both constraints are boxes, so projecting onto their intersection is one clip.
     low = jnp.maximum(images - radius, -1.0).astype(images.dtype)
     high = jnp.minimum(images + radius, 1.0).astype(images.dtype)
@@ -77,16 +116,16 @@ def make_pgd_attack(model, loss_name: str = "softmax_xent", *, steps: int,
   return jax.jit(attack)
 
 
-def selected_experts(intermediates) -> dict[str, jax.Array]:
-  """{"layer_<i>": (batch, tokens, k)} from the `selected_experts` sown in block_<i>'s MoE
-  ("member_<j>/layer_<i>" for the models of an ensemble)."""
+def selected_experts(intermediates, name: str = "selected_experts") -> dict[str, jax.Array]:
+  """{"layer_<i>": (batch, tokens, k)} from the `selected_experts` (or `name`: "routed_experts")
+  sown in block_<i>'s MoE ("member_<j>/layer_<i>" for the models of an ensemble)."""
   out = {}
   for path, value in traverse_util.flatten_dict(dict(intermediates)).items():
-    if path[-1] != "selected_experts":
+    if path[-1] != name:
       continue
     blocks = [m for m in map(_BLOCK.fullmatch, path) if m]
     if not blocks:
-      raise ValueError(f"selected_experts sown outside an encoder block: {'/'.join(path)}")
+      raise ValueError(f"{name} sown outside an encoder block: {'/'.join(path)}")
     member = [p + "/" for p in path if _MEMBER.fullmatch(p)]
     out[f"{''.join(member[:1])}layer_{blocks[-1][1]}"] = value[-1]  # sow keeps every call's value
   return out
@@ -104,18 +143,39 @@ def routing_change(clean: jax.Array, adversarial: jax.Array) -> jax.Array:
   return jnp.mean(1.0 - iou, axis=-1)  # not 1 - mean: XLA's mean of ones can miss 1 by an ulp
 
 
-def make_measure_step(model, loss_name: str = "softmax_xent"):
+def routing_change_routed(clean: jax.Array, adversarial: jax.Array) -> jax.Array:
+  """(batch,) the reference code's routing change: 1 − mean over tokens of IoU, where a token's
+  set is its expert ids >= 0 (the experts that processed it; -1 marks a dropped assignment) and
+  a token with an empty union (dropped on both images) counts IoU 0.
+
+  clean, adversarial: (batch, tokens, k) ids from the `routed_experts` sow; a token's kept ids
+  are distinct, so |A ∩ B| counts the kept ids of A found in B.
+  """
+  kept_clean, kept_adv = clean >= 0, adversarial >= 0
+  match = (clean[..., :, None] == adversarial[..., None, :]) & kept_clean[..., :, None]
+  intersection = jnp.sum(jnp.any(match, axis=-1), axis=-1)
+  union = jnp.sum(kept_clean, -1) + jnp.sum(kept_adv, -1) - intersection
+  iou = jnp.where(union > 0, intersection / jnp.maximum(union, 1), 0.0).astype(jnp.float32)
+  return 1.0 - jnp.mean(iou, axis=-1)
+
+
+def make_measure_step(model, loss_name: str = "softmax_xent", protocol="default"):
   """Jitted (params, batch, adversarial_images) -> sums over the real rows of the batch.
 
   `batch` holds "image", "labels" and "_mask". Keys: clean/error, clean/loss, error, loss,
-  changed_predictions, routing_change/layer_<i> for each MoE layer, and count.
+  changed_predictions, routing_change/layer_<i> for each MoE layer, and count. Routing change
+  compares the TOP-k before capacity drops ("default") or the experts that process each token
+  ("reference"; see the module docstring).
   """
   loss_fn = LOSSES[loss_name]
+  reference = _protocol(protocol) == "reference"
+  change_fn = routing_change_routed if reference else routing_change
+  sown = "routed_experts" if reference else "selected_experts"
 
   def forward(params, images):
     (logits, _), state = model.apply({"params": params}, images, train=False,
                                      mutable=["intermediates"])
-    return logits, selected_experts(state.get("intermediates", {}))
+    return logits, selected_experts(state.get("intermediates", {}), sown)
 
   def step(params, batch, adversarial_images):
     labels = batch["labels"]
@@ -130,7 +190,7 @@ def make_measure_step(model, loss_name: str = "softmax_xent"):
         "changed_predictions": (jnp.argmax(clean_logits, -1) != jnp.argmax(adv_logits, -1)),
     }
     for layer, experts in clean_experts.items():
-      per_example[f"routing_change/{layer}"] = routing_change(experts, adv_experts[layer])
+      per_example[f"routing_change/{layer}"] = change_fn(experts, adv_experts[layer])
     out = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in per_example.items()}
     out["count"] = jnp.sum(mask)
     return out
@@ -145,14 +205,15 @@ def _layer_order(key: str) -> int:
 class AdversarialEvaluator:
   """PGD at each ε of a sweep on the same examples; averages over the real examples seen.
 
-  `step_size`: the step in [0, 1] pixel units, a float or a function of ε; None for 2.5·ε/steps.
-  `max_examples` counts rows of this process's batches (the first `max_examples`), so that every
-  process stops after the same number of batches.
+  `step_size`: the step in [0, 1] pixel units, a float or a function of ε; None for the
+  protocol's rule (2.5·ε/steps, or ε/steps for "reference"). `protocol`: "default" or
+  "reference", see the module docstring. `max_examples` counts rows of this process's batches (the
+  first `max_examples`), so that every process stops after the same number of batches.
   """
 
   def __init__(self, model, *, epsilons, steps: int, step_size=None,
                loss_name: str = "softmax_xent", prefix: str, put=lambda batch: batch,
-               max_examples: int | None = None, progress: bool = True):
+               max_examples: int | None = None, progress: bool = True, protocol="default"):
     self.epsilons = [float(e) for e in epsilons]
     if not self.epsilons or min(self.epsilons) < 0:
       raise ValueError(f"epsilons must be a non-empty list of values >= 0, got {epsilons}")
@@ -161,8 +222,10 @@ class AdversarialEvaluator:
     if step_size is not None and not callable(step_size):
       fixed = float(step_size)
       step_size = lambda epsilon: fixed  # noqa: E731
-    self.attack = make_pgd_attack(model, loss_name, steps=steps, step_size_fn=step_size)
-    self.measure = make_measure_step(model, loss_name)
+    self.protocol = _protocol(protocol)
+    self.attack = make_pgd_attack(model, loss_name, steps=steps, step_size_fn=step_size,
+                                  protocol=self.protocol)
+    self.measure = make_measure_step(model, loss_name, self.protocol)
     self.prefix, self.put, self.max_examples, self.progress = prefix, put, max_examples, progress
 
   def run(self, params, batches) -> dict[str, float]:

@@ -91,7 +91,9 @@ class FewshotEvaluator:
   """Few-shot accuracy on several datasets, from features extracted afresh at every `run`.
 
   datasets[name] = (train_batches, test_batches, num_classes): the pool the shots are drawn from
-  and the test split, as padded eval batches. Returns fewshot_math's keys
+  and the test split, as padded eval batches. `protocol` builds the ridge's design matrix
+  ("reference": standardised features and a bias feature of 100; "plain": raw features and a
+  column of ones; see fewshot_math). Returns fewshot_math's keys
   (`<name>/<s>shot/accuracy`, `mean/<s>shot/accuracy`, `mean/<s>shot/l2_reg`), under `prefix/`
   when a prefix is given.
   """
@@ -99,7 +101,7 @@ class FewshotEvaluator:
   def __init__(self, feature_fns: Sequence[Callable] | None, datasets: dict[str, tuple],
                shots: Sequence[int] = (1, 5, 10, 25), seeds: Sequence[int] = (0, 1, 2),
                l2_regs=None, put: Callable = lambda batch: batch, *, prefix: str = "",
-               progress: bool = False):
+               progress: bool = False, protocol="reference"):
     if not datasets:
       raise ValueError("FewshotEvaluator needs at least one dataset")
     self.feature_fns = list(feature_fns or [])
@@ -107,6 +109,7 @@ class FewshotEvaluator:
     self.shots = [int(s) for s in shots]
     self.seeds = [int(s) for s in seeds]
     self.l2_regs = fewshot_math.L2_REGS if l2_regs is None else np.asarray(l2_regs, np.float64)
+    self.protocol = fewshot_math.protocol_name(protocol)
     self.put = put
     self.prefix = prefix
     self.progress = progress
@@ -134,7 +137,7 @@ class FewshotEvaluator:
     """Metrics of `feature_fns` (default: the constructor's); training passes its current params."""
     start = time.perf_counter()
     metrics = fewshot_math.fewshot_metrics(self.features(feature_fns), self.shots, self.seeds,
-                                           self.l2_regs)
+                                           self.l2_regs, protocol=self.protocol)
     metrics["seconds"] = time.perf_counter() - start
     return {f"{self.prefix}/{k}" if self.prefix else k: v for k, v in metrics.items()}
 

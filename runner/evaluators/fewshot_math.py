@@ -5,8 +5,19 @@ every L2 strength of the grid is solved from one eigendecomposition, and the str
 per number of shots by the mean rank of its accuracy across datasets (Appendix B.4 of
 "Sparse MoEs meet Efficient Ensembles"). Host-side numpy in float64: the systems are small
 (n or d+1 at most a few thousand) and single precision loses the small-lambda solutions.
+
+Two protocols build the design matrix the ridge is solved on:
+- "reference" (the default; the numbers the papers report): the protocol of the reference code
+  (google-research/vmoe, vmoe/evaluate/fewshot.py, after big_vision). Every feature dimension is
+  standardised with the mean and the standard deviation (ddof 0, plus 1e-5) of the few-shot
+  training examples, the test features with the same statistics, and a constant bias feature of
+  100 is appended. The bias is regularised like every weight, but with a feature of 100 its
+  penalty is 10^4 times smaller than a weight's of the same effect: almost unregularised.
+- "plain": the raw features and a bias column of ones, regularised like the weights.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
@@ -15,17 +26,52 @@ from runner.errors import UserError
 # The big_vision grid: 2^-10 ... 2^19, ascending (ties in selection go to the smaller lambda).
 L2_REGS = 2.0 ** np.arange(-10, 20)
 
+PROTOCOLS = ("reference", "plain")
+BIAS_CONSTANT = 100.0  # the reference's bias feature
+STD_EPSILON = 1e-5  # added to the training standard deviation, as the reference does
+
 
 class FewShotError(UserError, ValueError):
   """A few-shot problem that cannot be sampled (a class with fewer examples than shots)."""
 
 
-def _with_bias(x) -> np.ndarray:
-  """float64 features with a column of ones appended: the bias, regularised like the weights."""
+def _matrix(x) -> np.ndarray:
   x = np.asarray(x, np.float64)
   if x.ndim != 2:
     raise ValueError(f"features must be (num_examples, dim), got shape {x.shape}")
-  return np.concatenate([x, np.ones((x.shape[0], 1))], axis=1)
+  return x
+
+
+def protocol_name(protocol) -> str:
+  """The protocol's name, from a name or the schema's enum; raises ValueError for an unknown one."""
+  name = str(getattr(protocol, "value", protocol))
+  if name not in PROTOCOLS:
+    raise ValueError(f"unknown few-shot protocol {name!r}; valid: {PROTOCOLS}")
+  return name
+
+
+def design_fn(train_x, protocol="reference") -> Callable[[np.ndarray], np.ndarray]:
+  """features -> the float64 design matrix the ridge sees, fixed by the training features.
+
+  "reference": (x - mean) / (std + 1e-5) with the training set's per-dimension mean and std
+  (ddof 0), then a column of 100. "plain": x and a column of ones.
+  """
+  protocol = protocol_name(protocol)
+  train_x = _matrix(train_x)
+  if protocol == "reference":
+    mean = train_x.mean(axis=0, keepdims=True)
+    std = train_x.std(axis=0, keepdims=True) + STD_EPSILON
+    bias = BIAS_CONSTANT
+  else:
+    mean, std, bias = 0.0, 1.0, 1.0
+  dim = train_x.shape[1]
+
+  def design(x) -> np.ndarray:
+    x = _matrix(x)
+    if x.shape[1] != dim:
+      raise ValueError(f"features have dim {x.shape[1]}, the training features {dim}")
+    return np.concatenate([(x - mean) / std, np.full((x.shape[0], 1), bias)], axis=1)
+  return design
 
 
 def _check_labels(y, num_classes: int, n: int, what: str) -> np.ndarray:
@@ -37,15 +83,8 @@ def _check_labels(y, num_classes: int, n: int, what: str) -> np.ndarray:
   return y
 
 
-def ridge_factors(train_x, train_y, num_classes: int):
-  """(P, s, Q) with W_lambda = P diag(1 / (s + lambda)) Q = (X^T X + lambda I)^-1 X^T Y.
-
-  X is the features with the bias column (n x (d+1)), Y = 2 * onehot - 1. One eigendecomposition
-  serves every lambda: of the kernel X X^T (dual, P = X^T U, Q = U^T Y) when n <= d+1, else of
-  X^T X (primal, P = V, Q = V^T X^T Y); the inner size is min(n, d+1).
-  """
-  x = _with_bias(train_x)
-  y = _check_labels(train_y, num_classes, x.shape[0], "train_y")
+def _factors(x: np.ndarray, y: np.ndarray, num_classes: int):
+  """(P, s, Q) of the design matrix x (n x (d+1)) and labels y; see `ridge_factors`."""
   targets = 2.0 * np.eye(num_classes)[y] - 1.0
   n, d1 = x.shape
   if n <= d1:
@@ -58,31 +97,50 @@ def ridge_factors(train_x, train_y, num_classes: int):
   return p, np.maximum(s, 0.0), q
 
 
-def ridge_weights(train_x, train_y, num_classes: int, l2_regs=L2_REGS) -> np.ndarray:
-  """(len(l2_regs), d+1, C) weights, the last row the bias: the classifiers that get scored."""
-  p, s, q = ridge_factors(train_x, train_y, num_classes)
+def ridge_factors(train_x, train_y, num_classes: int, protocol="reference"):
+  """(P, s, Q) with W_lambda = P diag(1 / (s + lambda)) Q = (X^T X + lambda I)^-1 X^T Y.
+
+  X is the design matrix of `protocol` (n x (d+1), see `design_fn`), Y = 2 * onehot - 1. One
+  eigendecomposition serves every lambda: of the kernel X X^T (dual, P = X^T U, Q = U^T Y) when
+  n <= d+1, else of X^T X (primal, P = V, Q = V^T X^T Y); the inner size is min(n, d+1).
+  """
+  x = design_fn(train_x, protocol)(train_x)
+  y = _check_labels(train_y, num_classes, x.shape[0], "train_y")
+  return _factors(x, y, num_classes)
+
+
+def ridge_weights(train_x, train_y, num_classes: int, l2_regs=L2_REGS,
+                  protocol="reference") -> np.ndarray:
+  """(len(l2_regs), d+1, C) weights on `protocol`'s design matrix (the last row the bias's):
+  the classifiers that get scored."""
+  p, s, q = ridge_factors(train_x, train_y, num_classes, protocol)
   inv = 1.0 / (s[None, :] + np.asarray(l2_regs, np.float64)[:, None])
   return np.einsum("ik,lk,kc->lic", p, inv, q)
 
 
 def ridge_accuracies(train_x, train_y, test_x, test_y, num_classes: int,
-                     l2_regs=L2_REGS, chunk: int = 8192) -> np.ndarray:
+                     l2_regs=L2_REGS, chunk: int = 8192, protocol="reference") -> np.ndarray:
   """(len(l2_regs),) test accuracies of argmax(X_test W_lambda), one per lambda.
 
-  Scores are (X_test P) diag(1 / (s + lambda)) Q: X_test P is computed once (in chunks of test
-  rows to bound memory), so each lambda costs m * min(n, d+1) * C, not a weight matrix.
+  X_test is the test features through the training set's design (`design_fn`: for "reference",
+  standardised with the training statistics). Scores are (X_test P) diag(1 / (s + lambda)) Q:
+  X_test P is computed once (in chunks of test rows to bound memory), so each lambda costs
+  m * min(n, d+1) * C, not a weight matrix.
   """
-  p, s, q = ridge_factors(train_x, train_y, num_classes)
-  x = _with_bias(test_x)
-  if x.shape[1] != p.shape[0]:
-    raise ValueError(f"test_x has dim {x.shape[1] - 1}, train_x has {p.shape[0] - 1}")
-  y = _check_labels(test_y, num_classes, x.shape[0], "test_y")
+  design = design_fn(train_x, protocol)
+  x_train = design(train_x)
+  y_train = _check_labels(train_y, num_classes, x_train.shape[0], "train_y")
+  p, s, q = _factors(x_train, y_train, num_classes)
+  test_x = _matrix(test_x)
+  if test_x.shape[1] != x_train.shape[1] - 1:
+    raise ValueError(f"test_x has dim {test_x.shape[1]}, train_x has {x_train.shape[1] - 1}")
+  y = _check_labels(test_y, num_classes, test_x.shape[0], "test_y")
   if not len(y):
     raise ValueError("test set is empty")
   inv = 1.0 / (s[None, :] + np.asarray(l2_regs, np.float64)[:, None])
   correct = np.zeros(len(inv), np.int64)
   for start in range(0, len(y), chunk):
-    a = x[start:start + chunk] @ p
+    a = design(test_x[start:start + chunk]) @ p
     for i, w in enumerate(inv):
       correct[i] += np.sum(np.argmax((a * w) @ q, axis=1) == y[start:start + chunk])
   return correct / len(y)
@@ -133,13 +191,14 @@ def select_by_mean_rank(accuracies: dict[str, np.ndarray]) -> int:
 
 
 def fewshot_metrics(features: dict[str, tuple], shots: list[int], seeds: list[int],
-                    l2_regs=L2_REGS) -> dict[str, float]:
-  """features[name] = (train_x, train_y, test_x, test_y, num_classes).
+                    l2_regs=L2_REGS, protocol="reference") -> dict[str, float]:
+  """features[name] = (train_x, train_y, test_x, test_y, num_classes); `protocol`: see the module.
 
   Returns {f"{name}/{s}shot/accuracy", f"mean/{s}shot/accuracy", f"mean/{s}shot/l2_reg"} for
   every dataset name and s in shots: accuracies are means over seeds, all at the one lambda
   chosen for s by mean rank across datasets.
   """
+  protocol = protocol_name(protocol)
   l2_regs = np.asarray(l2_regs, np.float64)
   if l2_regs.ndim != 1 or not len(l2_regs) or np.any(l2_regs <= 0) or np.any(np.diff(l2_regs) <= 0):
     raise ValueError(f"l2_regs must be positive and strictly ascending, got {l2_regs}")
@@ -157,7 +216,7 @@ def fewshot_metrics(features: dict[str, tuple], shots: list[int], seeds: list[in
         except FewShotError as e:
           raise FewShotError(f"few-shot dataset {name!r}, {s} shots: {e}") from None
         runs.append(ridge_accuracies(train_x[idx], train_y[idx], test_x, test_y, num_classes,
-                                     l2_regs))
+                                     l2_regs, protocol=protocol))
       per_dataset[name] = np.mean(runs, axis=0)
     best = select_by_mean_rank(per_dataset)
     for name, acc in per_dataset.items():

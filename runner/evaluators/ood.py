@@ -112,15 +112,38 @@ def _average_precision(positive_scores: np.ndarray, negative_scores: np.ndarray)
   return float(np.sum(np.diff(recall, prepend=0.0) * precision))
 
 
+def _fpr_at_95_tpr(positive_scores: np.ndarray, negative_scores: np.ndarray) -> float:
+  """The fraction of negatives scored >= the highest threshold that catches >= 95% of positives.
+
+  The first point of the ROC curve (distinct thresholds descending, no intermediate point
+  dropped) whose TPR >= 0.95: the smallest FPR that reaches it; no interpolation.
+  """
+  true_positives, false_positives = _accepted_counts(positive_scores, negative_scores)
+  first = np.argmax(true_positives / len(positive_scores) >= 0.95)  # the last threshold: TPR 1
+  return float(false_positives[first] / len(negative_scores))
+
+
 def detection_metrics(in_scores: np.ndarray, out_scores: np.ndarray) -> dict[str, float]:
-  """AUROC, AUPRC-in/out and FPR@95%TPR, with in-distribution as the positive class.
+  """AUROC, AUPRC-in/out and FPR at 95% TPR in both conventions of the literature.
 
   An example is accepted as in-distribution when its score is >= the threshold; thresholds are the
   distinct observed scores. auroc is the Mann-Whitney U / (n_in n_out) with ties counted 1/2 (the
-  trapezoid under the tie-grouped ROC curve). auprc_in: average precision, in-dist positive;
-  auprc_out: OOD positive with negated scores. fpr95: the fraction of OOD accepted at the highest
-  threshold that accepts >= 95% of in-dist, i.e. the first point of the ROC curve (thresholds
-  descending, no intermediate points dropped) whose TPR >= 0.95: the smallest FPR reaching it.
+  trapezoid under the tie-grouped ROC curve), the same whichever class is positive. auprc_in:
+  average precision, in-dist positive; auprc_out: OOD positive with negated scores.
+
+  FPR@95 is reported twice, because papers use both and they differ:
+  - fpr95_in_positive (Hendrycks & Gimpel 2017; Liang et al., ODIN): in-distribution is the
+    positive class. The fraction of OOD accepted at the highest threshold that accepts >= 95% of
+    the in-distribution examples.
+  - fpr95_ood_positive (uncertainty-baselines' `compute_ood_metrics`, used by the E³ paper): OOD
+    is the positive class, scored by the uncertainty (the negated score). The fraction of
+    in-distribution examples flagged as OOD at the threshold that flags >= 95% of the OOD ones,
+    i.e. `fpr[argmax(tpr >= 0.95)]` of `sklearn.metrics.roc_curve(is_ood, -score)`. With
+    scikit-learn's default drop_intermediate=True (what uncertainty-baselines calls), a point
+    inside a straight run of the curve can be dropped; that changes the value only when tied
+    scores make such a run end past 95%. Here no point is dropped.
+  Both take the first point of the ROC curve (thresholds descending) whose TPR >= 0.95, with no
+  interpolation between points: the smallest FPR that reaches 95% TPR.
   """
   in_scores = np.asarray(in_scores, np.float64).ravel()
   out_scores = np.asarray(out_scores, np.float64).ravel()
@@ -131,11 +154,10 @@ def detection_metrics(in_scores: np.ndarray, out_scores: np.ndarray) -> dict[str
   # before and after; pairs tied across the two sets thus count 1/2.
   previous_in = np.concatenate([[0.0], accepted_in[:-1]])
   u_statistic = np.sum(np.diff(accepted_out, prepend=0) * (previous_in + accepted_in) / 2)
-  true_positive_rate = accepted_in / len(in_scores)
-  first_at_95 = np.argmax(true_positive_rate >= 0.95)  # exists: the last threshold accepts all
   return {
       "auroc": float(u_statistic / (len(in_scores) * len(out_scores))),
       "auprc_in": _average_precision(in_scores, out_scores),
       "auprc_out": _average_precision(-out_scores, -in_scores),
-      "fpr95": float(accepted_out[first_at_95] / len(out_scores)),
+      "fpr95_in_positive": _fpr_at_95_tpr(in_scores, out_scores),
+      "fpr95_ood_positive": _fpr_at_95_tpr(-out_scores, -in_scores),
   }

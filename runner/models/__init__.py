@@ -30,6 +30,8 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
     router = dict(k=r.k, capacity_ratio=r.capacity_ratio, eval_capacity_ratio=r.eval_capacity_ratio,
                   batch_priority=r.batch_priority, priority=_name(r.priority),
                   noise_std=r.noise_std)
+    if _name(r.capacity_rounding) != "paper":  # the default's module arguments stay as they were
+      router["capacity_rounding"] = _name(r.capacity_rounding)
     moe = dict(num_experts=config.moe.num_experts, group_size=config.moe.group_size,
                expert_dropout=config.moe.expert_dropout,
                dispatcher=_name(config.moe.dispatcher), router=router)

@@ -17,8 +17,9 @@ Partitioned batch ensembles (E³, `model.moe.ensemble_size` M > 1; spec ensemble
                   expert_capacity(group_size·M·T, E, k, C).
   partition_only  no repetition; each token picks k experts in every partition with the member
                   routers (router: D·E per token); capacity = expert_capacity(group_size·T, E/M, k, C).
-In every case an MoE layer computes E·capacity/group_size expert slots per image. M = 1 is a
-V-MoE; a model without MoE layers (a ViT) ignores M.
+In every case an MoE layer computes E·capacity/group_size expert slots per image, the capacity
+rounded as `model.router.capacity_rounding` says. M = 1 is a V-MoE; a model without MoE layers
+(a ViT) ignores M.
 
 Heteroscedastic heads (HET-XL paper, Table 11; S MC samples, R factors, D the pre-logits' width,
 K classes, Q = K for HET and D for HET-XL): the mean classifier 2·D·K; the rank-1 scale 2·D·Q;
@@ -69,14 +70,15 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
     if not train and router.eval_capacity_ratio is not None:
       ratio = router.eval_capacity_ratio
     group = min(moe.group_size, batch_size)  # images per routing group (per member when tiled)
+    rounding = router.capacity_rounding
     if members == 1:
-      capacity = expert_capacity(group * tokens, e, router.k, ratio)
+      capacity = expert_capacity(group * tokens, e, router.k, ratio, rounding)
       router_flops = 2.0 * tokens * d * e
     elif variant == EnsembleVariant.tiling_only:
-      capacity = expert_capacity(group * members * tokens, e, router.k, ratio)
+      capacity = expert_capacity(group * members * tokens, e, router.k, ratio, rounding)
       router_flops = members * 2.0 * tokens * d * e  # every replica scores all E experts
     else:  # pbe (M replicas, E/M columns each) or partition_only (one token, all M partitions)
-      capacity = expert_capacity(group * tokens, e // members, router.k, ratio)
+      capacity = expert_capacity(group * tokens, e // members, router.k, ratio, rounding)
       router_flops = 2.0 * tokens * d * e
     slots_per_image = e * capacity / group
     flops += router_flops

@@ -4,7 +4,8 @@ Rules, applied by parameter name:
 - the classifier head is re-initialised (new number of classes) when asked, a heteroscedastic
   head whole; kept, a linear head becomes a heteroscedastic head's mean classifier (fresh noise
   layers) and back;
-- position embeddings are resized bilinearly when the patch grid changes (new resolution);
+- position embeddings are resized by corner-aligned linear interpolation (big_vision's
+  `resample_posemb`) when the patch grid changes (new resolution);
 - with `dense_to_experts`, a dense MLP initialises every expert of the MoE MLP that replaces it,
   and the new router starts from its fresh initialisation;
 - everything else is copied and must match in shape. All mismatches are reported together, by
@@ -38,14 +39,25 @@ def unflatten(flat: dict[str, np.ndarray]) -> dict:
 
 
 def resize_position_embedding(posemb: np.ndarray, num_tokens: int) -> np.ndarray:
-  """(1, n*n, D) -> (1, m*m, D) by bilinear interpolation of the n x n grid."""
+  """(1, n*n, D) -> (1, m*m, D) by corner-aligned linear interpolation of the n x n grid.
+
+  As big_vision's `resample_posemb` and vmoe's `VitZoomTransformation` do:
+  `scipy.ndimage.zoom(grid, (m/n, m/n, 1), order=1)`, whose default grid mode aligns the corner
+  cells (new cell j samples old position j * (n-1) / (m-1)), so the four corner embeddings are kept
+  exactly. Computed in float64, returned in the input's dtype.
+  """
+  from scipy import ndimage  # only fine-tuning at a new resolution needs it
+
   _, old, dim = posemb.shape
   old_side, new_side = int(round(old ** 0.5)), int(round(num_tokens ** 0.5))
   if old_side ** 2 != old or new_side ** 2 != num_tokens:
     raise ValueError(f"position embeddings of {old} -> {num_tokens} tokens are not square grids")
-  grid = posemb.reshape(old_side, old_side, dim)
-  resized = jax.image.resize(grid, (new_side, new_side, dim), method="bilinear")
-  return np.asarray(resized, posemb.dtype).reshape(1, num_tokens, dim)
+  grid = np.asarray(posemb, np.float64).reshape(old_side, old_side, dim)
+  resized = ndimage.zoom(grid, (new_side / old_side, new_side / old_side, 1), order=1)
+  if resized.shape != (new_side, new_side, dim):  # zoom rounds the output size
+    raise ValueError(f"zooming a {old_side}x{old_side} grid gave {resized.shape[:2]}, not "
+                     f"{new_side}x{new_side}")
+  return resized.astype(posemb.dtype).reshape(1, num_tokens, dim)
 
 
 def _dense_source(name: str) -> str | None:

@@ -69,16 +69,20 @@ def stages(extra: list[str]) -> None:
     for out, checkpoints in _replicates(name):
       listed = f"init.checkpoint=[{','.join(checkpoints)}]"
       if (ROOT / "evals" / out / "summary.json").exists():
-        pass  # evaluated by an earlier run of the study
-      elif name in VARIANTS:
+        continue  # evaluated by an earlier run of the study
+      if name in VARIANTS:
         _run("eval", [f"workdir={ROOT / 'evals' / out}", f"init.checkpoint={checkpoints[0]}",
                       *EVAL], extra)
       else:
         mc = ["ensemble.mc_dropout=2"] if name == "mc_dropout" else []
         _run("ensemble", [f"workdir={ROOT / 'evals' / out}", listed, *EVAL, *mc], extra)
-      done = (ROOT / "fewshot" / out / "summary.json").exists()
-      if name != "mc_dropout" and not done:  # MC-dropout's features are its model's (deterministic)
-        _run("fewshot", [f"workdir={ROOT / 'fewshot' / out}", listed, *FEWSHOT], extra)
+  for _, name in ROWS:
+    if name == "mc_dropout":  # its features are its model's (few-shot is deterministic)
+      continue
+    for out, checkpoints in _replicates(name):
+      if not (ROOT / "fewshot" / out / "summary.json").exists():
+        _run("fewshot", [f"workdir={ROOT / 'fewshot' / out}",
+                         f"init.checkpoint=[{','.join(checkpoints)}]", *FEWSHOT], extra)
 
 
 def _summary(kind: str, name: str) -> dict:

@@ -160,7 +160,8 @@ def evaluate(config, members: members_lib.Members, placement: Placement, *, job_
     adversarial = AdversarialEvaluator(
         ev.model, epsilons=[float(x) for x in adv.epsilons], steps=adv.steps,
         step_size=adv.step_size, loss_name=ev.loss_name, prefix="",
-        put=placement.put, max_examples=adv.max_examples, progress=ev.verbose)
+        put=placement.put, max_examples=adv.max_examples, progress=ev.verbose,
+        protocol=adv.protocol)
 
   steps = members.steps
   summary: dict = {"checkpoint_step": steps[0] if len(steps) == 1 else steps,

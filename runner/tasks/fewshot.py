@@ -13,7 +13,7 @@ import sys
 
 import jax
 
-from runner import checkpoint, data
+from runner import data, weights
 from runner.config import as_dict, derived
 from runner.config.schema import FewshotRun
 from runner.evaluators.fewshot import (FewshotEvaluator, accuracy_table, format_table,
@@ -42,7 +42,7 @@ def run(config: FewshotRun, placement: Placement) -> dict:
 
   members = []
   for member in config.members:
-    params, _, step = checkpoint.load_params(member.path)
+    params, _, step = weights.load(member.path, ensemble_size=derived.ensemble_size(member.model))
     model = build_model(member.model, heads.num_classes(params))
     common.check_params_fit(member.path, step, params, model, image_shape, "fewshot")
     members.append((member.path, step, model, params))
@@ -65,7 +65,7 @@ def run(config: FewshotRun, placement: Placement) -> dict:
     evaluator = FewshotEvaluator(feature_fns, fewshot_data.batches(opened, batch_size, cache=False),
                                  shots=fewshot.shots, seeds=fewshot.seeds,
                                  l2_regs=fewshot.l2_regs, put=placement.put,
-                                 progress=verbose)
+                                 progress=verbose, protocol=fewshot.protocol)
     metrics = evaluator.run()
 
   step = members[0][1]

@@ -190,7 +190,10 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
   abstract, _ = state_lib.abstract_params(model, image_shape)
   tx = optimizers.make_optimizer(o.name.value, schedule, abstract, b1=o.b1, b2=o.b2, eps=o.eps,
                                  momentum=o.momentum, nesterov=o.nesterov,
-                                 weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm)
+                                 weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm,
+                                 beta2_cap=o.beta2_cap,
+                                 min_dim_size_to_factor=o.min_dim_size_to_factor,
+                                 clipping_threshold=o.clipping_threshold)
   ckpt = config.checkpoint
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=ckpt.keep,
                               every_steps=ckpt.every_steps, async_save=ckpt.async_save)
@@ -221,7 +224,8 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
       if fewshot_datasets:
         fewshot = FewshotEvaluator(None, fewshot_datasets, shots=fewshot_cfg.shots,
                                    seeds=fewshot_cfg.seeds, l2_regs=fewshot_cfg.l2_regs,
-                                   put=placement.put, prefix="fewshot")
+                                   put=placement.put, prefix="fewshot",
+                                   protocol=fewshot_cfg.protocol)
         feature_step = jax.jit(make_feature_fn(model))
       fewshot_every = fewshot_cfg.every_steps if fewshot else 0
 

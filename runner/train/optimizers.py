@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import optax
 
 OPTIMIZERS = ("adam", "sgd", "adafactor")
@@ -49,20 +50,49 @@ def decoupled_weight_decay(decay_tree) -> optax.GradientTransformation:
   return optax.GradientTransformation(init, update)
 
 
+ADAFACTOR_DECAY_RATE = 0.8  # the exponent of the second-moment decay 1 - t^-0.8
+
+
+def adafactor_decay_rate_fn(beta2_cap: float):
+  """The second-moment decay at (0-based) step i: min(beta2_cap, 1 - (i + 1)^-exponent).
+
+  big_vision's `scale_by_adafactor` (`beta2_cap`, default 0.999) and vmoe's
+  `scale_by_big_vision_adafactor` (`decay_rate_max`, 0.999) cap optax's uncapped schedule, so
+  the second moment keeps averaging over ~1000 steps instead of tending to an all-time mean.
+  """
+  def decay_rate(step, exponent):
+    t = jnp.asarray(step, jnp.float32) + 1.0
+    return jnp.minimum(beta2_cap, 1.0 - t ** (-exponent))
+  return decay_rate
+
+
 def make_optimizer(name: str, schedule, params, *, b1: float = 0.9, b2: float = 0.999,
                    eps: float = 1e-8, momentum: float = 0.9, nesterov: bool = False,
                    weight_decay=0.0, grad_clip_norm: float | None = None,
+                   beta2_cap: float = 0.999, min_dim_size_to_factor: int = 32,
+                   clipping_threshold: float | None = 1.0,
                    **unused) -> optax.GradientTransformation:
-  """clip -> precondition (adam | momentum | adafactor) -> decoupled weight decay -> learning rate."""
+  """clip -> precondition (adam | momentum | adafactor) -> decoupled weight decay -> learning rate.
+
+  Adafactor is big_vision's variant (as vmoe trains V-MoE-15B with): factored second moments of
+  parameters whose two largest dimensions are >= `min_dim_size_to_factor`, decay
+  min(beta2_cap, 1 - t^-0.8), epsilon 1e-30; then update clipping by block RMS at
+  `clipping_threshold` (None: none, as big_vision's and vmoe's defaults; the Adafactor paper's
+  d = 1 is this project's default); then momentum `b1` (an EMA without debiasing; 0: none).
+  """
   del unused  # config keys of other optimizers (lr is in the schedule)
   if name == "adam":
     precondition = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
   elif name == "sgd":
     precondition = optax.trace(decay=momentum, nesterov=nesterov) if momentum else optax.identity()
   elif name == "adafactor":
-    precondition = optax.chain(optax.scale_by_factored_rms(decay_rate=0.8),
-                               optax.clip_by_block_rms(1.0),
-                               optax.ema(b1, debias=False) if b1 else optax.identity())
+    precondition = optax.chain(
+        optax.scale_by_factored_rms(factored=True, decay_rate=ADAFACTOR_DECAY_RATE,
+                                    step_offset=0, min_dim_size_to_factor=min_dim_size_to_factor,
+                                    epsilon=1e-30,
+                                    decay_rate_fn=adafactor_decay_rate_fn(beta2_cap)),
+        optax.clip_by_block_rms(clipping_threshold) if clipping_threshold else optax.identity(),
+        optax.ema(b1, debias=False) if b1 else optax.identity())
   else:
     raise ValueError(f"unknown optimizer {name!r}; valid: {OPTIMIZERS}")
   return optax.chain(

@@ -9,7 +9,24 @@ SCHEDULES = ("constant", "linear", "cosine", "rsqrt")
 def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0,
                   end_lr_fraction: float = 0.0, timescale: int | None = None,
                   cooldown_steps: int = 0):
-  """A function step -> learning rate, for `total_steps` optimizer steps."""
+  """A function step -> learning rate, for `total_steps` optimizer steps (step 0 is the first).
+
+  Every schedule is multiplied by the warmup min(1, (step + 1) / W) (1 without warmup), so the
+  first step already has a non-zero rate and step W - 1 the full one. With
+  W = min(warmup_steps, total_steps), T = total_steps, p = clip((step - W) / max(T - W, 1), 0, 1):
+    constant  lr
+    linear    end + (lr - end) * (1 - p), end = lr * end_lr_fraction
+    cosine    end + (lr - end) * (1 + cos(pi * p)) / 2
+    rsqrt     lr * sqrt(t / (t + max(0, step + 1 - W))) with t = timescale, else W, else 10000;
+              i.e. lr / sqrt(1 + n / t), n the steps since the end of warmup counting this one.
+              With cooldown_steps = C > 0 it is then multiplied by clip((T - step) / C, 0, 1): a
+              linear cooldown over the last C steps on top of the still decaying rsqrt (as
+              big_vision's create_learning_rate_schedule), 1/C of the rsqrt value at step T - 1.
+  Against vmoe's `big_vision_rsqrt_schedule` (vmoe/train/schedule.py), whose linear warmup starts
+  at 0 at count 0: ours(step) = vmoe(step + 1) during warmup and decay. In the cooldown vmoe
+  holds the rate reached when the cooldown starts and decays that linearly, at count step + 1
+  lr / sqrt(1 + (T - W - C) / t) * (T - step - 1) / C.
+  """
   if name not in SCHEDULES:
     raise ValueError(f"unknown schedule {name!r}; valid: {SCHEDULES}")
   warmup_steps = min(warmup_steps, total_steps)
@@ -27,6 +44,7 @@ def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0,
     elif name == "cosine":
       value = end + (lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
     else:  # rsqrt from the end of warmup, with an optional linear cooldown to zero at the end
+      # t = timescale, else warmup_steps (capped at total_steps above), else 10000.
       t = float(timescale or warmup_steps or 10_000)
       value = lr * jnp.sqrt(t / (t + jnp.maximum(step + 1 - warmup_steps, 0)))
       if cooldown_steps:

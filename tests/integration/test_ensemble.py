@@ -173,7 +173,7 @@ def _check_ood(workdir: pathlib.Path, summary: dict) -> None:
   np.testing.assert_allclose(z[f"{DS}/score_msp"], z[f"{DS}/member_probs"].mean(0).max(1),
                              rtol=1e-5)
   for score in OOD_SCORES:
-    for metric in ("auroc", "auprc_in", "auprc_out", "fpr95"):
+    for metric in ("auroc", "auprc_in", "auprc_out", "fpr95_in_positive", "fpr95_ood_positive"):
       assert 0 <= summary[f"{DS}_vs_{OOD}/{score}/{metric}"] <= 1
   a, b = z[f"{DS}/score_msp"], z[f"{OOD}/score_msp"]
   truth = np.r_[np.ones(len(a)), np.zeros(len(b))]

@@ -45,7 +45,8 @@ def test_summary_has_every_family_of_metrics(suite):
     assert np.isfinite(s[f"{ds}/{key}"])
   for out in ("uci_digits_5to9", "lfw_faces"):
     for score in ("msp", "max_logit", "entropy", "mahalanobis"):
-      for metric in ("auroc", "auprc_in", "auprc_out", "fpr95"):
+      for metric in ("auroc", "auprc_in", "auprc_out", "fpr95_in_positive",
+                     "fpr95_ood_positive"):
         assert 0 <= s[f"{ds}_vs_{out}/{score}/{metric}"] <= 1
   for name in ("gaussian_noise", "contrast"):
     for sev in (1, 5):
@@ -108,7 +109,9 @@ def test_every_number_recomputes_from_predictions(suite):
       assert s[f"{key}/auprc_in"] == pytest.approx(average_precision_score(truth, both))
       assert s[f"{key}/auprc_out"] == pytest.approx(average_precision_score(1 - truth, -both))
       threshold = np.sort(a)[::-1][int(np.ceil(0.95 * len(a))) - 1]
-      assert s[f"{key}/fpr95"] == pytest.approx(np.mean(b >= threshold))
+      assert s[f"{key}/fpr95_in_positive"] == pytest.approx(np.mean(b >= threshold))
+      threshold = np.sort(b)[int(np.ceil(0.95 * len(b))) - 1]  # flags 95% of OOD: score <= it
+      assert s[f"{key}/fpr95_ood_positive"] == pytest.approx(np.mean(a <= threshold))
 
 
 def test_faces_are_farther_than_digits(suite):

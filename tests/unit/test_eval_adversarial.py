@@ -279,3 +279,144 @@ def test_plot_pgd_writes_a_png(tmp_path):
   assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
   with pytest.raises(ValueError, match="no t/pgd/eps_"):
     plot_pgd({"t/pgd/clean/error": 0.1}, "t", str(tmp_path / "none.png"))
+
+
+# --- protocol="reference": google-research/vmoe, vmoe/projects/adversarial_attacks ------------
+
+# The tiny V-MoE at inference capacity ratio 0.5: 3 slots per expert for the 20 assignments of a
+# group (2 images x 5 tokens x k=2, 4 experts), so capacity drops tokens.
+VMOE_DROP = VisionTransformer(**TINY, moe_layers=(0, 2), moe=dict(
+    num_experts=4, group_size=2, router=dict(k=K, capacity_ratio=0.5)))
+
+
+def vmoe_stateless_attack_pgd(images, labels, *, max_epsilon, num_updates, apply_fn, loss_fn):
+  """A transcription of attacks.py `stateless_attack_pgd` (no rngs: a deterministic model)."""
+  delta = max_epsilon / num_updates
+
+  @jax.grad
+  def compute_loss_grads(x):
+    return jnp.mean(loss_fn(apply_fn(x), labels))
+
+  def update(i, x_c):
+    return x_c + delta * jnp.sign(compute_loss_grads(x_c))
+  return jax.lax.fori_loop(0, num_updates, update, images)
+
+
+def vmoe_sum_intersection_over_union(a, b):
+  """A NumPy transcription of attacks.py `sum_intersection_over_union`; a, b (batch, tokens, E)."""
+  num_tokens = a.shape[1]
+  a, b = (a > 0.0).astype(np.float32), (b > 0.0).astype(np.float32)
+  inter = np.sum(a * b, axis=-1)
+  union = np.sum(a + b, axis=-1) - inter
+  iou = np.where(union > 0, inter / np.where(union > 0, union, 1), 0)
+  return np.sum(iou) / num_tokens
+
+
+@jax.jit
+def _drop_model_combine_weights(params, images):
+  """Logits and, per MoE layer, restore.py `get_combine_weights` of the router's plan:
+  (batch, tokens, E) with the gate of every expert that processes the token, else 0."""
+  from runner.models.moe.router import NoisyTopKRouter
+  (logits, _), state = VMOE_DROP.apply(
+      {"params": params}, images, mutable=["intermediates"],
+      capture_intermediates=lambda m, _: isinstance(m, NoisyTopKRouter))
+  out = {}
+  for block in ("block_0", "block_2"):
+    plan = state["intermediates"][block]["moe"]["router"]["__call__"][0][0]
+    onehot = jax.nn.one_hot(plan.experts, plan.num_experts)  # (G, S, K, E)
+    cw = jnp.sum(onehot * plan.combine_weights[..., None], axis=2)  # (G, S, E)
+    out["layer_" + block[-1]] = cw.reshape(-1, cw.shape[-1]).reshape(images.shape[0], -1,
+                                                                         cw.shape[-1])
+  return logits, out
+
+
+@pytest.fixture(scope="module")
+def reference_evaluator():
+  return AdversarialEvaluator(VMOE_DROP, epsilons=[0.0, EPS], steps=3, prefix="ref",
+                              progress=False, protocol="reference")
+
+
+def test_reference_attack_is_vmoe_stateless_attack_pgd(vmoe_params, reference_evaluator):
+  images, _ = _data(BATCH)
+  labels = np.eye(CLASSES, dtype=np.float32)[
+      np.asarray(_drop_model_combine_weights(vmoe_params, images)[0]).argmax(-1)]
+  ours = np.asarray(reference_evaluator.attack(vmoe_params, images, labels, np.float32(EPS)))
+  apply_fn = lambda x: VMOE_DROP.apply({"params": vmoe_params}, x, train=False)[0]  # noqa: E731
+  want = np.asarray(jax.jit(lambda x, y: vmoe_stateless_attack_pgd(
+      x, y, max_epsilon=2 * EPS, num_updates=3, apply_fn=apply_fn, loss_fn=softmax_xent))(
+          images, labels))
+  np.testing.assert_array_equal(ours, want)
+  change = np.abs(ours - images)
+  # Each of the 3 steps moves every pixel with a non-zero gradient by exactly 2ε/3 ([-1, 1] units).
+  assert change.max() <= 2 * EPS + 1e-6 and np.isclose(change.max(), 2 * EPS, rtol=1e-5)
+  # No clipping to the valid range: pixels that start at ±1 can leave [-1, 1].
+  assert ours.max() > 1.0 or ours.min() < -1.0
+  # The default protocol's attack differs: 2.5ε/3 per step, clipped.
+  default = np.asarray(make_pgd_attack(VMOE_DROP, steps=3)(vmoe_params, images, labels,
+                                                           np.float32(EPS)))
+  assert not np.array_equal(default, ours)
+
+
+def test_reference_routing_change_is_vmoe_iou_of_combine_weights(vmoe_params,
+                                                                 reference_evaluator):
+  images, _ = _data(BATCH)
+  labels = np.eye(CLASSES, dtype=np.float32)[
+      np.asarray(_drop_model_combine_weights(vmoe_params, images)[0]).argmax(-1)]
+  out = reference_evaluator.run(vmoe_params, _batches(_batch(images, labels)))
+  adv = np.asarray(reference_evaluator.attack(vmoe_params, images, labels, np.float32(EPS)))
+  _, cw_0 = _drop_model_combine_weights(vmoe_params, images)
+  _, cw_m = _drop_model_combine_weights(vmoe_params, adv)
+  # The default protocol on the same images: TOP-k sets before the capacity drops.
+  (_, _), state0 = VMOE_DROP.apply({"params": vmoe_params}, images, mutable=["intermediates"])
+  (_, _), state_m = VMOE_DROP.apply({"params": vmoe_params}, adv, mutable=["intermediates"])
+  top_0, top_m = (selected_experts(s["intermediates"]) for s in (state0, state_m))
+  dropped = 0
+  for layer in ("layer_0", "layer_2"):
+    a, b = np.asarray(cw_0[layer]), np.asarray(cw_m[layer])
+    assert a.shape == (BATCH, 5, 4)
+    dropped += np.sum((a > 0).sum(-1) < K)  # tokens that lost an assignment to the capacity
+    want = 1 - vmoe_sum_intersection_over_union(a, b) / BATCH  # lib.py's routing_changes
+    np.testing.assert_allclose(out[f"ref/pgd/{EPS_KEY}/routing_change/{layer}"], want,
+                               rtol=1e-5, atol=1e-6)
+    # At ε = 0 the images are the same; tokens dropped by every expert count IoU 0, as there.
+    want_0 = 1 - vmoe_sum_intersection_over_union(a, a) / BATCH
+    np.testing.assert_allclose(out[f"ref/pgd/eps_0/routing_change/{layer}"], want_0,
+                               rtol=1e-5, atol=1e-6)
+    default = reference_routing_change(np.asarray(top_0[layer]), np.asarray(top_m[layer]))
+    assert not np.isclose(default, want, atol=1e-4), layer  # a different quantity
+  assert dropped > 0  # the capacity drops tokens: the comparison above is not vacuous
+  # Prediction and loss metrics are those of the model on the reference-attacked images.
+  logits = np.asarray(_drop_model_combine_weights(vmoe_params, adv)[0])
+  np.testing.assert_allclose(out[f"ref/pgd/{EPS_KEY}/changed_predictions"],
+                             np.mean(logits.argmax(-1) != labels.argmax(-1)), rtol=1e-6)
+  np.testing.assert_allclose(out[f"ref/pgd/{EPS_KEY}/loss"],
+                             np.mean(np.asarray(softmax_xent(jnp.asarray(logits), labels))),
+                             rtol=1e-5)
+
+
+def test_routed_experts_sow_marks_the_dropped_assignments(vmoe_params):
+  images, _ = _data(BATCH)
+  (_, _), state = VMOE_DROP.apply({"params": vmoe_params}, images, mutable=["intermediates"])
+  selected = selected_experts(state["intermediates"])
+  routed = selected_experts(state["intermediates"], "routed_experts")
+  _, cw = _drop_model_combine_weights(vmoe_params, images)
+  for layer in ("layer_0", "layer_2"):
+    s, r = np.asarray(selected[layer]), np.asarray(routed[layer])
+    assert r.shape == s.shape == (BATCH, 5, K)
+    np.testing.assert_array_equal(r[r >= 0], s[r >= 0])  # kept: the TOP-k id
+    assert (r == -1).any()
+    kept = np.zeros((BATCH, 5, 4), bool)
+    for i, t, j in zip(*np.nonzero(r >= 0)):
+      kept[i, t, r[i, t, j]] = True
+    np.testing.assert_array_equal(kept, np.asarray(cw[layer]) > 0)
+
+
+def test_reference_routing_change_function_on_hand_cases():
+  from runner.evaluators.adversarial import routing_change_routed
+  clean = jnp.array([[[0, 1], [2, -1], [-1, -1]]])
+  adv = jnp.array([[[1, -1], [2, 3], [-1, -1]]])
+  # {0,1} vs {1}: 1/2; {2} vs {2,3}: 1/2; {} vs {}: IoU 0 (the reference's where(union > 0)).
+  np.testing.assert_allclose(np.asarray(routing_change_routed(clean, adv)),
+                             [1 - (0.5 + 0.5 + 0) / 3], rtol=1e-6)
+  with pytest.raises(ValueError, match="unknown adversarial protocol 'madry'"):
+    make_pgd_attack(VMOE, steps=1, protocol="madry")

@@ -117,7 +117,8 @@ def _dataset(seed, num_classes, per_class=6, batch_size=8):
 
 def test_evaluator_keys_and_accuracy_on_separable_data():
   datasets = {"a": _dataset(0, 3), "b": _dataset(1, 4)}
-  evaluator = FewshotEvaluator([jax.jit(_second)], datasets, shots=[1, 5], seeds=[0, 1])
+  evaluator = FewshotEvaluator([jax.jit(_second)], datasets, shots=[1, 5], seeds=[0, 1],
+                               protocol="plain")
   metrics = evaluator.run()
   expected = {f"{n}/{s}shot/accuracy" for n in ("a", "b", "mean") for s in (1, 5)}
   expected |= {"mean/1shot/l2_reg", "mean/5shot/l2_reg", "seconds"}
@@ -125,6 +126,13 @@ def test_evaluator_keys_and_accuracy_on_separable_data():
   for key in expected - {"mean/1shot/l2_reg", "mean/5shot/l2_reg", "seconds"}:
     assert metrics[key] == 1.0, key
   assert metrics["mean/5shot/l2_reg"] in fewshot_math.L2_REGS
+  # The reference protocol standardises every dimension by the shots' std: dataset "a" has 3
+  # classes in 4 channels, one of them pure noise, which 1 shot per class scales up to the
+  # informative ones. 5 shots are enough.
+  reference = FewshotEvaluator([jax.jit(_second)], datasets, shots=[1, 5], seeds=[0, 1]).run()
+  assert set(reference) == expected
+  assert reference["a/5shot/accuracy"] == reference["b/5shot/accuracy"] == 1.0
+  assert reference["b/1shot/accuracy"] == 1.0 and reference["a/1shot/accuracy"] < 1.0
 
 
 def test_evaluator_equals_fewshot_metrics_on_extracted_features():
@@ -138,6 +146,14 @@ def test_evaluator_equals_fewshot_metrics_on_extracted_features():
   got = evaluator.run()
   got.pop("seconds")
   assert got == want
+  assert evaluator.protocol == "reference"  # the default: the reference code's protocol
+  from runner.config.schema import FewshotProtocol
+  plain = FewshotEvaluator(fns, datasets, shots=[2, 4], seeds=[0], l2_regs=[0.1, 1.0, 10.0],
+                           protocol=FewshotProtocol.plain)  # the config's enum is accepted
+  got = plain.run()
+  got.pop("seconds")
+  assert got == fewshot_math.fewshot_metrics(features, [2, 4], [0], [0.1, 1.0, 10.0],
+                                             protocol="plain")
 
 
 def test_prefix_and_feature_fns_given_at_run_time():

@@ -7,11 +7,23 @@ import pytest
 from runner.evaluators import fewshot_math as fm
 
 
-def _reference_weights(x, y, num_classes, l2_regs, bias=True):
-  """Each lambda solved on its own: lstsq of [X; sqrt(lambda) I] W = [Y; 0], X with ones column."""
+def _design(x, train_x, protocol):
+  """The design matrix by hand: "reference" standardises with the training statistics (ddof 0,
+  std + 1e-5) and appends 100, "plain" appends ones, None appends nothing."""
   x = np.asarray(x, np.float64)
-  if bias:
-    x = np.concatenate([x, np.ones((len(x), 1))], axis=1)
+  if protocol is None:
+    return x
+  bias = 1.0
+  if protocol == "reference":
+    train_x = np.asarray(train_x, np.float64)
+    x = (x - train_x.mean(axis=0)) / (train_x.std(axis=0) + 1e-5)
+    bias = 100.0
+  return np.concatenate([x, np.full((len(x), 1), bias)], axis=1)
+
+
+def _reference_weights(x, y, num_classes, l2_regs, protocol="plain"):
+  """Each lambda solved on its own: lstsq of [X; sqrt(lambda) I] W = [Y; 0], X the design."""
+  x = _design(x, x, protocol)
   targets = 2.0 * np.eye(num_classes)[y] - 1.0
   d1 = x.shape[1]
   return np.stack([
@@ -20,11 +32,9 @@ def _reference_weights(x, y, num_classes, l2_regs, bias=True):
       for lam in l2_regs])
 
 
-def _reference_accuracies(x, y, test_x, test_y, num_classes, l2_regs, bias=True):
-  w = _reference_weights(x, y, num_classes, l2_regs, bias)
-  test_x = np.asarray(test_x, np.float64)
-  if bias:
-    test_x = np.concatenate([test_x, np.ones((len(test_x), 1))], axis=1)
+def _reference_accuracies(x, y, test_x, test_y, num_classes, l2_regs, protocol="plain"):
+  w = _reference_weights(x, y, num_classes, l2_regs, protocol)
+  test_x = _design(test_x, x, protocol)
   return np.array([np.mean(np.argmax(test_x @ wl, axis=1) == test_y) for wl in w])
 
 
@@ -34,25 +44,28 @@ def _offset_data(n, d, num_classes, seed, offset=10.0):
   return offset + rng.normal(size=(n, d)), rng.integers(num_classes, size=n)
 
 
+@pytest.mark.parametrize("protocol", fm.PROTOCOLS)
 @pytest.mark.parametrize("n,d", [(12, 20), (21, 20), (60, 5)],
                          ids=["dual", "dual-boundary", "primal"])
-def test_ridge_weights_match_per_lambda_lstsq(n, d):
+def test_ridge_weights_match_per_lambda_lstsq(n, d, protocol):
   x, y = _offset_data(n, d, num_classes=3, seed=n)
-  p, s, q = fm.ridge_factors(x, y, 3)
+  p, s, q = fm.ridge_factors(x, y, 3, protocol)
   assert p.shape == (d + 1, min(n, d + 1)) and q.shape == (min(n, d + 1), 3)  # the regime taken
-  w = fm.ridge_weights(x, y, 3)
-  ref = _reference_weights(x, y, 3, fm.L2_REGS)
+  w = fm.ridge_weights(x, y, 3, protocol=protocol)
+  ref = _reference_weights(x, y, 3, fm.L2_REGS, protocol)
   assert w.shape == (30, d + 1, 3) and w.dtype == np.float64
   scale = np.abs(ref).max(axis=(1, 2), keepdims=True)
   np.testing.assert_allclose(w / scale, ref / scale, rtol=0, atol=1e-8)
 
 
+@pytest.mark.parametrize("protocol", fm.PROTOCOLS)
 @pytest.mark.parametrize("n,d", [(15, 20), (80, 4)], ids=["dual", "primal"])
-def test_ridge_accuracies_match_reference_predictions(n, d):
+def test_ridge_accuracies_match_reference_predictions(n, d, protocol):
   x, y = _offset_data(n, d, num_classes=4, seed=1)
   tx, ty = _offset_data(101, d, num_classes=4, seed=2)
-  acc = fm.ridge_accuracies(x.astype(np.float32), y, tx, ty, 4, chunk=7)  # chunks of test rows
-  ref = _reference_accuracies(x.astype(np.float32), y, tx, ty, 4, fm.L2_REGS)
+  acc = fm.ridge_accuracies(x.astype(np.float32), y, tx, ty, 4, chunk=7,  # chunks of test rows
+                            protocol=protocol)
+  ref = _reference_accuracies(x.astype(np.float32), y, tx, ty, 4, fm.L2_REGS, protocol)
   assert acc.shape == (30,)
   np.testing.assert_array_equal(acc, ref)
   assert len(np.unique(acc)) > 1  # the lambdas do not all predict alike
@@ -64,8 +77,10 @@ def test_bias_separates_data_offset_from_the_origin():
   x = np.concatenate([rng.uniform(99, 99.5, (10, 1)), rng.uniform(100.5, 101, (10, 1))])
   y = np.repeat([0, 1], 10)
   regs = fm.L2_REGS[:3]
-  assert np.all(_reference_accuracies(x, y, x, y, 2, regs, bias=False) == 0.5)
-  np.testing.assert_array_equal(fm.ridge_accuracies(x, y, x, y, 2, l2_regs=regs), 1.0)
+  assert np.all(_reference_accuracies(x, y, x, y, 2, regs, protocol=None) == 0.5)
+  for protocol in fm.PROTOCOLS:
+    np.testing.assert_array_equal(
+        fm.ridge_accuracies(x, y, x, y, 2, l2_regs=regs, protocol=protocol), 1.0)
 
 
 def test_separable_blobs_perfect_at_small_lambda_chance_at_huge():
@@ -78,10 +93,14 @@ def test_separable_blobs_perfect_at_small_lambda_chance_at_huge():
     return 50 + means[y] + 0.1 * rng.normal(size=(len(y), d)), y
 
   (x, y), (tx, ty) = make(5), make(50)
-  acc = fm.ridge_accuracies(x, y, tx, ty, num_classes)
+  acc = fm.ridge_accuracies(x, y, tx, ty, num_classes, protocol="plain")
   assert acc[0] == 1.0
   # Shrunk to nothing, the scores follow the common offset: one class wins everywhere.
   assert acc[-1] <= 1 / num_classes + 0.05
+  # The reference protocol centres the features and barely regularises its bias (feature 100):
+  # the balanced classes share one bias, and the shrunk weights still point at the class means.
+  acc = fm.ridge_accuracies(x, y, tx, ty, num_classes, protocol="reference")
+  assert acc[0] == 1.0 and acc[-1] == 1.0
 
 
 def test_sample_shots_balanced_without_replacement_and_seeded():
@@ -164,3 +183,87 @@ def test_fewshot_metrics_names_the_dataset_that_is_too_small():
     fm.fewshot_metrics({"pets": _toy_dataset(1, 5)}, [7], [0])
   with pytest.raises(ValueError, match="ascending"):
     fm.fewshot_metrics({"pets": _toy_dataset(1, 5)}, [1], [0], l2_regs=[1.0, 0.5])
+
+
+# --- the reference protocol (google-research/vmoe, vmoe/evaluate/fewshot.py) ------------------
+
+def _vmoe_fewshot_accuracies(x, y, x_test, y_test, num_classes, l2_regs):
+  """A NumPy transcription of vmoe's `_precompute_cache` and `_eig_fewshot_acc_fn` (float64)."""
+  x, x_test = np.asarray(x, np.float64), np.asarray(x_test, np.float64)
+  mean = np.mean(x, axis=0, keepdims=True)
+  std = np.std(x, axis=0, keepdims=True) + 1e-5
+  x = np.pad((x - mean) / std, ((0, 0), (0, 1)), constant_values=100.0)
+  y = 2.0 * np.eye(num_classes)[y] - 1.0
+  num_points, dim = x.shape
+  if num_points >= dim:
+    eigs, q = np.linalg.eigh(x.T @ x)
+    rhs, lhs = q.T @ (x.T @ y), q
+  else:
+    eigs, q = np.linalg.eigh(x @ x.T)
+    rhs, lhs = q.T @ y, x.T @ q
+  x_test = np.pad((x_test - mean) / std, ((0, 0), (0, 1)), constant_values=100.0)
+  out = []
+  for l2_reg in l2_regs:
+    w = (lhs * (1.0 / (eigs + l2_reg)).reshape(1, -1)) @ rhs
+    out.append(np.mean(np.argmax(x_test @ w, axis=1) == y_test))
+  return np.array(out)
+
+
+def _uneven_scales(seed, num_classes=5, d=12):
+  """Informative features whose columns are scaled by 1e-3 ... 1e3 and offset from the origin."""
+  rng = np.random.default_rng(seed)
+  means = rng.normal(size=(num_classes, d))
+  scales = 10.0 ** np.linspace(-3, 3, d)
+  offsets = 10.0 * rng.normal(size=d) * scales
+
+  def make(per_class):
+    y = np.repeat(np.arange(num_classes), per_class)
+    return ((means[y] + 1.5 * rng.normal(size=(len(y), d))) * scales + offsets), y
+  return make
+
+
+# Balanced shots decouple the bias from the centred features (its value cannot matter then);
+# the unbalanced case is where the bias feature's 100 and its weak regularisation show.
+@pytest.mark.parametrize("per_class", [1, 2, 10, [1, 2, 3, 4, 6]],
+                         ids=["1shot-dual", "2shot-dual", "10shot-primal", "unbalanced"])
+def test_reference_protocol_matches_vmoe_on_uneven_scales(per_class):
+  make = _uneven_scales(len(str(per_class)))
+  (x, y), (tx, ty) = make(per_class), make(60)
+  ours = fm.ridge_accuracies(x, y, tx, ty, 5, protocol="reference")
+  reference = _vmoe_fewshot_accuracies(x, y, tx, ty, 5, fm.L2_REGS)
+  np.testing.assert_array_equal(ours, reference)  # the same predictions at every lambda
+  np.testing.assert_array_equal(fm.ridge_accuracies(x, y, tx, ty, 5), reference)  # the default
+  assert len(np.unique(reference)) > 1
+  # The old solver (raw features, bias column 1) gives other answers on these features.
+  assert not np.array_equal(fm.ridge_accuracies(x, y, tx, ty, 5, protocol="plain"), reference)
+
+
+def test_reference_design_uses_the_training_statistics():
+  rng = np.random.default_rng(0)
+  train = rng.normal(size=(6, 3)) * [1e-3, 1.0, 1e3] + [5.0, -2.0, 7e3]
+  test = rng.normal(size=(4, 3)) * 50.0  # other statistics: they must not be used
+  design = fm.design_fn(train, "reference")
+  want = (test - train.mean(axis=0)) / (train.std(axis=0) + 1e-5)
+  np.testing.assert_allclose(design(test)[:, :3], want, rtol=1e-12)
+  np.testing.assert_array_equal(design(test)[:, 3], 100.0)
+  standardised = design(train)[:, :3]
+  np.testing.assert_allclose(standardised.mean(axis=0), 0.0, atol=1e-9)
+  np.testing.assert_allclose(standardised.std(axis=0),
+                             train.std(axis=0) / (train.std(axis=0) + 1e-5))
+  np.testing.assert_array_equal(fm.design_fn(train, "plain")(test), np.c_[test, np.ones(4)])
+  with pytest.raises(ValueError, match="unknown few-shot protocol 'whiten'"):
+    fm.design_fn(train, "whiten")
+
+
+def test_fewshot_metrics_protocols():
+  features = {"birds": _toy_dataset(0, 3), "pets": _toy_dataset(1, 5)}
+  features = {k: (v[0] * np.geomspace(1e-3, 1e3, 8), v[1], v[2] * np.geomspace(1e-3, 1e3, 8),
+                  *v[3:]) for k, v in features.items()}
+  default = fm.fewshot_metrics(features, [2], [0, 1])
+  assert default == fm.fewshot_metrics(features, [2], [0, 1], protocol="reference")
+  plain = fm.fewshot_metrics(features, [2], [0, 1], protocol="plain")
+  assert plain != default
+  x, y, tx, ty, c = features["pets"]
+  per_seed = [fm.ridge_accuracies(x[i], y[i], tx, ty, c, protocol="plain")
+              for i in (fm.sample_shots(y, 2, seed, c) for seed in (0, 1))]
+  assert plain["pets/2shot/accuracy"] in set(np.mean(per_seed, axis=0))

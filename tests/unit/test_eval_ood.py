@@ -15,10 +15,27 @@ def sklearn_metrics(in_scores: np.ndarray, out_scores: np.ndarray) -> dict[str, 
   scores = np.r_[in_scores, out_scores]
   # Every threshold kept: dropping collinear ROC points can skip the first one with TPR >= 0.95.
   fpr, tpr, _ = roc_curve(is_in, scores, drop_intermediate=False)
+  # uncertainty-baselines (baselines/jft/ood_utils.py): OOD labelled 1, scored by the uncertainty.
+  fpr_ood, tpr_ood, _ = roc_curve(1 - is_in, -scores, drop_intermediate=False)
   return {"auroc": roc_auc_score(is_in, scores),
           "auprc_in": average_precision_score(is_in, scores),
           "auprc_out": average_precision_score(1 - is_in, -scores),
-          "fpr95": fpr[np.argmax(tpr >= 0.95)]}
+          "fpr95_in_positive": fpr[np.argmax(tpr >= 0.95)],
+          "fpr95_ood_positive": fpr_ood[np.argmax(tpr_ood >= 0.95)]}
+
+
+def numpy_fpr95(in_scores, out_scores):
+  """Both conventions by brute force over every candidate threshold, ties included.
+
+  in-positive: accept as in-dist when score >= t; the largest t accepting >= 95% of in-dist
+  gives the fraction of OOD accepted. ood-positive: flag as OOD when score <= t; the smallest t
+  flagging >= 95% of OOD gives the fraction of in-dist flagged.
+  """
+  thresholds = np.unique(np.r_[in_scores, out_scores])
+  in_t = max(t for t in thresholds if np.mean(in_scores >= t) >= 0.95)
+  ood_t = min(t for t in thresholds if np.mean(out_scores <= t) >= 0.95)
+  return {"fpr95_in_positive": np.mean(out_scores >= in_t),
+          "fpr95_ood_positive": np.mean(in_scores <= ood_t)}
 
 
 @pytest.mark.parametrize("seed, num_in, num_out, decimals", [
@@ -42,6 +59,30 @@ def test_detection_metrics_match_sklearn(seed, num_in, num_out, decimals):
   # AUROC is the Mann-Whitney U statistic with ties counted 1/2.
   u_statistic = scipy.stats.mannwhitneyu(in_scores, out_scores).statistic
   assert got["auroc"] == pytest.approx(u_statistic / (num_in * num_out), rel=1e-12)
+  brute = numpy_fpr95(in_scores, out_scores)
+  for key in brute:
+    assert got[key] == pytest.approx(brute[key], rel=1e-12, abs=1e-14), key
+  if decimals is None:  # no ties: uncertainty-baselines' call (drop_intermediate=True) agrees
+    is_ood = np.r_[np.zeros(num_in), np.ones(num_out)]
+    fpr, tpr, _ = roc_curve(is_ood, -np.r_[in_scores, out_scores])
+    assert got["fpr95_ood_positive"] == fpr[np.argmax(tpr >= 0.95)]
+
+
+def test_fpr95_conventions_differ():
+  in_scores = np.arange(1.0, 101.0)  # in-dist: 1 ... 100
+  # OOD: 95 below every in-dist example, 5 above all of them.
+  out_scores = np.r_[np.full(95, 0.5), np.full(5, 200.0)]
+  got = detection_metrics(in_scores, out_scores)
+  # Accepting 95% of in-dist (score >= 6) accepts the 5 OOD at 200.
+  assert got["fpr95_in_positive"] == pytest.approx(0.05)
+  # Flagging 95% of OOD (score <= 0.5) flags no in-dist example.
+  assert got["fpr95_ood_positive"] == 0.0
+  for key, value in numpy_fpr95(in_scores, out_scores).items():
+    assert got[key] == pytest.approx(value), key
+  # Mirrored (in-dist and OOD swapped, scores negated), the two conventions swap.
+  mirrored = detection_metrics(-out_scores, -in_scores)
+  assert mirrored["fpr95_in_positive"] == got["fpr95_ood_positive"]
+  assert mirrored["fpr95_ood_positive"] == got["fpr95_in_positive"]
 
 
 def test_fpr95_threshold_is_inclusive():
@@ -49,20 +90,29 @@ def test_fpr95_threshold_is_inclusive():
   # (tied, accepted), one at 0.5 (rejected), two far below.
   in_scores = np.r_[np.ones(19), -5.0]
   out_scores = np.array([1.0, 0.5, -10.0, -10.0])
-  assert detection_metrics(in_scores, out_scores)["fpr95"] == pytest.approx(0.25)
+  assert detection_metrics(in_scores, out_scores)["fpr95_in_positive"] == pytest.approx(0.25)
+  # OOD positive: flagging (score <= t) 95% of the 4 OOD needs all of them, t = 1.0, which also
+  # flags every in-dist example.
+  assert detection_metrics(in_scores, out_scores)["fpr95_ood_positive"] == 1.0
+  # ...and its threshold is inclusive too: 19 of 20 OOD at -1 flag exactly 95% at t = -1.
+  out_scores = np.r_[np.full(19, -1.0), 3.0]
+  in_scores = np.array([-1.0, 0.0, 2.0, 2.0])  # one in-dist tied at -1: flagged with them
+  assert detection_metrics(in_scores, out_scores)["fpr95_ood_positive"] == pytest.approx(0.25)
 
 
 def test_separated_and_reversed_scores():
   in_scores, out_scores = np.linspace(1, 2, 50), np.linspace(-2, 0, 30)
   separated = detection_metrics(in_scores, out_scores)
-  assert separated == pytest.approx({"auroc": 1.0, "auprc_in": 1.0, "auprc_out": 1.0, "fpr95": 0.0},
+  assert separated == pytest.approx({"auroc": 1.0, "auprc_in": 1.0, "auprc_out": 1.0,
+                                     "fpr95_in_positive": 0.0, "fpr95_ood_positive": 0.0},
                                     abs=1e-15)
   reversed_ = detection_metrics(out_scores, in_scores)
   assert reversed_["auroc"] == 0.0
-  assert reversed_["fpr95"] == 1.0
+  assert reversed_["fpr95_in_positive"] == reversed_["fpr95_ood_positive"] == 1.0
   # All tied: no information, AUROC 1/2 and precision = the base rate.
   tied = detection_metrics(np.zeros(10), np.zeros(30))
-  assert tied == {"auroc": 0.5, "auprc_in": 0.25, "auprc_out": 0.75, "fpr95": 1.0}
+  assert tied == {"auroc": 0.5, "auprc_in": 0.25, "auprc_out": 0.75, "fpr95_in_positive": 1.0,
+                  "fpr95_ood_positive": 1.0}
 
 
 def test_logit_scores_match_scipy():

@@ -46,6 +46,39 @@ def test_vmoe_config_defaults_and_overrides():
   assert is_moe(tiny)
 
 
+def test_capacity_rounding_reaches_the_router():
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+
+  from runner.config.schema import CapacityRounding
+  from runner.models.moe.routing import expert_capacity
+  tiny = model_config("vmoe_tiny")
+  assert tiny.router.capacity_rounding == CapacityRounding.paper
+  assert "capacity_rounding" not in build_model(tiny, 10).moe["router"]  # arguments unchanged
+  c = dataclasses.replace(tiny, router=dataclasses.replace(
+      tiny.router, capacity_rounding=CapacityRounding.reference, eval_capacity_ratio=0.3))
+  model = build_model(c, 10)
+  assert model.moe["router"]["capacity_rounding"] == "reference"
+  from runner.models.moe.router import NoisyTopKRouter
+
+  def capacities(model):
+    """The plan capacity of every router, read from shapes alone (no compute)."""
+    images = jnp.zeros((8, 32, 32, 3))
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), images, train=False))
+    _, state = jax.eval_shape(lambda v: model.apply(
+        v, images, train=False, mutable=["intermediates"],
+        capture_intermediates=lambda m, _: isinstance(m, NoisyTopKRouter)), variables)
+    return [state["intermediates"][f"block_{i}"]["moe"]["router"]["__call__"][0][0].capacity
+            for i in (1, 3)]
+  # 8 images x 65 tokens per group, E=8, k=2, C=0.3: 39 slots (paper), 39 -> 40 (reference).
+  assert capacities(model) == [40, 40] == [expert_capacity(8 * 65, 8, 2, 0.3, "reference")] * 2
+  assert capacities(build_model(dataclasses.replace(
+      c, router=dataclasses.replace(c.router, capacity_rounding=CapacityRounding.paper)),
+      10)) == [39, 39]
+
+
 @pytest.mark.parametrize("name,layers", [
     ("vmoe_s32_last2", (5, 7)),
     ("vmoe_s32_every2", (1, 3, 5, 7)),

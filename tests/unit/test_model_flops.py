@@ -81,6 +81,27 @@ def test_eval_capacity_ratio_is_used_at_eval():
       forward_flops_per_image(c, 10, batch_size=8, train=False)
 
 
+@pytest.mark.parametrize("batch_size,group,capacity", [
+    (4, 4, 72),    # 2 * 4*65 * 1.05 / 8 = 68.25 -> 69 -> 72 (paper rounding: 68)
+    (64, 8, 140),  # 136.5 -> 137 -> 140
+])
+def test_reference_capacity_rounding_counts_the_reference_slots(batch_size, group, capacity):
+  paper = model_config("vmoe_tiny")
+  c = _with(paper, router={"capacity_rounding": "reference"})
+  assert expert_capacity(group * 65, 8, 2, 1.05, "reference") == capacity
+  d, mlp, e = 128, 512, 8
+  paper_slots = expert_capacity(group * 65, 8, 2, 1.05)
+  extra = 2 * 2 * 2 * (e * (capacity - paper_slots) / group) * d * mlp  # 2 MoE layers
+  assert forward_flops_per_image(c, 10, batch_size=batch_size) == \
+      forward_flops_per_image(paper, 10, batch_size=batch_size) + extra
+  # At eval too, with the eval capacity ratio.
+  ev = _with(c, router={"eval_capacity_ratio": 0.5})
+  eval_slots = expert_capacity(group * 65, 8, 2, 0.5, "reference")
+  assert forward_flops_per_image(ev, 10, batch_size=batch_size, train=False) == \
+      forward_flops_per_image(ev, 10, batch_size=batch_size) - \
+      2 * 2 * 2 * (e * (capacity - eval_slots) / group) * d * mlp
+
+
 # ---------------------------------------------------------------------------------------------
 # A hand-computed small case for every variant.
 #   image 8, patch 4 -> 4 patches + class token = T = 5 tokens; D = 8, MLP 16, 2 blocks, MoE on

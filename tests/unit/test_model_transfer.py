@@ -83,10 +83,9 @@ def test_new_number_of_classes_without_reinit_head_is_reported(dense_ckpt):
 
 
 def _upsampled_coordinate(new_index, old_side=4, new_side=8):
-  """Source coordinate of output pixel `new_index` in jax.image.resize's half-pixel convention,
-  (j + 0.5) * old / new - 0.5, clamped to the grid (edge samples are renormalised weights of the
-  nearest in-range sample, i.e. the edge value)."""
-  return np.clip((new_index + 0.5) * old_side / new_side - 0.5, 0, old_side - 1)
+  """Source coordinate of output cell `new_index` in scipy.ndimage.zoom's default (corner-aligned)
+  convention, j * (old - 1) / (new - 1): the first and last cells sample the old corners."""
+  return new_index * (old_side - 1) / (new_side - 1)
 
 
 def test_position_embedding_of_a_linear_function_stays_linear(dense_ckpt):
@@ -103,43 +102,57 @@ def test_position_embedding_of_a_linear_function_stays_linear(dense_ckpt):
   out = adapt_params(restored, fresh, reinit_head=True)["pos_embedding"]
   assert out.shape == (1, 64, d) and out.dtype == np.float32
   u = _upsampled_coordinate(np.arange(8))
-  np.testing.assert_allclose(u, [0, 0.25, 0.75, 1.25, 1.75, 2.25, 2.75, 3])
+  np.testing.assert_allclose(u, np.arange(8) * 3 / 7)
   want = a * u[:, None, None] + b * u[None, :, None] + c0
   np.testing.assert_allclose(out.reshape(8, 8, d), want, rtol=1e-5, atol=1e-5)
-  # Inside the grid the result is exactly linear in the new coordinates: constant differences.
-  inner = out.reshape(8, 8, d)[1:7, 1:7]
-  np.testing.assert_allclose(np.diff(inner, axis=0), np.broadcast_to(a / 2, (5, 6, d)), atol=1e-5)
-  np.testing.assert_allclose(np.diff(inner, axis=1), np.broadcast_to(b / 2, (6, 5, d)), atol=1e-5)
+  # Corner-aligned: linear up to the edges (no clamped border), constant differences everywhere.
+  grid8 = out.reshape(8, 8, d)
+  np.testing.assert_allclose(np.diff(grid8, axis=0), np.broadcast_to(a * 3 / 7, (7, 8, d)),
+                             atol=1e-5)
+  np.testing.assert_allclose(np.diff(grid8, axis=1), np.broadcast_to(b * 3 / 7, (8, 7, d)),
+                             atol=1e-5)
   # The cls token is not part of the grid and is copied unchanged.
   np.testing.assert_array_equal(adapt_params(restored, fresh)["cls"], dense_ckpt["cls"])
 
 
-def _numpy_bilinear(grid, new_side):
-  """Separable bilinear interpolation with half-pixel centres and clamped edges."""
+def _numpy_align_corners(grid, new_side):
+  """Separable linear interpolation, new cell j at old coordinate j * (n - 1) / (m - 1)."""
   old_side = grid.shape[0]
-  src = np.clip((np.arange(new_side) + 0.5) * old_side / new_side - 0.5, 0, old_side - 1)
-  lo = np.floor(src).astype(int)
-  hi = np.minimum(lo + 1, old_side - 1)
+  src = np.arange(new_side) * (old_side - 1) / (new_side - 1)
+  lo = np.minimum(np.floor(src).astype(int), old_side - 2)
   w = (src - lo)[:, None]
-  rows = grid[lo] * (1 - w[..., None]) + grid[hi] * w[..., None]
+  rows = grid[lo] * (1 - w[..., None]) + grid[lo + 1] * w[..., None]
   w = w[None, :, :]
-  return rows[:, lo] * (1 - w) + rows[:, hi] * w
+  return rows[:, lo] * (1 - w) + rows[:, lo + 1] * w
 
 
-@pytest.mark.parametrize("old_side,new_side", [(4, 8), (3, 7)])
-def test_resize_position_embedding_matches_numpy_and_scipy_bilinear(old_side, new_side):
+@pytest.mark.parametrize("old_side,new_side", [(4, 8), (3, 7), (14, 24), (24, 14), (7, 12)])
+def test_resize_position_embedding_is_big_vision_resample_posemb(old_side, new_side):
   d = 5
   posemb = np.random.default_rng(5).normal(size=(1, old_side ** 2, d)).astype(np.float32)
   got = resize_position_embedding(posemb, new_side ** 2)
-  assert got.shape == (1, new_side ** 2, d)
-  grid = posemb.reshape(old_side, old_side, d).astype(np.float64)
-  want = _numpy_bilinear(grid, new_side)
-  np.testing.assert_allclose(got.reshape(new_side, new_side, d), want, rtol=1e-5, atol=1e-5)
-  for c in range(d):
-    zoomed = ndimage.zoom(grid[..., c], new_side / old_side, order=1, mode="nearest",
-                          grid_mode=True)
-    np.testing.assert_allclose(got.reshape(new_side, new_side, d)[..., c], zoomed, rtol=1e-5,
-                               atol=1e-5)
+  assert got.shape == (1, new_side ** 2, d) and got.dtype == np.float32
+  grid = posemb.reshape(old_side, old_side, d)
+  # big_vision's resample_posemb (and vmoe's VitZoomTransformation), called directly.
+  want = ndimage.zoom(grid, (new_side / old_side, new_side / old_side, 1), order=1)
+  np.testing.assert_allclose(got.reshape(new_side, new_side, d), want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(got.reshape(new_side, new_side, d),
+                             _numpy_align_corners(grid.astype(np.float64), new_side),
+                             rtol=1e-5, atol=1e-6)
+  # The four corner embeddings are kept exactly.
+  out = got.reshape(new_side, new_side, d)
+  for r, c in ((0, 0), (0, -1), (-1, 0), (-1, -1)):
+    np.testing.assert_array_equal(out[r, c], grid[r, c])
+  # Not the half-pixel convention of jax.image.resize (the old implementation).
+  half_pixel = np.asarray(jax.image.resize(grid, (new_side, new_side, d), method="bilinear"))
+  assert not np.allclose(out, half_pixel, atol=1e-3)
+
+
+def test_resize_position_embedding_same_size_and_dtype():
+  posemb = np.random.default_rng(6).normal(size=(1, 9, 4)).astype(np.float32)
+  np.testing.assert_array_equal(resize_position_embedding(posemb, 9), posemb)
+  as64 = resize_position_embedding(posemb.astype(np.float64), 25)
+  assert as64.dtype == np.float64
 
 
 def test_resize_position_embedding_rejects_non_square_grids():

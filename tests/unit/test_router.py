@@ -65,7 +65,7 @@ def test_eval_is_deterministic_and_routes_clean_gates():
                                   capacity)
     np.testing.assert_array_equal(np.asarray(plan_a.slot_of_assignment[g]), want[0])
     np.testing.assert_allclose(np.asarray(plan_a.combine_weights[g]), want[2], rtol=1e-5)
-  assert float(metrics["auxiliary_loss"]) == float(metrics["importance_loss"])
+  assert float(metrics["auxiliary_loss"]) == 0.5 * float(metrics["importance_loss"])
 
 
 def test_train_noise_depends_on_the_gating_rng():
@@ -157,6 +157,62 @@ def test_train_routes_noisy_gates_and_load_loss_uses_them(monkeypatch):
   np.testing.assert_allclose(float(metrics["auxiliary_loss"]),
                              0.5 * float(metrics["importance_loss"]) +
                              0.5 * float(metrics["load_loss"]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("batch_priority", [False, True])
+def test_reference_capacity_rounding_drops_what_the_formula_implies(batch_priority):
+  # S=16 tokens, E=4, k=2, C=0.3: k*S*C/E = 2.4 -> paper round: 2 slots; reference: ceil 3,
+  # then the next multiple of 4: 4 slots.
+  kwargs = dict(num_experts=4, k=2, capacity_ratio=0.3, batch_priority=batch_priority, scale=50.0)
+  _, variables, x, apply = _setup(capacity_rounding="reference", **kwargs)
+  _, _, _, apply_paper = _setup(**kwargs)
+  gates = np.asarray(jax.nn.softmax(x @ variables["params"]["dense"]["kernel"]), np.float32)
+  kept = {}
+  for rounding, run, capacity in (("reference", apply, 4), ("paper", apply_paper, 2)):
+    plan, metrics = run(variables, x, _key(0), train=False)
+    assert plan.capacity == capacity == routing.expert_capacity(S, 4, 2, 0.3, rounding)
+    want_kept = np.zeros((G, S, 2), bool)
+    for g in range(G):
+      buffers = route_reference(gates[g], 2, capacity, batch_priority, "max")
+      want = buffers_to_plan_arrays(buffers, S, 2, capacity)
+      np.testing.assert_array_equal(np.asarray(plan.slot_of_assignment[g]), want[0])
+      for buffer in buffers:
+        for p, i, _ in buffer:
+          want_kept[g, p, i] = True
+    np.testing.assert_array_equal(np.asarray(plan.kept), want_kept)
+    np.testing.assert_allclose(float(metrics["fraction_dropped_assignments"]),
+                               1 - want_kept.mean(), rtol=1e-6)
+    kept[rounding] = want_kept
+  # 4 experts x 4 slots hold at most 16 of the 32 assignments, 4 x 2 at most 8.
+  assert kept["paper"].sum() <= 2 * 4 * G < kept["reference"].sum() <= 4 * 4 * G
+
+
+def vmoe_auxiliary_loss(importance_loss, load_loss=None, importance_loss_weight=0.005,
+                        load_loss_weight=0.005):
+  """vmoe/nn/routing.py NoisyTopExpertsPerItemRouter's metric with the paper configs' weights
+  (vmoe/configs/vmoe_paper/common.py: 0.005 each, gshard 0): the load term only with noise."""
+  total = importance_loss_weight * importance_loss
+  if load_loss is not None:
+    total += load_loss_weight * load_loss
+  return total
+
+
+@pytest.mark.parametrize("noise_std,train", [(0.0, True), (1.0, False), (1.0, True)])
+def test_auxiliary_loss_weights_match_the_reference(noise_std, train):
+  """lambda * auxiliary_loss (lambda = train.aux_loss_weight = 0.01) is the reference's
+  auxiliary loss: importance keeps its weight 1/2 without noise (noise_std 0, or evaluation)."""
+  _, variables, x, apply = _setup(num_experts=4, k=2, capacity_ratio=1.0, noise_std=noise_std,
+                                  scale=30.0)
+  _, metrics = apply(variables, x, _key(0), train=train)
+  noisy = train and noise_std > 0
+  assert ("load_loss" in metrics) == noisy
+  logits = np.asarray(x @ variables["params"]["dense"]["kernel"], np.float64)
+  importance = importance_loss_reference(logits).mean()
+  np.testing.assert_allclose(float(metrics["importance_loss"]), importance, rtol=1e-4)
+  want = vmoe_auxiliary_loss(float(metrics["importance_loss"]),
+                             float(metrics["load_loss"]) if noisy else None)
+  np.testing.assert_allclose(0.01 * float(metrics["auxiliary_loss"]), want, rtol=1e-6)
+  assert float(metrics["importance_loss"]) > 1e-3  # not a comparison of zeros
 
 
 def test_eval_capacity_ratio_only_applies_in_eval():

@@ -1,6 +1,8 @@
 """plan_dispatch / expert_capacity against the paper's routing algorithms (V-MoE §2.4, App. C.1)."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -262,6 +264,50 @@ def test_expert_capacity_half_way_with_decimal_ratio():
   """k*N*C/E is exactly 10.5 (45 * 0.7 / 3) though binary floating point gives 10.4999..."""
   assert routing.expert_capacity(45, 3, 1, 0.7) == 11
   assert routing.expert_capacity(90, 3, 1, 0.35) == 11
+
+
+def vmoe_compute_capacity(num_tokens, num_experts, capacity_factor, multiple_of=4):
+  """A transcription of google-research/vmoe's vmoe/moe.py `compute_capacity` with its defaults
+  (ceil_or_round="ceil", multiple_of=4); the dispatcher calls it with num_tokens = S * k."""
+  capacity = int(math.ceil(num_tokens * capacity_factor / num_experts))
+  if capacity < 1:
+    raise ValueError(f"capacity {capacity} < 1")
+  if multiple_of and multiple_of > 0:
+    capacity += (-capacity) % multiple_of
+  return capacity
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,k,ratio,want", [
+    (32, 32, 2, 1.0, 4),         # the reference's own test: ceil(32 * 2 / 32) = 2 -> 4
+    (16, 4, 1, 1.0, 4),          # 4, already a multiple of 4
+    (16, 4, 2, 1.0, 8),
+    (10, 4, 1, 1.0, 4),          # 2.5 -> 3 -> 4
+    (100, 8, 2, 1.05, 28),       # 26.25 -> 27 -> 28 (paper: 26)
+    (16 * 49, 32, 2, 1.05, 52),  # 51.45 -> 52
+    (1568, 32, 2, 0.5, 52),      # 49 -> 52 (paper: 49)
+    (10, 8, 1, 0.25, 4),         # 0.3125 -> 1 -> 4: the smallest capacity
+    (5, 10, 1, 0.1, 4),
+    (64, 8, 1, 0.57, 8),         # 4.56 -> 5 -> 8
+    (100, 5, 2, 1.1, 48),        # 200 * 1.1 / 5 = 44.00000000000001 in floating point -> 45 -> 48
+    (45, 3, 1, 0.7, 12),         # 10.499999999999998 -> 11 -> 12
+    (197 * 8, 8, 2, 1.05, 416),  # ViT-B/16 at 224, group of 8 images: 413.7 -> 414 -> 416
+])
+def test_expert_capacity_reference_rounding(num_tokens, num_experts, k, ratio, want):
+  got = routing.expert_capacity(num_tokens, num_experts, k, ratio, "reference")
+  assert isinstance(got, int)
+  assert got == want == vmoe_compute_capacity(num_tokens * k, num_experts, ratio)
+  assert got % 4 == 0
+
+
+def test_expert_capacity_reference_rounding_matches_vmoe_on_a_grid():
+  for num_tokens in (1, 7, 49, 50, 65, 197, 200, 394, 1568):
+    for num_experts in (2, 3, 5, 8, 32):
+      for k in (1, 2, 5):
+        for ratio in (0.1, 0.25, 0.5, 0.55, 0.7, 1.0, 1.05, 1.1, 1.25, 2.0):
+          want = vmoe_compute_capacity(num_tokens * k, num_experts, ratio)
+          assert routing.expert_capacity(num_tokens, num_experts, k, ratio, "reference") == want
+  with pytest.raises(ValueError, match="unknown capacity rounding 'floor'"):
+    routing.expert_capacity(16, 4, 1, 1.0, "floor")
 
 
 @pytest.mark.parametrize("batch_priority", [False, True])

@@ -223,3 +223,59 @@ def test_unknown_optimizer_raises_with_valid_names():
     make_optimizer("rmsprop", lambda step: 0.1, _params())
   for name in OPTIMIZERS:
     assert name in str(e.value)
+
+
+# --- Adafactor: big_vision's scale_by_adafactor, as vmoe's scale_by_big_vision_adafactor -------
+
+def _numpy_adafactor_unfactored(grads, beta2_cap, b1, eps=1e-30, exponent=0.8):
+  """Updates (lr 1, no weight decay, no update clipping) for a parameter too small to factor:
+  beta_i = min(beta2_cap, 1 - (i + 1)^-0.8), v = beta v + (1 - beta)(g^2 + eps), u = g / sqrt(v),
+  then momentum m = b1 m + (1 - b1) u (no debiasing); the step is -m."""
+  v = m = 0.0
+  out = []
+  for i, g in enumerate(grads):
+    beta = min(beta2_cap, 1.0 - (i + 1.0) ** -exponent)
+    v = beta * v + (1 - beta) * (g ** 2 + eps)
+    u = g / np.sqrt(v)
+    m = b1 * m + (1 - b1) * u if b1 else u
+    out.append(-m)
+  return out
+
+
+@pytest.mark.parametrize("beta2_cap,b1", [(0.5, 0.0), (0.5, 0.9), (1.0, 0.9), (0.999, 0.9)])
+def test_adafactor_second_moment_decay_is_capped(beta2_cap, b1):
+  rng = np.random.default_rng(0)
+  grads = [rng.normal(size=5).astype(np.float32) for _ in range(8)]
+  params = {"w": jnp.zeros(5, jnp.float32)}  # 1-D: never factored
+  tx = make_optimizer("adafactor", lambda step: 1.0, params, b1=b1, beta2_cap=beta2_cap,
+                      clipping_threshold=None, grad_clip_norm=None)
+  state = tx.init(params)
+  want = _numpy_adafactor_unfactored([g.astype(np.float64) for g in grads], beta2_cap, b1)
+  for g, w in zip(grads, want):
+    updates, state = tx.update({"w": jnp.asarray(g)}, state, params)
+    np.testing.assert_allclose(np.asarray(updates["w"]), w, rtol=2e-5, atol=1e-6)
+  if beta2_cap == 0.5:  # the cap bites from the third step (1 - 3^-0.8 = 0.585): uncapped differs
+    uncapped = _numpy_adafactor_unfactored([g.astype(np.float64) for g in grads], 1.0, b1)
+    assert not np.allclose(uncapped[-1], want[-1], rtol=1e-3)
+
+
+def test_adafactor_decay_rate_schedule():
+  from runner.train.optimizers import adafactor_decay_rate_fn
+  fn = adafactor_decay_rate_fn(0.999)
+  steps = np.array([0, 1, 9, 1000, 5622, 5624, 10 ** 6])
+  got = np.asarray(fn(jnp.asarray(steps), 0.8))
+  want = np.minimum(0.999, 1.0 - (steps + 1.0) ** -0.8)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert got[0] == 0.0 and got[-1] == np.float32(0.999)  # capped: (t)^-0.8 < 1e-3 past t ~ 5623
+  assert got[4] < np.float32(0.999)
+
+
+@pytest.mark.parametrize("min_dim,factored", [(32, True), (41, False), (128, False)])
+def test_adafactor_factors_by_min_dim_size(min_dim, factored):
+  params = {"k": jnp.zeros((40, 36), jnp.float32)}
+  tx = make_optimizer("adafactor", lambda step: 1.0, params, min_dim_size_to_factor=min_dim)
+  rms_state = tx.init(params)[1][0]  # (clip, precondition chain, decay, lr): the factored RMS
+  # Factored: a (36,) and a (40,) statistic and a dummy full one; else the full (40, 36) one.
+  assert {rms_state.v_row["k"].shape, rms_state.v_col["k"].shape} == (
+      {(36,), (40,)} if factored else {(1,)})
+  assert rms_state.v["k"].shape == ((1,) if factored else (40, 36))

@@ -128,3 +128,35 @@ def test_unknown_schedule_raises_with_valid_names():
     make_schedule("exponential", 1.0, total_steps=10)
   for name in SCHEDULES:
     assert name in str(e.value)
+
+
+def _vmoe_big_vision_rsqrt(count, *, peak_value, decay_steps, timescale, warmup_steps,
+                           cooldown_steps):
+  """A transcription of vmoe/train/schedule.py `big_vision_rsqrt_schedule` (optax.join_schedules:
+  each piece sees the count minus its start)."""
+  cooldown_peak = peak_value / math.sqrt(
+      1.0 + (decay_steps - warmup_steps - cooldown_steps) / timescale)
+  if count < warmup_steps:
+    return peak_value * count / warmup_steps
+  if count < decay_steps - cooldown_steps:
+    return peak_value / math.sqrt(1.0 + (count - warmup_steps) / timescale)
+  return cooldown_peak * (1 - (count - (decay_steps - cooldown_steps)) / cooldown_steps)
+
+
+def test_rsqrt_docstring_formula_and_vmoe_relation():
+  """The formula in make_schedule's docstring, and its stated relation to vmoe's rsqrt:
+  ours(step) = vmoe(step + 1) in warmup and decay; the cooldowns differ."""
+  lr, w, t, total, cd = 0.5, 20, 30, 300, 50
+  sched = make_schedule("rsqrt", lr, total_steps=total, warmup_steps=w, timescale=t,
+                        cooldown_steps=cd)
+  steps = np.arange(total)
+  got = values(sched, steps)
+  documented = (lr * np.minimum(1.0, (steps + 1) / w)
+                * np.sqrt(t / (t + np.maximum(0, steps + 1 - w)))
+                * np.clip((total - steps) / cd, 0, 1))
+  np.testing.assert_allclose(got, documented, rtol=1e-6)
+  vmoe = np.array([_vmoe_big_vision_rsqrt(s + 1, peak_value=lr, decay_steps=total, timescale=t,
+                                          warmup_steps=w, cooldown_steps=cd) for s in steps])
+  before = steps < total - cd
+  np.testing.assert_allclose(got[before], vmoe[before], rtol=1e-6)
+  assert not np.allclose(got[~before], vmoe[~before], rtol=1e-3)  # the documented difference

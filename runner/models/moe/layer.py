@@ -68,7 +68,10 @@ class MoeMlpBlock(nn.Module):
   ensemble, (images, M*tokens, k) for tiled rows and (images, tokens, M*k) for partition_only).
   That is the "set of selected experts" whose change under attack the adversarial evaluator
   measures (Puigcerver et al. 2022, App. F): a property of the token alone, whereas what survives
-  the buffers also depends on the other images of its routing group.
+  the buffers also depends on the other images of its routing group. It also sows
+  `routed_experts`, of the same shape: the expert id where the assignment found room in the
+  expert's buffer with a non-zero combine weight, -1 where it was dropped; the experts that
+  actually process the token, which is what the reference code's routing change compares.
   """
   num_experts: int
   mlp_dim: int
@@ -109,6 +112,8 @@ class MoeMlpBlock(nn.Module):
     # A no-op unless the caller made "intermediates" mutable.
     self.sow("intermediates", "selected_experts",
              self._selected(plan, num_groups, group_size, tokens, partitions, tiled))
+    self.sow("intermediates", "routed_experts",
+             self._selected(plan, num_groups, group_size, tokens, partitions, tiled, routed=True))
     weights = MlpExperts(self.num_experts, self.mlp_dim, name="experts")(dim)
     dropout = train if dropout is None else dropout
     rng = self.make_rng("dropout") if dropout and self.expert_dropout else None
@@ -128,15 +133,21 @@ class MoeMlpBlock(nn.Module):
       y = y.reshape(num_groups, m, group_size * tokens, dim).sum(axis=1).reshape(rows, tokens, dim)
     return y.astype(x.dtype), metrics
 
-  def _selected(self, plan, num_groups, group_size, tokens, partitions, tiled) -> jax.Array:
-    """Each image's tokens' TOP-k experts (global expert ids), for the adversarial evaluator."""
+  def _selected(self, plan, num_groups, group_size, tokens, partitions, tiled,
+                routed: bool = False) -> jax.Array:
+    """Each image's tokens' TOP-k experts (global expert ids), for the adversarial evaluator;
+    `routed`: -1 in place of the assignments dropped (or of combine weight 0)."""
     experts = plan.experts
     images = num_groups * group_size
     if partitions == 1:  # rows of a tiled batch are image-major: one image's copies are adjacent
+      if routed:
+        experts = jnp.where(plan.combine_weights > 0, experts, -1)
       return experts.reshape(images, -1, plan.k)
     m = partitions
     experts = experts.reshape(num_groups, m, group_size, tokens, plan.k)
     experts = experts + (jnp.arange(m) * (self.num_experts // m))[None, :, None, None, None]
+    if routed:
+      experts = jnp.where(plan.combine_weights.reshape(experts.shape) > 0, experts, -1)
     if tiled:  # (G, M, images, T, k) -> (images, M*T, k)
       return experts.transpose(0, 2, 1, 3, 4).reshape(images, m * tokens, plan.k)
     return experts.transpose(0, 2, 3, 1, 4).reshape(images, tokens, m * plan.k)

@@ -39,6 +39,7 @@ class NoisyTopKRouter(nn.Module):
   batch_priority: bool = False
   priority: str = "max"
   noise_std: float = 1.0
+  capacity_rounding: str = "paper"  # routing.expert_capacity: "paper" or "reference"
   partitions: int = 1
 
   @nn.compact
@@ -65,12 +66,16 @@ class NoisyTopKRouter(nn.Module):
       metrics["load_loss"] = routing.load_loss(logits, noisy, noise_std, self.k).mean()
       metrics["auxiliary_loss"] = 0.5 * metrics["importance_loss"] + 0.5 * metrics["load_loss"]
     else:
+      # No noise (evaluation, or noise_std = 0): no load loss, and the importance loss keeps its
+      # weight 1/2, as in the reference code, whose auxiliary loss is
+      # importance_loss_weight * importance (+ load_loss_weight * load with noise), both weights
+      # lambda / 2 (0.005; vmoe/nn/routing.py, vmoe/configs/vmoe_paper/common.py).
       gates = gates_clean
-      metrics["auxiliary_loss"] = metrics["importance_loss"]
+      metrics["auxiliary_loss"] = 0.5 * metrics["importance_loss"]
     ratio = self.capacity_ratio
     if not train and self.eval_capacity_ratio is not None:
       ratio = self.eval_capacity_ratio
-    capacity = routing.expert_capacity(num_tokens, experts, self.k, ratio)
+    capacity = routing.expert_capacity(num_tokens, experts, self.k, ratio, self.capacity_rounding)
     plan = routing.plan_dispatch(gates, k=self.k, capacity=capacity,
                                  batch_priority=self.batch_priority, priority=self.priority)
     kept = plan.kept

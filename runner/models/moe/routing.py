@@ -2,9 +2,10 @@
 
 g(x) = TOP_k(softmax(Wx + eps)), eps ~ N(0, (noise_std / E)^2) in training only (V-MoE §2.3).
 Each group of tokens is routed independently with expert capacity
-B_e = round(k * tokens_per_group * C / E) (§2.4). Every TOP-i assignment has priority over any
-TOP-j assignment for i < j; within one choice rank, tokens go in their natural order (Algorithm 1,
-"vanilla") or sorted by a routing score (Algorithm 2, Batch Prioritized Routing).
+B_e = round(k * tokens_per_group * C / E) (§2.4), or the reference code's rounding (see
+`expert_capacity`). Every TOP-i assignment has priority over any TOP-j assignment for i < j;
+within one choice rank, tokens go in their natural order (Algorithm 1, "vanilla") or sorted by a
+routing score (Algorithm 2, Batch Prioritized Routing).
 
 The result is a `DispatchPlan`: a partial bijection between assignments and buffer slots. How
 tokens are physically moved into the buffers is the dispatcher's business (`dispatch.py`).
@@ -21,11 +22,30 @@ import jax.numpy as jnp
 PRIORITIES = ("max", "sum")
 
 
-def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_ratio: float) -> int:
-  """B_e = round(k * N * P * C / E), rounding half up, and at least one slot.
+CAPACITY_ROUNDINGS = ("paper", "reference")
+CAPACITY_MULTIPLE = 4  # the reference's `capacity_multiple_of` default
 
-  Computed exactly from the decimal C (0.7 * 45 / 3 is 10.5, not 10.4999...).
+
+def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_ratio: float,
+                    rounding: str = "paper") -> int:
+  """Buffer slots per expert for a group of `num_tokens` tokens, each sent to k of E experts.
+
+  "paper": B_e = round(k * N * C / E) (V-MoE §2.4), rounding half up, and at least one slot;
+  computed exactly from the decimal C (0.7 * 45 / 3 is 10.5, not 10.4999...).
+
+  "reference": what google-research/vmoe runs (vmoe/moe.py `compute_capacity` with its defaults
+  `ceil_or_round="ceil"`, `multiple_of=4`, called with num_tokens = group size * k): ceil of
+  k * N * C / E evaluated in floating point in that order, ((N * k) * C) / E, as the reference
+  does, so a product such as 400 * 1.05 = 420.00000000000006 rounds up as it does there; then
+  increased to the next multiple of 4. The ceil is >= 1 for any group with a token, so the
+  smallest capacity is 4.
   """
+  rounding = str(getattr(rounding, "value", rounding))
+  if rounding == "reference":
+    capacity = max(1, math.ceil(num_tokens * k * float(capacity_ratio) / num_experts))
+    return capacity + (-capacity) % CAPACITY_MULTIPLE
+  if rounding != "paper":
+    raise ValueError(f"unknown capacity rounding {rounding!r}; valid: {CAPACITY_ROUNDINGS}")
   exact = fractions.Fraction(str(capacity_ratio)) * k * num_tokens / num_experts
   return max(1, math.floor(exact + fractions.Fraction(1, 2)))
 
