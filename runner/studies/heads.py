@@ -52,6 +52,8 @@ def stages(extra: list[str]) -> None:
   for model in MODELS:
     for head, _ in HEADS:
       for noise in NOISE:
+        if (_eval_dir(model, head, noise) / "summary.json").exists():
+          continue  # evaluated by an earlier run of the study
         _run("eval", [f"workdir={_eval_dir(model, head, noise)}",
                       f"init.checkpoint={_run_dir(model, head, noise)}"], extra)
 

@@ -862,7 +862,7 @@ def test_head_config_problems(head, expected):
 
 def test_valid_head_configs():
   for head in (dict(type=HeadType.het_xl, latent_dim=16), dict(type=HeadType.het, temperature=5.0),
-               dict(type=HeadType.det, temperature=9.0),  # a linear head ignores the HET keys
+               dict(type=HeadType.det, num_factors=3),  # a linear head ignores the HET keys
                dict(type=HeadType.het, latent_dim=7)):
     config = dataclasses.replace(small(), head=dataclasses.replace(small().head, **head))
     validate(types.SimpleNamespace(model=config))
