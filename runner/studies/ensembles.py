@@ -16,9 +16,8 @@ import json
 import pathlib
 import statistics
 import sys
-import time
 
-from runner import cli
+from runner.studies import driver
 
 ROOT = pathlib.Path("runs/studies/ensembles")
 UPSTREAM = ROOT / "upstream"
@@ -38,14 +37,8 @@ ROWS = [  # (row of the table, variant or ensemble name)
 ]
 
 
-def _run(sub: str, args: list[str], extra: list[str]) -> None:
-  print(f"\n=== vmoe {sub} {' '.join(args + extra)}", file=sys.stderr, flush=True)
-  try:
-    code = cli.main([sub] + args + extra)
-  except SystemExit as e:
-    code = e.code
-  if code:
-    raise SystemExit(f"study-ensembles: vmoe {sub} failed (exit {code})")
+def _vmoe(sub: str, args: list[str], extra: list[str]) -> None:
+  driver.vmoe("study-ensembles", sub, args, extra)
 
 
 def _run_dir(variant: str, seed: int) -> pathlib.Path:
@@ -63,25 +56,25 @@ def _replicates(name: str) -> list[tuple[str, list[str]]]:
 
 
 def stages(extra: list[str]) -> None:
-  _run("pretrain", [f"workdir={UPSTREAM}"], extra)
-  _run("finetune", ["-cd", "sweeps", "-cn", "ensembles", f"init.checkpoint={UPSTREAM}"], extra)
+  _vmoe("pretrain", [f"workdir={UPSTREAM}"], extra)
+  _vmoe("finetune", ["-cd", "sweeps", "-cn", "ensembles", f"init.checkpoint={UPSTREAM}"], extra)
   for _, name in ROWS:
     for out, checkpoints in _replicates(name):
       listed = f"init.checkpoint=[{','.join(checkpoints)}]"
       if (ROOT / "evals" / out / "summary.json").exists():
         continue  # evaluated by an earlier run of the study
       if name in VARIANTS:
-        _run("eval", [f"workdir={ROOT / 'evals' / out}", f"init.checkpoint={checkpoints[0]}",
+        _vmoe("eval", [f"workdir={ROOT / 'evals' / out}", f"init.checkpoint={checkpoints[0]}",
                       *EVAL], extra)
       else:
         mc = ["ensemble.mc_dropout=2"] if name == "mc_dropout" else []
-        _run("ensemble", [f"workdir={ROOT / 'evals' / out}", listed, *EVAL, *mc], extra)
+        _vmoe("ensemble", [f"workdir={ROOT / 'evals' / out}", listed, *EVAL, *mc], extra)
   for _, name in ROWS:
     if name == "mc_dropout":  # its features are its model's (few-shot is deterministic)
       continue
     for out, checkpoints in _replicates(name):
       if not (ROOT / "fewshot" / out / "summary.json").exists():
-        _run("fewshot", [f"workdir={ROOT / 'fewshot' / out}",
+        _vmoe("fewshot", [f"workdir={ROOT / 'fewshot' / out}",
                          f"init.checkpoint=[{','.join(checkpoints)}]", *FEWSHOT], extra)
 
 
@@ -128,13 +121,7 @@ def table() -> str:
 
 
 def main(extra: list[str]) -> int:
-  start = time.perf_counter()
-  stages(extra)
-  report = table()
-  (ROOT / "results.md").write_text(report + "\n")
-  print("\n" + report + f"\n\n(also in {ROOT / 'results.md'}; "
-        f"{(time.perf_counter() - start) / 60:.1f} min)")
-  return 0
+  return driver.main(ROOT, stages, table, extra)
 
 
 if __name__ == "__main__":

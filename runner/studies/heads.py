@@ -13,9 +13,8 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
-import time
 
-from runner import cli
+from runner.studies import driver
 
 ROOT = pathlib.Path("runs/studies/heads")
 MODELS = ("vit_tiny", "vmoe_tiny")
@@ -29,14 +28,8 @@ HEADS = [  # (experiment overlay, row label)
 NOISE = ("0.0", "0.3")
 
 
-def _run(sub: str, args: list[str], extra: list[str]) -> None:
-  print(f"\n=== vmoe {sub} {' '.join(args + extra)}", file=sys.stderr, flush=True)
-  try:
-    code = cli.main([sub] + args + extra)
-  except SystemExit as e:
-    code = e.code
-  if code:
-    raise SystemExit(f"study-heads: vmoe {sub} failed (exit {code})")
+def _vmoe(sub: str, args: list[str], extra: list[str]) -> None:
+  driver.vmoe("study-heads", sub, args, extra)
 
 
 def _run_dir(model: str, head: str, noise: str) -> pathlib.Path:
@@ -48,13 +41,13 @@ def _eval_dir(model: str, head: str, noise: str) -> pathlib.Path:
 
 
 def stages(extra: list[str]) -> None:
-  _run("pretrain", ["-cd", "sweeps", "-cn", "heads"], extra)
+  _vmoe("pretrain", ["-cd", "sweeps", "-cn", "heads"], extra)
   for model in MODELS:
     for head, _ in HEADS:
       for noise in NOISE:
         if (_eval_dir(model, head, noise) / "summary.json").exists():
           continue  # evaluated by an earlier run of the study
-        _run("eval", [f"workdir={_eval_dir(model, head, noise)}",
+        _vmoe("eval", [f"workdir={_eval_dir(model, head, noise)}",
                       f"init.checkpoint={_run_dir(model, head, noise)}"], extra)
 
 
@@ -77,13 +70,7 @@ def table() -> str:
 
 
 def main(extra: list[str]) -> int:
-  start = time.perf_counter()
-  stages(extra)
-  report = table()
-  (ROOT / "results.md").write_text(report + "\n")
-  print("\n" + report + f"\n(also in {ROOT / 'results.md'}; "
-        f"{(time.perf_counter() - start) / 60:.1f} min)")
-  return 0
+  return driver.main(ROOT, stages, table, extra)
 
 
 if __name__ == "__main__":
