@@ -64,9 +64,26 @@ def read_released(path: str) -> dict[str, np.ndarray]:
   return _read_npz(path)
 
 
+def _npz_shapes(path: str) -> dict[str, np.ndarray]:
+  """Every array's shape and dtype from the .npz members' headers (no data read)."""
+  out = {}
+  with zipfile.ZipFile(pathlib.Path(path).expanduser()) as archive:
+    for member in archive.namelist():
+      with archive.open(member) as f:
+        version = np.lib.format.read_magic(f)
+        shape, _, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0(f))
+      out[member.removesuffix(".npy")] = np.broadcast_to(np.zeros((), dtype), shape)
+  return out
+
+
 def describe(path: str) -> str:
-  """'a google-research/vmoe checkpoint that looks like: hidden size 512, ...' for error messages."""
-  flat = read_released(path)
+  """'a google-research/vmoe checkpoint (hidden size 512, ...)' for error messages, from the
+  shapes alone (a released checkpoint may be gigabytes)."""
+  try:
+    flat = vmoe_format.shapes(path) if released_kind(path) == VMOE else _npz_shapes(path)
+  except (CheckpointError, OSError, ValueError, zipfile.BadZipFile):
+    return f"a {released_kind(path)}"
   hint = mapping.model_hint(flat)
   listed = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in hint.items() if v is not None)
   return f"a {released_kind(path)}" + (f" ({listed})" if listed else "")

@@ -102,6 +102,16 @@ def read(path: str) -> dict[str, np.ndarray]:
   return {leaf.name: array for leaf, array in zip(leaves, arrays)}
 
 
+def shapes(path: str) -> dict[str, np.ndarray]:
+  """Every array's shape and dtype from the index alone, as zero-stride views (no data read)."""
+  index_path = _prefix(path) + ".index"
+  try:
+    _, leaves = _read_index(index_path)
+  except (_Bad, OSError) as e:
+    raise CheckpointError(f"V-MoE checkpoint index {index_path} {_what(e)}.") from None
+  return {leaf.name: np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape) for leaf in leaves}
+
+
 def _what(error: Exception) -> str:
   return str(error) if isinstance(error, _Bad) else f"could not be read ({error.strerror})"
 

@@ -55,6 +55,17 @@ def test_round_trip(tmp_path, num_shards, chunks_per_array, piece_items):
   _assert_same(vmoe_format.read(prefix + ".index"), params)
 
 
+def test_shapes_come_from_the_index_alone(tmp_path):
+  prefix = str(tmp_path / "ckpt")
+  params = _params()
+  vmoe_writer.write(prefix, params, num_shards=2)
+  for shard in range(2):  # no data is read
+    os.remove(f"{prefix}.data-{shard:05d}-of-00002")
+  got = vmoe_format.shapes(prefix)
+  assert {n: (a.shape, a.dtype) for n, a in got.items()} == {
+      n: (a.shape, a.dtype) for n, a in params.items()}
+
+
 def test_writer_spreads_one_array_over_several_shards(tmp_path):
   """Guards the round trip above: chunk assembly across shards is really exercised."""
   prefix = str(tmp_path / "ckpt")
