@@ -1,6 +1,6 @@
 """Heteroscedastic classifier heads (runner/models/heads.py): HET and HET-XL.
 
-Checked against the spec (/work/shared/specs/heteroscedastic-heads.md): its golden values G1-G6
+Checked against the heteroscedastic-heads spec: its golden values G1-G6
 with injected draws (§5, from het_golden.py, re-created here from the formulas), the invariants of
 §5 (normalisation, τ bounds, the no-noise limit, HET-XL linearity, the noise covariance, a sigmoid
 quadrature case, parameter counts), the numerically stable log-mean, the model's plumbing
