@@ -13,14 +13,11 @@ import argparse
 import dataclasses
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from benchmarks import harness
+from benchmarks import harness, train_step
 from runner.config.schema import HeadConfig, HeadType
 from runner.models import build_model, model_config
-from runner.train import optimizers, schedules, state as state_lib
-from runner.train.step import make_train_step
+from runner.train import state as state_lib
 
 BATCH, IMAGE = 128, (32, 32, 3)
 
@@ -36,20 +33,11 @@ def _config(head: str, samples: int, chunk: int | None):
 
 def _prepare(config, classes: int):
   model = build_model(config, classes)
-  params, _ = state_lib.init_params(model, IMAGE, seed=0)
-  schedule = schedules.make_schedule("linear", 1e-3, 10_000, 100)
-  tx = optimizers.make_optimizer("adam", schedule, params, grad_clip_norm=1.0)
-  state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                               opt_state=tx.init(params))
-  rng = np.random.default_rng(0)
-  batch = {"image": jnp.asarray(rng.standard_normal((BATCH,) + IMAGE), jnp.float32),
-           "labels": jax.nn.one_hot(rng.integers(0, classes, BATCH), classes)}
-  step = jax.jit(make_train_step(model, tx, schedule, loss="softmax_xent", aux_loss_weight=0.01),
-                 donate_argnums=0)
-  compiled = step.lower(state, batch).compile()
+  compiled, state, batch = train_step.compiled_train_step(model, IMAGE, BATCH, classes)
   memory = compiled.memory_analysis()
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+  params = state_lib.count_params(state.params)  # before the first step donates the state
   box = {"state": state}
 
   def train():
@@ -57,7 +45,7 @@ def _prepare(config, classes: int):
     return metrics["train/loss"]
   for _ in range(2):
     jax.block_until_ready(train())
-  return train, peak, memory.temp_size_in_bytes, state_lib.count_params(params)
+  return train, peak, memory.temp_size_in_bytes, params
 
 
 def main(argv=None) -> dict:

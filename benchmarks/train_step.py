@@ -51,11 +51,9 @@ def model_configs(preset: dict, dtype: str) -> dict[str, ModelConfig]:
   return {"vmoe": moe, "dense": dense}
 
 
-def _prepare(config: ModelConfig, preset: dict):
-  """Jitted train and eval steps with their inputs, as zero-argument callables."""
-  batch_size, classes = preset["batch_size"], preset["num_classes"]
-  model = build_model(config, classes)
-  shape = (preset["image_size"], preset["image_size"], 3)
+def compiled_train_step(model, shape: tuple, batch_size: int, classes: int):
+  """(compiled Adam train step, its initial state, a synthetic batch): what every train-step
+  benchmark times."""
   params, _ = state_lib.init_params(model, shape, seed=0)
   schedule = schedules.make_schedule("linear", 1e-3, 10_000, 100)
   tx = optimizers.make_optimizer("adam", schedule, params, grad_clip_norm=1.0)
@@ -66,7 +64,15 @@ def _prepare(config: ModelConfig, preset: dict):
            "labels": jax.nn.one_hot(rng.integers(0, classes, batch_size), classes)}
   step = jax.jit(make_train_step(model, tx, schedule, loss="softmax_xent", aux_loss_weight=0.01),
                  donate_argnums=0)
-  compiled = step.lower(state, batch).compile()
+  return step.lower(state, batch).compile(), state, batch
+
+
+def _prepare(config: ModelConfig, preset: dict):
+  """Jitted train and eval steps with their inputs, as zero-argument callables."""
+  batch_size, classes = preset["batch_size"], preset["num_classes"]
+  model = build_model(config, classes)
+  shape = (preset["image_size"], preset["image_size"], 3)
+  compiled, state, batch = compiled_train_step(model, shape, batch_size, classes)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   box = {"state": state}
