@@ -227,11 +227,14 @@ def check_overrides(sub: str, args: list[str]) -> str | None:
   from runner import config as config_layer
   from runner.errors import UserError
   flags, overrides, show = _split_args(args)
+  _register_requested_models(overrides)
   if show:
     return None
   config_dir = flags.get("-cd") or flags.get("--config-dir")
   config_name = flags.get("-cn") or flags.get("--config-name") or sub
-  _register_requested_models(overrides)
+  # `--cfg job` shows the composed config: keys and types are checked by composing, but nothing
+  # is read (an eval's checkpoint need not exist yet) and no value is validated.
+  compose_only = bool(flags.get("--cfg") or flags.get("-c"))
   try:
     jobs = _jobs(overrides, _study_params(config_dir, config_name, overrides))
   except Exception as err:  # Hydra/OmegaConf raise many types; all mean "bad input"
@@ -241,6 +244,8 @@ def check_overrides(sub: str, args: list[str]) -> str | None:
       composed = _compose(config_dir, config_name, job)
     except Exception as err:
       return _explain_composition_error(err, sub, job, config_dir, config_name)
+    if compose_only:
+      continue
     try:
       typed = config_layer.load(sub, composed)
       config_layer.validate(typed, devices=_device_count_if_local(composed))

@@ -1,7 +1,8 @@
 """Values that follow from several keys, computed in one place for the checks and the tasks."""
 from __future__ import annotations
 
-from runner.config.schema import DataConfig, FewshotConfig, ModelConfig
+from runner.config.schema import (DataConfig, EnsembleRun, EvalRun, FewshotConfig, FewshotRun,
+                                  ModelConfig)
 
 
 def moe_layers(model: ModelConfig) -> tuple[int, ...]:
@@ -61,3 +62,22 @@ def fewshot_in_training(fewshot: FewshotConfig) -> bool:
 def model_output(loss) -> str:
   """How a model's (or its ensemble members') outputs are probabilities: softmax or sigmoid."""
   return "sigmoid" if getattr(loss, "value", loss) == "sigmoid_xent" else "softmax"
+
+
+def held_models(run) -> list[ModelConfig]:
+  """The full model configs a run holds: one per checkpoint of a few-shot or ensemble run, the
+  model of a training or resolved eval run, none before a later stage has read its checkpoint."""
+  members = getattr(run, "members", None)
+  if members is not None:
+    return [m.model for m in members]
+  model = getattr(run, "model", None)
+  return [model] if isinstance(model, ModelConfig) else []
+
+
+def inference_batch(run) -> tuple[int, str] | None:
+  """(batch size, the key that sets it) of an eval, ensemble or few-shot run; None for training."""
+  if isinstance(run, FewshotRun):
+    return fewshot_batch_size(run.fewshot, run.data), "fewshot.batch_size"
+  if isinstance(run, (EvalRun, EnsembleRun)):
+    return eval_batch_size(run.eval, run.data), "eval.batch_size"
+  return None

@@ -3,8 +3,11 @@
 A relation is a function whose parameters name config sections (`model`, `data`, `train`, ...)
 and whose annotations say which schema each must be; it applies to every config that has those
 sections with those types (a training config, a resolved eval run, ...), and returns what is wrong
-in one sentence naming the keys and values, or None. A parameter named `devices` receives the
-number of devices: such relations run once the devices are known (after multi-host start-up).
+in one sentence naming the keys and values, or None. A parameter named `run` typed `RunFields`
+receives the whole config of any task: such a relation reads the models a run holds (one, or one
+per checkpoint) through `derived.held_models`, so a rule is written once for every task. A
+parameter named `devices` receives the number of devices: such relations run once the devices
+are known (after multi-host start-up).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Callable
 from runner.config import derived
 from runner.config.schema import (AdversarialProtocol, DataConfig, DistributedConfig, EnsembleRun,
                                   EnsembleVariant, EvalConfig, EvalSuiteConfig, FewshotConfig,
-                                  FewshotRun, HeadType, MeshConfig, ModelConfig, TrainConfig)
+                                  FewshotRun, HeadType, ModelConfig, RunFields, TrainConfig)
 from runner.errors import ConfigError
 
 
@@ -179,10 +182,17 @@ def reference_attack_fixes_its_step(eval: EvalSuiteConfig):
 
 
 @relation
-def capacity_sweep_needs_experts(eval: EvalSuiteConfig, model: ModelConfig):
-  if eval.capacity_sweep and not derived.num_experts(model):
+def capacity_sweep_needs_experts(run: RunFields):
+  eval, models = getattr(run, "eval", None), derived.held_models(run)
+  if not isinstance(eval, EvalSuiteConfig) or not eval.capacity_sweep or not models:
+    return None
+  if any(derived.num_experts(m) for m in models):
+    return None
+  if getattr(run, "members", None) is None:
     return (f"eval.capacity_sweep={eval.capacity_sweep} needs a V-MoE checkpoint; model "
-            f"{model.name} has no MoE layers.")
+            f"{models[0].name} has no MoE layers.")
+  return (f"eval.capacity_sweep={eval.capacity_sweep} needs V-MoE members; none of "
+          "init.checkpoint has MoE layers.")
 
 
 @relation
@@ -239,13 +249,6 @@ def ensemble_members_agree(run: EnsembleRun):
       return (f"the members of init.checkpoint {verb} ({listing}), so their predictions cannot "
               "be averaged image by image; combine checkpoints trained with the same "
               "preprocessing and loss.")
-
-
-@relation
-def ensemble_capacity_sweep_needs_experts(run: EnsembleRun):
-  if run.eval.capacity_sweep and not any(derived.num_experts(m.model) for m in run.members):
-    return (f"eval.capacity_sweep={run.eval.capacity_sweep} needs V-MoE members; none of "
-            "init.checkpoint has MoE layers.")
 
 
 # --- multi-host start-up -----------------------------------------------------------------------
@@ -307,57 +310,25 @@ def training_fewshot_batch_fits(data: DataConfig, eval: EvalConfig, fewshot: Few
 
 
 @relation
-def eval_batch_fits(data: DataConfig, eval: EvalSuiteConfig, model: ModelConfig, devices: int):
-  return batch_problem(derived.eval_batch_size(eval, data), "eval.batch_size", model, devices)
-
-
-def _members_batch_problem(members, size: int, what: str, devices: int) -> str | None:
-  for member in members:
-    problem = batch_problem(size, what, member.model, devices)
+def inference_batch_fits(run: RunFields, devices: int):
+  """eval, ensemble and few-shot: their batch must fit every model they hold."""
+  batch = derived.inference_batch(run)
+  if batch is None:
+    return None
+  size, what = batch
+  for model in derived.held_models(run):
+    problem = batch_problem(size, what, model, devices)
     if problem:
       return problem
   return None
 
 
 @relation
-def fewshot_batch_fits(run: FewshotRun, devices: int):
-  return _members_batch_problem(run.members, derived.fewshot_batch_size(run.fewshot, run.data),
-                                "fewshot.batch_size", devices)
-
-
-@relation
-def ensemble_batch_fits(run: EnsembleRun, devices: int):
-  return _members_batch_problem(run.members, derived.eval_batch_size(run.eval, run.data),
-                                "eval.batch_size", devices)
-
-
-def _mesh_problem(mesh: MeshConfig, experts: int, devices: int) -> str | None:
+def mesh_fits(run: RunFields, devices: int):
   from runner.parallel.mesh import mesh_shape
-  try:
-    mesh_shape(mesh.data, mesh.expert, devices, experts)
-  except ConfigError as e:
-    return str(e)
+  for model in derived.held_models(run):
+    try:
+      mesh_shape(run.mesh.data, run.mesh.expert, devices, derived.num_experts(model))
+    except ConfigError as e:
+      return str(e)
   return None
-
-
-@relation
-def mesh_fits(mesh: MeshConfig, model: ModelConfig, devices: int):
-  return _mesh_problem(mesh, derived.num_experts(model), devices)
-
-
-def _members_mesh_problem(run, devices: int) -> str | None:
-  for member in run.members:
-    problem = _mesh_problem(run.mesh, derived.num_experts(member.model), devices)
-    if problem:
-      return problem
-  return None
-
-
-@relation
-def fewshot_mesh_fits(run: FewshotRun, devices: int):
-  return _members_mesh_problem(run, devices)
-
-
-@relation
-def ensemble_mesh_fits(run: EnsembleRun, devices: int):
-  return _members_mesh_problem(run, devices)

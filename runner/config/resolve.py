@@ -16,7 +16,7 @@ from omegaconf.errors import (InterpolationResolutionError, MissingMandatoryValu
 
 from runner.config.schema import (DataConfig, EnsembleMember, EnsembleRun, EvalRun,
                                   FewshotMember, FewshotRun, InitConfig, Loss, ModelConfig,
-                                  TrainConfig, TrainTask)
+                                  RunFields, TrainConfig, TrainTask)
 from runner.config.validate import validate
 from runner.errors import ConfigError
 
@@ -126,13 +126,21 @@ def stored_loss(stored: dict) -> Loss:
   return Loss(_known(TrainConfig, stored.get("train")).get("loss", Loss.softmax_xent))
 
 
+def _sections(cfg: DictConfig, workdir: str, *names: str) -> dict:
+  """The run fields every task shares (RunFields) and the task's own `names`, typed."""
+  shared = {f.name: cfg[f.name] for f in dataclasses.fields(RunFields)}
+  out = {name: typed(value) if isinstance(value, DictConfig) else value
+         for name, value in shared.items()}
+  out["workdir"] = str(workdir)
+  out.update({name: typed(cfg[name]) for name in names})
+  return out
+
+
 def eval_run(cfg: DictConfig, workdir: str, stored: dict) -> EvalRun:
   given = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
   model, data = stored_model_and_data(stored, given.get("model"), given.get("data"))
-  own = {name: typed(cfg[name]) for name in ("init", "eval", "logger", "mesh", "sharding",
-                                             "distributed")}
-  return EvalRun(seed=cfg.seed, workdir=str(workdir), debug=cfg.debug, model=model, data=data,
-                 loss=stored_loss(stored), **own)
+  return EvalRun(model=model, data=data, loss=stored_loss(stored),
+                 **_sections(cfg, workdir, "init", "eval"))
 
 
 def checkpoint_paths(value, command: str = "fewshot") -> list[str]:
@@ -154,10 +162,7 @@ def fewshot_run(cfg: DictConfig, workdir: str, stored: dict[str, dict]) -> Fewsh
   for path, config in stored.items():
     model, data = stored_model_and_data(config, given)
     members.append(FewshotMember(path=path, model=model, data=data))
-  own = {name: typed(cfg[name]) for name in ("fewshot", "logger", "mesh", "sharding",
-                                             "distributed")}
-  return FewshotRun(seed=cfg.seed, workdir=str(workdir), debug=cfg.debug, members=members,
-                    data=members[0].data, **own)
+  return FewshotRun(members=members, data=members[0].data, **_sections(cfg, workdir, "fewshot"))
 
 
 def ensemble_run(cfg: DictConfig, workdir: str, stored: dict[str, dict]) -> EnsembleRun:
@@ -170,10 +175,8 @@ def ensemble_run(cfg: DictConfig, workdir: str, stored: dict[str, dict]) -> Ense
     members.append(EnsembleMember(path=path, model=model, data=data, loss=stored_loss(config),
                                   stage=config.get("stage"), upstream=init.get("checkpoint"),
                                   seed=config.get("seed")))
-  own = {name: typed(cfg[name]) for name in ("eval", "ensemble", "logger", "mesh", "sharding",
-                                             "distributed")}
-  return EnsembleRun(seed=cfg.seed, workdir=str(workdir), debug=cfg.debug, members=members,
-                     data=members[0].data, loss=members[0].loss, **own)
+  return EnsembleRun(members=members, data=members[0].data, loss=members[0].loss,
+                     **_sections(cfg, workdir, "eval", "ensemble"))
 
 
 def released_config(path: str, cfg: DictConfig, task: str) -> dict:

@@ -413,11 +413,21 @@ class DistributedConfig:
 
 
 @dataclass
-class TrainTask:
-  """pretrain and finetune."""
+class RunFields:
+  """The fields every run repeats, declared once: each task's schema and each resolved run adds
+  its own sections to these."""
   seed: int = 0
   workdir: str = MISSING
   debug: bool = False
+  logger: LoggerConfig = field(default_factory=LoggerConfig)
+  mesh: MeshConfig = field(default_factory=MeshConfig)
+  sharding: ShardingConfig = field(default_factory=ShardingConfig)
+  distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+@dataclass
+class TrainTask(RunFields):
+  """pretrain and finetune."""
   model: ModelConfig = MISSING
   data: DataConfig = MISSING
   optim: OptimConfig = field(default_factory=OptimConfig)
@@ -427,10 +437,6 @@ class TrainTask:
   checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
   init: InitConfig = field(default_factory=InitConfig)
   fewshot: FewshotConfig = field(default_factory=FewshotConfig)
-  logger: LoggerConfig = field(default_factory=LoggerConfig)
-  mesh: MeshConfig = field(default_factory=MeshConfig)
-  sharding: ShardingConfig = field(default_factory=ShardingConfig)
-  distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 def optional_copy(cls, prefix: str = "Optional"):
@@ -454,19 +460,12 @@ DataOverrides = optional_copy(DataConfig)
 
 
 @dataclass
-class EvalTask:
+class EvalTask(RunFields):
   """eval: the model and data come from the checkpoint; keys set here override them."""
-  seed: int = 0
-  workdir: str = MISSING
-  debug: bool = False
   init: InitConfig = field(default_factory=InitConfig)
   model: ModelOverrides = field(default_factory=ModelOverrides)
   data: DataOverrides = field(default_factory=DataOverrides)
   eval: EvalSuiteConfig = field(default_factory=EvalSuiteConfig)
-  logger: LoggerConfig = field(default_factory=LoggerConfig)
-  mesh: MeshConfig = field(default_factory=MeshConfig)
-  sharding: ShardingConfig = field(default_factory=ShardingConfig)
-  distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 @dataclass
@@ -475,18 +474,11 @@ class FewshotInitConfig:
 
 
 @dataclass
-class FewshotTask:
+class FewshotTask(RunFields):
   """fewshot: frozen features of one or more checkpoints, ridge classifiers per dataset and shots."""
-  seed: int = 0
-  workdir: str = MISSING
-  debug: bool = False
   init: FewshotInitConfig = field(default_factory=FewshotInitConfig)
   model: ModelOverrides = field(default_factory=ModelOverrides)
   fewshot: FewshotConfig = field(default_factory=FewshotConfig)
-  logger: LoggerConfig = field(default_factory=LoggerConfig)
-  mesh: MeshConfig = field(default_factory=MeshConfig)
-  sharding: ShardingConfig = field(default_factory=ShardingConfig)
-  distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 @dataclass
@@ -496,20 +488,13 @@ class EnsembleConfig:
 
 
 @dataclass
-class EnsembleTask:
+class EnsembleTask(RunFields):
   """ensemble: checkpoints (or MC-dropout samples of one) evaluated as one ensemble."""
-  seed: int = 0
-  workdir: str = MISSING
-  debug: bool = False
   init: FewshotInitConfig = field(default_factory=FewshotInitConfig)
   model: ModelOverrides = field(default_factory=ModelOverrides)
   data: DataOverrides = field(default_factory=DataOverrides)
   eval: EvalSuiteConfig = field(default_factory=EvalSuiteConfig)
   ensemble: EnsembleConfig = field(default_factory=EnsembleConfig)
-  logger: LoggerConfig = field(default_factory=LoggerConfig)
-  mesh: MeshConfig = field(default_factory=MeshConfig)
-  sharding: ShardingConfig = field(default_factory=ShardingConfig)
-  distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 TASK_SCHEMAS = {"pretrain": TrainTask, "finetune": TrainTask, "fewshot": FewshotTask,
@@ -518,20 +503,13 @@ TASK_SCHEMAS = {"pretrain": TrainTask, "finetune": TrainTask, "fewshot": Fewshot
 
 # What a later stage runs: the checkpoint's stored model and data with the command line on top.
 @dataclass
-class EvalRun:
+class EvalRun(RunFields):
   """vmoe eval, resolved: the full model and data configs and the checkpoint's loss."""
-  seed: int
-  workdir: str
-  debug: bool
-  init: InitConfig
-  model: ModelConfig
-  data: DataConfig
-  loss: Loss
-  eval: EvalSuiteConfig
-  logger: LoggerConfig
-  mesh: MeshConfig
-  sharding: ShardingConfig
-  distributed: DistributedConfig
+  init: InitConfig = MISSING
+  model: ModelConfig = MISSING
+  data: DataConfig = MISSING
+  loss: Loss = MISSING
+  eval: EvalSuiteConfig = MISSING
 
 
 @dataclass
@@ -543,18 +521,11 @@ class FewshotMember:
 
 
 @dataclass
-class FewshotRun:
+class FewshotRun(RunFields):
   """vmoe fewshot, resolved: each checkpoint's model, the preprocessing they share."""
-  seed: int
-  workdir: str
-  debug: bool
-  members: List[FewshotMember]
-  data: DataConfig  # the first member's data config: its preprocessing reads every dataset
-  fewshot: FewshotConfig
-  logger: LoggerConfig
-  mesh: MeshConfig
-  sharding: ShardingConfig
-  distributed: DistributedConfig
+  members: List[FewshotMember] = MISSING
+  data: DataConfig = MISSING  # the first member's data config: its preprocessing reads every dataset
+  fewshot: FewshotConfig = MISSING
 
 
 @dataclass
@@ -570,17 +541,10 @@ class EnsembleMember:
 
 
 @dataclass
-class EnsembleRun:
+class EnsembleRun(RunFields):
   """vmoe ensemble, resolved: every member's model and the data and loss they share."""
-  seed: int
-  workdir: str
-  debug: bool
-  members: List[EnsembleMember]
-  data: DataConfig  # the first member's, with the command line's data.* on top
-  loss: Loss
-  eval: EvalSuiteConfig
-  ensemble: EnsembleConfig
-  logger: LoggerConfig
-  mesh: MeshConfig
-  sharding: ShardingConfig
-  distributed: DistributedConfig
+  members: List[EnsembleMember] = MISSING
+  data: DataConfig = MISSING  # the first member's, with the command line's data.* on top
+  loss: Loss = MISSING
+  eval: EvalSuiteConfig = MISSING
+  ensemble: EnsembleConfig = MISSING

@@ -383,5 +383,5 @@ def test_bpr_keeps_highest_scores_at_low_capacity(priority):
 
 
 # ------------------------------------------------------------------------------------------------
-# Auxiliary losses (Appendix A.2) are in test_losses.py.
+# Auxiliary losses (Appendix A.2) are in test_moe_auxiliary_losses.py.
 # ------------------------------------------------------------------------------------------------
