@@ -12,7 +12,7 @@ comma := ,
 JEMALLOC := $(firstword $(wildcard $(VENV)/lib/libjemalloc.so.2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2))
 WITH_JEMALLOC := $(if $(JEMALLOC),LD_PRELOAD=$(abspath $(JEMALLOC)) MALLOC_CONF=oversize_threshold:0$(comma)dirty_decay_ms:60000$(comma)muzzy_decay_ms:60000 VMOE_ALLOCATOR=jemalloc,)
 
-.PHONY: install demo test test-full bench study-ensembles study-heads clean
+.PHONY: install demo test test-full bench study-ensembles study-heads study-routers clean
 
 install: $(STAMP)
 
@@ -45,6 +45,10 @@ study-ensembles: install
 # The HET-XL paper's comparison of classifier heads on the embedded data (README, "Heteroscedastic heads").
 study-heads: install
 	$(WITH_JEMALLOC) $(BIN)/python -m runner.studies.heads
+
+# Router families at matched compute (docs/routers.md): ViT, token-choice k=1/k=2, experts-choice, Soft MoE.
+study-routers: install
+	$(WITH_JEMALLOC) $(BIN)/python -m runner.studies.routers
 
 bench: install
 	$(WITH_JEMALLOC) $(BIN)/python -m benchmarks.run_all

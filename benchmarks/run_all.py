@@ -10,7 +10,8 @@ def main() -> dict:
       "machine": steps["machine"],
       "matmul_peak_gflops": steps["matmul_peak_gflops"],
       "moe_overhead": steps["moe_overhead"],
-      "presets": {name: {kind: result[kind] for kind in ("vmoe", "dense")}
+      "overhead": steps["overhead"],  # per router family
+      "presets": {name: {kind: result[kind] for kind in ("dense", *train_step.SPARSE)}
                   | {"moe_overhead": result["moe_overhead"],
                      "analytic_flop_ratio": result["analytic_flop_ratio"],
                      "time_ratio": result["time_ratio"]}

@@ -1,13 +1,16 @@
-"""Train-step throughput, FLOPs and MFU of a V-MoE and its dense twin, measured in one process.
+"""Train-step throughput, FLOPs and MFU of every model family and its dense twin, in one process.
 
     python -m benchmarks.train_step [--presets tiny,bigger] [--dtype float32] [--rounds 5]
 
-For each preset: the V-MoE and the ViT with the same dimensions run the library's own train step
-(Adam, softmax cross-entropy, the MoE auxiliary loss) on synthetic images, timed in alternating
-rounds. Reported per model: median step time, train and eval images/s, analytic train FLOPs
-(3 x forward matmul FLOPs, experts at padded capacity), XLA's cost-analysis FLOPs, and MFU
-(analytic FLOPs/s over the float32 matmul peak measured in the same run). `moe_overhead` is
-(MoE step time / dense step time) / (MoE analytic FLOPs / dense analytic FLOPs).
+For each preset: the ViT and, with the same dimensions, a sparse model of each router family —
+token-choice (V-MoE, k = 2, C = 1.05), experts-choice (C = 2: two expert slots per token on
+average, as k = 2) and Soft MoE (one image per routing group, slots from C = 2) — run the
+library's own train step (Adam, softmax cross-entropy, the MoE auxiliary loss) on synthetic
+images, timed in alternating rounds. Reported per model: median step time, train and eval
+images/s, analytic train FLOPs (3 x forward matmul FLOPs, experts at padded capacity), XLA's
+cost-analysis FLOPs, and MFU (analytic FLOPs/s over the float32 matmul peak measured in the same
+run). Each sparse model's overhead is (its step time / dense step time) / (its analytic FLOPs /
+dense analytic FLOPs), the median of the per-round ratios; `moe_overhead` is token-choice's.
 """
 from __future__ import annotations
 
@@ -48,7 +51,14 @@ def model_configs(preset: dict, dtype: str) -> dict[str, ModelConfig]:
                                                 num_experts=preset["num_experts"], group_size=8),
                             router=RouterConfig(k=2, capacity_ratio=1.05))
   dense = dataclasses.replace(base, moe=MoeConfig(layers=[], num_experts=0))
-  return {"vmoe": moe, "dense": dense}
+  experts_choice = dataclasses.replace(
+      moe, router=RouterConfig(type="experts_choice", capacity_ratio=2.0))
+  soft = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, group_size=1),
+                             router=RouterConfig(type="soft", capacity_ratio=2.0))
+  return {"vmoe": moe, "dense": dense, "experts_choice": experts_choice, "soft": soft}
+
+
+SPARSE = ("vmoe", "experts_choice", "soft")  # compared with "dense"
 
 
 def compiled_train_step(model, shape: tuple, batch_size: int, classes: int):
@@ -88,13 +98,13 @@ def _prepare(config: ModelConfig, preset: dict):
   return train, evaluate, float(cost.get("flops", float("nan")))
 
 
-def measure(name: str, preset: dict, dtype: str, peak_gflops: float, rounds: int) -> dict:
-  configs = model_configs(preset, dtype)
+def measure(name: str, preset: dict, dtype: str, peak_gflops: float, rounds: int,
+            families: tuple[str, ...] = SPARSE) -> dict:
+  configs = {k: v for k, v in model_configs(preset, dtype).items() if k in families + ("dense",)}
   prepared = {kind: _prepare(cfg, preset) for kind, cfg in configs.items()}
   train_rounds = harness.interleaved_rounds_ms({k: v[0] for k, v in prepared.items()},
                                                rounds=rounds, steps=3)
   train_ms = {k: statistics.median(v) for k, v in train_rounds.items()}
-  round_ratios = [m / d for m, d in zip(train_rounds["vmoe"], train_rounds["dense"])]
   eval_ms = harness.interleaved_median_ms({k: v[1] for k, v in prepared.items()}, rounds=rounds)
   out = {}
   for kind, cfg in configs.items():
@@ -110,12 +120,20 @@ def measure(name: str, preset: dict, dtype: str, peak_gflops: float, rounds: int
         "xla_train_flops": prepared[kind][2],
         "mfu": flops / (train_ms[kind] / 1e3) / (peak_gflops * 1e9),
     }
-  time_ratio = statistics.median(round_ratios)  # robust to drifts of the machine's speed
-  flop_ratio = out["vmoe"]["analytic_train_flops"] / out["dense"]["analytic_train_flops"]
-  out["time_ratio"], out["analytic_flop_ratio"] = time_ratio, flop_ratio
-  out["xla_flop_ratio"] = out["vmoe"]["xla_train_flops"] / out["dense"]["xla_train_flops"]
-  out["moe_overhead"] = time_ratio / flop_ratio
-  out["moe_overhead_per_round"] = [r / flop_ratio for r in round_ratios]
+  for kind in families:
+    round_ratios = [m / d for m, d in zip(train_rounds[kind], train_rounds["dense"])]
+    flop_ratio = out[kind]["analytic_train_flops"] / out["dense"]["analytic_train_flops"]
+    out[kind].update(
+        time_ratio=statistics.median(round_ratios),  # robust to drifts of the machine's speed
+        analytic_flop_ratio=flop_ratio,
+        xla_flop_ratio=out[kind]["xla_train_flops"] / out["dense"]["xla_train_flops"],
+        overhead=statistics.median(r / flop_ratio for r in round_ratios),
+        overhead_per_round=[r / flop_ratio for r in round_ratios])
+  if "vmoe" in families:  # token-choice, under the names earlier records used
+    vmoe = out["vmoe"]
+    out.update(time_ratio=vmoe["time_ratio"], analytic_flop_ratio=vmoe["analytic_flop_ratio"],
+               xla_flop_ratio=vmoe["xla_flop_ratio"], moe_overhead=vmoe["overhead"],
+               moe_overhead_per_round=vmoe["overhead_per_round"])
   return out
 
 
@@ -125,26 +143,33 @@ def main(argv=None) -> dict:
   parser.add_argument("--dtype", default="float32")
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--name", default="train_step")
+  parser.add_argument("--families", default=",".join(SPARSE),
+                      help="sparse models compared with the ViT: vmoe (token-choice), "
+                           "experts_choice, soft")
   args = parser.parse_args(argv)
+  families = tuple(f for f in args.families.split(",") if f)
   peak = harness.matmul_peak_gflops()
   record = {"machine": harness.machine(), "dtype": args.dtype, "presets": {}}
   for name in args.presets.split(","):
     peak = max(peak, harness.matmul_peak_gflops())  # the machine's best, next to the steps
-    result = measure(name, PRESETS[name], args.dtype, peak, args.rounds)
+    result = measure(name, PRESETS[name], args.dtype, peak, args.rounds, families)
     record["presets"][name] = result
-    for kind in ("vmoe", "dense"):
+    for kind in families + ("dense",):
       r = result[kind]
-      print(f"{name}/{kind}: train FLOPs per step analytic {r['analytic_train_flops'] / 1e9:.2f} G, "
-            f"XLA cost analysis {r['xla_train_flops'] / 1e9:.2f} G")
-    print(f"{name}: moe {result['vmoe']['train_step_ms']:.1f} ms "
-          f"({result['vmoe']['train_images_per_s']:.0f} img/s, MFU {result['vmoe']['mfu']:.1%}), "
-          f"dense {result['dense']['train_step_ms']:.1f} ms "
-          f"({result['dense']['train_images_per_s']:.0f} img/s, MFU {result['dense']['mfu']:.1%}); "
-          f"time ratio {result['time_ratio']:.3f}, analytic FLOP ratio "
-          f"{result['analytic_flop_ratio']:.3f} (XLA {result['xla_flop_ratio']:.3f}), "
-          f"moe_overhead {result['moe_overhead']:.3f}", flush=True)
+      print(f"{name}/{kind}: {r['train_step_ms']:.1f} ms per step "
+            f"({r['train_images_per_s']:.0f} img/s, MFU {r['mfu']:.1%}); train FLOPs per step "
+            f"analytic {r['analytic_train_flops'] / 1e9:.2f} G, XLA cost analysis "
+            f"{r['xla_train_flops'] / 1e9:.2f} G")
+    for kind in families:
+      r = result[kind]
+      print(f"{name}/{kind} vs dense: time ratio {r['time_ratio']:.3f}, analytic FLOP ratio "
+            f"{r['analytic_flop_ratio']:.3f} (XLA {r['xla_flop_ratio']:.3f}), overhead "
+            f"{r['overhead']:.3f}", flush=True)
   record["matmul_peak_gflops"] = peak
-  record["moe_overhead"] = max(r["moe_overhead"] for r in record["presets"].values())
+  record["overhead"] = {kind: max(r[kind]["overhead"] for r in record["presets"].values())
+                        for kind in families}
+  if "vmoe" in families:
+    record["moe_overhead"] = record["overhead"]["vmoe"]
   print(f"matmul peak {peak:.0f} GFLOP/s; written to {harness.write(args.name, record)}")
   return record
 

@@ -39,6 +39,12 @@ def experts_per_router(model: ModelConfig) -> int:
   return experts
 
 
+def router_family(model: ModelConfig):
+  """The router family `model.router.type` names (runner/models/moe/routers)."""
+  from runner.models.moe import routers
+  return routers.family(model.router.type)
+
+
 def pre_logits_width(model: ModelConfig) -> int:
   """The width of the representation the classifier head reads."""
   return int(model.representation_size or model.hidden_size)

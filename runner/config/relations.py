@@ -23,6 +23,18 @@ from runner.config.schema import (AdversarialProtocol, DataConfig, DistributedCo
 from runner.errors import ConfigError
 
 
+def _show(value) -> str:
+  """A value as one would type it in an override."""
+  if isinstance(value, bool):
+    return str(value).lower()
+  return str(getattr(value, "value", value))
+
+
+def _router_names() -> list[str]:
+  from runner.models.moe import routers
+  return routers.names()
+
+
 @dataclasses.dataclass(frozen=True)
 class Relation:
   fn: Callable[..., str | None]
@@ -84,9 +96,37 @@ def moe_layers_exist(model: ModelConfig):
 
 
 @relation
+def router_options_apply(model: ModelConfig):
+  """A key of model.router (or model.moe.dispatcher) that the chosen router does not read is an
+  error unless it keeps its default: a value that would change nothing is a mistake."""
+  from runner.config.schema import MoeConfig, RouterConfig
+  family = derived.router_family(model)
+  defaults = RouterConfig()
+  if not family.capacity_at_inference and model.router.eval_capacity_ratio is not None:
+    return (f"model.router.eval_capacity_ratio={model.router.eval_capacity_ratio} (a capacity "
+            "ratio at inference, which vmoe eval's model.router.capacity_ratio also sets) means "
+            f"nothing for model.router.type={family.name}: its slots are parameters fixed when "
+            "the model is trained. Drop it; to compare capacities, train with "
+            "model.router.capacity_ratio or model.router.slots_per_expert.")
+  ignored = [f"model.router.{f.name}={_show(getattr(model.router, f.name))}"
+             for f in dataclasses.fields(RouterConfig)
+             if f.name != "type" and f.name not in family.options
+             and getattr(model.router, f.name) != getattr(defaults, f.name)]
+  if not family.uses_dispatcher and model.moe.dispatcher != MoeConfig().dispatcher:
+    ignored.append(f"model.moe.dispatcher={_show(model.moe.dispatcher)}")
+  if ignored:
+    return (f"{', '.join(ignored)} means nothing for model.router.type={family.name} "
+            f"({family.summary}); its keys are model.router.{{{', '.join(family.options)}}}. "
+            "Drop the other keys, or choose a router that reads them (model.router.type="
+            f"{'|'.join(_router_names())}).")
+
+
+@relation
 def k_at_most_experts(model: ModelConfig):
   experts, per_member = derived.num_experts(model), derived.experts_per_router(model)
-  if not experts or model.router.k <= per_member:
+  if not experts or "k" not in derived.router_family(model).options:
+    return None
+  if model.router.k <= per_member:
     return None
   if per_member == experts:
     return (f"model.router.k={model.router.k} selects more experts per token than there are "
@@ -108,6 +148,13 @@ def ensemble_needs_experts(model: ModelConfig):
     return (f"model.moe.ensemble_size={m} needs MoE layers: the members of a partitioned batch "
             f"ensemble are partitions of the experts, and model {model.name} has none (use a "
             "vmoe_* model, or a deep ensemble of ViTs with vmoe ensemble).")
+  family = derived.router_family(model)
+  if not family.supports_ensembles:
+    return (f"model.moe.ensemble_size={m} needs a token-choice router: a partitioned batch "
+            f"ensemble routes each member's tokens TOP-k among its own experts, and "
+            f"model.router.type={family.name} has no such routing; use "
+            "model.router.type=token_choice, or a deep ensemble of separate runs with vmoe "
+            "ensemble.")
   if model.moe.num_experts % m:
     return (f"model.moe.ensemble_size={m} does not divide model.moe.num_experts="
             f"{model.moe.num_experts}: each member gets an equal share of the experts; use a "
@@ -186,7 +233,15 @@ def capacity_sweep_needs_experts(run: RunFields):
   eval, models = getattr(run, "eval", None), derived.held_models(run)
   if not isinstance(eval, EvalSuiteConfig) or not eval.capacity_sweep or not models:
     return None
-  if any(derived.num_experts(m) for m in models):
+  sparse = [m for m in models if derived.num_experts(m)]
+  fixed = [m for m in sparse if not derived.router_family(m).capacity_at_inference]
+  if fixed:
+    family = derived.router_family(fixed[0])
+    return (f"eval.capacity_sweep={eval.capacity_sweep} means nothing for "
+            f"model.router.type={family.name}: its slots are parameters fixed when the model "
+            "is trained, so the capacity cannot change at inference; drop eval.capacity_sweep "
+            "(it applies to token_choice and experts_choice routers).")
+  if sparse:
     return None
   if getattr(run, "members", None) is None:
     return (f"eval.capacity_sweep={eval.capacity_sweep} needs a V-MoE checkpoint; model "

@@ -158,17 +158,29 @@ def _is_sharding_rules(value) -> bool:
 _DEVICES = Rule(lambda v: v == -1 or v >= 1, "-1 (infer from the device count) or >= 1")
 
 
+def _router_names() -> list[str]:
+  from runner.models.moe import routers
+  return routers.names()
+
+
 @dataclass
 class RouterConfig:
+  """Every router family's keys; each family reads its own (runner/models/moe/routers), and a
+  key another family reads must keep its default (runner/config/relations.py)."""
+  type: str = key("token_choice", Choice(_router_names), "token_choice (V-MoE), experts_choice, "
+                  "soft (Soft MoE)")
   k: int = key(2, at_least(1), "experts per token")
   capacity_ratio: float = key(1.05, positive(), "1.05 upstream; below 1 drops tokens, which Batch "
                               "Prioritized Routing makes graceful")
   eval_capacity_ratio: Optional[float] = key(None, positive(), "null: same as capacity_ratio")
   batch_priority: bool = False
   priority: Priority = Priority.max
-  noise_std: float = key(1.0, at_least(0), "multiplied by 1/E, as in the paper; 0: no noise")
+  noise_std: Optional[float] = key(None, at_least(0), "null: the router's default, 1 for token- "
+                                   "and experts-choice (multiplied by 1/E, as V-MoE), 0 for soft")
   capacity_rounding: CapacityRounding = key(CapacityRounding.paper, hint="paper: round(k*N*C/E); "
                                             "reference: ceil, then a multiple of 4 (vmoe code)")
+  slots_per_expert: Optional[int] = key(None, at_least(1), "soft: P, the reference's num_slots; "
+                                        "null: round(tokens per group * capacity_ratio / E)")
 
 
 @dataclass
@@ -224,6 +236,7 @@ class ModelConfig:
   representation_size: Optional[int] = key(None, at_least(1), "null: no pre-logits layer")
   dropout_rate: float = key(0.0, rate())
   attention_dropout_rate: float = key(0.0, rate())
+  attention_qk_norm: bool = False  # LayerNorm on queries and keys (the Soft MoE paper's ViTs)
   head_bias_init: float = 0.0
   dtype: DType = DType.float32  # compute dtype; parameters, the router and the head stay float32
   moe: MoeConfig = field(default_factory=MoeConfig)

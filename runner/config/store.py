@@ -26,7 +26,7 @@ def register_configs() -> None:
   store = ConfigStore.instance()
   for task, schema in TASK_SCHEMAS.items():
     store.store(name=f"{task}_schema", node=schema)
-  for name in catalog.CPU_MODELS + catalog.PAPER_MODELS:
+  for name in catalog.CPU_MODELS + catalog.PAPER_MODELS + catalog.SOFT_MOE_MODELS:
     register_model(name)
 
 

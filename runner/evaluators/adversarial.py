@@ -117,8 +117,9 @@ def make_pgd_attack(model, loss_name: str = "softmax_xent", *, steps: int,
 
 
 def selected_experts(intermediates, name: str = "selected_experts") -> dict[str, jax.Array]:
-  """{"layer_<i>": (batch, tokens, k)} from the `selected_experts` (or `name`: "routed_experts")
-  sown in block_<i>'s MoE ("member_<j>/layer_<i>" for the models of an ensemble)."""
+  """{"layer_<i>": value} of what block_<i>'s MoE sowed as `name` ("member_<j>/layer_<i>" for the
+  models of an ensemble): the token-choice ids "selected_experts" / "routed_experts"
+  ((batch, tokens, k)), or any router's masks "expert_mask" / "routed_mask" ((batch, tokens, E))."""
   out = {}
   for path, value in traverse_util.flatten_dict(dict(intermediates)).items():
     if path[-1] != name:
@@ -131,32 +132,47 @@ def selected_experts(intermediates, name: str = "selected_experts") -> dict[str,
   return out
 
 
+def _change(intersection: jax.Array, union: jax.Array, reference: bool) -> jax.Array:
+  """(batch,) from per-token set sizes (batch, tokens): 1 − IoU averaged over tokens. A token
+  whose union is empty (dropped on both images) counts IoU 0, as the reference's
+  `jnp.where(union > 0, intersection / union, 0)`; `reference` averages the IoU before taking it
+  from 1, as the reference does (1 − sum_iou / num_tokens)."""
+  iou = jnp.where(union > 0, intersection / jnp.maximum(union, 1), 0.0).astype(jnp.float32)
+  if reference:
+    return 1.0 - jnp.mean(iou, axis=-1)
+  return jnp.mean(1.0 - iou, axis=-1)  # not 1 - mean: XLA's mean of ones can miss 1 by an ulp
+
+
+def mask_change(clean: jax.Array, adversarial: jax.Array, *, reference: bool = False) -> jax.Array:
+  """(batch,) routing change from (batch, tokens, E) expert masks, any router family."""
+  return _change(jnp.sum(clean & adversarial, axis=-1), jnp.sum(clean | adversarial, axis=-1),
+                 reference)
+
+
+def _id_sets(clean: jax.Array, adversarial: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """|A ∩ B| and |A ∪ B| of (batch, tokens, k) expert ids, -1 for none; a token's ids >= 0 are
+  distinct, so |A ∩ B| counts the kept ids of A found in B."""
+  kept_clean, kept_adv = clean >= 0, adversarial >= 0
+  match = (clean[..., :, None] == adversarial[..., None, :]) & kept_clean[..., :, None]
+  intersection = jnp.sum(jnp.any(match, axis=-1), axis=-1)
+  return intersection, jnp.sum(kept_clean, -1) + jnp.sum(kept_adv, -1) - intersection
+
+
 def routing_change(clean: jax.Array, adversarial: jax.Array) -> jax.Array:
   """(batch,) 1 − IoU of each token's clean and adversarial expert sets, averaged over tokens.
 
-  clean, adversarial: (batch, tokens, k) expert ids; a token's k ids are distinct (TOP-k), so
-  |A ∩ B| counts the ids of A found in B and |A ∪ B| = 2k − |A ∩ B| >= k > 0.
+  clean, adversarial: (batch, tokens, k) expert ids of the TOP-k (distinct), so
+  |A ∪ B| = 2k − |A ∩ B| >= k > 0.
   """
-  k = clean.shape[-1]
-  intersection = jnp.sum(jnp.any(clean[..., :, None] == adversarial[..., None, :], axis=-1), -1)
-  iou = (intersection / (2 * k - intersection)).astype(jnp.float32)
-  return jnp.mean(1.0 - iou, axis=-1)  # not 1 - mean: XLA's mean of ones can miss 1 by an ulp
+  return _change(*_id_sets(clean, adversarial), reference=False)
 
 
 def routing_change_routed(clean: jax.Array, adversarial: jax.Array) -> jax.Array:
   """(batch,) the reference code's routing change: 1 − mean over tokens of IoU, where a token's
   set is its expert ids >= 0 (the experts that processed it; -1 marks a dropped assignment) and
   a token with an empty union (dropped on both images) counts IoU 0.
-
-  clean, adversarial: (batch, tokens, k) ids from the `routed_experts` sow; a token's kept ids
-  are distinct, so |A ∩ B| counts the kept ids of A found in B.
   """
-  kept_clean, kept_adv = clean >= 0, adversarial >= 0
-  match = (clean[..., :, None] == adversarial[..., None, :]) & kept_clean[..., :, None]
-  intersection = jnp.sum(jnp.any(match, axis=-1), axis=-1)
-  union = jnp.sum(kept_clean, -1) + jnp.sum(kept_adv, -1) - intersection
-  iou = jnp.where(union > 0, intersection / jnp.maximum(union, 1), 0.0).astype(jnp.float32)
-  return 1.0 - jnp.mean(iou, axis=-1)
+  return _change(*_id_sets(clean, adversarial), reference=True)
 
 
 def make_measure_step(model, loss_name: str = "softmax_xent", protocol="default"):
@@ -169,8 +185,7 @@ def make_measure_step(model, loss_name: str = "softmax_xent", protocol="default"
   """
   loss_fn = LOSSES[loss_name]
   reference = _protocol(protocol) == "reference"
-  change_fn = routing_change_routed if reference else routing_change
-  sown = "routed_experts" if reference else "selected_experts"
+  sown = "routed_mask" if reference else "expert_mask"
 
   def forward(params, images):
     (logits, _), state = model.apply({"params": params}, images, train=False,
@@ -190,7 +205,8 @@ def make_measure_step(model, loss_name: str = "softmax_xent", protocol="default"
         "changed_predictions": (jnp.argmax(clean_logits, -1) != jnp.argmax(adv_logits, -1)),
     }
     for layer, experts in clean_experts.items():
-      per_example[f"routing_change/{layer}"] = change_fn(experts, adv_experts[layer])
+      per_example[f"routing_change/{layer}"] = mask_change(experts, adv_experts[layer],
+                                                           reference=reference)
     out = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in per_example.items()}
     out["count"] = jnp.sum(mask)
     return out

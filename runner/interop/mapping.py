@@ -22,9 +22,12 @@ and map onto our names (`to_ours`):
   Mlp|MlpBlock_*/Dense_0|Dense_1       block_{i}/mlp/fc1|fc2/{kernel,bias}
   Moe/Mlp/Dense_0 (E, D, F), bias      block_{i}/moe/experts/fc1_kernel, fc1_bias
   Moe/Mlp/Dense_1 (E, F, D), bias      block_{i}/moe/experts/fc2_kernel, fc2_bias
-  Moe/Router/dense/kernel              block_{i}/moe/router/dense/kernel (D, E); an E³ router
-                                       stored (D, M, E/M) is read row-major as (D, E): member
-                                       m's experts are columns m*E/M .. (m+1)*E/M - 1, as ours
+  Moe/Router/dense/kernel              block_{i}/moe/router/dense/kernel (D, E) (token- and
+                                       experts-choice routers); an E³ router stored (D, M, E/M)
+                                       is read row-major as (D, E): member m's experts are
+                                       columns m*E/M .. (m+1)*E/M - 1, as ours
+  Moe/Router/mu (D, E, P), scale ()    block_{i}/moe/router/mu, scale (Soft MoE)
+  {query,key}_ln/scale (hd,)           block_{i}/attention/{query,key}_ln/scale (qk-norm)
   encoder_norm                         encoder_norm
   embedding/kernel (p, p, c, D), bias  embedding_kernel, embedding_bias
   cls, posemb                          cls, pos_embedding (1, N, D): see `_fold_class_position`
@@ -34,8 +37,8 @@ and map onto our names (`to_ours`):
 
 Every array is checked against the dimensions the tree itself implies (hidden size from its
 layer norms, heads from its attention, MLP width, experts); whatever is missing, mis-shaped or
-left over (a layer our model does not have, e.g. query/key layer norms) is reported in one
-`CheckpointError`, by the checkpoint's own names.
+left over (a layer our model does not have) is reported in one `CheckpointError`, by the
+checkpoint's own names.
 """
 from __future__ import annotations
 
@@ -173,7 +176,8 @@ def _block_indices(params, layout: _Layout) -> tuple[int, ...]:
 
 def _dims(params, layout: _Layout) -> _Dims:
   shapes = {name: np.shape(value) for name, value in params.items()}
-  hidden = _mode(s[0] for n, s in shapes.items() if n.endswith("/scale") and len(s) == 1)
+  hidden = _mode(s[0] for n, s in shapes.items()
+                 if n.endswith("/scale") and not n.endswith("_ln/scale") and len(s) == 1)
   if hidden is None and len(shapes.get("embedding/kernel", ())) == 4:
     hidden = shapes["embedding/kernel"][-1]
   qh = _mode(s[1:] for n, s in shapes.items() if n.endswith("/query/kernel") and len(s) == 3)
@@ -246,6 +250,9 @@ def _attention(reader: _Reader, scope: str, dims: _Dims, out: dict, ours: str, *
   biases = [reader.take(f"{scope}/{p}/bias", (h, hd)) for p in ("query", "key", "value")]
   out_kernel = reader.take(f"{scope}/out/kernel", (h, hd, d))
   out_bias = reader.take(f"{scope}/out/bias", (d,))
+  for norm in ("query_ln", "key_ln"):  # flax's normalize_qk: a scale per head dimension
+    if reader.has(f"{scope}/{norm}/"):
+      out[f"{ours}/{norm}/scale"] = reader.take(f"{scope}/{norm}/scale", (hd,))
   if fused:  # our SelfAttention: q, k, v at index 0, 1, 2 of axis 1 (kernel) / axis 0 (bias)
     if all(k is not None for k in kernels):
       out[f"{ours}/qkv_kernel"] = np.stack(kernels, axis=1)
@@ -295,6 +302,10 @@ def _moe(reader: _Reader, scope: str, dims: _Dims, out: dict, ours: str, ensembl
       return None
     return f"expected {_fmt((d, e))} or (D, M, E/M)"
 
+  if reader.has(f"{scope}/Router/mu"):  # Soft MoE: slot parameters and a scale, no kernel
+    out[f"{ours}/router/mu"] = reader.take(f"{scope}/Router/mu", (d, e, None))
+    out[f"{ours}/router/scale"] = reader.take(f"{scope}/Router/scale", ())
+    return
   kernel = reader.take(f"{scope}/Router/dense/kernel", None, check=router_fits)
   # (D, M, E/M) -> (D, E): a row-major reshape (column m*E/M + j is member m's expert j, the
   # layout of our router and of the reference's vmapped one), never a transpose. A view.
@@ -392,9 +403,12 @@ def model_hint(flat: Mapping[str, np.ndarray]) -> dict:
   dims = _dims(params, layout)
   shape = lambda name: tuple(np.shape(params[name])) if name in params else None
   router = f"{layout.encoder}/encoderblock_{{}}/Moe/Router/dense/kernel"
-  moe_layers = tuple(i for i in dims.blocks if layout.moe and router.format(i) in params)
-  routers = [shape(router.format(i)) for i in moe_layers]
+  slots = f"{layout.encoder}/encoderblock_{{}}/Moe/Router/mu"
+  moe_layers = tuple(i for i in dims.blocks if layout.moe and (
+      router.format(i) in params or slots.format(i) in params))
+  routers = [shape(router.format(i)) for i in moe_layers if router.format(i) in params]
   members = _mode(s[1] for s in routers if len(s) == 3)
+  soft = [shape(slots.format(i)) for i in moe_layers if slots.format(i) in params]
   kernel, posemb = shape("embedding/kernel"), shape(layout.posemb)
   patch = kernel[0] if kernel and len(kernel) == 4 else None
   tokens = None
@@ -419,4 +433,6 @@ def model_hint(flat: Mapping[str, np.ndarray]) -> dict:
       "moe_layers": moe_layers or None,
       "num_experts": dims.experts if moe_layers else None,
       "ensemble_size": members,
+      "router": ("soft" if soft else "token_choice or experts_choice") if moe_layers else None,
+      "slots_per_expert": _mode(s[2] for s in soft if len(s) == 3),
   }

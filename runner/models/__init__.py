@@ -5,6 +5,7 @@ import jax.numpy as jnp
 
 from runner.config.schema import HeadType, ModelConfig
 from runner.models.catalog import UnknownModelError, model_config, moe_layer_indices
+from runner.models.moe import routers
 from runner.models.vit import VisionTransformer
 
 
@@ -18,6 +19,16 @@ def is_moe(config: ModelConfig) -> bool:
                                                                  config.num_layers))
 
 
+def tokens_per_image(config: ModelConfig) -> int:
+  """Patches, plus the class token of a `token` classifier."""
+  return (config.image_size // config.patch_size) ** 2 + (_name(config.classifier) == "token")
+
+
+def tokens_per_group(config: ModelConfig) -> int:
+  """Tokens of a full routing group (`model.moe.group_size` images)."""
+  return config.moe.group_size * tokens_per_image(config)
+
+
 def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") -> VisionTransformer:
   """A `VisionTransformer` from a model config (the `model.` keys), with a head of `num_classes`.
 
@@ -26,12 +37,11 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
   moe = None
   moe_layers = moe_layer_indices(config.moe.layers or [], config.num_layers) if is_moe(config) else ()
   if moe_layers:
-    r = config.router
-    router = dict(k=r.k, capacity_ratio=r.capacity_ratio, eval_capacity_ratio=r.eval_capacity_ratio,
-                  batch_priority=r.batch_priority, priority=_name(r.priority),
-                  noise_std=r.noise_std)
-    if _name(r.capacity_rounding) != "paper":  # the default's module arguments stay as they were
-      router["capacity_rounding"] = _name(r.capacity_rounding)
+    family = routers.family(config.router.type)
+    router = family.module_kwargs(config.router, tokens=tokens_per_group(config),
+                                  experts=config.moe.num_experts)
+    if family.name != routers.DEFAULT:  # a token-choice router's arguments stay as they were
+      router = {"type": family.name, **router}
     moe = dict(num_experts=config.moe.num_experts, group_size=config.moe.group_size,
                expert_dropout=config.moe.expert_dropout,
                dispatcher=_name(config.moe.dispatcher), router=router)
@@ -51,10 +61,10 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
       num_layers=config.num_layers, mlp_dim=config.mlp_dim, num_heads=config.num_heads,
       classifier=_name(config.classifier), representation_size=config.representation_size,
       dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate,
-      head_bias_init=config.head_bias_init, moe_layers=moe_layers, moe=moe, head=head,
+      attention_qk_norm=config.attention_qk_norm, head_bias_init=config.head_bias_init, moe_layers=moe_layers, moe=moe, head=head,
       output=output,
       dtype=jnp.dtype(_name(config.dtype)))
 
 
 __all__ = ["ModelConfig", "UnknownModelError", "VisionTransformer", "build_model", "is_moe",
-           "model_config", "moe_layer_indices"]
+           "model_config", "moe_layer_indices", "tokens_per_group", "tokens_per_image"]

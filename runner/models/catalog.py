@@ -1,8 +1,18 @@
-"""Model names in the papers' grammar, resolved from one size table.
+"""Model names in the papers' grammar, resolved from their size tables.
 
   vit_<size><patch>                              vit_s32, vit_b16, vit_l16, vit_h14
   vmoe_<size><patch>_<every|last><n>[_e<E>][_k<k>][_m<M>]  vmoe_s32_last2, vmoe_b16_every2_e32_k2
-  vit_tiny, vmoe_tiny[_k<k>][_m<M>]              CPU sizes (image 32, patch 4)
+  softmoe_<size><patch>[_e<E>][_p<P>]            softmoe_s16_e128, softmoe_b16_e128_p2
+  ecmoe_<size><patch>[_e<E>]                     ecmoe_s16_e128 (experts-choice routing)
+  vit_tiny, vmoe_tiny[_k<k>][_m<M>], softmoe_tiny[_p<P>], ecmoe_tiny   CPU sizes (image 32, patch 4)
+
+`softmoe_*` and `ecmoe_*` are the Soft MoE paper's models (Puigcerver et al. 2023, and the
+reference's soft_moe configs): the ViT sizes of that paper (S = 12 blocks of 384, unlike V-MoE's
+S), global average pooling and no class token, query-key normalisation, MoE MLPs on every block
+of the last half (the last 6 of S and B, 12 of L, 16 of H), E = 128 experts (256 at patch 14),
+routing groups of one image; Soft MoE with P = 1 slot per expert, experts-choice with capacity
+ratio 1. Their CPU sizes keep vmoe_tiny's shape (MoE on blocks 1 and 3, 8 experts) with the
+paper's GAP head, one image per routing group, and capacity ratio 1 (softmoe_tiny: P = 8 slots).
 
 `_m<M>` makes a partitioned batch ensemble of M members (E³, Allingham et al.): vmoe_tiny_m2,
 vmoe_s32_last2_e32_k1_m2.
@@ -15,7 +25,7 @@ from __future__ import annotations
 
 import re
 
-from runner.config.schema import ModelConfig, MoeConfig, RouterConfig
+from runner.config.schema import Classifier, ModelConfig, MoeConfig, RouterConfig
 from runner.errors import UserError
 
 # name: (hidden_size, num_layers, mlp_dim, num_heads)
@@ -33,10 +43,24 @@ PAPER_MODELS = (
     "vmoe_b16_every2", "vmoe_l32_last2", "vmoe_l16_last2", "vmoe_l16_every2", "vmoe_h14_last5",
     "vmoe_h14_every2",
 )
-CPU_MODELS = ("vit_tiny", "vmoe_tiny")
+# The Soft MoE paper's ViT sizes (its reference configs: Ti, S, B, L, H).
+SOFT_SIZES = {
+    "ti": (192, 12, 768, 3),
+    "s": (384, 12, 1536, 6),
+    "b": (768, 12, 3072, 12),
+    "l": (1024, 24, 4096, 16),
+    "h": (1280, 32, 5120, 16),
+}
+_SOFT_LAST_N = {"ti": 6, "s": 6, "b": 6, "l": 12, "h": 16}
+SOFT_MOE_MODELS = ("softmoe_s16_e128", "softmoe_s14_e256", "softmoe_b16_e128", "softmoe_l16_e128",
+                   "softmoe_h14_e256", "ecmoe_s16_e128", "ecmoe_b16_e128")
+CPU_MODELS = ("vit_tiny", "vmoe_tiny", "softmoe_tiny", "ecmoe_tiny")
 _NAME = re.compile(
     r"^(?P<kind>vit|vmoe)_(?:(?P<tiny>tiny)|(?P<size>ti|s|b|l|h)(?P<patch>\d+))"
     r"(?:_(?P<place>every|last)(?P<n>\d+))?(?:_e(?P<e>\d+))?(?:_k(?P<k>\d+))?(?:_m(?P<m>\d+))?$")
+_SOFT_NAME = re.compile(
+    r"^(?P<kind>softmoe|ecmoe)_(?:(?P<tiny>tiny)|(?P<size>ti|s|b|l|h)(?P<patch>\d+))"
+    r"(?:_e(?P<e>\d+))?(?:_p(?P<p>\d+))?$")
 
 
 class UnknownModelError(UserError, ValueError):
@@ -45,13 +69,18 @@ class UnknownModelError(UserError, ValueError):
 
 def model_config(name: str) -> ModelConfig:
   """The full model config (constructor arguments plus image_size) for a name in the grammar."""
+  soft = _SOFT_NAME.match(name)
+  if soft and not (soft["kind"] == "ecmoe" and soft["p"]):
+    return _soft_moe_paper_model(name, soft)
   m = _NAME.match(name)
   if not m or (m["kind"] == "vit" and (m["place"] or m["e"] or m["k"] or m["m"])):
     raise UnknownModelError(
-        f"unknown model {name!r}. Valid names: {', '.join(CPU_MODELS + PAPER_MODELS)}, or any "
+        f"unknown model {name!r}. Valid names: "
+        f"{', '.join(CPU_MODELS + PAPER_MODELS + SOFT_MOE_MODELS)}, or any "
         "vit_<size><patch> / vmoe_<size><patch>_<every|last><n>[_e<E>][_k<k>][_m<M>] with size "
         f"in {{{', '.join(s for s in SIZES if s != 'tiny')}}} (e.g. vmoe_b16_every2_e32_k2, "
-        "vmoe_tiny_k1_m2).")
+        "vmoe_tiny_k1_m2), softmoe_<size><patch>[_e<E>][_p<P>] or ecmoe_<size><patch>[_e<E>] "
+        f"with size in {{{', '.join(SOFT_SIZES)}}} (the Soft MoE paper's ViT sizes).")
   tiny = bool(m["tiny"])
   hidden, layers, mlp, heads = SIZES["tiny" if tiny else m["size"]]
   moe, router = MoeConfig(layers=[], num_experts=0), RouterConfig(k=2)
@@ -63,6 +92,26 @@ def model_config(name: str) -> ModelConfig:
   return ModelConfig(name=name, image_size=32 if tiny else 224,
                      patch_size=4 if tiny else int(m["patch"]), hidden_size=hidden,
                      num_layers=layers, mlp_dim=mlp, num_heads=heads, moe=moe, router=router)
+
+
+def _soft_moe_paper_model(name: str, m) -> ModelConfig:
+  """softmoe_* / ecmoe_*: the Soft MoE paper's shapes (see the module docstring)."""
+  router_type = "soft" if m["kind"] == "softmoe" else "experts_choice"
+  if m["tiny"]:
+    hidden, layers, mlp, heads = SIZES["tiny"]
+    image, patch, placement, experts, qk_norm = 32, 4, "every2", int(m["e"] or 8), False
+  else:
+    hidden, layers, mlp, heads = SOFT_SIZES[m["size"]]
+    image, patch, qk_norm = 224, int(m["patch"]), True
+    placement = list(range(layers - _SOFT_LAST_N[m["size"]], layers))
+    experts = int(m["e"] or (256 if patch == 14 else 128))
+  slots = int(m["p"]) if m["p"] else (None if m["tiny"] else 1)
+  router = RouterConfig(type=router_type, capacity_ratio=1.0, slots_per_expert=slots)
+  return ModelConfig(name=name, image_size=image, patch_size=patch, hidden_size=hidden,
+                     num_layers=layers, mlp_dim=mlp, num_heads=heads, classifier=Classifier.gap,
+                     attention_qk_norm=qk_norm,
+                     moe=MoeConfig(layers=placement, num_experts=experts, group_size=1),
+                     router=router)
 
 
 def moe_layer_indices(layers, num_layers: int) -> tuple[int, ...]:

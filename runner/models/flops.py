@@ -1,5 +1,10 @@
 """Analytic model FLOPs: the matmul FLOPs of a forward pass, counted from the architecture.
 
+What an MoE layer costs is its router family's answer (runner/models/moe/routers): E * capacity
+expert slots per routing group plus the router's own matmuls — token-choice and experts-choice
+2*S*D*E for the gates; Soft MoE three (S x D) by (D x E*P) products (logits, dispatch, combine)
+and E * P slots per group whatever the number of tokens.
+
 Conventions (the V-MoE / MFU convention): a (m x k) @ (k x n) matmul costs 2*m*k*n FLOPs; experts
 are counted at their padded capacity (every buffer slot is computed, filled or not); dispatch
 bookkeeping, softmax, normalisation and activations are not counted. A training step costs three
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 from runner.config.schema import Classifier, EnsembleVariant, HeadType, ModelConfig
 from runner.models.catalog import moe_layer_indices
+from runner.models.moe import routers
 from runner.models.moe.routing import expert_capacity
 
 
@@ -71,9 +77,13 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
       ratio = router.eval_capacity_ratio
     group = min(moe.group_size, batch_size)  # images per routing group (per member when tiled)
     rounding = router.capacity_rounding
-    if members == 1:
-      capacity = expert_capacity(group * tokens, e, router.k, ratio, rounding)
-      router_flops = 2.0 * tokens * d * e
+    if members == 1:  # the router family says what a group costs
+      family = routers.family(router.type)
+      # Slots that are parameters (Soft MoE) follow the configured group, not the batch.
+      fixed = not family.capacity_at_inference
+      capacity = family.capacity(router, (moe.group_size if fixed else group) * tokens, e,
+                                 train=train)
+      router_flops = family.router_flops(group * tokens, d, e, capacity) / group
     elif variant == EnsembleVariant.tiling_only:
       capacity = expert_capacity(group * members * tokens, e, router.k, ratio, rounding)
       router_flops = members * 2.0 * tokens * d * e  # every replica scores all E experts

@@ -8,6 +8,10 @@ Rules, applied by parameter name:
   `resample_posemb`) when the patch grid changes (new resolution);
 - with `dense_to_experts`, a dense MLP initialises every expert of the MoE MLP that replaces it,
   and the new router starts from its fresh initialisation;
+- with `new_router` (the model routes with another router family than the checkpoint: token-
+  choice to Soft MoE, say), every router starts fresh and the checkpoint's routers are left out,
+  while the experts are kept;
+- a class token the model does not have (it pools its tokens) is left out;
 - everything else is copied and must match in shape. All mismatches are reported together, by
   parameter name, before any training.
 """
@@ -80,7 +84,7 @@ def _head_counterpart(name: str) -> str | None:
 
 
 def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts: bool = False,
-                 source: str = "checkpoint"):
+                 new_router: bool = False, source: str = "checkpoint"):
   """Parameters shaped like `fresh` (a freshly initialised tree), filled from `restored`.
 
   Keeping the head (`reinit_head=False`) across head types maps a linear head onto a
@@ -90,8 +94,13 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
   old, new = flatten(restored), flatten(fresh)
   out, problems, used = {}, [], set()
   linear_head = "head/kernel" in old
+  if new_router:
+    used.update(n for n in old if "/moe/router/" in n)
   for name, target in new.items():
     shape = tuple(np.shape(target))
+    if new_router and "/moe/router/" in name:
+      out[name] = np.asarray(target)
+      continue
     if name.startswith("head/") and reinit_head:
       out[name] = np.asarray(target)
       used.add(name)
@@ -143,8 +152,11 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
                       "(set init.dense_to_experts=true to copy it into every expert)")
     else:
       problems.append(f"{name}: missing in the checkpoint")
-  # A new head replaces the whole upstream head, representation (pre_logits) layer included.
+  # A new head replaces the whole upstream head, representation (pre_logits) layer included; a
+  # model that pools its tokens (gap, map; Soft MoE models) leaves a class token behind.
   dropped = ("head/", "pre_logits/") if reinit_head else ("head/",)
+  if "cls" not in new:
+    dropped += ("cls",)
   unused = sorted(n for n in old if n not in used and not n.startswith(dropped))
   problems += [f"{n}: in the checkpoint but not in the model" for n in unused]
   problems.sort(key=lambda p: (" vs model " not in p, p))  # shape mismatches first

@@ -39,10 +39,15 @@ class MlpBlock(nn.Module):
 
 
 class SelfAttention(nn.Module):
-  """Multi-head self-attention with one fused QKV projection (one matmul instead of three)."""
+  """Multi-head self-attention with one fused QKV projection (one matmul instead of three).
+
+  `qk_norm` normalises queries and keys over each head's dimensions (a LayerNorm with a scale and
+  no bias, as flax's `normalize_qk` that the Soft MoE paper's ViTs use; Dehghani et al. 2023).
+  """
   num_heads: int
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
+  qk_norm: bool = False
 
   @nn.compact
   def __call__(self, x, *, train: bool, dropout: bool | None = None):
@@ -65,6 +70,9 @@ class SelfAttention(nn.Module):
     qkv = x.reshape(b * n, d) @ w_qkv.reshape(d, 3 * h * head_dim).astype(self.dtype)
     qkv = qkv.reshape(b, n, 3, h, head_dim) + b_qkv.astype(self.dtype)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, S, H, hd)
+    if self.qk_norm:
+      q = nn.LayerNorm(use_bias=False, dtype=self.dtype, name="query_ln")(q)
+      k = nn.LayerNorm(use_bias=False, dtype=self.dtype, name="key_ln")(k)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q * head_dim**-0.5, k)
     weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(self.dtype)
     weights = nn.Dropout(self.dropout_rate)(weights, deterministic=not dropout)
@@ -81,13 +89,14 @@ class EncoderBlock(nn.Module):
   attention_dropout_rate: float = 0.0
   moe: dict | None = None  # keyword arguments of MoeMlpBlock, None for a dense MLP
   dtype: Any = jnp.float32
+  qk_norm: bool = False
 
   @nn.compact
   def __call__(self, x, *, train: bool, dropout: bool | None = None):
     dropout = train if dropout is None else dropout
     y = nn.LayerNorm(dtype=self.dtype, name="norm1")(x)
-    y = SelfAttention(self.num_heads, self.attention_dropout_rate, self.dtype, name="attention")(
-        y, train=train, dropout=dropout)
+    y = SelfAttention(self.num_heads, self.attention_dropout_rate, self.dtype, self.qk_norm,
+                      name="attention")(y, train=train, dropout=dropout)
     x = x + nn.Dropout(self.dropout_rate)(y, deterministic=not dropout)
     y = nn.LayerNorm(dtype=self.dtype, name="norm2")(x)
     if self.moe is None:
@@ -143,6 +152,7 @@ class VisionTransformer(nn.Module):
   representation_size: int | None = None
   dropout_rate: float = 0.0
   attention_dropout_rate: float = 0.0
+  attention_qk_norm: bool = False
   head_bias_init: float = 0.0
   moe_layers: Sequence[int] = ()
   moe: dict | None = None  # MoeMlpBlock keyword arguments shared by all MoE layers
@@ -174,7 +184,7 @@ class VisionTransformer(nn.Module):
       block = EncoderBlock(self.mlp_dim, self.num_heads, self.dropout_rate,
                            self.attention_dropout_rate,
                            moe=self.moe if i in self.moe_layers else None, dtype=self.dtype,
-                           name=f"block_{i}")
+                           qk_norm=self.attention_qk_norm, name=f"block_{i}")
       x, metrics = block(x, train=train, dropout=dropout)
       if metrics:
         routing_metrics[f"layer_{i}"] = metrics

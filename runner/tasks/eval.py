@@ -289,12 +289,15 @@ def _runs_as(members: members_lib.Members, capacity_ratio: float, batch_priority
 
 
 def _capacity_sweep(ev: _Run, ds: _Dataset, ratios, example, main: dict) -> list[dict]:
-  """prec@1, NLL and GFLOPs per image at each inference capacity ratio, vanilla and BPR.
+  """prec@1, NLL and GFLOPs per image at each inference capacity ratio, vanilla and (for routers
+  that prioritise, token-choice) BPR.
 
   The setting the model already runs at reuses the main pass (`main`) instead of repeating it.
   """
   rows = []
-  for bpr in (False, True):
+  prioritised = any(derived.router_family(m.config).supports_batch_priority
+                    for m in ev.members.checkpoints if derived.num_experts(m.config))
+  for bpr in (False, True) if prioritised else (False,):
     for c in ratios:
       changes = dict(eval_capacity_ratio=float(c), batch_priority=bpr)
       analytic = ev.members.analytic_flops(ev.batch_size, **changes) / 1e9

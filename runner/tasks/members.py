@@ -17,7 +17,7 @@ from runner.config import derived
 from runner.config.schema import EnsembleVariant, ModelConfig
 from runner.errors import ConfigError
 from runner.evaluators import predictions
-from runner.models import build_model, heads
+from runner.models import build_model, heads, tokens_per_group
 from runner.models import flops as flops_lib
 from runner.models.ensemble import Ensemble
 from runner.tasks import common
@@ -115,12 +115,21 @@ class Members:
     return sum(predictions.count_params(c.params) for c in self.checkpoints)
 
   def params_active(self) -> int:
-    """Parameters one image uses: each member's experts count k / E (per partition, k of E/M)."""
+    """Parameters one token uses: each member's experts count (experts per token) / E, as its
+    router family says (token-choice: k; per partition of a pBE, k of E/M)."""
     total = 0
     for c in self.checkpoints:
       experts = derived.num_experts(c.config)
-      chosen = c.config.router.k * (derived.ensemble_size(c.config) if experts else 1)
-      total += predictions.active_params(c.params, experts, min(chosen, experts or 1))
+      if not experts:
+        total += predictions.active_params(c.params, 0, 0)
+        continue
+      config = c.config
+      tokens = tokens_per_group(config)
+      family = derived.router_family(config)
+      capacity = family.capacity(config.router, tokens, experts, train=False)
+      chosen = family.experts_per_token(config.router, tokens, experts, capacity)
+      chosen *= derived.ensemble_size(config)
+      total += predictions.active_params(c.params, experts, min(chosen, experts))
     return total
 
   @property

@@ -43,6 +43,20 @@ def _check_ensemble_size(config: TrainTask, stored: dict) -> None:
         "true to divide its experts anew.")
 
 
+def _router_changes(config: TrainTask, stored: dict | None, restored) -> bool:
+  """Whether the model routes with another router family than the checkpoint did: its router
+  then starts fresh and the checkpoint's is left out (the experts are kept)."""
+  if not derived.num_experts(config.model):
+    return False
+  family = derived.router_family(config.model).name
+  if stored:  # our runs say; a config of an older version without router.type is token-choice
+    router = (stored.get("model") or {}).get("router") or {}
+    return str(router.get("type") or "token_choice") != family
+  # A released checkpoint: Soft MoE stores slot parameters, the others a (D, E) kernel.
+  soft = any(name.endswith("/router/mu") for name in transfer.flatten(restored))
+  return soft != (family == "soft")
+
+
 def init_from_checkpoint(config: TrainTask, model, source: data.Source):
   """Parameters for `model` mapped from init.checkpoint (an earlier stage's run, or a released
   checkpoint)."""
@@ -57,6 +71,7 @@ def init_from_checkpoint(config: TrainTask, model, source: data.Source):
   try:
     return transfer.adapt_params(restored, fresh, reinit_head=init.reinit_head,
                                  dense_to_experts=init.dense_to_experts,
+                                 new_router=_router_changes(config, stored, restored),
                                  source=f"checkpoint {init.checkpoint} (step {step})")
   except checkpoint.CheckpointError as e:
     if not stored:  # a released checkpoint: no config to compare with

@@ -98,6 +98,28 @@ TRAINING_CASES = [
     (["fewshot.every_steps=5", "fewshot.shots=[0]"], ["fewshot.shots=[0]", "item 0", ">= 1"]),
     (["fewshot.l2_regs=[1,0.5]"], ["fewshot.l2_regs=[1.0, 0.5]", "strictly increasing"]),
     (["fewshot.protocol=whiten"], ["fewshot.protocol", "reference", "plain"]),
+    # router families: unknown names, bad slot counts, options that mean nothing for the router
+    (["model.router.type=hash"], ["model.router.type='hash'", "token_choice", "experts_choice",
+                                  "soft"]),
+    (["model.router.type=soft", "model.router.slots_per_expert=0"],
+     ["model.router.slots_per_expert=0", ">= 1", "num_slots"]),
+    (["model.router.type=soft", "model.router.slots_per_expert=-2"],
+     ["model.router.slots_per_expert=-2", ">= 1"]),
+    (["model.router.type=soft", "model.router.k=1"],
+     ["model.router.k=1 means nothing for model.router.type=soft", "slots_per_expert"]),
+    (["model.router.type=soft", "model.router.batch_priority=true"],
+     ["model.router.batch_priority=true means nothing for model.router.type=soft"]),
+    (["model.router.type=soft", "model.moe.dispatcher=einsum"],
+     ["model.moe.dispatcher=einsum means nothing for model.router.type=soft"]),
+    (["model.router.type=experts_choice", "model.router.batch_priority=true"],
+     ["model.router.batch_priority=true means nothing for model.router.type=experts_choice",
+      "capacity_ratio"]),
+    (["model.router.type=experts_choice", "model.moe.ensemble_size=2"],
+     ["model.moe.ensemble_size=2 needs a token-choice router", "experts_choice"]),
+    (["model.router.type=soft", "model.moe.ensemble_size=2"],
+     ["model.moe.ensemble_size=2 needs a token-choice router", "model.router.type=soft"]),
+    (["model.router.slots_per_expert=2"],
+     ["model.router.slots_per_expert=2 means nothing for model.router.type=token_choice"]),
     # several problems are reported together
     (["train.steps=-5", "optim.lr=-0.1"], ["2 problems", "train.steps=-5", "optim.lr=-0.1"]),
     # composition: unknown names and keys, types
@@ -219,6 +241,8 @@ def runs(tmp_path_factory):
                    "checkpoint.every_steps=1", "data.batch_size=16"]) == 0
   assert cli.main(["pretrain", f"workdir={root / 'vit'}", "model=vit_tiny", *TINY_MODEL, *quiet,
                    "train.steps=1", "data.batch_size=16"]) == 0
+  assert cli.main(["pretrain", f"workdir={root / 'soft'}", "model=softmoe_tiny", *TINY_MODEL,
+                   *quiet, "train.steps=1", "data.batch_size=16"]) == 0
   damaged = {
       "corrupt_params": lambda d: _garbage(d / "checkpoints/2/params/_METADATA"),
       "corrupt_config": lambda d: _garbage(d / "checkpoints/2/config/metadata"),
@@ -231,7 +255,7 @@ def runs(tmp_path_factory):
     damage(root / name)
   (root / "file.txt").write_text("not a run")
   (root / "empty").mkdir()
-  return {name: root / name for name in ["vmoe", "vit", "file.txt", "empty", *damaged]}
+  return {name: root / name for name in ["vmoe", "vit", "soft", "file.txt", "empty", *damaged]}
 
 
 def _garbage(path: pathlib.Path) -> None:
@@ -329,6 +353,22 @@ EVAL_CASES = [
 def test_eval_config_value(args, expected, runs, run_cli, tmp_path):
   workdir = tmp_path / "w"
   _fails_clearly(run_cli("eval", f"workdir={workdir}", f"init.checkpoint={runs['vmoe']}", *LOGS,
+                         *args), *expected)
+  assert not workdir.exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["eval.capacity_sweep=[0.5]"], ["eval.capacity_sweep=[0.5] means nothing for "
+                                     "model.router.type=soft", "token_choice and experts_choice"]),
+    (["model.router.capacity_ratio=0.5"], ["model.router.eval_capacity_ratio=0.5",
+                                           "means nothing for model.router.type=soft",
+                                           "fixed when the model is trained"]),
+    (["model.router.batch_priority=true"], ["model.router.batch_priority=true means nothing for "
+                                            "model.router.type=soft"]),
+])
+def test_eval_of_a_soft_moe(args, expected, runs, run_cli, tmp_path):
+  workdir = tmp_path / "w"
+  _fails_clearly(run_cli("eval", f"workdir={workdir}", f"init.checkpoint={runs['soft']}", *LOGS,
                          *args), *expected)
   assert not workdir.exists()
 

@@ -109,6 +109,31 @@ def test_training_on_a_mesh_matches_one_device(name, single_device, tmp_path):
     assert router.sharding.spec in (P(), P(None, None), P("data", None))
 
 
+@pytest.mark.parametrize("model_name", ["ecmoe_tiny", "softmoe_tiny"])
+def test_every_router_family_trains_on_a_mesh_as_on_one_device(model_name, tmp_path):
+  """Experts-choice and Soft MoE routers: the same losses, parameters and predictions on 8
+  data-parallel devices and under expert parallelism over 8 devices (Soft MoE's slots live with
+  their experts: its slot parameters mu are sharded along the expert axis) as on one device."""
+  one = Placement(make_mesh(1, 1, devices=jax.devices()[:1]), RULES["dp"])
+  ref_losses, ref_state, ref_outputs = _train(one, tmp_path / "one", model_name)
+  for data, expert, bundle in ((8, 1, "dp"), (1, 8, "ep")):
+    placement = make_placement(data, expert, logical_rules(bundle), num_experts=8)
+    losses, state, outputs = _train(placement, tmp_path / f"{data}x{expert}", model_name)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, err_msg=bundle)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state.params)[0],
+                            jax.tree.leaves(ref_state.params)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5,
+                                 err_msg=f"{bundle} {jax.tree_util.keystr(path)}")
+    np.testing.assert_allclose(outputs["logits"], ref_outputs["logits"], rtol=1e-4, atol=1e-5,
+                               err_msg=bundle)
+    if expert > 1:
+      assert "all-to-all" in _train.compiled_text
+      moe = state.params["block_1"]["moe"]
+      assert moe["experts"]["fc1_kernel"].sharding.spec == P("expert", None, None)
+      if model_name == "softmoe_tiny":
+        assert moe["router"]["mu"].sharding.spec == P(None, "expert", None)
+
+
 def test_save_on_8_devices_restore_on_1_and_on_2x4(tmp_path):
   placement = Placement(make_mesh(8, 1), RULES["dp"])
   _, state, _ = _train(placement, tmp_path / "unused")

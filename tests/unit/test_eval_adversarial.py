@@ -316,7 +316,7 @@ def vmoe_sum_intersection_over_union(a, b):
 def _drop_model_combine_weights(params, images):
   """Logits and, per MoE layer, restore.py `get_combine_weights` of the router's plan:
   (batch, tokens, E) with the gate of every expert that processes the token, else 0."""
-  from runner.models.moe.router import NoisyTopKRouter
+  from runner.models.moe.routers.token_choice import NoisyTopKRouter
   (logits, _), state = VMOE_DROP.apply(
       {"params": params}, images, mutable=["intermediates"],
       capture_intermediates=lambda m, _: isinstance(m, NoisyTopKRouter))

@@ -209,8 +209,8 @@ def test_misshaped_array_is_named():
 
 def test_unmapped_and_missing_arrays_are_named_together():
   tree = reference_tree("big_vision", scanned=True)
-  qk_norm = "MultiHeadDotProductAttention_0/query_ln/scale"  # qk layer norms: not in our model
-  tree[f"Transformer/encoderblock/{qk_norm}"] = np.ones((LAYERS, D))
+  layer_scale = "LayerScale_0/scale"  # a layer our model does not have
+  tree[f"Transformer/encoderblock/{layer_scale}"] = np.ones((LAYERS, D))
   tree["registers"] = np.zeros((1, 4, D), np.float32)
   del tree["Transformer/encoder_norm/bias"]
   with pytest.raises(CheckpointError) as e:
@@ -218,7 +218,7 @@ def test_unmapped_and_missing_arrays_are_named_together():
   message = str(e.value)
   assert "Transformer/encoder_norm/bias: missing" in message
   assert "registers: not mapped" in message
-  assert f"Transformer/encoderblock_0/{qk_norm}: not mapped" in message
+  assert f"Transformer/encoderblock_0/{layer_scale}: not mapped" in message
   assert f"{2 + LAYERS} problem(s)" in message and "more" not in message  # all six shown
 
 
@@ -240,7 +240,8 @@ def test_model_hint():
   assert hint == {"layout": "vmoe", "hidden_size": D, "num_layers": LAYERS, "mlp_dim": MLP,
                   "num_heads": HEADS, "patch_size": PATCH, "image_size": IMAGE,
                   "classifier": "token", "representation_size": None, "num_classes": CLASSES,
-                  "moe_layers": (1, 3), "num_experts": 4, "ensemble_size": 2}
+                  "moe_layers": (1, 3), "num_experts": 4, "ensemble_size": 2,
+                  "router": "token_choice or experts_choice", "slots_per_expert": None}
   hint = mapping.model_hint(reference_tree("big_vision", classifier="map", representation=16,
                                            scanned=True))
   assert (hint["layout"], hint["num_layers"], hint["classifier"], hint["representation_size"],

@@ -9,7 +9,7 @@ from runner.config import from_dict
 from runner.config.schema import ModelConfig, MoeConfig, RouterConfig
 from runner.errors import ConfigError, UserError
 from runner.models import UnknownModelError, build_model, is_moe, model_config, moe_layer_indices
-from runner.models.catalog import CPU_MODELS, PAPER_MODELS, SIZES
+from runner.models.catalog import CPU_MODELS, PAPER_MODELS, SIZES, SOFT_MOE_MODELS
 
 # Table 7 (Blocks, Heads, Embed., MLP) for each ViT size.
 TABLE_7 = {"s": dict(blocks=8, heads=8, embed=512, mlp=2048),
@@ -61,7 +61,7 @@ def test_capacity_rounding_reaches_the_router():
       tiny.router, capacity_rounding=CapacityRounding.reference, eval_capacity_ratio=0.3))
   model = build_model(c, 10)
   assert model.moe["router"]["capacity_rounding"] == "reference"
-  from runner.models.moe.router import NoisyTopKRouter
+  from runner.models.moe.routers.token_choice import NoisyTopKRouter
 
   def capacities(model):
     """The plan capacity of every router, read from shapes alone (no compute)."""
@@ -130,11 +130,11 @@ def test_bad_names_raise_unknown_model_error_listing_valid_names(name):
   assert isinstance(e.value, UserError) and isinstance(e.value, ValueError)
 
 
-@pytest.mark.parametrize("name", CPU_MODELS + PAPER_MODELS)
+@pytest.mark.parametrize("name", CPU_MODELS + PAPER_MODELS + SOFT_MOE_MODELS)
 def test_every_listed_name_resolves(name):
   c = model_config(name)
   assert c.name == name
-  assert is_moe(c) == name.startswith("vmoe")
+  assert is_moe(c) == (not name.startswith("vit"))
 
 
 def test_explicit_layer_list_in_config_builds_those_moe_layers():

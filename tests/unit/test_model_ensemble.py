@@ -23,7 +23,7 @@ from runner.config.schema import ModelConfig
 from runner.models import build_model, model_config, transfer
 from runner.models.ensemble import combine_logits
 from runner.models.moe.layer import MoeMlpBlock
-from runner.models.moe.router import NoisyTopKRouter
+from runner.models.moe.routers.token_choice import NoisyTopKRouter
 from runner.train import optimizers, schedules
 from runner.train.losses import softmax_xent
 from runner.train.state import TrainState, abstract_params

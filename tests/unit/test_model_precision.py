@@ -1,9 +1,11 @@
-"""Mixed precision: compute in bfloat16, parameters and the router in float32."""
+"""Mixed precision: compute in bfloat16, parameters and the router in float32 (every router
+family: token-choice, experts-choice, Soft MoE, whose mixing einsums run in bfloat16)."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from runner.config import from_dict
 from runner.config.schema import ModelConfig
@@ -15,8 +17,13 @@ CONFIG = dict(name="vmoe_test", image_size=16, patch_size=4, hidden_size=32, num
               moe=dict(layers=[1], num_experts=4, group_size=4), router=dict(k=2))
 
 
-def _model(dtype):
-  return build_model(from_dict(ModelConfig, dict(CONFIG, dtype=dtype)), 10)
+ROUTERS = {"token_choice": dict(k=2), "experts_choice": dict(type="experts_choice"),
+           "soft": dict(type="soft")}
+
+
+def _model(dtype, router="token_choice"):
+  return build_model(from_dict(ModelConfig, dict(CONFIG, dtype=dtype, router=ROUTERS[router])),
+                     10)
 
 
 def test_bfloat16_compute_keeps_float32_parameters_and_router():
@@ -32,12 +39,13 @@ def test_bfloat16_compute_keeps_float32_parameters_and_router():
   assert logits.dtype == jnp.float32 and extras["pre_logits"].dtype == jnp.float32
 
 
-def test_bfloat16_training_step_tracks_float32():
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_bfloat16_training_step_tracks_float32(router):
   images = jnp.asarray(np.random.default_rng(1).standard_normal((8, 16, 16, 3)), jnp.float32)
   batch = {"image": images, "labels": jax.nn.one_hot(jnp.arange(8) % 10, 10)}
   losses = {}
   for dtype in ("float32", "bfloat16"):
-    model = _model(dtype)
+    model = _model(dtype, router)
     params, _ = state_lib.init_params(model, (16, 16, 3), seed=0)
     schedule = schedules.make_schedule("constant", 1e-3, 10)
     tx = optimizers.make_optimizer("adam", schedule, params)

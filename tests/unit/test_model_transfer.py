@@ -243,3 +243,29 @@ def test_many_problems_are_truncated_with_a_count(dense_ckpt):
   more = int(re.search(r"and (\d+) more", message)[1])
   shown = len(re.findall(r"[\w/]+: (?:checkpoint|missing|in the)", message))
   assert 0 < shown < total and shown + more == total
+
+
+@pytest.mark.parametrize("router", [dict(type="experts_choice"), dict(type="soft")])
+def test_a_new_router_family_starts_fresh_and_keeps_the_experts(router):
+  """Token-choice V-MoE -> experts-choice or Soft MoE: the router is new (the checkpoint's
+  kernel is left out, even when it has the same shape), the experts and the rest are copied;
+  a pooled model leaves the class token behind."""
+  token_choice = random_tree(VMOE, 5, (8, 8, 3), seed=7)
+  config = dict(VMOE, router=router, classifier="gap")
+  fresh = random_tree(config, 5, (8, 8, 3), seed=8)
+  out = flatten(adapt_params(token_choice, fresh, reinit_head=True, new_router=True))
+  old, new = flatten(token_choice), flatten(fresh)
+  assert out.keys() == new.keys() and "cls" not in out
+  for name, value in out.items():
+    want = new[name] if name.startswith(("head/", "block_1/moe/router/")) else old[name]
+    np.testing.assert_array_equal(value, want, err_msg=name)
+  assert any("/moe/router/" in n for n in out)
+  # Without new_router the token-choice kernel would be taken (experts-choice: same shape) or
+  # reported as left over (Soft MoE).
+  if router["type"] == "experts_choice":
+    kept = flatten(adapt_params(token_choice, fresh, reinit_head=True))
+    np.testing.assert_array_equal(kept["block_1/moe/router/dense/kernel"],
+                                  old["block_1/moe/router/dense/kernel"])
+  else:
+    with pytest.raises(CheckpointError, match="router/dense/kernel: in the checkpoint"):
+      adapt_params(token_choice, fresh, reinit_head=True)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from runner.models.moe import routing
-from runner.models.moe import router as router_lib
-from runner.models.moe.router import NoisyTopKRouter
+from runner.models.moe.routers import token_choice as router_lib
+from runner.models.moe.routers.token_choice import NoisyTopKRouter
 from moe_reference import (buffers_to_plan_arrays, importance_loss_reference,
                            load_loss_reference, route_reference)
 

@@ -14,10 +14,8 @@ import flax.linen as nn
 from flax.linen import partitioning
 from jax.sharding import PartitionSpec as P
 
-from runner.models.moe import dispatch as dispatch_lib
+from runner.models.moe import routers
 from runner.models.moe.experts import LOGICAL_AXES, MlpExperts, apply_experts
-from runner.models.moe.router import NoisyTopKRouter
-from runner.models.moe.routing import DispatchPlan
 
 BATCH_AXES = ("data", "expert")
 
@@ -63,22 +61,28 @@ class MoeMlpBlock(nn.Module):
   - "partition_only": rows are not tiled; each token is routed in every partition (k experts in
     each) and the M partitions' outputs are summed (the ablation without tiling).
 
-  Applied with mutable=["intermediates"], it also sows `selected_experts`: (images, tokens, k)
-  int32, every token's TOP-k experts as the router chose them, before capacity drops (for an
-  ensemble, (images, M*tokens, k) for tiled rows and (images, tokens, M*k) for partition_only).
-  That is the "set of selected experts" whose change under attack the adversarial evaluator
-  measures (Puigcerver et al. 2022, App. F): a property of the token alone, whereas what survives
-  the buffers also depends on the other images of its routing group. It also sows
-  `routed_experts`, of the same shape: the expert id where the assignment found room in the
-  expert's buffer with a non-zero combine weight, -1 where it was dropped; the experts that
-  actually process the token, which is what the reference code's routing change compares.
+  The router is the family `router["type"]` names (runner/models/moe/routers; token-choice by
+  default); only token-choice routers form ensembles.
+
+  Applied with mutable=["intermediates"], it also sows `expert_mask` and `routed_mask`:
+  (images, tokens, E) bool, the experts each token chose (before capacity drops) and the experts
+  that process it (for a tiled ensemble, (images, M*tokens, E)); every router family answers
+  these. The token-choice router also sows `selected_experts`: (images, tokens, k) int32, every
+  token's TOP-k experts as the router chose them, before capacity drops (for an ensemble,
+  (images, M*tokens, k) for tiled rows and (images, tokens, M*k) for partition_only) — the "set
+  of selected experts" whose change under attack the adversarial evaluator measures (Puigcerver
+  et al. 2022, App. F): a property of the token alone, whereas what survives the buffers also
+  depends on the other images of its routing group; and `routed_experts`, of the same shape: the
+  expert id where the assignment found room in the expert's buffer with a non-zero combine
+  weight, -1 where it was dropped; the experts that actually process the token, which is what
+  the reference code's routing change compares.
   """
   num_experts: int
   mlp_dim: int
   group_size: int = 8
   expert_dropout: float = 0.0
   dispatcher: str = "indices"
-  router: dict | None = None  # keyword arguments of NoisyTopKRouter
+  router: dict | None = None  # "type" (a router family) and its module's keyword arguments
   ensemble_size: int = 1
   ensemble_variant: str = "pbe"
   dtype: jnp.dtype = jnp.float32
@@ -107,13 +111,28 @@ class MoeMlpBlock(nn.Module):
       groups = x.reshape(num_groups, 1, group_size * tokens, dim)
       blocks = jnp.broadcast_to(groups, (num_groups, m, group_size * tokens, dim)).reshape(
           num_groups * m, group_size * tokens, dim)
-    plan, metrics = NoisyTopKRouter(num_experts=self.num_experts, **(self.router or {}),
-                                    partitions=partitions, name="router")(blocks, train=train)
-    # A no-op unless the caller made "intermediates" mutable.
-    self.sow("intermediates", "selected_experts",
-             self._selected(plan, num_groups, group_size, tokens, partitions, tiled))
-    self.sow("intermediates", "routed_experts",
-             self._selected(plan, num_groups, group_size, tokens, partitions, tiled, routed=True))
+    options = dict(self.router or {})
+    family = routers.family(options.pop("type", None))
+    if family.supports_ensembles:
+      options["partitions"] = partitions
+    elif m > 1:
+      raise ValueError(f"router type {family.name!r} does not form partitioned batch ensembles")
+    plan, metrics = family.module(num_experts=self.num_experts, **options, name="router")(
+        blocks, train=train)
+    # No-ops unless the caller made "intermediates" mutable.
+    if family.supports_ensembles:
+      selected = self._selected(plan, num_groups, group_size, tokens, partitions, tiled)
+      routed = self._selected(plan, num_groups, group_size, tokens, partitions, tiled,
+                              routed=True)
+      self.sow("intermediates", "selected_experts", selected)
+      self.sow("intermediates", "routed_experts", routed)
+      self.sow("intermediates", "expert_mask", _ids_to_mask(selected, self.num_experts))
+      self.sow("intermediates", "routed_mask", _ids_to_mask(routed, self.num_experts))
+    else:
+      for name, routed in (("expert_mask", False), ("routed_mask", True)):
+        mask = plan.expert_mask(routed)
+        if mask is not None:
+          self.sow("intermediates", name, mask.reshape(images, tokens, -1))
     weights = MlpExperts(self.num_experts, self.mlp_dim, name="experts")(dim)
     dropout = train if dropout is None else dropout
     rng = self.make_rng("dropout") if dropout and self.expert_dropout else None
@@ -154,7 +173,7 @@ class MoeMlpBlock(nn.Module):
 
   def _experts_local(self, blocks, plan, weights, rng, partitions, *, expert_axis):
     """Dispatch, experts, combine on this device's groups; all-to-all over `expert_axis`."""
-    buffers = dispatch_lib.dispatch(blocks, plan, self.dispatcher)  # (E/P, G*P, C, D)
+    buffers = plan.dispatch(blocks, self.dispatcher)  # (E/P, G*P, C, D)
     if partitions > 1:
       buffers = _partition_major(buffers, partitions)  # (E, G, C, D)
     if expert_axis is not None:  # (E, G, C, D) -> (E / n, n * G, C, D)
@@ -165,7 +184,7 @@ class MoeMlpBlock(nn.Module):
       outputs = jax.lax.all_to_all(outputs, expert_axis, 1, 0, tiled=True)
     if partitions > 1:
       outputs = _partition_blocks(outputs, partitions)
-    return dispatch_lib.combine(outputs, plan, self.dispatcher)
+    return plan.combine(outputs, self.dispatcher)
 
   def _experts_sharded(self, mesh, groups, plan, weights, rng, partitions):
     weight_axes = [_mesh_axes(axes) for axes in LOGICAL_AXES]
@@ -175,9 +194,7 @@ class MoeMlpBlock(nn.Module):
     use_dropout = rng is not None
     rng = rng if use_dropout else jax.random.key(0)
 
-    def local(groups, slot_of_assignment, assignment_of_slot, combine_weights, rng, *weights):
-      local_plan = DispatchPlan(slot_of_assignment, assignment_of_slot, combine_weights,
-                                num_experts=plan.num_experts, capacity=plan.capacity, k=plan.k)
+    def local(groups, local_plan, rng, *weights):
       # Weights sharded along other dimensions (FSDP) are gathered for the computation.
       gathered = []
       for w, axes in zip(weights, weight_axes):
@@ -191,8 +208,12 @@ class MoeMlpBlock(nn.Module):
       return self._experts_local(groups, local_plan, gathered, rng if use_dropout else None,
                                  partitions, expert_axis=expert_axis)
 
-    in_specs = (batch_spec, batch_spec, batch_spec, batch_spec, P(),
-                *(P(*axes) for axes in weight_axes))
+    # Every array of a plan has the groups first: each device takes its groups' share.
+    in_specs = (batch_spec, batch_spec, P(), *(P(*axes) for axes in weight_axes))
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=batch_spec)(
-        groups, plan.slot_of_assignment, plan.assignment_of_slot, plan.combine_weights, rng,
-        *weights)
+        groups, plan, rng, *weights)
+
+
+def _ids_to_mask(ids: jax.Array, num_experts: int) -> jax.Array:
+  """(..., k) expert ids (-1: none) -> (..., E) bool membership."""
+  return jnp.any(jax.nn.one_hot(ids, num_experts, dtype=jnp.bool_), axis=-2)

@@ -59,8 +59,9 @@ class DispatchPlan:
   slot_of_assignment[g, a] is the slot, or E * C when the assignment was dropped.
   assignment_of_slot[g, s] is the assignment, or S * k when the slot is empty (zero padded).
   combine_weights[g, t, i] is the gate of token t's i-th choice, 0 where it was dropped.
-  experts[g, t, i] is token t's i-th choice (TOP-k, before capacity drops); None in plans built
-  from the other arrays alone (the per-device plans of expert parallelism).
+  experts[g, t, i] is token t's i-th choice (TOP-k, before capacity drops) and gates[g, t, e]
+  the routing weights the choices were made from; either may be None in plans built from the
+  other arrays alone.
   """
   slot_of_assignment: jax.Array
   assignment_of_slot: jax.Array
@@ -69,6 +70,27 @@ class DispatchPlan:
   capacity: int = dataclasses.field(metadata=dict(static=True))
   k: int = dataclasses.field(metadata=dict(static=True))
   experts: jax.Array | None = None
+  gates: jax.Array | None = None
+
+  def dispatch(self, x: jax.Array, method: str = "indices") -> jax.Array:
+    """(G, S, D) tokens -> (E, G, C, D) expert buffers (runner/models/moe/dispatch.py)."""
+    from runner.models.moe import dispatch
+    return dispatch.dispatch(x, self, method)
+
+  def combine(self, y: jax.Array, method: str = "indices") -> jax.Array:
+    """(E, G, C, D) expert outputs -> (G, S, D) tokens."""
+    from runner.models.moe import dispatch
+    return dispatch.combine(y, self, method)
+
+  def expert_weights(self) -> jax.Array:
+    return self.gates
+
+  def expert_mask(self, routed: bool = False) -> jax.Array:
+    """(G, S, E): each token's TOP-k experts, or (`routed`) those that kept it in their buffer."""
+    chosen = jax.nn.one_hot(self.experts, self.num_experts, dtype=jnp.bool_)  # (G, S, k, E)
+    if routed:
+      chosen = chosen & (self.combine_weights > 0)[..., None]
+    return jnp.any(chosen, axis=-2)
 
   @property
   def kept(self) -> jax.Array:
@@ -166,7 +188,7 @@ def plan_dispatch(gates: jax.Array, *, k: int, capacity: int, batch_priority: bo
   return DispatchPlan(slot_of_assignment=slot_of_assignment,
                       assignment_of_slot=assignment_of_slot.astype(jnp.int32),
                       combine_weights=combine_weights, num_experts=num_experts,
-                      capacity=capacity, k=k, experts=experts)
+                      capacity=capacity, k=k, experts=experts, gates=gates)
 
 
 def squared_cv(values: jax.Array) -> jax.Array:

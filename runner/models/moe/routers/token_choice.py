@@ -1,4 +1,11 @@
-"""The noisy TOP-k router of V-MoE as a Flax module: gates, dispatch plan and routing metrics."""
+"""Token-choice routing, the router of V-MoE: each token picks its TOP-k experts (Riquelme et al.).
+
+g(x) = TOP_k(softmax(Wx + eps)), eps ~ N(0, (noise_std / E)^2) in training only; each expert
+has a buffer of B_e = round(k * tokens * C / E) slots per routing group and drops what does not
+fit, in the order of Algorithm 1 (vanilla) or 2 (Batch Prioritized Routing); auxiliary importance
+and load losses (Appendix A.2). The policy itself is `runner.models.moe.routing`; the reference
+code names this router `NoisyTopExpertsPerItemRouter` (vmoe/nn/routing.py).
+"""
 from __future__ import annotations
 
 import jax
@@ -6,6 +13,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from runner.models.moe import routing
+from runner.models.moe.routers import RouterFamily
 
 _KERNEL_INIT = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
 
@@ -85,3 +93,49 @@ class NoisyTopKRouter(nn.Module):
     filled = plan.expert_of_slot_filled.reshape(num_groups // p, self.num_experts)
     metrics["expert_load"] = jnp.mean(filled, axis=0) / capacity
     return plan, metrics
+
+
+TokenChoiceRouter = NoisyTopKRouter
+
+
+class TokenChoice(RouterFamily):
+  name = "token_choice"
+  module = NoisyTopKRouter
+  options = ("k", "capacity_ratio", "eval_capacity_ratio", "batch_priority", "priority",
+             "noise_std", "capacity_rounding")
+  supports_ensembles = True
+  supports_batch_priority = True
+  summary = "each token picks its TOP-k experts, buffers of round(k*N*C/E) slots (V-MoE)"
+
+  @classmethod
+  def module_kwargs(cls, router, *, tokens: int, experts: int) -> dict:
+    kwargs = dict(k=router.k, capacity_ratio=router.capacity_ratio,
+                  eval_capacity_ratio=router.eval_capacity_ratio,
+                  batch_priority=router.batch_priority, priority=_name(router.priority),
+                  noise_std=1.0 if router.noise_std is None else router.noise_std)
+    if _name(router.capacity_rounding) != "paper":  # the default's arguments stay as they were
+      kwargs["capacity_rounding"] = _name(router.capacity_rounding)
+    return kwargs
+
+  @classmethod
+  def capacity(cls, router, tokens: int, experts: int, *, train: bool) -> int:
+    return routing.expert_capacity(tokens, experts, router.k, _ratio(router, train),
+                                   router.capacity_rounding)
+
+  @classmethod
+  def experts_per_token(cls, router, tokens: int, experts: int, capacity: int) -> float:
+    return float(min(router.k, experts))
+
+
+def _name(option) -> str:
+  return str(getattr(option, "value", option))
+
+
+def _ratio(router, train: bool) -> float:
+  """The capacity ratio in force: eval_capacity_ratio at inference when it is set."""
+  if not train and router.eval_capacity_ratio is not None:
+    return router.eval_capacity_ratio
+  return router.capacity_ratio
+
+
+FAMILY = TokenChoice

@@ -1,0 +1,171 @@
+"""Experts-choice routing: each expert picks its top-C tokens of a routing group (Zhou et al. 2022).
+
+As the reference code's `NoisyTopItemsPerExpertRouter` (vmoe/nn/routing.py, vmoe/moe.py
+`get_top_items_per_expert_dispatcher`):
+- gates G = softmax(x W) over the experts, W a (D, E) kernel without bias at `router/dense/kernel`
+  (the token-choice router's name and shape), with noise N(0, (noise_std / E)^2) added to the
+  logits in training;
+- expert e processes the C tokens with the largest G[:, e] (greedy, per column; ties go to the
+  lower token index, as `lax.top_k`), C = round(tokens * C_ratio / E) ("paper" rounding: half up,
+  at least 1) or the reference's ceil then a multiple of 4, and never more than the group's tokens;
+- the combine weight of a selected (token, expert) pair is G[t, e], not renormalised: a token is
+  processed by 0 to E experts, and one that no expert picked passes through the residual only;
+- no auxiliary loss: every expert is full by construction.
+
+Metrics per layer: experts per token (min, mean, max over the layer's tokens), the fraction of
+tokens that at least one expert processes, and its complement as `fraction_dropped_tokens`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from runner.models.moe import routing
+from runner.models.moe.routers import RouterFamily
+
+_KERNEL_INIT = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertsChoicePlan:
+  """For G groups of S tokens and E experts of C slots: slot s = expert * C + position.
+
+  token_of_slot[g, s] is the token in slot s (every slot is filled: C <= S);
+  weight_of_slot[g, s] its combine weight, the gate G[token, expert];
+  gates[g, t, e] the routing gates.
+  """
+  token_of_slot: jax.Array
+  weight_of_slot: jax.Array
+  gates: jax.Array
+  num_experts: int = dataclasses.field(metadata=dict(static=True))
+  capacity: int = dataclasses.field(metadata=dict(static=True))
+
+  def _rows(self) -> jax.Array:
+    """(G * E * C,) indices of the slots' tokens in the flat (G * S) token rows."""
+    g, s, _ = self.gates.shape
+    return (self.token_of_slot + s * jnp.arange(g, dtype=jnp.int32)[:, None]).reshape(-1)
+
+  def _onehot(self, dtype, weights: bool) -> jax.Array:
+    """(G, S, E, C) dispatch (or combine) tensor of the einsum formulation."""
+    g, s, e = self.gates.shape
+    onehot = jax.nn.one_hot(self.token_of_slot, s, axis=1, dtype=dtype)  # (G, S, E*C)
+    if weights:
+      onehot = onehot * self.weight_of_slot[:, None, :].astype(dtype)
+    return onehot.reshape(g, s, e, self.capacity)
+
+  def dispatch(self, x: jax.Array, method: str = "indices") -> jax.Array:
+    """(G, S, D) -> (E, G, C, D); a gather whose gradient is a scatter-add over C*E rows."""
+    g, s, d = x.shape
+    e, c = self.num_experts, self.capacity
+    if method == "einsum":
+      return jnp.einsum("gsd,gsec->egcd", x, self._onehot(x.dtype, weights=False))
+    buffers = jnp.take(x.reshape(g * s, d), self._rows(), axis=0)
+    return buffers.reshape(g, e, c, d).transpose(1, 0, 2, 3)
+
+  def combine(self, y: jax.Array, method: str = "indices") -> jax.Array:
+    """(E, G, C, D) -> (G, S, D): each token sums the weighted outputs of the slots it filled."""
+    e, g, c, d = y.shape
+    s = self.gates.shape[1]
+    if method == "einsum":
+      return jnp.einsum("egcd,gsec->gsd", y, self._onehot(y.dtype, weights=True))
+    weighted = y.transpose(1, 0, 2, 3).reshape(g * e * c, d) * self.weight_of_slot.reshape(
+        -1, 1).astype(y.dtype)
+    out = jnp.zeros((g * s, d), y.dtype).at[self._rows()].add(weighted)
+    return out.reshape(g, s, d)
+
+  def expert_mask(self, routed: bool = True) -> jax.Array:
+    """(G, S, E): the experts that picked each token (choice and processing are the same)."""
+    del routed
+    g, s, e = self.gates.shape
+    picked = jax.nn.one_hot(self.token_of_slot.reshape(g, e, self.capacity), s, dtype=jnp.bool_)
+    return jnp.any(picked, axis=2).transpose(0, 2, 1)
+
+  def expert_weights(self) -> jax.Array:
+    return self.gates
+
+
+def top_tokens_per_expert(gates: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+  """(weights, tokens), each (G, E, C): every expert's C largest gates, largest first, ties to the
+  lower token index."""
+  weights, tokens = jax.lax.top_k(jax.lax.stop_gradient(gates).transpose(0, 2, 1), capacity)
+  picked = jnp.take_along_axis(gates.transpose(0, 2, 1), tokens, axis=-1)  # gradient flows here
+  del weights
+  return picked, tokens.astype(jnp.int32)
+
+
+def experts_capacity(num_tokens: int, num_experts: int, capacity_ratio: float,
+                     rounding: str = "paper") -> int:
+  """Tokens each expert picks in a group of `num_tokens`: tokens * C / E rounded as the
+  token-choice buffers are (with k = 1), at most the group's tokens."""
+  return min(num_tokens, routing.expert_capacity(num_tokens, num_experts, 1, capacity_ratio,
+                                                 rounding))
+
+
+class ExpertsChoiceRouter(nn.Module):
+  """Gates softmax(x W + noise); each expert takes its top-C tokens (see the module docstring)."""
+  num_experts: int
+  capacity_ratio: float = 1.0
+  eval_capacity_ratio: float | None = None
+  noise_std: float = 1.0
+  capacity_rounding: str = "paper"
+
+  @nn.compact
+  def __call__(self, x: jax.Array, *, train: bool) -> tuple[ExpertsChoicePlan, dict]:
+    num_groups, num_tokens, _ = x.shape
+    e = self.num_experts
+    logits = nn.Dense(e, use_bias=False, dtype=jnp.float32, param_dtype=jnp.float32,
+                      kernel_init=_KERNEL_INIT, name="dense")(x.astype(jnp.float32))
+    noise_std = self.noise_std / e
+    if train and noise_std > 0:
+      logits = logits + noise_std * jax.random.normal(self.make_rng("gating"), logits.shape)
+    gates = jax.nn.softmax(logits)
+    ratio = self.capacity_ratio
+    if not train and self.eval_capacity_ratio is not None:
+      ratio = self.eval_capacity_ratio
+    capacity = experts_capacity(num_tokens, e, ratio, self.capacity_rounding)
+    weights, tokens = top_tokens_per_expert(gates, capacity)
+    plan = ExpertsChoicePlan(token_of_slot=tokens.reshape(num_groups, e * capacity),
+                             weight_of_slot=weights.reshape(num_groups, e * capacity),
+                             gates=gates, num_experts=e, capacity=capacity)
+    per_token = plan.expert_mask().sum(-1)  # (G, S) experts processing each token
+    processed = jnp.mean(per_token > 0)
+    metrics = {"auxiliary_loss": jnp.zeros((), jnp.float32),
+               "experts_per_token_min": jnp.min(per_token).astype(jnp.float32),
+               "experts_per_token_mean": jnp.mean(per_token.astype(jnp.float32)),
+               "experts_per_token_max": jnp.max(per_token).astype(jnp.float32),
+               "fraction_processed_tokens": processed,
+               "fraction_dropped_tokens": 1.0 - processed}
+    return plan, metrics
+
+
+class ExpertsChoice(RouterFamily):
+  name = "experts_choice"
+  module = ExpertsChoiceRouter
+  options = ("capacity_ratio", "eval_capacity_ratio", "noise_std", "capacity_rounding")
+  summary = "each expert picks its top round(N*C/E) tokens; a token gets 0 to E experts"
+
+  @classmethod
+  def module_kwargs(cls, router, *, tokens: int, experts: int) -> dict:
+    return dict(capacity_ratio=router.capacity_ratio,
+                eval_capacity_ratio=router.eval_capacity_ratio,
+                noise_std=1.0 if router.noise_std is None else router.noise_std,
+                capacity_rounding=str(getattr(router.capacity_rounding, "value",
+                                              router.capacity_rounding)))
+
+  @classmethod
+  def capacity(cls, router, tokens: int, experts: int, *, train: bool) -> int:
+    ratio = router.capacity_ratio
+    if not train and router.eval_capacity_ratio is not None:
+      ratio = router.eval_capacity_ratio
+    return experts_capacity(tokens, experts, ratio, router.capacity_rounding)
+
+  @classmethod
+  def experts_per_token(cls, router, tokens: int, experts: int, capacity: int) -> float:
+    return experts * capacity / tokens
+
+
+FAMILY = ExpertsChoice

@@ -1,0 +1,158 @@
+"""Soft MoE: every slot is a weighted mix of the group's tokens (Puigcerver et al. 2023).
+
+As the reference code's `SoftRouter` (vmoe/projects/soft_moe/router.py) and the paper's Algorithm 1:
+- the inputs x (S, D) and the slot parameters `mu` (D, E, P) are L2-normalised over D
+  (x / sqrt(sum x^2 + 1e-6)); one learnable scalar `scale` (initialised at 1) multiplies the logits
+  L[t, e, p] = scale * <x_t, mu_{e,p}>; optional Gaussian noise of std `noise_std` is added to
+  L in training (the reference's default: none);
+- dispatch weights: a softmax of L over the S tokens for each slot; slot (e, p) receives
+  sum_t D[t, e, p] x_t (the unnormalised tokens);
+- expert e's MLP runs on its P slots;
+- combine weights: a softmax of L over all E * P slots for each token; token t receives
+  sum_{e,p} C[t, e, p] y_{e,p}.
+Every token contributes to every slot: nothing is dropped, there is no auxiliary loss, and the
+cost does not depend on the tokens but on the E * P slots. P is `slots_per_expert` (the
+reference's `num_slots`), or round(tokens per group * C / E) from the capacity ratio C, with the
+tokens of the configured routing group (`model.moe.group_size` images; Soft MoE models route each
+image alone). The mixing einsums run in the model's compute dtype (bfloat16 under
+`model.dtype=bfloat16`, as the reference's `Bfloat16Dispatcher`); logits and softmaxes in float32.
+
+Metrics: the means over tokens (slots) of the smallest and largest combine (dispatch) weights,
+as the reference reports.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import math
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from runner.models.moe.routers import RouterFamily
+
+EPS = 1e-6
+
+
+def normalize(x: jax.Array, axis: int = -1) -> jax.Array:
+  return x * jax.lax.rsqrt(jnp.sum(jnp.square(x), axis=axis, keepdims=True) + EPS)
+
+
+def derived_slots(tokens: int, experts: int, capacity_ratio: float) -> int:
+  """round(tokens * C / E), half up, at least 1 (the reference: `compute_capacity` with round and
+  multiple 1)."""
+  exact = fractions.Fraction(str(capacity_ratio)) * tokens / experts
+  return max(1, math.floor(exact + fractions.Fraction(1, 2)))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SoftPlan:
+  """dispatch_weights and combine_weights: (G, S, E * P), slot n = expert * P + p."""
+  dispatch_weights: jax.Array
+  combine_weights: jax.Array
+  num_experts: int = dataclasses.field(metadata=dict(static=True))
+  capacity: int = dataclasses.field(metadata=dict(static=True))
+
+  def dispatch(self, x: jax.Array, method: str = "einsum") -> jax.Array:
+    """(G, S, D) -> (E, G, P, D): each slot's convex combination of the group's tokens."""
+    del method
+    g, _, d = x.shape
+    slots = jnp.einsum("gsd,gsn->gnd", x, self.dispatch_weights.astype(x.dtype))
+    return slots.reshape(g, self.num_experts, self.capacity, d).transpose(1, 0, 2, 3)
+
+  def combine(self, y: jax.Array, method: str = "einsum") -> jax.Array:
+    """(E, G, P, D) -> (G, S, D): each token's convex combination of every slot's output."""
+    del method
+    e, g, p, d = y.shape
+    slots = y.transpose(1, 0, 2, 3).reshape(g, e * p, d)
+    return jnp.einsum("gnd,gsn->gsd", slots, self.combine_weights.astype(y.dtype))
+
+  def expert_weights(self) -> jax.Array:
+    """(G, S, E): each token's dispatch weight to the slots of each expert, normalised over the
+    experts (the share of the token that expert e receives)."""
+    g, s, _ = self.dispatch_weights.shape
+    per_expert = self.dispatch_weights.reshape(g, s, self.num_experts, self.capacity).sum(-1)
+    return per_expert / jnp.sum(per_expert, axis=-1, keepdims=True)
+
+  def expert_mask(self, routed: bool = True) -> None:
+    """None: every token reaches every expert, so there is no choice whose change one could
+    measure (the PGD evaluator reports no routing change for Soft MoE layers)."""
+    del routed
+    return None
+
+
+class SoftRouter(nn.Module):
+  """Soft MoE's dispatch and combine weights (see the module docstring)."""
+  num_experts: int
+  slots_per_expert: int = 1
+  noise_std: float = 0.0
+
+  @nn.compact
+  def __call__(self, x: jax.Array, *, train: bool) -> tuple[SoftPlan, dict]:
+    num_groups, num_tokens, dim = x.shape
+    e, p = self.num_experts, self.slots_per_expert
+    mu = self.param("mu", nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                         ("embed", "expert", None)),
+                    (dim, e, p), jnp.float32)
+    scale = self.param("scale", nn.initializers.ones, (), jnp.float32)
+    inputs = normalize(x.astype(jnp.float32), axis=-1)
+    mu = normalize(mu, axis=0)
+    # The reference multiplies `scale` into the smaller operand; the logits are the same.
+    if inputs.size < mu.size:
+      inputs = inputs * scale
+    else:
+      mu = mu * scale
+    logits = jnp.einsum("gsd,dn->gsn", inputs, mu.reshape(dim, e * p))
+    if train and self.noise_std > 0:
+      logits = logits + self.noise_std * jax.random.normal(self.make_rng("gating"), logits.shape)
+    dispatch_weights = jax.nn.softmax(logits, axis=1)
+    combine_weights = jax.nn.softmax(logits, axis=2)
+    plan = SoftPlan(dispatch_weights=dispatch_weights, combine_weights=combine_weights,
+                    num_experts=e, capacity=p)
+    metrics = {"auxiliary_loss": jnp.zeros((), jnp.float32),
+               "fraction_dropped_tokens": jnp.zeros((), jnp.float32),
+               "combine_weights_min_mean": combine_weights.min(axis=2).mean(),
+               "combine_weights_max_mean": combine_weights.max(axis=2).mean(),
+               "dispatch_weights_min_mean": dispatch_weights.min(axis=1).mean(),
+               "dispatch_weights_max_mean": dispatch_weights.max(axis=1).mean()}
+    return plan, metrics
+
+
+class Soft(RouterFamily):
+  name = "soft"
+  module = SoftRouter
+  options = ("capacity_ratio", "slots_per_expert", "noise_std")
+  capacity_at_inference = False  # the slots are parameters (mu)
+  discrete = False
+  uses_dispatcher = False
+  summary = ("every slot mixes all tokens of a group, every token mixes all slots; nothing is "
+             "dropped (Soft MoE)")
+
+  @classmethod
+  def slots(cls, router, tokens: int, experts: int) -> int:
+    if router.slots_per_expert is not None:
+      return int(router.slots_per_expert)
+    return derived_slots(tokens, experts, router.capacity_ratio)
+
+  @classmethod
+  def module_kwargs(cls, router, *, tokens: int, experts: int) -> dict:
+    return dict(slots_per_expert=cls.slots(router, tokens, experts),
+                noise_std=0.0 if router.noise_std is None else router.noise_std)
+
+  @classmethod
+  def capacity(cls, router, tokens: int, experts: int, *, train: bool) -> int:
+    return cls.slots(router, tokens, experts)
+
+  @classmethod
+  def router_flops(cls, tokens: int, dim: int, experts: int, capacity: int) -> float:
+    """Logits, dispatch and combine: three (S x D) by (D x E*P)-sized einsums per group."""
+    return 3 * 2.0 * tokens * dim * experts * capacity
+
+  @classmethod
+  def experts_per_token(cls, router, tokens: int, experts: int, capacity: int) -> float:
+    return float(experts)
+
+
+FAMILY = Soft

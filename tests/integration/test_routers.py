@@ -1,0 +1,120 @@
+"""Every stage with each router family, through the real CLI: experts-choice and Soft MoE models
+pretrain, fine-tune (from their own run, from a token-choice V-MoE and from a dense ViT, keeping
+the experts and starting a new router), few-shot, eval (PGD, GFLOPs, capacity sweep where it
+means something) and ensemble. Token-choice is covered by test_end_to_end.py."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import QUIET, TINY_MODEL
+
+pytestmark = pytest.mark.xdist_group("routers")
+
+SHORT = [*QUIET, "train.steps=3", "data.batch_size=16", "eval.every_steps=0",
+         "checkpoint.every_steps=0", "model.moe.layers=[1]"]
+
+
+def _summary(workdir) -> dict:
+  return json.loads((workdir / "summary.json").read_text())
+
+
+def _params(workdir):
+  from runner import weights
+  return weights.load(str(workdir))[0]
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory):
+  """Tiny experts-choice, Soft MoE and token-choice runs and a dense ViT, 3 steps each."""
+  from runner import cli
+  root = tmp_path_factory.mktemp("routers")
+  runs = {}
+  for name in ("ecmoe_tiny", "softmoe_tiny", "vmoe_tiny", "vit_tiny"):
+    runs[name] = root / name
+    args = SHORT if name != "vit_tiny" else [a for a in SHORT if not a.startswith("model.moe")]
+    assert cli.main(["pretrain", f"model={name}", f"workdir={runs[name]}", *TINY_MODEL,
+                     *args]) == 0
+  return root, runs
+
+
+@pytest.mark.parametrize("name,router", [("ecmoe_tiny", "experts_choice"),
+                                         ("softmoe_tiny", "soft")])
+def test_pretrain_records_the_routers_metrics(upstream, name, router):
+  _, runs = upstream
+  config = yaml.safe_load((runs[name] / "config.yaml").read_text())
+  assert config["model"]["router"]["type"] == router
+  records = [json.loads(line) for line in (runs[name] / "metrics.jsonl").read_text().splitlines()]
+  train = [r for r in records if "train/loss" in r][-1]
+  assert train["moe/layer_1/auxiliary_loss"] == 0.0
+  if router == "experts_choice":
+    assert 0 <= train["moe/layer_1/experts_per_token_min"] <= 1.0 <= train[
+        "moe/layer_1/experts_per_token_max"]
+    assert 0 < train["moe/layer_1/fraction_processed_tokens"] <= 1
+  else:
+    assert train["moe/layer_1/fraction_dropped_tokens"] == 0.0
+    params = _params(runs[name])["block_1"]["moe"]["router"]
+    # softmoe_tiny: GAP, 4x4 patches of a 16 px image, 8 experts, C = 1: P = round(16/8) = 2.
+    assert params["mu"].shape == (32, 8, 2) and params["scale"].shape == ()
+
+
+@pytest.mark.parametrize("name,origin", [("softmoe_tiny", "vmoe_tiny"),
+                                         ("ecmoe_tiny", "vmoe_tiny"),
+                                         ("softmoe_tiny", "vit_tiny"),
+                                         ("ecmoe_tiny", "ecmoe_tiny")])
+def test_finetune_keeps_the_experts_and_starts_a_new_router(upstream, tmp_path, run_cli, name,
+                                                            origin):
+  _, runs = upstream
+  extra = ["init.dense_to_experts=true"] if origin == "vit_tiny" else []
+  down = tmp_path / "down"
+  code, _, err = run_cli("finetune", f"model={name}", f"workdir={down}",
+                         f"init.checkpoint={runs[origin]}", *TINY_MODEL, *SHORT, *extra,
+                         "train.steps=1")
+  assert code == 0, err
+  assert _summary(down)["step"] == 1
+  if origin == "ecmoe_tiny":
+    return
+  # One step of SGD moves the weights a little: the experts are the checkpoint's (every one a
+  # copy of the dense MLP for a ViT). That the router starts anew: test_model_transfer.py.
+  from runner import weights
+  start = weights.load(str(runs[origin]))[0]["block_1"]
+  tuned = np.asarray(_params(down)["block_1"]["moe"]["experts"]["fc1_kernel"])
+  experts = np.asarray(start["mlp"]["fc1"]["kernel"] if origin == "vit_tiny" else
+                       start["moe"]["experts"]["fc1_kernel"])
+  assert np.abs(tuned - experts).max() < 0.05
+
+
+@pytest.mark.parametrize("name", ["ecmoe_tiny", "softmoe_tiny"])
+def test_fewshot_eval_and_ensemble(upstream, tmp_path, run_cli, name):
+  _, runs = upstream
+  code, _, err = run_cli("fewshot", f"init.checkpoint={runs[name]}", f"workdir={tmp_path / 'fs'}",
+                         *QUIET, "fewshot.shots=[1]", "fewshot.seeds=[0]")
+  assert code == 0, err
+  assert 0 <= _summary(tmp_path / "fs")["uci_digits/1shot/accuracy"] <= 1
+
+  sweep = ["eval.capacity_sweep=[1.0,0.5]"] if name == "ecmoe_tiny" else []
+  code, _, err = run_cli("eval", f"init.checkpoint={runs[name]}", f"workdir={tmp_path / 'ev'}",
+                         *QUIET, "eval.adversarial.epsilons=[0.01]", "eval.adversarial.steps=2",
+                         "eval.adversarial.max_examples=16", *sweep)
+  assert code == 0, err
+  ev = _summary(tmp_path / "ev")
+  assert 0 <= ev["mnist5k/prec@1"] <= 1
+  assert ev["compute/gflops_per_image"] > 0 and ev["compute/gflops_per_image_analytic"] > 0
+  change = "mnist5k/pgd/eps_0.01/routing_change/layer_1"
+  if name == "ecmoe_tiny":
+    assert 0 <= ev[change] <= 1  # the experts that picked each token
+    assert {"capacity_sweep/C_1/vanilla/prec@1", "capacity_sweep/C_0.5/vanilla/prec@1"} <= set(ev)
+    assert not any("/bpr/" in k for k in ev)  # BPR is a token-choice notion
+    # Active parameters: each token uses E * C / tokens experts on average (here C = 1: one).
+    assert ev["compute/params_active"] < ev["compute/params_total"]
+  else:
+    assert change not in ev  # every token reaches every slot: no discrete routing to change
+    assert ev["compute/params_active"] == ev["compute/params_total"]
+
+  code, _, err = run_cli("ensemble", f"init.checkpoint=[{runs[name]},{runs['vmoe_tiny']}]",
+                         f"workdir={tmp_path / 'ens'}", *QUIET)
+  assert code == 0, err
+  assert _summary(tmp_path / "ens")["ensemble/size"] == 2
