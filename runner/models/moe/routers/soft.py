@@ -23,8 +23,6 @@ as the reference reports.
 from __future__ import annotations
 
 import dataclasses
-import fractions
-import math
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +38,10 @@ def normalize(x: jax.Array, axis: int = -1) -> jax.Array:
 
 
 def derived_slots(tokens: int, experts: int, capacity_ratio: float) -> int:
-  """round(tokens * C / E), half up, at least 1 (the reference: `compute_capacity` with round and
-  multiple 1)."""
-  exact = fractions.Fraction(str(capacity_ratio)) * tokens / experts
-  return max(1, math.floor(exact + fractions.Fraction(1, 2)))
+  """round(tokens * C / E) as the reference computes it (`compute_capacity` with 'round' and
+  multiple 1: Python's round of the float product, exact halves to even), and at least 1 where
+  the reference would raise."""
+  return max(1, int(round(tokens * capacity_ratio / experts)))
 
 
 @jax.tree_util.register_dataclass
