@@ -251,6 +251,39 @@ def capacity_sweep_needs_experts(run: RunFields):
 
 
 @relation
+def routing_analysis_needs_experts(run: RunFields):
+  eval, models = getattr(run, "eval", None), derived.held_models(run)
+  if not isinstance(eval, EvalSuiteConfig) or not eval.routing_analysis or not models:
+    return None
+  sparse = [m for m in models if derived.num_experts(m)]
+  if not sparse:
+    names = ", ".join(sorted({m.name for m in models}))
+    return (f"eval.routing_analysis=true looks at what routers decide, but {names} has no MoE "
+            "layers (a dense ViT); analyse a V-MoE, experts-choice or Soft MoE checkpoint.")
+  layers = set(eval.routing.layers)
+  for model in sparse:
+    moe = derived.moe_layers(model)
+    if layers - set(moe):
+      return (f"eval.routing.layers={sorted(layers)} names blocks without an MoE layer in model "
+              f"{model.name} ({sorted(layers - set(moe))}); its MoE layers are blocks "
+              f"{list(moe)} (or eval.routing.layers=[] for all of them).")
+  return None
+
+
+@relation
+def evaluations_during_training(eval: EvalConfig):
+  """In training the measurements run on the run's own validation split."""
+  defaults = EvalConfig()
+  given = [f"eval.{name}" for name in ("datasets", "split", "save_predictions", "capacity_sweep")
+           if getattr(eval, name) != getattr(defaults, name)]
+  if given:
+    return (f"{', '.join(given)} means nothing during training: the eval.* measurements run on "
+            "the run's validation split every eval.every_steps and at the end; take them on "
+            "other datasets, save predictions or sweep capacities with vmoe eval "
+            "init.checkpoint=<the run>.")
+
+
+@relation
 def fewshot_names_datasets(run: FewshotRun):
   if not run.fewshot.datasets:
     return ("fewshot.datasets is empty: name the datasets to evaluate, e.g. "

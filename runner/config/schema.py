@@ -310,12 +310,6 @@ class TrainConfig:
 
 
 @dataclass
-class EvalConfig:
-  every_steps: int = key(0, at_least(0), "0: only at the end")
-  batch_size: Optional[int] = key(None, at_least(1), "null: data.eval_batch_size or batch_size")
-
-
-@dataclass
 class AdversarialConfig:
   epsilons: List[float] = key([], Items(Range(0, 1), example="[0.001,0.003]"),
                               "L-inf radii in [0, 1] pixel units")
@@ -330,9 +324,21 @@ class AdversarialConfig:
 
 
 @dataclass
+class RoutingAnalysisConfig:
+  """eval.routing.*: the routing analysis' options (eval.routing_analysis=true)."""
+  layers: List[int] = key([], Items(at_least(0), unique=True, example="[1,3]"),
+                          "block indices of MoE layers; []: every MoE layer")
+  capacities: List[float] = key([1.0, 0.5, 0.25, 0.1], Items(positive(), nonempty=True,
+                                                             example="[1.0,0.5,0.1]"),
+                                "capacity ratios of the dropped-patch maps (V-MoE Fig. 5)")
+  images: int = key(4, at_least(0), "images drawn in the dropped-patch maps")
+
+
+@dataclass
 class EvalSuiteConfig:
   """vmoe eval: which measurements to take, on which datasets."""
-  batch_size: Optional[int] = key(None, at_least(1), "null: the checkpoint's eval batch size")
+  batch_size: Optional[int] = key(None, at_least(1), "null: data.eval_batch_size, else "
+                                  "data.batch_size (of the checkpoint, in vmoe eval)")
   datasets: List[str] = key([], Items(unique=True), "[]: the checkpoint's own dataset")
   split: Optional[str] = None  # None: each dataset's test split (else its eval split)
   ood_datasets: List[str] = key([], Items(unique=True), "each vs the first eval dataset")
@@ -342,8 +348,18 @@ class EvalSuiteConfig:
   adversarial: AdversarialConfig = field(default_factory=AdversarialConfig)
   capacity_sweep: List[float] = key([], Items(positive(), example="[1.05,0.5,0.25,0.1]"),
                                     "inference capacity ratios, vanilla vs BPR")
+  routing_analysis: bool = False  # the V-MoE paper's Sec. 5 analysis (eval.routing.*)
+  routing: RoutingAnalysisConfig = field(default_factory=RoutingAnalysisConfig)
   save_predictions: bool = False
   plots: bool = True
+
+
+@dataclass
+class EvalConfig(EvalSuiteConfig):
+  """pretrain and finetune: the validation split every `every_steps` and at the end, with the
+  measurements eval.* enables beyond classification (OOD, corruptions, PGD, routing analysis),
+  the run's own dataset in distribution."""
+  every_steps: int = key(0, at_least(0), "0: only at the end")
 
 
 @dataclass

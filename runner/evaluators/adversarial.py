@@ -43,13 +43,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import traverse_util
-
+from runner.evaluators import suite as suite_lib
 from runner.logging.progress import Progress
+from runner.models.introspection import apply_with_routing, routing_records
 from runner.train.losses import LOSSES, precision_at_1
 
-_BLOCK = re.compile(r"block_(\d+)")
-_MEMBER = re.compile(r"member_\d+")  # a model of an `Ensemble` (runner/models/ensemble.py)
 
 
 PROTOCOLS = ("default", "reference")
@@ -117,19 +115,12 @@ def make_pgd_attack(model, loss_name: str = "softmax_xent", *, steps: int,
 
 
 def selected_experts(intermediates, name: str = "selected_experts") -> dict[str, jax.Array]:
-  """{"layer_<i>": value} of what block_<i>'s MoE sowed as `name` ("member_<j>/layer_<i>" for the
-  models of an ensemble): the token-choice ids "selected_experts" / "routed_experts"
-  ((batch, tokens, k)), or any router's masks "expert_mask" / "routed_mask" ((batch, tokens, E))."""
-  out = {}
-  for path, value in traverse_util.flatten_dict(dict(intermediates)).items():
-    if path[-1] != name:
-      continue
-    blocks = [m for m in map(_BLOCK.fullmatch, path) if m]
-    if not blocks:
-      raise ValueError(f"{name} sown outside an encoder block: {'/'.join(path)}")
-    member = [p + "/" for p in path if _MEMBER.fullmatch(p)]
-    out[f"{''.join(member[:1])}layer_{blocks[-1][1]}"] = value[-1]  # sow keeps every call's value
-  return out
+  """{"layer_<i>": value} of the record `name` every MoE layer sowed ("member_<j>/layer_<i>" for
+  the models of an ensemble): the token-choice ids "selected_experts" / "routed_experts"
+  ((batch, tokens, k)), or any router's masks "expert_mask" / "routed_mask" ((batch, tokens, E)).
+  See runner/models/introspection.py."""
+  return {layer: records[name] for layer, records in routing_records(intermediates).items()
+          if name in records}
 
 
 def _change(intersection: jax.Array, union: jax.Array, reference: bool) -> jax.Array:
@@ -188,9 +179,8 @@ def make_measure_step(model, loss_name: str = "softmax_xent", protocol="default"
   sown = "routed_mask" if reference else "expert_mask"
 
   def forward(params, images):
-    (logits, _), state = model.apply({"params": params}, images, train=False,
-                                     mutable=["intermediates"])
-    return logits, selected_experts(state.get("intermediates", {}), sown)
+    logits, _, records = apply_with_routing(model, params, images, train=False)
+    return logits, {layer: r[sown] for layer, r in records.items() if sown in r}
 
   def step(params, batch, adversarial_images):
     labels = batch["labels"]
@@ -345,3 +335,31 @@ def plot_pgd(metrics: dict, prefix: str, path: str, title: str = "") -> str:
   figure.tight_layout()
   figure.savefig(path, format="png")
   return path
+
+
+class Evaluator(suite_lib.Evaluator):
+  """`eval.adversarial.*`: PGD at each ε on every eval dataset (`AdversarialEvaluator`), with a
+  plot of error and routing change against ε."""
+  name = "adversarial"
+
+  @classmethod
+  def enabled(cls, config) -> bool:
+    return bool(config.adversarial.epsilons)
+
+  def run(self) -> suite_lib.Result:
+    s, adv = self.suite, self.suite.config.adversarial
+    attack = AdversarialEvaluator(
+        s.model, epsilons=[float(x) for x in adv.epsilons], steps=adv.steps,
+        step_size=adv.step_size, loss_name=s.loss_name, prefix="", put=s.placement.put,
+        max_examples=adv.max_examples, progress=s.verbose, protocol=adv.protocol)
+    result = suite_lib.Result()
+    for ds in s.datasets:
+      attack.prefix = ds.name
+      attacked = attack.run(s.params, s.batches(ds))
+      result.summary.update(attacked)
+      s.say(f"[eval] {ds.name}: PGD ({adv.steps} steps) at eps {list(adv.epsilons)} done")
+      if s.plots:
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", ds.name)
+        result.images[f"{ds.name}/pgd"] = plot_pgd(attacked, ds.name, s.path(f"pgd_{name}.png"),
+                                                    title=f"{ds.name}: L-inf PGD")
+    return result

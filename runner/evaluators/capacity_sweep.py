@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 
+import jax
+
+from runner.evaluators import predictions, suite as suite_lib
+
 
 def sweep_key(capacity_ratio: float, batch_priority: bool) -> str:
   return f"capacity_sweep/C_{capacity_ratio:g}/{'bpr' if batch_priority else 'vanilla'}"
@@ -44,3 +48,64 @@ def plot_capacity_sweep(rows: list[dict], path: str, metric: str = "prec@1", tit
   figure.tight_layout()
   figure.savefig(path, format="png")
   return path
+
+
+def _runs_as(members, capacity_ratio: float, batch_priority: bool) -> bool:
+  """Whether every member already routes at this inference capacity and priority."""
+  routers = [c.config.router for c in members.checkpoints]
+  return all(r.batch_priority == batch_priority and float(
+      r.eval_capacity_ratio if r.eval_capacity_ratio is not None else r.capacity_ratio)
+      == capacity_ratio for r in routers)
+
+
+class Evaluator(suite_lib.Evaluator):
+  """prec@1, NLL and GFLOPs per image of the first dataset at each inference capacity ratio,
+  vanilla and (for routers that prioritise, token-choice) with Batch Prioritized Routing. The
+  setting the model already runs at reuses the main pass instead of repeating it."""
+  name = "capacity_sweep"
+
+  @classmethod
+  def enabled(cls, config) -> bool:
+    return bool(config.capacity_sweep)
+
+  def run(self) -> suite_lib.Result:
+    from runner.config import derived
+    from runner.evaluators.compute import xla_gflops_per_image
+    s = self.suite
+    ds, members = s.in_distribution, s.members
+    example = s.shared.get("example") or s.placement.put(
+        predictions.zeros_batch_like(s.batches(ds)))
+    main = s.shared["metrics"][ds.name]
+    main = {"prec@1": main["/prec@1"], "nll": main["/nll"],
+            "gflops_per_image": s.shared.get("gflops_per_image")
+            or xla_gflops_per_image(s.step, s.params, example, s.batch_size)}
+    prioritised = any(derived.router_family(m.config).supports_batch_priority
+                      for m in members.checkpoints if derived.num_experts(m.config))
+    rows = []
+    for bpr in (False, True) if prioritised else (False,):
+      for c in s.config.capacity_sweep:
+        changes = dict(eval_capacity_ratio=float(c), batch_priority=bpr)
+        analytic = members.analytic_flops(s.batch_size, **changes) / 1e9
+        if _runs_as(members, float(c), bpr):
+          rows.append({"capacity_ratio": float(c), "batch_priority": bpr, **main,
+                       "gflops_per_image_analytic": analytic})
+          continue
+        step = jax.jit(predictions.make_predict_step(members.model(**changes)))
+        stats = predictions.PredictionStats(loss_name=s.loss_name)
+        s.evaluate(s.batches(ds), stats, f"{ds.name} C={c:g} {'BPR' if bpr else 'vanilla'}",
+                   step=step)
+        m = stats.metrics("")
+        rows.append({"capacity_ratio": float(c), "batch_priority": bpr, "prec@1": m["/prec@1"],
+                     "nll": m["/nll"],
+                     "gflops_per_image": xla_gflops_per_image(step, s.params, example,
+                                                              s.batch_size),
+                     "gflops_per_image_analytic": analytic})
+    result = suite_lib.Result()
+    for r in rows:
+      key = sweep_key(r["capacity_ratio"], r["batch_priority"])
+      result.summary.update({f"{key}/{k}": r[k] for k in ("prec@1", "nll", "gflops_per_image")})
+    write_sweep_json(rows, s.path("capacity_sweep.json"))
+    if s.plots:
+      result.images["capacity_sweep"] = plot_capacity_sweep(
+          rows, s.path("capacity_sweep.png"), title=f"{ds.name}: prec@1 vs compute")
+    return result

@@ -1,4 +1,6 @@
-"""Precision@1, NLL and the training loss on a split; jitted sums, aggregated in Python."""
+"""Classification on a split: the training loop's jitted sums (precision@1, NLL, the training
+loss), and the `vmoe eval` evaluator (prec@1, NLL, Brier, ECE; members and diversity for an
+ensemble)."""
 from __future__ import annotations
 
 import time
@@ -7,6 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from runner.evaluators import suite as suite_lib
+from runner.evaluators.calibration import plot_reliability_diagram
+from runner.evaluators.ensemble import EnsembleStats
+from runner.evaluators.predictions import PredictionStats, probabilities
 from runner.train.losses import LOSSES, precision_at_1, softmax_xent
 
 
@@ -52,3 +58,71 @@ class ClassificationEvaluator:
     out = {f"{self.prefix}/{k}": v / count for k, v in totals.items()}
     out[f"{self.prefix}/images_per_s"] = count / seconds if seconds else np.nan
     return out
+
+
+class _EnsembleStats(PredictionStats):
+  """The ensemble's prediction, plus its members' own metrics and their diversity
+  (runner/evaluators/ensemble.py)."""
+
+  def __init__(self, *, output: str, keep_members: bool = False, **kwargs):
+    super().__init__(**kwargs)
+    self.members = EnsembleStats(num_bins=self.calibration.num_bins, output=output,
+                                 keep=keep_members)
+
+  def update(self, out: dict) -> None:
+    super().update(out)
+    if out["mask"].any():
+      probs = probabilities(out["member_logits"], self.loss_name)
+      self.members.update(probs, out["labels"], out["mask"])
+
+  def metrics(self, prefix: str) -> dict[str, float]:
+    return {**super().metrics(prefix), **self.members.metrics(prefix)}
+
+
+def _file_name(text: str) -> str:
+  import re
+  return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
+class Evaluator(suite_lib.Evaluator):
+  """prec@1, error, NLL, Brier, ECE (and a reliability diagram) on every eval dataset; for an
+  ensemble also each member's metrics and the members' diversity. The first dataset's pass is
+  the main pass: other evaluators' hooks ride along it, and its speed is `compute/images_per_s`."""
+  name = "classification"
+
+  @classmethod
+  def enabled(cls, config) -> bool:
+    return True
+
+  def run(self) -> suite_lib.Result:
+    s, e = self.suite, self.suite.config
+    result = suite_lib.Result()
+    ensemble = s.members is not None and s.members.size > 1
+    keep = bool(getattr(e, "save_predictions", False))
+    for i, ds in enumerate(s.datasets):
+      kwargs = dict(loss_name=s.loss_name, ece_bins=e.ece_bins, keep_probs=keep)
+      stats = (_EnsembleStats(output=_output(s.loss_name), keep_members=keep, **kwargs)
+               if ensemble else PredictionStats(**kwargs))
+      first = i == 0 and s.hooks
+      rate = s.evaluate(s.batches(ds), stats, f"{ds.name}/{ds.split}",
+                        step=s.hooked_step() if first else None,
+                        on_batch=s.feed_hooks if first else None)
+      result.summary.update(stats.metrics(ds.name))
+      result.summary[f"{ds.name}/split"] = ds.split
+      result.summary[f"{ds.name}/images_per_s"] = rate
+      s.shared.setdefault("metrics", {})[ds.name] = stats.metrics("")
+      if i == 0:
+        result.summary["compute/images_per_s"] = rate
+      if s.plots:
+        path = s.path(f"reliability_{_file_name(ds.name)}.png")
+        result.images[f"{ds.name}/reliability"] = plot_reliability_diagram(
+            stats.calibration.result(), path, title=f"{ds.name} ({ds.split})")
+      if keep:
+        result.arrays.update({f"{ds.name}/{k}": v for k, v in stats.kept_arrays().items()})
+        if ensemble:
+          result.arrays[f"{ds.name}/member_probs"] = stats.members.kept()
+    return result
+
+
+def _output(loss_name: str) -> str:
+  return "sigmoid" if loss_name == "sigmoid_xent" else "softmax"

@@ -16,24 +16,31 @@ import numpy as np
 
 from runner.evaluators.calibration import CalibrationAccumulator
 from runner.evaluators.ood import MahalanobisFit, logit_scores
+from runner.models.introspection import apply_with_routing
 
 
-def make_predict_step(model):
+def make_predict_step(model, hooks: dict | None = None):
   """(params, batch) -> logits and float32 pre-logits of every row (padded rows included), and
   per MoE layer the fraction of real tokens that no expert processed (summed over real rows).
 
   For an ensemble (a partitioned batch ensemble, or `runner.models.ensemble.Ensemble`) the logits
   are those of the members' mean probability, `member_logits` (B, M, C) the members' own, and the
-  pre-logits the members' side by side.
+  pre-logits the members' side by side. `hooks` (name -> an evaluator's `PassHook`) add
+  `hooks[name]`, what each hook computes from the routing records of the batch.
   """
   def step(params, batch):
-    logits, extras = model.apply({"params": params}, batch["image"], train=False)
+    if hooks:
+      logits, extras, records = apply_with_routing(model, params, batch["image"], train=False)
+    else:
+      logits, extras = model.apply({"params": params}, batch["image"], train=False)
     real = batch["_mask"].astype(jnp.float32).sum()
     dropped = {f"moe/{layer}/fraction_dropped_tokens": m["fraction_dropped_tokens"] * real
                for layer, m in extras["routing"].items()}
     out = {"logits": logits, "pre_logits": extras["pre_logits"], "sums": dropped}
     if "member_logits" in extras:
       out["member_logits"] = extras["member_logits"]
+    if hooks:
+      out["hooks"] = {name: hook.sums(records, batch, logits) for name, hook in hooks.items()}
     return out
   return step
 
@@ -144,11 +151,16 @@ class PredictionStats:
     return {k: np.concatenate(v) for k, v in self.kept.items() if v}
 
 
-def run_pass(step, params, batches, stats: PredictionStats, put=lambda b: b, progress=None) -> float:
-  """Feeds every batch into `stats`; returns images/s over the pass (after its first batch)."""
+def run_pass(step, params, batches, stats: PredictionStats | None, put=lambda b: b,
+             progress=None, on_batch=None) -> float:
+  """Feeds every batch into `stats` (and `on_batch`); returns images/s over the pass (after its
+  first batch)."""
   count, t0, first = 0, None, 0
   for out in predict_batches(step, params, batches, put):
-    stats.update(out)
+    if stats is not None:
+      stats.update(out)
+    if on_batch is not None:
+      on_batch(out)
     real = int(out["mask"].sum())
     if t0 is None:
       t0, first = time.perf_counter(), real  # the first batch includes compilation

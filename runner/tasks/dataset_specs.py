@@ -10,8 +10,10 @@ import dataclasses
 
 from omegaconf import OmegaConf
 
+from runner import data
 from runner.config import conf_dir
 from runner.config.schema import DataConfig
+from runner.evaluators.suite import Dataset
 
 _SPLIT_KEYS = ("split", "eval_split", "test_split", "holdout_fraction", "image_key", "label_key")
 
@@ -39,3 +41,18 @@ def dataset_config(name: str, base: DataConfig) -> DataConfig:
   if split:
     config = dataclasses.replace(config, test_split=split)
   return dataclasses.replace(config, pp=base.pp)
+
+
+def open_dataset(name: str, base: DataConfig, split: str | None) -> Dataset:
+  """A dataset named in eval.*, opened, with the split evaluated checked to hold examples."""
+  from runner.tasks import common
+  config, source = common.open_data(dataset_config(name, base))
+  split = split or config.test_split or config.eval_split
+  try:
+    n = source.num_examples(split)
+  except data.DataError as e:
+    raise data.DataError(f"eval dataset {name!r}: {e}") from None
+  if n == 0:
+    raise data.DataError(f"eval dataset {name!r}: split {split!r} is empty; choose a split "
+                         f"with examples (available: {source.splits}).")
+  return Dataset(name=name, config=config, source=source, split=split)

@@ -8,7 +8,7 @@ from runner.config import as_dict, derived
 from runner.config.schema import TrainTask
 from runner.models import build_model, transfer
 from runner.parallel import Placement
-from runner.tasks import common, fewshot_data
+from runner.tasks import common, dataset_specs, fewshot_data
 from runner.train import state as state_lib
 from runner.train.loop import train_and_evaluate
 
@@ -97,6 +97,8 @@ def run_training(config: TrainTask, placement: Placement, stage: str) -> dict:
     fewshot = fewshot_data.batches(
         fewshot_data.open_datasets(config.fewshot, config.data),
         derived.fewshot_batch_size(config.fewshot, config.data, config.eval.batch_size))
+  # OOD datasets of in-training evaluation, checked before any compute as in vmoe eval.
+  ood = [dataset_specs.open_dataset(name, config.data, None) for name in config.eval.ood_datasets]
   model = build_model(config.model, source.num_classes,
                       output=derived.model_output(config.train.loss))
   init_params = None
@@ -104,4 +106,5 @@ def run_training(config: TrainTask, placement: Placement, stage: str) -> dict:
     init_params = init_from_checkpoint(config, model, source)
   common.write_config(config, config.workdir)
   return train_and_evaluate(config, model=model, source=source, placement=placement,
-                            init_params=init_params, stage=stage, fewshot_datasets=fewshot)
+                            init_params=init_params, stage=stage, fewshot_datasets=fewshot,
+                            ood_datasets=ood)

@@ -27,6 +27,7 @@ from runner.checkpoint import Checkpointer
 from runner.config import as_dict, derived
 from runner.config.schema import TrainTask
 from runner.errors import Interrupted, RunError
+from runner.evaluators import REGISTRY, suite as suite_lib
 from runner.evaluators.classification import ClassificationEvaluator, make_eval_step
 from runner.evaluators.fewshot import FewshotEvaluator, make_feature_fn
 from runner.logging import MetricWriter, Progress
@@ -168,13 +169,46 @@ class _DivergenceGuard:
         f"warmup (schedule.warmup_steps, now {self.config.schedule.warmup_steps}).")
 
 
+class _Measurements:
+  """The eval.* evaluators beyond classification, on the validation split (runner/evaluators).
+  Compute and capacity sweeps belong to vmoe eval (a relation says so for the sweep)."""
+  SKIP = ("classification", "compute", "capacity_sweep")
+
+  def __init__(self, config: TrainTask, model, source, placement: Placement, batch_size: int,
+               ood: list):
+    d = config.data
+    names = [n for n in REGISTRY if n not in self.SKIP
+             and suite_lib.evaluator_class(n).enabled(config.eval)]
+    self.names = names
+    if not names:
+      return
+    val = suite_lib.Dataset(name=d.name, config=d, source=source, split=d.eval_split)
+    self.suite = suite_lib.Suite(config.eval, model=model, params=None, placement=placement,
+                                 batch_size=batch_size, loss=config.train.loss.value,
+                                 datasets=[val], ood=ood, model_configs=[config.model],
+                                 out_dir=config.workdir, verbose=False, plots=False)
+
+  def run(self, params, final: bool = False):
+    """{"val/<key>": value} of every enabled evaluator (and, at the end, their pictures)."""
+    if not self.names:
+      return suite_lib.Result()
+    self.suite.params, self.suite.plots = params, final and self.suite.config.plots
+    result = suite_lib.run(self.suite, names=self.names)
+    result.summary = {f"val/{k}": v for k, v in result.summary.items()}
+    return result
+
+
 def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement,
                        init_params=None, stage: str = "train",
-                       fewshot_datasets: dict | None = None) -> dict:
+                       fewshot_datasets: dict | None = None,
+                       ood_datasets: list | None = None) -> dict:
   """Trains `model` on `source` as `config` says; returns the final metrics (also summary.json).
 
   `fewshot_datasets` (name -> (pool batches, test batches, num_classes)) adds linear few-shot
   accuracy of the current parameters every `fewshot.every_steps` and at the end, as `fewshot/...`.
+  The evaluators that `eval.*` enables beyond classification (runner/evaluators: OOD detection
+  against `ood_datasets`, corruptions, PGD, routing analysis) run on the validation split with
+  the evaluation, logged under `val/`; their pictures and files are written at the end.
   """
   workdir = config.workdir
   d, t, o, s = config.data, config.train, config.optim, config.schedule
@@ -220,6 +254,8 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
                                     eval_batch_size // processes["process_count"], **processes)
         return ClassificationEvaluator(eval_step, batches, prefix=prefix, put=placement.put)
       val = evaluator(d.eval_split, "val")
+      measurements = _Measurements(config, model, source, placement, eval_batch_size,
+                                   ood_datasets or [])
       fewshot_cfg, fewshot = config.fewshot, None
       if fewshot_datasets:
         fewshot = FewshotEvaluator(None, fewshot_datasets, shots=fewshot_cfg.shots,
@@ -273,6 +309,7 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
             progress.report(step, last_train)
           if eval_every and step % eval_every == 0 and step != steps:
             last_eval = val.run(state.params)
+            last_eval.update(measurements.run(state.params).summary)
             writer.write(step, last_eval)
             progress.report(step, {**last_train, **last_eval})
           if fewshot_every and step % fewshot_every == 0 and step != steps:
@@ -287,12 +324,16 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
                               "command to resume.", stop.signum)
         guard.check_pending()
       final = val.run(state.params)
+      measured = measurements.run(state.params, final=True)
+      final.update(measured.summary)
       if d.test_split:
         final.update(evaluator(d.test_split, "test").run(state.params))
       if fewshot is not None:
         final.update(run_fewshot(steps))
     checkpointer.wait()  # the final checkpoint is committed before the run reports success
     writer.write(steps, final)
+    for key, path in measured.images.items():
+      writer.log_image(steps, f"val/{key}", path)
     progress.report(steps, {**last_train, **final})
     summary = {"step": steps, **last_train, **final,
                "params/total": state_lib.count_params(abstract)}

@@ -64,7 +64,11 @@ class MoeMlpBlock(nn.Module):
   The router is the family `router["type"]` names (runner/models/moe/routers; token-choice by
   default); only token-choice routers form ensembles.
 
-  Applied with mutable=["intermediates"], it also sows `expert_mask` and `routed_mask`:
+  Applied with mutable=["intermediates"], it also sows what the routing decided (read back with
+  runner/models/introspection.py): `expert_weights`, (images, tokens, E) float32, the weight
+  each token gives each expert (the gates; for Soft MoE each token's share of its dispatch mass
+  per expert), and for Soft MoE `dispatch_weights` and `combine_weights`, (images, tokens, E*P);
+  and `expert_mask` and `routed_mask`:
   (images, tokens, E) bool, the experts each token chose (before capacity drops) and the experts
   that process it (for a tiled ensemble, (images, M*tokens, E)); every router family answers
   these. The token-choice router also sows `selected_experts`: (images, tokens, k) int32, every
@@ -119,7 +123,15 @@ class MoeMlpBlock(nn.Module):
       raise ValueError(f"router type {family.name!r} does not form partitioned batch ensembles")
     plan, metrics = family.module(num_experts=self.num_experts, **options, name="router")(
         blocks, train=train)
-    # No-ops unless the caller made "intermediates" mutable.
+    # No-ops unless the caller made "intermediates" mutable (runner/models/introspection.py).
+    self.sow("intermediates", "expert_weights",
+             self._per_image(plan.expert_weights(), num_groups, group_size, tokens, partitions,
+                             tiled))
+    if family.name == "soft":  # which tokens each slot mixes, which slots each token mixes
+      self.sow("intermediates", "dispatch_weights", plan.dispatch_weights.reshape(images, tokens,
+                                                                                  -1))
+      self.sow("intermediates", "combine_weights", plan.combine_weights.reshape(images, tokens,
+                                                                                -1))
     if family.supports_ensembles:
       selected = self._selected(plan, num_groups, group_size, tokens, partitions, tiled)
       routed = self._selected(plan, num_groups, group_size, tokens, partitions, tiled,
@@ -151,6 +163,22 @@ class MoeMlpBlock(nn.Module):
     else:
       y = y.reshape(num_groups, m, group_size * tokens, dim).sum(axis=1).reshape(rows, tokens, dim)
     return y.astype(x.dtype), metrics
+
+  def _per_image(self, values, num_groups, group_size, tokens, partitions, tiled) -> jax.Array:
+    """(G*P, S, E/P) per-block values over each partition's experts -> (images, rows, E) over
+    the global experts, zero outside a member's partition: (images, M*T, E) for tiled rows,
+    (images, T, E) for partition_only (each token's M partitions side by side)."""
+    images = num_groups * group_size
+    if partitions == 1:  # rows of a tiled batch are image-major: one image's copies are adjacent
+      return values.reshape(images, -1, values.shape[-1])
+    m, e = partitions, self.num_experts // partitions
+    values = values.reshape(num_groups, m, group_size, tokens, e)
+    if not tiled:  # (G, M, images, T, E/M) -> (images, T, E): the partitions' columns in order
+      return values.transpose(0, 2, 3, 1, 4).reshape(images, tokens, m * e)
+    full = jnp.zeros((num_groups, m, group_size, tokens, m * e), values.dtype)
+    for member in range(m):
+      full = full.at[:, member, ..., member * e:(member + 1) * e].set(values[:, member])
+    return full.transpose(0, 2, 1, 3, 4).reshape(images, m * tokens, m * e)
 
   def _selected(self, plan, num_groups, group_size, tokens, partitions, tiled,
                 routed: bool = False) -> jax.Array:

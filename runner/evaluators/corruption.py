@@ -1,0 +1,53 @@
+"""Robustness to corruptions (`eval.corruptions` x `eval.severities`): every eval dataset read
+again with a CIFAR-10-C corruption inserted into its preprocessing (runner/data/corruptions.py);
+error, NLL and ECE per corruption and severity, their means over severities and corruptions."""
+from __future__ import annotations
+
+import numpy as np
+
+from runner.data import corruptions as corruptions_lib
+from runner.evaluators import predictions, suite as suite_lib
+
+
+def corrupted_pp(pp: str, name: str, severity: int) -> str:
+  """`pp` with the corruption inserted before value_range (corruptions work on [0, 255])."""
+  ops = [op.strip() for op in pp.split("|") if op.strip()]
+  at = next((i for i, op in enumerate(ops) if op.startswith("value_range")), len(ops))
+  return "|".join(ops[:at] + [f"corrupt({name!r}, {int(severity)})"] + ops[at:])
+
+
+def corruption_names(names: list[str]) -> list[str]:
+  """eval.corruptions with [all] expanded (the names are checked by the schema)."""
+  return list(corruptions_lib.CORRUPTIONS) if list(names) == ["all"] else list(names)
+
+
+class Evaluator(suite_lib.Evaluator):
+  name = "corruptions"
+
+  @classmethod
+  def enabled(cls, config) -> bool:
+    return bool(config.corruptions)
+
+  def run(self) -> suite_lib.Result:
+    s, e = self.suite, self.suite.config
+    names, severities = corruption_names(e.corruptions), list(e.severities)
+    summary = {}
+    for ds in s.datasets:
+      per_corruption = {}
+      for name in names:
+        rows = []
+        for severity in severities:
+          stats = predictions.PredictionStats(loss_name=s.loss_name, ece_bins=e.ece_bins)
+          s.evaluate(s.batches(ds, pp=corrupted_pp(ds.config.pp, name, severity)), stats,
+                     f"{ds.name} {name} severity {severity}")
+          m = stats.metrics("")
+          rows.append({k: m[f"/{k}"] for k in ("error", "nll", "ece")})
+          for k, v in rows[-1].items():
+            summary[f"{ds.name}/corruption/{name}/sev_{severity}/{k}"] = v
+        per_corruption[name] = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+        for k, v in per_corruption[name].items():
+          summary[f"{ds.name}/corruption/{name}/{k}"] = v
+      for k in ("error", "nll", "ece"):
+        summary[f"{ds.name}/corruption/mean/{k}"] = float(
+            np.mean([m[k] for m in per_corruption.values()]))
+    return suite_lib.Result(summary=summary)

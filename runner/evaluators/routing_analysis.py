@@ -1,0 +1,346 @@
+"""What routers learn: the V-MoE paper's routing analysis (Section 5, Appendix E) on any checkpoint.
+
+`eval.routing_analysis=true`; the options are `eval.routing.*`. Streamed over the evaluation
+split: each batch's routing records (runner/models/introspection.py) are reduced on the device to
+fixed-size sums, so memory does not grow with the number of examples. Per MoE layer (and per
+member of a partitioned batch ensemble), with g(t) in R^E the weights token t gives the experts
+(token- and experts-choice: the softmax gates; Soft MoE: the token's share of its dispatch mass
+per expert):
+
+- experts x classes (Fig. 8, 30): A[c, e], the mean of g(t)_e over the tokens of images of class
+  c, and N[c, e] the token -> expert assignments actually processed (after capacity);
+- experts x patch position (Fig. 31): P[s, e], the mean of g(t)_e over the tokens at patch s;
+- dependence scores: from p(c, e) proportional to the sum of g(t)_e over the tokens of class c
+  (resp. p(s, e) over patch positions), the mutual information I(C; E) in nats and the
+  uncertainty coefficient U(E | C) = I(C; E) / H(E) in [0, 1] (0: the expert does not depend on
+  the class; 1: it is a function of it; 0 with a warning when H(E) = 0);
+- top-i weights (Fig. 32): histograms (bins of 0.02) and means of the i-th largest g(t), i = 1 ..
+  k (2 at least);
+- load: the fraction of processed assignments per expert, its entropy over log E (1: balanced),
+  and the fraction of tokens no expert processed;
+- experts-choice: experts per token, over the image and as a histogram; Soft MoE: each slot's
+  mean dispatch weight per patch (which patches a slot mixes) and the mean entropy of each
+  token's combine weights;
+- which patches survive (Fig. 5): the first MoE layer's routing of the first routing group,
+  replanned at each of `eval.routing.capacities` with vanilla routing and with Batch Prioritized
+  Routing (experts-choice: its top-C per expert), drawn over the first images.
+
+Scalars go to summary.json as routing/<layer>/..., the matrices to routing_analysis.npz, and the
+pictures to routing_*.png (and W&B). docs/routing-analysis.md explains how to read them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from runner.evaluators import suite as suite_lib
+
+BIN = 0.02
+BINS = int(round(1 / BIN))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerInfo:
+  """What the analysis needs to know about the MoE layers of one model (one checkpoint)."""
+  family: str  # router family name
+  router: object  # the model.router config
+  experts: int
+  members: int  # M of a tiled partitioned batch ensemble, else 1
+  group_size: int  # images per routing group
+  tokens: int  # tokens per image
+  grid: tuple[int, int]  # patches per side
+  class_token: bool  # the first token is the class token (not a patch)
+  k: int  # top-i weights reported: the router's k, at least 2
+
+
+def layer_info(model_config, batch_size: int) -> LayerInfo:
+  from runner.config import derived
+  from runner.models import tokens_per_image
+  family = derived.router_family(model_config)
+  side = model_config.image_size // model_config.patch_size
+  k = model_config.router.k if "k" in family.options else 2
+  tiled = derived.predictions_per_image(model_config)
+  return LayerInfo(family=family.name, router=model_config.router,
+                   experts=derived.num_experts(model_config), members=tiled,
+                   group_size=min(model_config.moe.group_size, batch_size),
+                   tokens=tokens_per_image(model_config), grid=(side, side),
+                   class_token=str(getattr(model_config.classifier, "value",
+                                           model_config.classifier)) == "token",
+                   k=max(2, min(k, derived.experts_per_router(model_config))))
+
+
+def member_records(key: str, records: dict, info: LayerInfo) -> dict[str, dict]:
+  """The records of one layer split per member of a tiled ensemble ("<key>/member_<m>"), each
+  restricted to the member's own experts; the layer itself otherwise."""
+  if info.members == 1:
+    return {key: records}
+  t, e = info.tokens, info.experts // info.members
+  out = {}
+  for m in range(info.members):
+    rows, cols = slice(m * t, (m + 1) * t), slice(m * e, (m + 1) * e)
+    out[f"{key}/member_{m}"] = {name: value[:, rows, cols] for name, value in records.items()
+                                if name in ("expert_weights", "expert_mask", "routed_mask")}
+  return out
+
+
+def batch_sums(records: dict, labels, mask, k: int, patches: slice) -> dict:
+  """The fixed-size sums of one batch and one layer (traced, or NumPy for the tests).
+
+  records: `expert_weights` (B, T, E) and, but for Soft MoE, `routed_mask`; for Soft MoE
+  `dispatch_weights`, `combine_weights` (B, T, E*P). labels (B, C), mask (B,) of real rows.
+  """
+  xp = jnp if isinstance(records["expert_weights"], jax.Array) else np
+  w = records["expert_weights"].astype(xp.float32)
+  b, t, e = w.shape
+  real = mask.astype(xp.float32)
+  y = labels.astype(xp.float32)
+  y = y / xp.maximum(y.sum(-1, keepdims=True), 1e-12) * real[:, None]
+  out = {
+      "class_weight": xp.einsum("bc,bte->ce", y, w),
+      "class_tokens": y.sum(0) * t,
+      "position_weight": xp.einsum("b,bte->te", real, w[:, patches]),
+      "images": real.sum(),
+  }
+  top = -xp.sort(-w, axis=-1)[..., :k]  # (B, T, k), largest first
+  bins = xp.clip(xp.floor(top / BIN), 0, BINS - 1).astype(xp.int32)
+  onehot = (bins[..., None] == xp.arange(BINS)).astype(xp.float32)  # (B, T, k, BINS)
+  out["top_hist"] = xp.einsum("b,btkn->kn", real, onehot)
+  out["top_sum"] = xp.einsum("b,btk->k", real, top)
+  routed = records.get("routed_mask")
+  if routed is not None:
+    r = routed.astype(xp.float32)
+    per_token = r.sum(-1)  # (B, T) experts processing each token
+    out["class_processed"] = xp.einsum("bc,bte->ce", y, r)
+    out["load"] = xp.einsum("b,bte->e", real, r)
+    out["dropped"] = xp.einsum("b,bt->", real, (per_token == 0).astype(xp.float32))
+    out["experts_per_token"] = xp.einsum("b,bt->t", real, per_token[:, patches])
+    counts = (per_token[..., None] == xp.arange(e + 1)).astype(xp.float32)
+    out["experts_per_token_hist"] = xp.einsum("b,btn->n", real, counts)
+  dispatch = records.get("dispatch_weights")
+  if dispatch is not None:
+    out["slot_position"] = xp.einsum("b,btn->nt", real, dispatch[:, patches].astype(xp.float32))
+    c = records["combine_weights"].astype(xp.float32)
+    entropy = -(c * xp.log(xp.maximum(c, 1e-30))).sum(-1)  # (B, T)
+    out["combine_entropy"] = xp.einsum("b,bt->", real, entropy)
+  return out
+
+
+def dependence(joint: np.ndarray) -> tuple[float, float, float]:
+  """(I(A; E), U(E | A) = I / H(E), H(E)) in nats of a non-negative (A, E) matrix proportional
+  to a joint distribution."""
+  joint = np.asarray(joint, np.float64)
+  total = joint.sum()
+  if total <= 0:
+    return 0.0, 0.0, 0.0
+  p = joint / total
+  pa, pe = p.sum(1, keepdims=True), p.sum(0, keepdims=True)
+  nz = p > 0
+  mutual = float(np.sum(p[nz] * np.log(p[nz] / (pa @ pe)[nz])))
+  h_e = float(-np.sum(pe[pe > 0] * np.log(pe[pe > 0])))
+  if h_e <= 1e-12:
+    warnings.warn("one expert takes all the routing weight (H(E) = 0): the dependence score is "
+                  "reported as 0", stacklevel=2)
+    return max(mutual, 0.0), 0.0, h_e
+  return max(mutual, 0.0), min(max(mutual / h_e, 0.0), 1.0), h_e
+
+
+class Hook:
+  """Accumulates `batch_sums` of every analysed layer over a pass; keeps the first batch's first
+  routing group for the dropped-patch maps."""
+
+  def __init__(self, infos: dict[str, LayerInfo], layers: tuple[int, ...] | None,
+               images: int = 4, batch_size: int | None = None):
+    self.infos, self.layers = infos, layers
+    self.images, self.batch_size = images, batch_size
+    self.totals: dict[str, dict[str, np.ndarray]] = {}
+    self.sample: dict | None = None
+    self.fed = False
+
+  def _info(self, key: str) -> LayerInfo:
+    member = key.split("/")[0] if key.startswith("member_") else ""
+    return self.infos[member]
+
+  def _wanted(self, key: str) -> bool:
+    return self.layers is None or int(key.rsplit("_", 1)[1]) in self.layers
+
+  def sums(self, records, batch, logits):
+    out = {}
+    for key, layer in records.items():
+      if not self._wanted(key):
+        continue
+      info = self._info(key)
+      patches = slice(1, None) if info.class_token else slice(0, None)
+      for name, rec in member_records(key, layer, info).items():
+        out[name] = batch_sums(rec, batch["labels"], batch["_mask"], info.k, patches)
+    first = min((k for k in records if self._wanted(k)), default=None,
+                key=lambda k: (k.split("/")[0], int(k.rsplit("_", 1)[1])))
+    if first is not None:  # the first MoE layer of the (first) model: its first routing groups
+      group = self._info(first).group_size
+      rows = batch["image"].shape[0]
+      n = min(rows - rows % group or rows, max(group, -(-self.images // group) * group))
+      out["_sample"] = {"weights": records[first]["expert_weights"][:n],
+                        "image": batch["image"][:n]}
+      self.first_layer = first  # a Python value, known when the step is traced
+    return out
+
+  def update(self, host: dict, out: dict) -> None:
+    self.fed = True
+    for name, sums in host.items():
+      if name == "_sample":
+        if self.sample is None:
+          self.sample = {k: np.asarray(v) for k, v in sums.items()}
+        continue
+      totals = self.totals.setdefault(name, {})
+      for k, v in sums.items():
+        totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64)
+
+
+def _order(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(row order, column order) that puts each row's favourite column on a diagonal-ish band:
+  columns by the mean position of the rows that prefer them, rows by their favourite column then
+  by how strongly they prefer it (the paper orders each panel for the structure to show)."""
+  favourite = matrix.argmax(1)
+  strength = matrix.max(1)
+  rows = np.lexsort((-strength, favourite))
+  rank = np.empty_like(rows)
+  rank[rows] = np.arange(len(rows))
+  score = [rank[favourite == j].mean() if np.any(favourite == j) else len(rows) + j
+           for j in range(matrix.shape[1])]
+  cols = np.argsort(score, kind="stable")
+  remap = np.empty_like(cols)
+  remap[cols] = np.arange(len(cols))
+  rows = np.lexsort((-strength, remap[favourite]))
+  return rows, cols
+
+
+class Evaluator(suite_lib.Evaluator):
+  name = "routing_analysis"
+
+  @classmethod
+  def enabled(cls, config) -> bool:
+    return bool(getattr(config, "routing_analysis", False))
+
+  def __init__(self, suite):
+    super().__init__(suite)
+    configs = suite.model_configs
+    samples = suite.mc_samples or 1
+    keys = [""] if len(configs) == 1 and samples == 1 else [
+        f"member_{j}" for j in range(len(configs) * samples)]
+    configs = configs * samples if len(configs) == 1 else configs
+    self.infos = {key: layer_info(c, suite.batch_size) for key, c in zip(keys, configs)}
+    layers = list(suite.config.routing.layers)
+    self._hook = Hook(self.infos, tuple(layers) if layers else None,
+                      images=suite.config.routing.images)
+
+  def hook(self):
+    return self._hook
+
+  def run(self) -> suite_lib.Result:
+    s, hook = self.suite, self._hook
+    if not hook.fed:
+      s.hook_pass(self.name)
+    result = suite_lib.Result()
+    arrays, analysed = {}, {}
+    for key in sorted(hook.totals, key=_key_order):
+      info = hook._info(key)
+      t = hook.totals[key]
+      a = analyse(t, info)
+      analysed[key] = a
+      result.summary.update({f"routing/{key}/{k}": v for k, v in a["scalars"].items()})
+      arrays.update({f"{key}/{k}": v for k, v in a["arrays"].items()})
+    drops = {}
+    if hook.sample is not None:
+      info = hook._info(hook.first_layer)
+      drops = dropped_patches(hook.sample["weights"], info, list(s.config.routing.capacities))
+      arrays.update({f"{hook.first_layer}/dropped/{k}": v for k, v in drops.items()})
+    if jax.process_index() == 0:
+      np.savez_compressed(s.path("routing_analysis.npz"), **arrays)
+    if s.plots and analysed:
+      from runner.evaluators import routing_plots
+      result.images.update(routing_plots.draw_all(
+          analysed, drops, hook.sample, s.out_dir, images=s.config.routing.images,
+          first_layer=getattr(hook, "first_layer", None), infos=hook))
+    return result
+
+
+def _key_order(key: str):
+  parts = key.split("/")
+  layer = next(p for p in parts if p.startswith("layer_"))
+  return (parts[0] if parts[0].startswith("member_") and parts[0] != layer else "",
+          int(layer.split("_")[1]), key)
+
+
+def analyse(totals: dict, info: LayerInfo) -> dict:
+  """The matrices and scalars of one layer from its accumulated sums."""
+  class_weight = totals["class_weight"]
+  tokens = np.maximum(totals["class_tokens"][:, None], 1e-12)
+  images = max(float(totals["images"]), 1.0)
+  position = totals["position_weight"] / images
+  mutual_c, uncertainty_c, _ = dependence(class_weight)
+  mutual_s, uncertainty_s, _ = dependence(totals["position_weight"])
+  top_mean = totals["top_sum"] / (images * info.tokens)
+  scalars = {"mutual_information_class": mutual_c, "uncertainty_class": uncertainty_c,
+             "mutual_information_position": mutual_s, "uncertainty_position": uncertainty_s}
+  for i, v in enumerate(top_mean, start=1):
+    scalars[f"top{i}"] = float(v)
+  arrays = {"class_weights": class_weight / tokens, "position_weights": position,
+            "top_histogram": totals["top_hist"], "top_bins": np.arange(BINS + 1) * BIN}
+  if "load" in totals:
+    load = totals["load"] / max(totals["load"].sum(), 1e-12)
+    nz = load[load > 0]
+    scalars["load_entropy"] = float(-np.sum(nz * np.log(nz)) / math.log(info.experts)
+                                    if info.experts > 1 else 1.0)
+    scalars["dropped_fraction"] = float(totals["dropped"] / (images * info.tokens))
+    arrays.update(class_processed=totals["class_processed"], load=load,
+                  experts_per_token_position=totals["experts_per_token"] / images,
+                  experts_per_token_histogram=totals["experts_per_token_hist"])
+    scalars["experts_per_token"] = float(
+        np.sum(totals["experts_per_token_hist"] * np.arange(len(totals["experts_per_token_hist"])))
+        / max(totals["experts_per_token_hist"].sum(), 1e-12))
+  if "slot_position" in totals:
+    arrays["slot_position_weights"] = totals["slot_position"] / images
+    scalars["combine_entropy"] = float(totals["combine_entropy"] / (images * info.tokens))
+    scalars["dropped_fraction"] = 0.0
+  return {"scalars": scalars, "arrays": arrays}
+
+
+def dropped_patches(weights: np.ndarray, info: LayerInfo, capacities: list[float]) -> dict:
+  """{"<C>/vanilla" | "<C>/bpr": (images, tokens) bool, True where no expert processes the
+  token}: the first routing group replanned at each capacity ratio (Fig. 5). Soft MoE drops
+  nothing: {}."""
+  import dataclasses as dc
+
+  from runner.models.moe import routers, routing
+  if info.family == "soft":
+    return {}
+  images, t = weights.shape[0], info.tokens
+  group = min(info.group_size, images)
+  e = info.experts // info.members
+  groups = images // group
+  # Member 0 of an ensemble: its tokens and its partition's experts.
+  gates = jnp.asarray(weights[:groups * group, :t, :e]).reshape(groups, group * t, e)
+  images = groups * group
+  out = {}
+  for c in capacities:
+    router = dc.replace(info.router, eval_capacity_ratio=float(c))
+    capacity = routers.family(info.family).capacity(router, group * t, e, train=False)
+    if info.family == "experts_choice":
+      from runner.models.moe.routers.experts_choice import top_tokens_per_expert
+      _, chosen = top_tokens_per_expert(gates, capacity)  # (groups, E, C) token ids
+      kept = np.zeros((groups, group * t), bool)
+      for g in range(groups):
+        kept[g, np.asarray(chosen[g]).reshape(-1)] = True
+      out[f"{c:g}/vanilla"] = ~kept.reshape(images, t)
+      continue
+    for bpr in (False, True):
+      plan = routing.plan_dispatch(gates, k=info.router.k, capacity=capacity, batch_priority=bpr,
+                                   priority=str(getattr(info.router.priority, "value",
+                                                        info.router.priority)))
+      kept = np.asarray(plan.kept).reshape(images, t, -1).any(-1)
+      out[f"{c:g}/{'bpr' if bpr else 'vanilla'}"] = ~kept
+  return out

@@ -1,0 +1,187 @@
+"""The routing analysis' pictures (runner/evaluators/routing_analysis.py), as PNG files.
+
+One figure per kind, one panel per analysed layer (and member): experts x classes heat maps
+(Fig. 8/30), per-expert maps over the patch grid (Fig. 31), top-i weight histograms (Fig. 32),
+dropped patches at several capacities (Fig. 5), experts per token over the image
+(experts-choice) and the patches each slot mixes (Soft MoE). Bare Agg figures, no pyplot state.
+"""
+from __future__ import annotations
+
+import math
+import pathlib
+
+import numpy as np
+
+from runner.evaluators.routing_analysis import BIN, _order
+
+
+def _figure(width: float, height: float):
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+  figure = Figure(figsize=(width, height), dpi=100)
+  FigureCanvasAgg(figure)
+  return figure
+
+
+def _save(figure, path: pathlib.Path) -> str:
+  figure.tight_layout()
+  figure.savefig(str(path), format="png")
+  return str(path)
+
+
+def _panels(n: int, columns: int = 4) -> tuple[int, int]:
+  columns = max(1, min(columns, n))
+  return math.ceil(n / columns), columns
+
+
+def classes(analysed: dict, path: pathlib.Path) -> str:
+  rows, cols = _panels(len(analysed))
+  figure = _figure(3.2 * cols, 3.0 * rows)
+  for i, (key, a) in enumerate(analysed.items()):
+    matrix = a["arrays"]["class_weights"]
+    order_rows, order_cols = _order(matrix)
+    axes = figure.add_subplot(rows, cols, i + 1)
+    image = axes.imshow(matrix[order_rows][:, order_cols], aspect="auto", cmap="viridis",
+                        interpolation="nearest")
+    figure.colorbar(image, ax=axes, fraction=0.046)
+    axes.set_title(f"{key}\nU(E|C) = {a['scalars']['uncertainty_class']:.3f}", fontsize=9)
+    axes.set_xlabel("expert (reordered)", fontsize=8)
+    axes.set_ylabel("class (reordered)", fontsize=8)
+  return _save(figure, path)
+
+
+def positions(analysed: dict, grid: dict, path: pathlib.Path) -> str:
+  """For each layer one row of per-expert maps: the mean weight of the expert per patch."""
+  keys = list(analysed)
+  experts = max(a["arrays"]["position_weights"].shape[1] for a in analysed.values())
+  figure = _figure(1.3 * experts + 1, 1.5 * len(keys))
+  for r, key in enumerate(keys):
+    p = analysed[key]["arrays"]["position_weights"]  # (patches, E)
+    h, w = grid[key]
+    vmax = float(p.max()) or 1.0
+    for e in range(p.shape[1]):
+      axes = figure.add_subplot(len(keys), experts, r * experts + e + 1)
+      axes.imshow(p[:, e].reshape(h, w), cmap="magma", vmin=0, vmax=vmax,
+                  interpolation="nearest")
+      axes.set_xticks([])
+      axes.set_yticks([])
+      if e == 0:
+        axes.set_ylabel(f"{key}\nU(E|S)={analysed[key]['scalars']['uncertainty_position']:.2f}",
+                        fontsize=7)
+      if r == 0:
+        axes.set_title(f"expert {e}", fontsize=7)
+  return _save(figure, path)
+
+
+def top_weights(analysed: dict, path: pathlib.Path) -> str:
+  rows, cols = _panels(len(analysed))
+  figure = _figure(3.2 * cols, 2.6 * rows)
+  for i, (key, a) in enumerate(analysed.items()):
+    hist = a["arrays"]["top_histogram"]  # (k, bins)
+    centres = (np.arange(hist.shape[1]) + 0.5) * BIN
+    axes = figure.add_subplot(rows, cols, i + 1)
+    for j, counts in enumerate(hist, start=1):
+      total = max(counts.sum(), 1.0)
+      axes.step(centres, counts / total, where="mid",
+                label=f"TOP-{j} (mean {a['scalars'][f'top{j}']:.2f})")
+    axes.set_title(key, fontsize=9)
+    axes.set_xlabel("routing weight", fontsize=8)
+    axes.set_ylabel("fraction of tokens", fontsize=8)
+    axes.set_xlim(0, 1)
+    axes.legend(fontsize=7)
+  return _save(figure, path)
+
+
+def dropped(drops: dict, sample: dict, info, images: int, path: pathlib.Path, title: str) -> str:
+  """Rows: capacity ratios; columns: the first images, vanilla and BPR side by side; white
+  patches are the tokens no expert processes (the paper's Figure 5)."""
+  settings = sorted({k.split("/")[0] for k in drops}, key=lambda c: -float(c))
+  kinds = sorted({k.split("/")[1] for k in drops}, key=lambda k: k != "vanilla")
+  shown = min(images, sample["image"].shape[0])
+  figure = _figure(max(4.0, 1.4 * shown * len(kinds) + 0.5), 1.5 * len(settings) + 0.6)
+  h, w = info.grid
+  first_patch = 1 if info.class_token else 0
+  for r, c in enumerate(settings):
+    for j, kind in enumerate(kinds):
+      mask = drops[f"{c}/{kind}"]  # (images, tokens)
+      for i in range(shown):
+        picture = np.clip((np.asarray(sample["image"][i], np.float64) + 1) / 2, 0, 1)
+        ph, pw = picture.shape[0] // h, picture.shape[1] // w
+        gone = mask[i, first_patch:first_patch + h * w].reshape(h, w)
+        picture = picture.copy()
+        for y, x in zip(*np.nonzero(gone)):
+          picture[y * ph:(y + 1) * ph, x * pw:(x + 1) * pw] = 1.0
+        axes = figure.add_subplot(len(settings), shown * len(kinds),
+                                  r * shown * len(kinds) + j * shown + i + 1)
+        axes.imshow(picture if picture.shape[-1] == 3 else picture[..., 0], cmap="gray",
+                    interpolation="nearest")
+        axes.set_xticks([])
+        axes.set_yticks([])
+        if i == 0:
+          axes.set_title(f"C={c} {kind}", fontsize=7)
+  figure.suptitle(title, fontsize=9)
+  return _save(figure, path)
+
+
+def experts_per_token(analysed: dict, grid: dict, path: pathlib.Path) -> str:
+  keys = [k for k, a in analysed.items() if "experts_per_token_position" in a["arrays"]]
+  figure = _figure(6.0, 2.6 * len(keys))
+  for r, key in enumerate(keys):
+    a = analysed[key]["arrays"]
+    h, w = grid[key]
+    axes = figure.add_subplot(len(keys), 2, 2 * r + 1)
+    image = axes.imshow(a["experts_per_token_position"].reshape(h, w), cmap="viridis",
+                        interpolation="nearest")
+    figure.colorbar(image, ax=axes, fraction=0.046)
+    axes.set_title(f"{key}: mean experts per patch", fontsize=8)
+    axes.set_xticks([])
+    axes.set_yticks([])
+    axes = figure.add_subplot(len(keys), 2, 2 * r + 2)
+    hist = a["experts_per_token_histogram"]
+    axes.bar(np.arange(len(hist)), hist / max(hist.sum(), 1.0))
+    axes.set_xlabel("experts processing a token", fontsize=8)
+    axes.set_ylabel("fraction of tokens", fontsize=8)
+  return _save(figure, path)
+
+
+def soft_slots(analysed: dict, grid: dict, path: pathlib.Path, slots: int = 16) -> str:
+  keys = [k for k, a in analysed.items() if "slot_position_weights" in a["arrays"]]
+  figure = _figure(1.2 * slots + 1, 1.4 * len(keys))
+  for r, key in enumerate(keys):
+    weights = analysed[key]["arrays"]["slot_position_weights"]  # (slots, patches)
+    h, w = grid[key]
+    shown = min(slots, weights.shape[0])
+    for n in range(shown):
+      axes = figure.add_subplot(len(keys), slots, r * slots + n + 1)
+      axes.imshow(weights[n].reshape(h, w), cmap="magma", interpolation="nearest")
+      axes.set_xticks([])
+      axes.set_yticks([])
+      if n == 0:
+        axes.set_ylabel(f"{key}\nH(comb.)="
+                        f"{analysed[key]['scalars']['combine_entropy']:.2f}", fontsize=7)
+      if r == 0:
+        axes.set_title(f"slot {n}", fontsize=7)
+  return _save(figure, path)
+
+
+def draw_all(analysed: dict, drops: dict, sample, out_dir, *, images: int, first_layer, infos
+             ) -> dict[str, str]:
+  """Every picture that applies; returns {W&B key: PNG path}."""
+  out_dir = pathlib.Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  grid = {key: infos._info(key).grid for key in analysed}
+  out = {"routing/classes": classes(analysed, out_dir / "routing_classes.png"),
+         "routing/positions": positions(analysed, grid, out_dir / "routing_positions.png"),
+         "routing/top_weights": top_weights(analysed, out_dir / "routing_top_weights.png")}
+  if drops and sample is not None and images:
+    out["routing/dropped_patches"] = dropped(
+        drops, sample, infos._info(first_layer), images, out_dir / "routing_dropped_patches.png",
+        title=f"{first_layer}: dropped patches (white) by capacity ratio")
+  if any("experts_per_token_position" in a["arrays"] and infos._info(k).family == "experts_choice"
+         for k, a in analysed.items()):
+    out["routing/experts_per_token"] = experts_per_token(
+        {k: a for k, a in analysed.items() if infos._info(k).family == "experts_choice"}, grid,
+        out_dir / "routing_experts_per_token.png")
+  if any("slot_position_weights" in a["arrays"] for a in analysed.values()):
+    out["routing/soft_slots"] = soft_slots(analysed, grid, out_dir / "routing_soft_slots.png")
+  return out

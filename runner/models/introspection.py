@@ -1,0 +1,61 @@
+"""One way to look inside a model: the routing decisions its MoE layers sow, read back by layer.
+
+Applied with `mutable=["intermediates"]`, every MoE layer (runner/models/moe/layer.py) sows what
+its router decided; `routing_records` gathers them as {layer: {name: array}}, keyed
+"layer_<i>" (block i), or "member_<j>/layer_<i>" for the models of a deep ensemble
+(runner/models/ensemble.py). Every array has the images first:
+
+  expert_weights    (images, tokens, E) float32   the weight each token gives each expert
+  expert_mask       (images, tokens, E) bool      the experts each token chose (token-choice: its
+                                                  TOP-k; experts-choice: the experts that picked
+                                                  it); absent for Soft MoE
+  routed_mask       (images, tokens, E) bool      the experts that process it after capacity
+  selected_experts  (images, tokens, k) int32     token-choice: the TOP-k ids
+  routed_experts    (images, tokens, k) int32     token-choice: the ids kept, -1 where dropped
+  dispatch_weights  (images, tokens, E*P) float32 Soft MoE: each token's weight in each slot
+  combine_weights   (images, tokens, E*P) float32 Soft MoE: each slot's weight in each token
+
+For a tiled partitioned batch ensemble the tokens axis holds the M members' copies one after the
+other (M * tokens), and a member's weights are zero outside its partition of the experts.
+PGD's routing change (runner/evaluators/adversarial.py) and the routing analysis
+(runner/evaluators/routing_analysis.py) both read these.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+from flax import traverse_util
+
+_BLOCK = re.compile(r"block_(\d+)")
+_MEMBER = re.compile(r"member_\d+")  # a model of an `Ensemble`
+RECORDS = ("expert_weights", "expert_mask", "routed_mask", "selected_experts", "routed_experts",
+           "dispatch_weights", "combine_weights")
+
+
+def routing_records(intermediates) -> dict[str, dict[str, jax.Array]]:
+  """{"layer_<i>" or "member_<j>/layer_<i>": {record name: array}} of every MoE layer."""
+  out: dict[str, dict[str, jax.Array]] = {}
+  for path, value in traverse_util.flatten_dict(dict(intermediates)).items():
+    if path[-1] not in RECORDS:
+      continue
+    blocks = [m for m in map(_BLOCK.fullmatch, path) if m]
+    if not blocks:
+      raise ValueError(f"{path[-1]} sown outside an encoder block: {'/'.join(path)}")
+    member = [p + "/" for p in path if _MEMBER.fullmatch(p)]
+    layer = f"{''.join(member[:1])}layer_{blocks[-1][1]}"
+    out.setdefault(layer, {})[path[-1]] = value[-1]  # sow keeps every call's value
+  return out
+
+
+def apply_with_routing(model, params, images, **kwargs):
+  """(logits, extras, records): a forward pass that also returns every layer's routing records."""
+  (logits, extras), state = model.apply({"params": params}, images, mutable=["intermediates"],
+                                        **kwargs)
+  return logits, extras, routing_records(state.get("intermediates", {}))
+
+
+def layer_order(key: str) -> tuple:
+  """Sort key of record keys: by member, then block index."""
+  member, _, layer = key.rpartition("/")
+  return (member, int(layer.rsplit("_", 1)[1]))
