@@ -13,7 +13,9 @@ per expert):
 - dependence scores: from p(c, e) proportional to the sum of g(t)_e over the tokens of class c
   (resp. p(s, e) over patch positions), the mutual information I(C; E) in nats and the
   uncertainty coefficient U(E | C) = I(C; E) / H(E) in [0, 1] (0: the expert does not depend on
-  the class; 1: it is a function of it; 0 with a warning when H(E) = 0);
+  the class; 1: it is a function of it; 0 with a warning when H(E) = 0); and the same from the
+  assignments actually processed, p(c, e) proportional to N[c, e] (`..._routed`: the discrete
+  routing, where near-uniform gates do not dilute the dependence);
 - top-i weights (Fig. 32): histograms (bins of 0.02) and means of the i-th largest g(t), i = 1 ..
   k (2 at least);
 - load: the fraction of processed assignments per expert, its entropy over log E (1: balanced),
@@ -116,6 +118,7 @@ def batch_sums(records: dict, labels, mask, k: int, patches: slice) -> dict:
     r = routed.astype(xp.float32)
     per_token = r.sum(-1)  # (B, T) experts processing each token
     out["class_processed"] = xp.einsum("bc,bte->ce", y, r)
+    out["position_processed"] = xp.einsum("b,bte->te", real, r[:, patches])
     out["load"] = xp.einsum("b,bte->e", real, r)
     out["dropped"] = xp.einsum("b,bt->", real, (per_token == 0).astype(xp.float32))
     out["experts_per_token"] = xp.einsum("b,bt->t", real, per_token[:, patches])
@@ -296,7 +299,15 @@ def analyse(totals: dict, info: LayerInfo) -> dict:
     scalars["load_entropy"] = float(-np.sum(nz * np.log(nz)) / math.log(info.experts)
                                     if info.experts > 1 else 1.0)
     scalars["dropped_fraction"] = float(totals["dropped"] / (images * info.tokens))
+    # The same scores from the assignments actually processed (the discrete routing, not the
+    # soft gates, whose near-uniform mass dilutes the dependence).
+    for name, joint in (("class", totals["class_processed"]),
+                        ("position", totals["position_processed"])):
+      mutual, uncertainty, _ = dependence(joint)
+      scalars[f"mutual_information_{name}_routed"] = mutual
+      scalars[f"uncertainty_{name}_routed"] = uncertainty
     arrays.update(class_processed=totals["class_processed"], load=load,
+                  position_processed=totals["position_processed"] / images,
                   experts_per_token_position=totals["experts_per_token"] / images,
                   experts_per_token_histogram=totals["experts_per_token_hist"])
     scalars["experts_per_token"] = float(

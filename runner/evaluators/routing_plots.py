@@ -44,19 +44,28 @@ def classes(analysed: dict, path: pathlib.Path) -> str:
     image = axes.imshow(matrix[order_rows][:, order_cols], aspect="auto", cmap="viridis",
                         interpolation="nearest")
     figure.colorbar(image, ax=axes, fraction=0.046)
-    axes.set_title(f"{key}\nU(E|C) = {a['scalars']['uncertainty_class']:.3f}", fontsize=9)
+    routed = a["scalars"].get("uncertainty_class_routed")
+    axes.set_title(f"{key}\nU(E|C) = {a['scalars']['uncertainty_class']:.3f}"
+                   + ("" if routed is None else f", routed {routed:.3f}"), fontsize=9)
     axes.set_xlabel("expert (reordered)", fontsize=8)
     axes.set_ylabel("class (reordered)", fontsize=8)
+    if len(order_cols) <= 32:  # small enough to name every expert and class
+      axes.set_xticks(range(len(order_cols)), [str(e) for e in order_cols], fontsize=6)
+    if len(order_rows) <= 32:
+      axes.set_yticks(range(len(order_rows)), [str(c) for c in order_rows], fontsize=6)
   return _save(figure, path)
 
 
 def positions(analysed: dict, grid: dict, path: pathlib.Path) -> str:
-  """For each layer one row of per-expert maps: the mean weight of the expert per patch."""
+  """For each layer one row of per-expert maps over the patch grid: how often the expert
+  processes the token at each patch (token- and experts-choice), or its mean weight there (Soft
+  MoE), each expert on the layer's common scale."""
   keys = list(analysed)
   experts = max(a["arrays"]["position_weights"].shape[1] for a in analysed.values())
   figure = _figure(1.3 * experts + 1, 1.5 * len(keys))
   for r, key in enumerate(keys):
-    p = analysed[key]["arrays"]["position_weights"]  # (patches, E)
+    arrays, scalars = analysed[key]["arrays"], analysed[key]["scalars"]
+    p = arrays.get("position_processed", arrays["position_weights"])  # (patches, E)
     h, w = grid[key]
     vmax = float(p.max()) or 1.0
     for e in range(p.shape[1]):
@@ -66,8 +75,11 @@ def positions(analysed: dict, grid: dict, path: pathlib.Path) -> str:
       axes.set_xticks([])
       axes.set_yticks([])
       if e == 0:
-        axes.set_ylabel(f"{key}\nU(E|S)={analysed[key]['scalars']['uncertainty_position']:.2f}",
-                        fontsize=7)
+        routed = scalars.get("uncertainty_position_routed")
+        label = f"{key}\nU(E|S)={scalars['uncertainty_position']:.3f}"
+        if routed is not None:
+          label += f"\nrouted {routed:.3f}"
+        axes.set_ylabel(label, fontsize=7)
       if r == 0:
         axes.set_title(f"expert {e}", fontsize=7)
   return _save(figure, path)
