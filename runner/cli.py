@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import sys
 
 SUBCOMMANDS = {
@@ -19,7 +20,10 @@ SUBCOMMANDS = {
     "fewshot": "linear few-shot accuracy of frozen features (ridge on pre-logits, 1-25 shots)",
     "eval": "evaluate a checkpoint: accuracy, NLL, calibration, OOD, corruptions, PGD, GFLOPs",
     "ensemble": "evaluate checkpoints as one ensemble (deep, partitioned, MC-dropout): + diversity",
+    "summarize": "one table (Markdown, CSV, plots) of a sweep's jobs: overrides and final metrics",
 }
+# Subcommands that are not Hydra stages: plain arguments.
+TOOLS = {"summarize": "runner.summarize"}
 USAGE = """usage: vmoe <subcommand> [overrides ...] [--multirun] [--cfg job] [--help]
 
 Sparse Vision Mixture-of-Experts experiments in JAX.
@@ -100,6 +104,11 @@ def _split_args(args: list[str]) -> tuple[dict, list[str], bool]:
   return flags, overrides, show
 
 
+# Options of hydra/launcher and hydra/sweeper that plugins of the cluster extra provide.
+_PLUGIN_CONFIGS = {"submitit_slurm": "hydra-submitit-launcher",
+                   "submitit_local": "hydra-submitit-launcher",
+                   "optuna": "hydra-optuna-sweeper"}
+
 # Validating each job of a sweep before any runs costs one composition each; beyond this many
 # jobs only the first values of each swept key are checked up front (every job is checked anyway
 # when it starts).
@@ -119,7 +128,7 @@ def _sweep_axes(overrides: list[str], study: dict) -> tuple[list[str], list[list
       continue
     given.add(ov.key_or_group)
     if ov.is_sweep_override():
-      axes.append([f"{ov.get_key_element()}={v}" for v in ov.sweep_string_iterator()])
+      axes.append([f"{ov.get_key_element()}={v}" for v in _sweep_values(ov)])
     else:
       fixed.append(ov.input_line)
   for key, values in study.items():
@@ -128,6 +137,24 @@ def _sweep_axes(overrides: list[str], study: dict) -> tuple[list[str], list[list
       axes.append([f"{key}={v}" for v in ov.sweep_string_iterator()]
                   if ov.is_sweep_override() else [ov.input_line])
   return fixed, axes
+
+
+class SearchRangeError(ValueError):
+  pass
+
+
+def _sweep_values(override) -> list:
+  """The values a sweep override takes; a search range (`interval(a,b)`, for the optuna
+  sweeper) is checked to be non-empty and is validated at both of its ends."""
+  from hydra.core.override_parser.types import IntervalSweep
+  sweep = override.value()
+  if isinstance(sweep, IntervalSweep):
+    if not sweep.start < sweep.end:
+      raise SearchRangeError(
+          f"the search range {override.input_line} is empty: interval(a, b) needs a < b (e.g. "
+          f"'{override.get_key_element()}=tag(log,interval(1e-4,1e-1))').")
+    return [sweep.start, sweep.end]
+  return list(override.sweep_string_iterator())
 
 
 def _jobs(overrides: list[str], study: dict) -> list[list[str]]:
@@ -158,6 +185,13 @@ def _explain_composition_error(err: Exception, sub: str, overrides: list[str],
   from omegaconf import OmegaConf
   from runner.models import catalog
   cause = err.__cause__ or err
+  if isinstance(err, SearchRangeError):
+    return str(err)
+  missing = re.search(r"Could not (?:find|load) '([^']+)'", str(err))
+  if missing and missing[1].rsplit("/", 1)[-1] in _PLUGIN_CONFIGS:
+    plugin = _PLUGIN_CONFIGS[missing[1].rsplit("/", 1)[-1]]
+    return (f"{missing[1]} comes from the {plugin} plugin, which is not installed: install the "
+            "cluster extra, pip install -e '.[cluster]' (make test installs it).")
   if type(err).__name__ == "OverrideParseException":
     return (f"cannot parse the overrides {overrides}: {str(err).splitlines()[0]}. Values with "
             "parentheses, commas, spaces or '|' must be quoted for Hydra, e.g. "
@@ -166,7 +200,7 @@ def _explain_composition_error(err: Exception, sub: str, overrides: list[str],
   text = str(err).split("\n")[0]
   if "Could not find" in str(err):  # unknown option of a group
     lines = str(err).split("\n")
-    group = text.split("'")[-2].split("/")[0] if "'" in text else "?"
+    group = text.split("'")[-2].rsplit("/", 1)[0] if "'" in text else "?"
     options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
     if group == "model":
       bad = text.split("'")[-2].split("/", 1)[-1]
@@ -204,22 +238,35 @@ def _compose(config_dir: str | None, config_name: str, overrides: list[str],
     return compose(config_name, overrides=extra + overrides, return_hydra_config=with_hydra)
 
 
-def _study_params(config_dir: str | None, config_name: str, overrides: list[str]) -> dict:
+def _study_params(choices: dict) -> dict:
   """A sweep study's `hydra.sweeper.params` (empty for the primary configs)."""
   from omegaconf import OmegaConf
-  first = _sweep_axes(overrides, {})[0]
-  params = _compose(config_dir, config_name, first, with_hydra=True).hydra.sweeper.get("params")
+  params = choices["params"]
   return dict(OmegaConf.to_container(params)) if params else {}
 
 
-def _device_count_if_local(composed) -> int | None:
-  """The device count, when this process alone is the job (else it is known only after start-up,
-  and the task checks the devices then)."""
+def _device_count_if_local(composed, launcher: str) -> int | None:
+  """The device count, when this process alone is the job (else it is known only after start-up
+  where the job runs, and the task checks the devices then). A launcher that runs jobs
+  elsewhere (SLURM, or other processes on this machine) leaves JAX untouched here."""
   from runner.parallel.distributed import cluster_detected
-  if composed.get("distributed", {}).get("coordinator_address") or cluster_detected():
+  if launcher != "basic" or composed.get("distributed", {}).get("coordinator_address") \
+      or cluster_detected():
     return None
   import jax
   return jax.device_count()
+
+
+def _hydra_choices(config_dir: str | None, config_name: str, overrides: list[str]) -> dict:
+  """The sweep's Hydra config composed with the hydra.* overrides (a launcher's or sweeper's
+  option of the wrong type fails here): the launcher and sweeper chosen, and a study's
+  `hydra.sweeper.params`."""
+  first = _sweep_axes(overrides, {})[0]
+  hydra_given = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
+  node = _compose(config_dir, config_name, first + hydra_given, with_hydra=True).hydra
+  return {"launcher": node.runtime.choices.get("hydra/launcher", "basic"),
+          "sweeper": node.runtime.choices.get("hydra/sweeper", "basic"),
+          "params": node.sweeper.get("params")}
 
 
 def check_overrides(sub: str, args: list[str]) -> str | None:
@@ -236,7 +283,8 @@ def check_overrides(sub: str, args: list[str]) -> str | None:
   # is read (an eval's checkpoint need not exist yet) and no value is validated.
   compose_only = bool(flags.get("--cfg") or flags.get("-c"))
   try:
-    jobs = _jobs(overrides, _study_params(config_dir, config_name, overrides))
+    choices = _hydra_choices(config_dir, config_name, overrides)
+    jobs = _jobs(overrides, _study_params(choices))
   except Exception as err:  # Hydra/OmegaConf raise many types; all mean "bad input"
     return _explain_composition_error(err, sub, overrides, config_dir, config_name)
   for job in jobs:
@@ -247,8 +295,8 @@ def check_overrides(sub: str, args: list[str]) -> str | None:
     if compose_only:
       continue
     try:
-      typed = config_layer.load(sub, composed)
-      config_layer.validate(typed, devices=_device_count_if_local(composed))
+      typed = config_layer.load(sub, composed, check=False)
+      config_layer.validate(typed, devices=_device_count_if_local(composed, choices["launcher"]))
     except UserError as err:
       swept = [o for o in job if o not in overrides]
       return (f"in the sweep job {' '.join(swept)}: " if swept else "") + str(err)
@@ -273,6 +321,19 @@ def _quiet_library_noise() -> None:
   sys.unraisablehook = hook
 
 
+def _sweep_identity(typed) -> None:
+  """A sweep's job: its W&B run joins the sweep's group (logger.wandb.group, else the sweep's
+  folder) and records the overrides that make the job."""
+  from hydra.core.hydra_config import HydraConfig
+  from hydra.types import RunMode
+  hydra = HydraConfig.get()
+  if hydra.mode != RunMode.MULTIRUN:
+    return
+  wandb = typed.logger.wandb
+  wandb.group = wandb.group or str(hydra.sweep.dir)
+  wandb.overrides = list(hydra.overrides.task)
+
+
 def _job(sub: str):
   def job(cfg):
     from hydra.core.hydra_config import HydraConfig
@@ -280,7 +341,10 @@ def _job(sub: str):
     from runner.errors import VmoeError
     from runner.tasks import run_task
     try:
-      typed = config_layer.load(sub, cfg, HydraConfig.get().runtime.output_dir)
+      # Checked before launch; in the job it is checked once more, with its devices, as the
+      # task starts (runner/tasks/common.py).
+      typed = config_layer.load(sub, cfg, HydraConfig.get().runtime.output_dir, check=False)
+      _sweep_identity(typed)
       return run_task(sub, typed)
     except VmoeError as e:
       if cfg.get("debug"):
@@ -307,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vmoe: error: unknown subcommand {sub!r}; valid: {', '.join(SUBCOMMANDS)} "
           "(`vmoe --help` describes each).", file=sys.stderr)
     return 2
+  if sub in TOOLS:
+    import importlib
+    return importlib.import_module(TOOLS[sub]).main(rest)
   _quiet_environment()
   import hydra
   import runner.config.store  # noqa: F401  (registers the schemas and model names with Hydra)
@@ -317,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
   if problem:
     print(f"vmoe {sub}: error: {problem}", file=sys.stderr)
     return 2
+  os.environ["VMOE_STAGE"] = sub  # what hydra/launcher=parallel starts in each job
+  if any(a.replace(" ", "") == "hydra/sweeper=optuna" for a in rest) and not any(
+      a.startswith("hydra.sweeper.direction") for a in rest):
+    rest = rest + ["hydra.sweeper.direction=maximize"]  # each stage returns its main metric
   sys.argv = [f"vmoe {sub}"] + rest
   hydra.main(config_path=str(conf_dir()), config_name=sub, version_base=None)(_job(sub))()
   return 0

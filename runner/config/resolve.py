@@ -211,22 +211,24 @@ def _stored(path: str, cfg: DictConfig, task: str) -> dict:
   return released_config(path, cfg, task) if stored is None else stored
 
 
-def load(task: str, cfg: DictConfig, workdir: str | None = None):
-  """The validated typed config of subcommand `task` (reading checkpoints' stored configs)."""
+def load(task: str, cfg: DictConfig, workdir: str | None = None, *, check: bool = True):
+  """The typed config of subcommand `task` (reading checkpoints' stored configs), validated
+  unless `check` is off (a job validates once, against its devices, when it starts)."""
   if workdir is None:
     workdir = "" if OmegaConf.is_missing(cfg, "workdir") else str(cfg.workdir)
+  checked = validate if check else (lambda config: config)
   if task in ("pretrain", "finetune"):
-    return validate(train_task(cfg, workdir))
+    return checked(train_task(cfg, workdir))
   if task == "eval":
     path = cfg.init.checkpoint
     if not path:
       raise ConfigError("vmoe eval needs init.checkpoint=<workdir of a pretrain/finetune run>.")
-    return validate(eval_run(cfg, workdir, _stored(path, cfg, task)))
+    return checked(eval_run(cfg, workdir, _stored(path, cfg, task)))
   if task in ("fewshot", "ensemble"):
     paths = checkpoint_paths(OmegaConf.to_container(cfg.init, resolve=True)["checkpoint"], task)
     stored = {p: _stored(p, cfg, task) for p in paths}
     if len(stored) != len(paths):
       raise ConfigError(f"init.checkpoint={paths} names a checkpoint twice.")
     make = fewshot_run if task == "fewshot" else ensemble_run
-    return validate(make(cfg, workdir, stored))
+    return checked(make(cfg, workdir, stored))
   raise ValueError(f"unknown task {task!r}")

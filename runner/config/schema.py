@@ -408,6 +408,10 @@ class WandbConfig:
   entity: Optional[str] = None
   name: Optional[str] = None
   tags: List[str] = field(default_factory=list)
+  # A sweep's jobs are one W&B group (null: the sweep's folder); the CLI fills in a job's
+  # overrides, which the W&B config shows next to the resolved config.
+  group: Optional[str] = None
+  overrides: List[str] = field(default_factory=list)
 
 
 @dataclass

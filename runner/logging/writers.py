@@ -47,9 +47,9 @@ class MetricWriter:
     os.environ.setdefault("WANDB_SILENT", "true")
     return wandb_run.start_run(
         cfg.mode.value, str(self.workdir), project=cfg.project, entity=cfg.entity,
-        name=cfg.name or self.workdir.name, tags=list(cfg.tags),
-        config=run_config, id=run_id, resume="allow", job_type=job_type,
-        reinit="finish_previous")
+        name=cfg.name or self.workdir.name, tags=list(cfg.tags), group=cfg.group,
+        config={**run_config, **({"overrides": list(cfg.overrides)} if cfg.overrides else {})},
+        id=run_id, resume="allow", job_type=job_type, reinit="finish_previous")
 
   def write(self, step: int, metrics: dict) -> None:
     if not self.active or not metrics:

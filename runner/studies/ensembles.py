@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 import pathlib
-import statistics
 import sys
 
+from runner import summarize
 from runner.studies import driver
+from runner.summarize import Column
 
 ROOT = pathlib.Path("runs/studies/ensembles")
 UPSTREAM = ROOT / "upstream"
@@ -82,42 +83,30 @@ def _summary(kind: str, name: str) -> dict:
   return json.loads((ROOT / kind / name / "summary.json").read_text())
 
 
-def _cell(values: list[float], digits: int = 3) -> str:
-  values = [v for v in values if v is not None]
-  if not values:
-    return "-"
-  if len(values) == 1:
-    return f"{values[0]:.{digits}f}"
-  return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
-
-
 def table() -> str:
-  ds = "uci_digits"
-  lines = ["| model | prec@1 | NLL | ECE | KL | disagreement | MFLOPs/image | 10-shot MNIST | n |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  ds, ood = "uci_digits", "uci_digits_vs_lfw_faces"
+  rows = []
   for row, name in ROWS:
-    evals, shots = [], []
+    replicates = []
     for out, _ in _replicates(name):
-      evals.append(_summary("evals", out))
-      fewshot = ROOT / "fewshot" / out / "summary.json"
-      shots.append(json.loads(fewshot.read_text())["mnist5k/10shot/accuracy"]
-                   if fewshot.exists() else None)
-    if name == "mc_dropout":  # the same features as the V-MoE K=1 runs it samples
-      shots = [_summary("fewshot", f"e3_vmoe_k1_{s}")["mnist5k/10shot/accuracy"] for s in SEEDS]
-    col = lambda key: [e.get(key) for e in evals]  # noqa: E731
-    lines.append(
-        f"| {row} | {_cell(col(f'{ds}/prec@1'))} | {_cell(col(f'{ds}/nll'))} | "
-        f"{_cell(col(f'{ds}/ece'))} | {_cell(col(f'{ds}/diversity/kl'), 4)} | "
-        f"{_cell(col(f'{ds}/diversity/disagreement'))} | "
-        f"{_cell([g * 1e3 for g in col('compute/gflops_per_image')], 1)} | "
-        f"{_cell(shots)} | {len(evals)} |")
-  ood = "uci_digits_vs_lfw_faces/msp/auroc"
-  lines += ["", "| model | far-OOD AUROC (MSP) vs LFW | Mahalanobis |", "|---|---|---|"]
-  for row, name in ROWS:
-    evals = [_summary("evals", out) for out, _ in _replicates(name)]
-    lines.append(f"| {row} | {_cell([e.get(ood) for e in evals])} | "
-                 f"{_cell([e.get(ood.replace('msp', 'mahalanobis')) for e in evals])} |")
-  return "\n".join(lines)
+      # MC-dropout samples have the features of the V-MoE K=1 runs they sample.
+      features = f"e3_vmoe_k1_{out.rsplit('_', 1)[1]}" if name == "mc_dropout" else out
+      fewshot = ROOT / "fewshot" / features / "summary.json"
+      shots = json.loads(fewshot.read_text()) if fewshot.exists() else {}
+      replicates.append({**_summary("evals", out),
+                         "fewshot/10shot": shots.get("mnist5k/10shot/accuracy")})
+    rows.append((row, replicates))
+  mflops = lambda s: s["compute/gflops_per_image"] * 1e3  # noqa: E731
+  main = summarize.grouped(rows, [
+      Column("prec@1", f"{ds}/prec@1", 3), Column("NLL", f"{ds}/nll", 3),
+      Column("ECE", f"{ds}/ece", 3), Column("KL", f"{ds}/diversity/kl", 4),
+      Column("disagreement", f"{ds}/diversity/disagreement", 3),
+      Column("MFLOPs/image", mflops, 1), Column("10-shot MNIST", "fewshot/10shot", 3)],
+      label="model")
+  ood_table = summarize.grouped(rows, [
+      Column("far-OOD AUROC (MSP) vs LFW", f"{ood}/msp/auroc", 3),
+      Column("Mahalanobis", f"{ood}/mahalanobis/auroc", 3)], label="model")
+  return summarize.markdown(*main) + "\n\n" + summarize.markdown(*ood_table)
 
 
 def main(extra: list[str]) -> int:

@@ -14,7 +14,9 @@ import json
 import pathlib
 import sys
 
+from runner import summarize
 from runner.studies import driver
+from runner.summarize import Column
 
 ROOT = pathlib.Path("runs/studies/heads")
 MODELS = ("vit_tiny", "vmoe_tiny")
@@ -55,17 +57,19 @@ def table() -> str:
   out = []
   for noise in NOISE:
     title = "clean labels" if float(noise) == 0 else f"{float(noise):.0%} of the training labels random"
-    out += [f"MNIST-5k test (clean), models trained with {title}:", "",
-            "| model | head | prec@1 | NLL | ECE | τ | parameters |", "|---|---|---|---|---|---|---|"]
+    rows = []
     for model in MODELS:
       for head, label in HEADS:
         ev = json.loads((_eval_dir(model, head, noise) / "summary.json").read_text())
         run = json.loads((_run_dir(model, head, noise) / "summary.json").read_text())
-        tau = run.get("train/temperature")
-        out.append(f"| {model} | {label} | {ev['mnist5k/prec@1']:.4f} | {ev['mnist5k/nll']:.4f} | "
-                   f"{ev['mnist5k/ece']:.4f} | {'-' if tau is None else f'{tau:.3f}'} | "
-                   f"{ev['compute/params_total']:,} |")
-    out.append("")
+        rows.append(((model, label), [{**ev, "tau": run.get("train/temperature")}]))
+    header, body = summarize.grouped(rows, [
+        Column("prec@1", "mnist5k/prec@1"), Column("NLL", "mnist5k/nll"),
+        Column("ECE", "mnist5k/ece"), Column("τ", "tau", 3),
+        Column("parameters", lambda s: f"{s['compute/params_total']:,}")],
+        label=("model", "head"))
+    one_seed = summarize.markdown(header[:-1], [row[:-1] for row in body])  # n is 1
+    out += [f"MNIST-5k test (clean), models trained with {title}:", "", one_seed, ""]
   return "\n".join(out)
 
 

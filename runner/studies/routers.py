@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 import pathlib
-import statistics
 import sys
 
+from runner import summarize
 from runner.studies import driver
+from runner.summarize import Column
 
 ROOT = pathlib.Path("runs/studies/routers")
 SEEDS = (0, 1)
@@ -61,28 +62,22 @@ def stages(extra: list[str]) -> None:
                        f"init.checkpoint={_dir('finetune', experiment, seed)}"], extra)
 
 
-def _mean_std(values: list[float], digits: int = 3) -> str:
-  std = statistics.stdev(values) if len(values) > 1 else 0.0
-  return f"{statistics.mean(values):.{digits}f} ± {std:.{digits}f}"
-
-
 def table() -> str:
-  header = ("| model | MFLOPs/image | upstream val prec@1 | 10-shot | 25-shot | fine-tuned "
-            "prec@1 | NLL | ECE |")
-  out = [header, "|---|---|---|---|---|---|---|---|"]
+  rows = []
   for experiment, label in ROWS:
-    rows = []
+    replicates = []
     for seed in SEEDS:
       read = lambda stage: json.loads((_dir(stage, experiment, seed) / "summary.json").read_text())
       up, shots, ev = read("pretrain"), read("fewshot"), read("eval")
-      rows.append({"flops": ev["compute/gflops_per_image"] * 1e3, "up": up["val/prec@1"],
-                   "10": shots["uci_digits/10shot/accuracy"],
-                   "25": shots["uci_digits/25shot/accuracy"], "prec": ev["uci_digits/prec@1"],
-                   "nll": ev["uci_digits/nll"], "ece": ev["uci_digits/ece"]})
-    col = lambda k, d=3: _mean_std([r[k] for r in rows], d)
-    out.append(f"| {label} | {statistics.mean(r['flops'] for r in rows):.1f} | {col('up')} | "
-               f"{col('10')} | {col('25')} | {col('prec')} | {col('nll')} | {col('ece')} |")
-  return "\n".join(out)
+      replicates.append({**ev, "upstream": up["val/prec@1"],
+                         **{f"shots/{k}": shots[f"uci_digits/{k}shot/accuracy"] for k in SHOTS}})
+    rows.append((label, replicates))
+  header, body = summarize.grouped(rows, [
+      Column("MFLOPs/image", lambda s: s["compute/gflops_per_image"] * 1e3, 1),
+      Column("upstream val prec@1", "upstream", 3), Column("10-shot", "shots/10", 3),
+      Column("25-shot", "shots/25", 3), Column("fine-tuned prec@1", "uci_digits/prec@1", 3),
+      Column("NLL", "uci_digits/nll", 3), Column("ECE", "uci_digits/ece", 3)], label="model")
+  return summarize.markdown(header, body)
 
 
 def main(extra: list[str]) -> int:

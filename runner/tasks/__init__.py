@@ -2,19 +2,43 @@
 
 `run_task` does what every subcommand does first: join the job, check the config against the
 devices, and hold the workdir's lock so that no second process writes into a live run.
+`main_metric` is the number a stage is judged by (what a hyperparameter search maximises).
 """
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 
-import jax
+MAIN_METRICS = {
+    "pretrain": "val/prec@1",
+    "finetune": "val/prec@1",
+    "eval": "<first eval dataset>/prec@1",
+    "ensemble": "<first eval dataset>/prec@1",
+    "fewshot": "mean/<most shots>shot/accuracy",
+}
 
 
-def run_task(name: str, config) -> dict:
+def main_metric(stage: str, summary: dict) -> float:
+  """The stage's main metric from its summary (MAIN_METRICS says which)."""
+  if stage in ("pretrain", "finetune"):
+    return float(summary["val/prec@1"])
+  if stage in ("eval", "ensemble"):
+    return float(next(v for k, v in summary.items() if re.fullmatch(r"[^/]+/prec@1", k)))
+  if stage == "fewshot":
+    shots = max(int(m[1]) for k in summary if (m := re.fullmatch(r"mean/(\d+)shot/accuracy", k)))
+    return float(summary[f"mean/{shots}shot/accuracy"])
+  raise ValueError(f"unknown stage {stage!r}; valid: {', '.join(MAIN_METRICS)}")
+
+
+def run_task(name: str, config) -> float:
+  """Runs subcommand `name`; returns its main metric (its summary is in the workdir)."""
+  import jax
+
   from runner.tasks import common
   from runner.workdir_lock import WorkdirLock
   module = importlib.import_module(f"runner.tasks.{name.replace('-', '_')}")
   placement = common.start(config)
   with WorkdirLock(config.workdir, " ".join(sys.argv), enabled=jax.process_index() == 0):
-    return module.run(config, placement)
+    summary = module.run(config, placement)
+  return main_metric(name, summary)

@@ -4,8 +4,9 @@ Start-up precedence (big_vision's, made explicit): resume from this workdir's ne
 checkpoint > initialise from an earlier stage's parameters > initialise from scratch. Durations are
 converted to steps once, here. Faults end the run without losing more than the steps since the
 last checkpoint:
-- SIGINT/SIGTERM finish the current step, save, and exit (128 + signal); a second signal exits at
-  once. Rerunning the same command resumes.
+- SIGINT/SIGTERM (and SIGUSR1/SIGUSR2, a scheduler's warning) finish the current step, save, and
+  exit (128 + signal); a second signal exits at once. Rerunning the same command resumes; a SLURM
+  job still running requeues itself and resumes (runner/parallel/preemption.py).
 - A non-finite loss or gradient norm stops the run before anything is saved from that state (the
   check trails the dispatched step by one, so the device never waits for the host, and runs
   synchronously before every save).
@@ -31,7 +32,7 @@ from runner.evaluators import REGISTRY, suite as suite_lib
 from runner.evaluators.classification import ClassificationEvaluator, make_eval_step
 from runner.evaluators.fewshot import FewshotEvaluator, make_feature_fn
 from runner.logging import MetricWriter, Progress
-from runner.parallel import Placement, replicated
+from runner.parallel import Placement, preemption, replicated
 from runner.train import optimizers, schedules, state as state_lib
 from runner.train.step import make_train_step
 
@@ -49,14 +50,17 @@ def total_steps(steps: int | None, epochs: float | None, num_examples: int,
 
 
 class _StopFlag:
-  """The first SIGINT/SIGTERM asks to stop after the current step; a second one exits at once."""
+  """The first SIGINT/SIGTERM (or SIGUSR1/SIGUSR2, which schedulers send before a preemption or
+  a time limit) asks to stop after the current step; a second one exits at once."""
+
+  SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
   def __init__(self):
     self.signum = None
     self.previous = {}
 
   def __enter__(self):
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in self.SIGNALS:
       try:
         self.previous[sig] = signal.signal(sig, self._handle)
       except ValueError:  # not the main thread: signals stay as they are
@@ -319,9 +323,15 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
           if stop.signum is not None and step != steps:
             save(step)
             checkpointer.wait()
-            raise Interrupted(f"stopped by {signal.Signals(stop.signum).name} after step {step}; "
-                              f"checkpoint saved in {checkpointer.directory}. Rerun the same "
-                              "command to resume.", stop.signum)
+            name = signal.Signals(stop.signum).name
+            requeued = preemption.requeue() if jax.process_index() == 0 else None
+            if requeued:  # SLURM starts the job again; it resumes from this checkpoint
+              raise Interrupted(f"stopped by {name} after step {step}; checkpoint saved in "
+                                f"{checkpointer.directory}; SLURM job {requeued} requeued to "
+                                "resume from it.", stop.signum)
+            raise Interrupted(f"stopped by {name} after step {step}; checkpoint saved in "
+                              f"{checkpointer.directory}. Rerun the same command to resume.",
+                              stop.signum)
         guard.check_pending()
       final = val.run(state.params)
       measured = measurements.run(state.params, final=True)

@@ -15,6 +15,9 @@ SWEEPS = CONF.parent / "sweeps"
 PRIMARY = ["pretrain", "finetune", "fewshot", "eval", "ensemble"]
 GROUPS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
           for group in ("data", "optim", "schedule", "experiment", "sharding")}
+# Hydra's own groups: the shared settings and the launchers' options.
+HYDRA_GROUPS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+                for group in ("hydra/env", "hydra/launcher")}
 
 
 def _compose(name, overrides=(), config_dir=CONF, extra_dir=None, with_hydra=False):
@@ -31,8 +34,29 @@ def _resolved(cfg):
 def test_every_file_in_conf_is_covered():
   """A new config file must be added to one of the lists this module composes."""
   files = {p.relative_to(CONF).with_suffix("").as_posix() for p in CONF.rglob("*.yaml")}
-  covered = set(PRIMARY) | {f"{g}/{o}" for g, options in GROUPS.items() for o in options}
+  covered = set(PRIMARY) | {f"{g}/{o}" for g, options in {**GROUPS, **HYDRA_GROUPS}.items()
+                            for o in options}
   assert files == covered
+
+
+def test_every_stage_shares_the_hydra_settings():
+  """conf/hydra/env/vmoe.yaml: a run writes into its workdir, a sweep's jobs into numbered
+  folders of it; no primary config repeats a hydra: block."""
+  for name in PRIMARY:
+    overrides = ["init.checkpoint=runs/x"] if name in ("eval", "ensemble") else []
+    hydra = _compose(name, overrides + ["workdir=runs/w"], with_hydra=True).hydra
+    sweep = OmegaConf.to_container(hydra.sweep, resolve=False)
+    assert (hydra.run.dir, sweep["dir"], sweep["subdir"]) == (
+        "runs/w", "${workdir}", "${hydra.job.num}")
+    assert hydra.job_logging.root.level == "WARNING"
+    assert "\nhydra:" not in (CONF / f"{name}.yaml").read_text()
+
+
+@pytest.mark.parametrize("launcher", HYDRA_GROUPS["hydra/launcher"])
+def test_launchers_compose(launcher):
+  hydra = _compose("pretrain", [f"hydra/launcher={launcher}"], with_hydra=True).hydra
+  expected = {"slurm": "SlurmLauncher", "parallel": "ParallelLauncher"}[launcher]
+  assert hydra.launcher._target_.endswith(expected)
 
 
 @pytest.mark.parametrize("name", PRIMARY)

@@ -1,0 +1,226 @@
+"""`vmoe summarize <multirun dir>`: one table of a sweep's jobs, their overrides and final metrics.
+
+Every job folder under the directory (one with a summary.json; its overrides from
+.hydra/overrides.yaml) becomes a row: the keys the sweep varies, then the metrics (by default the
+stage's main metric and its companions). `--aggregate seed` (the default) averages the jobs that
+differ only in those keys, as mean ± standard deviation over n. The table is printed and written
+as summary.md and summary.csv, with a plot of the main metric against each swept key
+(summary_<key>.png). The studies (runner/studies) build their tables with the same functions.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import io
+import json
+import math
+import pathlib
+import statistics
+import sys
+from typing import Callable
+
+import yaml
+
+
+@dataclasses.dataclass
+class Job:
+  path: pathlib.Path
+  overrides: dict  # key -> value (as typed on the command line)
+  summary: dict
+
+
+@dataclasses.dataclass
+class Column:
+  """A table column: its header and how to read it from a summary (a key or a function)."""
+  header: str
+  value: str | Callable[[dict], float]
+  digits: int = 4
+
+  def read(self, summary: dict):
+    return self.value(summary) if callable(self.value) else summary.get(self.value)
+
+
+def find_jobs(root: str | pathlib.Path) -> list[Job]:
+  """Every finished job under `root` (a folder holding summary.json), in folder order."""
+  root = pathlib.Path(root)
+  jobs = []
+  for summary in sorted(root.rglob("summary.json"), key=lambda p: _natural(p.parent)):
+    folder = summary.parent
+    overrides = {}
+    path = folder / ".hydra" / "overrides.yaml"
+    if path.exists():
+      for line in yaml.safe_load(path.read_text()) or []:
+        key, _, value = str(line).partition("=")
+        overrides[key.lstrip("+~")] = value
+    jobs.append(Job(folder, overrides, json.loads(summary.read_text())))
+  return jobs
+
+
+def _natural(path: pathlib.Path):
+  return [int(p) if p.isdigit() else p for p in path.parts]
+
+
+def swept_keys(jobs: list[Job]) -> list[str]:
+  """The override keys whose values differ between jobs (in the order they appear)."""
+  keys: list[str] = []
+  for job in jobs:
+    keys += [k for k in job.overrides if k not in keys and not k.startswith("workdir")]
+  return [k for k in keys if len({job.overrides.get(k) for job in jobs}) > 1]
+
+
+def stage_of(summary: dict) -> str:
+  """Which stage wrote a summary, from its keys."""
+  if "val/prec@1" in summary:
+    return "finetune"
+  if any(k.startswith("mean/") and k.endswith("shot/accuracy") for k in summary):
+    return "fewshot"
+  return "ensemble" if "ensemble/size" in summary else "eval"
+
+
+def default_columns(jobs: list[Job]) -> list[Column]:
+  """The main metric of the jobs' stage, then what a reader checks next."""
+  from runner.tasks import main_metric
+  summary = jobs[0].summary
+  stage = stage_of(summary)
+  if stage in ("pretrain", "finetune"):
+    return [Column("val prec@1", "val/prec@1"), Column("val NLL", "val/nll"),
+            Column("test prec@1", "test/prec@1"), Column("test NLL", "test/nll")]
+  if stage == "fewshot":
+    return [Column("few-shot accuracy (most shots)", lambda s: main_metric("fewshot", s))]
+  dataset = next(k.split("/")[0] for k in summary if k.endswith("/prec@1") and k.count("/") == 1)
+  return [Column(f"{dataset} prec@1", f"{dataset}/prec@1"), Column("NLL", f"{dataset}/nll"),
+          Column("ECE", f"{dataset}/ece"), Column("GFLOPs/image", "compute/gflops_per_image")]
+
+
+def mean_std(values: list, digits: int = 4) -> str:
+  """"m ± s" of the numbers among `values` ("-" for none; a single one without ±)."""
+  texts = [v for v in values if isinstance(v, str)]
+  if texts:  # a column of text (e.g. formatted counts): the replicates' values
+    return " / ".join(dict.fromkeys(texts))
+  numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)
+             and math.isfinite(float(v))]
+  if not numbers:
+    return "-"
+  if len(numbers) == 1:
+    return f"{numbers[0]:.{digits}f}"
+  return f"{statistics.mean(numbers):.{digits}f} ± {statistics.stdev(numbers):.{digits}f}"
+
+
+def grouped(rows: list[tuple], columns: list[Column], label: str | tuple = ""
+            ) -> tuple[list, list]:
+  """(header, body) of a table with one row per (label, summaries of its replicates); a label
+  may be a tuple (several leading columns, named by a tuple `label`)."""
+  names = list(label) if isinstance(label, tuple) else [label]
+  header = [*names, *(c.header for c in columns), "n"]
+  body = [[*(name if isinstance(name, tuple) else (name,)),
+           *(mean_std([c.read(s) for s in summaries], c.digits) for c in columns),
+           str(len(summaries))] for name, summaries in rows]
+  return header, body
+
+
+def sweep_table(jobs: list[Job], columns: list[Column], aggregate: tuple[str, ...] = ("seed",)
+                ) -> tuple[list, list]:
+  """(header, body): one row per combination of the swept keys but `aggregate`."""
+  keys = [k for k in swept_keys(jobs) if k not in aggregate]
+  groups: dict[tuple, list[Job]] = {}
+  for job in jobs:
+    groups.setdefault(tuple(job.overrides.get(k, "-") for k in keys), []).append(job)
+  header = [*keys, *(c.header for c in columns), "n"]
+  body = [[*values, *(mean_std([c.read(j.summary) for j in members], c.digits)
+                      for c in columns), str(len(members))]
+          for values, members in groups.items()]
+  return header, body
+
+
+def markdown(header: list, body: list) -> str:
+  lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+  return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in body])
+
+
+def to_csv(header: list, body: list) -> str:
+  out = io.StringIO()
+  writer = csv.writer(out)
+  writer.writerow(header)
+  writer.writerows(body)
+  return out.getvalue()
+
+
+def plot(jobs: list[Job], key: str, column: Column, path: pathlib.Path) -> str:
+  """The column against one swept key: every job a point, the mean a line (a log x-axis for
+  positive numbers spanning a decade or more)."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+  points = [(job.overrides.get(key), column.read(job.summary)) for job in jobs]
+  points = [(x, y) for x, y in points if x is not None and isinstance(y, (int, float))]
+  numeric = all(_number(x) is not None for x, _ in points)
+  order = sorted({x for x, _ in points}, key=lambda x: _number(x) if numeric else x)
+  position = {x: (_number(x) if numeric else i) for i, x in enumerate(order)}
+  figure = Figure(figsize=(5, 3.6), dpi=100)
+  FigureCanvasAgg(figure)
+  axes = figure.add_subplot()
+  axes.plot([position[x] for x, _ in points], [y for _, y in points], "o", alpha=0.6)
+  means = [statistics.mean(y for x2, y in points if x2 == x) for x in order]
+  axes.plot([position[x] for x in order], means, "-", color="black", label="mean")
+  if numeric and min(position.values()) > 0 and max(position.values()) >= 10 * min(
+      position.values()):
+    axes.set_xscale("log")
+  if not numeric:
+    axes.set_xticks(range(len(order)), order, rotation=20, fontsize=8)
+  axes.set_xlabel(key)
+  axes.set_ylabel(column.header)
+  axes.grid(alpha=0.3)
+  axes.legend(fontsize=8)
+  figure.tight_layout()
+  figure.savefig(str(path), format="png")
+  return str(path)
+
+
+def _number(text) -> float | None:
+  try:
+    return float(text)
+  except (TypeError, ValueError):
+    return None
+
+
+def summarize(root: str | pathlib.Path, metrics: list[str] | None = None,
+              aggregate: tuple[str, ...] = ("seed",), plots: bool = True) -> str:
+  """Writes summary.md, summary.csv and the plots into `root`; returns the Markdown table."""
+  root = pathlib.Path(root)
+  jobs = find_jobs(root)
+  if not jobs:
+    raise FileNotFoundError(f"{root} holds no finished job (no summary.json below it)")
+  columns = [Column(m, m) for m in metrics] if metrics else default_columns(jobs)
+  header, body = sweep_table(jobs, columns, aggregate)
+  text = markdown(header, body)
+  (root / "summary.md").write_text(text + "\n")
+  (root / "summary.csv").write_text(to_csv(header, body))
+  if plots:
+    for key in swept_keys(jobs):
+      plot(jobs, key, columns[0], root / f"summary_{key.replace('/', '_')}.png")
+  return text
+
+
+def main(argv: list[str]) -> int:
+  parser = argparse.ArgumentParser(prog="vmoe summarize", description=__doc__.split("\n")[0])
+  parser.add_argument("directory", help="a multirun folder (or any folder of runs)")
+  parser.add_argument("--metrics", default="", help="comma-separated summary keys (default: "
+                      "the stage's main metric and its companions)")
+  parser.add_argument("--aggregate", default="seed", help="comma-separated swept keys to "
+                      "average over (mean ± std); empty: none")
+  parser.add_argument("--no-plots", action="store_true")
+  args = parser.parse_args(argv)
+  root = pathlib.Path(args.directory)
+  if not root.is_dir():
+    print(f"vmoe summarize: error: {root} is not a directory; give the folder of a sweep "
+          "(its workdir, e.g. runs/sweeps/finetune_lr/<date>).", file=sys.stderr)
+    return 2
+  try:
+    text = summarize(root, [m for m in args.metrics.split(",") if m],
+                     tuple(k for k in args.aggregate.split(",") if k), not args.no_plots)
+  except FileNotFoundError as e:
+    print(f"vmoe summarize: error: {e}; run the sweep first.", file=sys.stderr)
+    return 2
+  print(text)
+  print(f"\n(written to {root / 'summary.md'}, {root / 'summary.csv'})")
+  return 0
