@@ -12,13 +12,13 @@ comma := ,
 JEMALLOC := $(firstword $(wildcard $(VENV)/lib/libjemalloc.so.2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2))
 WITH_JEMALLOC := $(if $(JEMALLOC),LD_PRELOAD=$(abspath $(JEMALLOC)) MALLOC_CONF=oversize_threshold:0$(comma)dirty_decay_ms:60000$(comma)muzzy_decay_ms:60000 VMOE_ALLOCATOR=jemalloc,)
 
-.PHONY: install demo test test-full bench study-ensembles study-heads study-routers clean
+.PHONY: install demo test test-full test-cluster bench study-ensembles study-heads study-routers clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,cluster]'
 	@# jemalloc makes CPU training 1.4-1.6x faster (README, "Speed"); optional, Debian/Ubuntu only.
 	@cd $(VENV) && (apt-get download libjemalloc2 >/dev/null 2>&1 \
 	  && dpkg -x libjemalloc2_*.deb jemalloc-pkg && cp jemalloc-pkg/usr/lib/*/libjemalloc.so.2 lib/ \
@@ -37,6 +37,11 @@ test: install
 
 test-full: install
 	$(WITH_JEMALLOC) $(BIN)/python -m pytest -q -n 2 --dist loadgroup
+
+# Sweeps, multi-process jobs, preemption and searches on a real single-node SLURM started here
+# (installed with apt when missing; needs root, else the tests say why and skip).
+test-cluster: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/cluster
 
 # The efficient-ensembles paper's comparison on the embedded data (README, "Efficient ensembles").
 study-ensembles: install

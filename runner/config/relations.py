@@ -188,6 +188,13 @@ def het_xl_noise_fits_the_pre_logits(model: ModelConfig):
 # --- data --------------------------------------------------------------------------------------
 
 @relation
+def shards_split_the_batch(data: DataConfig):
+  if data.num_shards and data.batch_size % data.num_shards:
+    return (f"data.num_shards={data.num_shards} does not divide data.batch_size="
+            f"{data.batch_size}: every global batch takes an equal part from each shard.")
+
+
+@relation
 def image_folder_has_a_root(data: DataConfig):
   if data.name == "image_folder" and not data.root:
     return ("data=image_folder needs data.root=<dir>, a folder holding train/ and test/ "

@@ -1,10 +1,11 @@
 """tf.data input pipelines: an endless, deterministic, resumable training stream and padded eval batches.
 
-Training stream: epoch e is the split shuffled with seed (seed, e). The stream is a pure function of
-(seed, position), where position counts the examples this process has consumed, so resuming at a
-checkpointed position replays exactly what an uninterrupted run would have read, augmentations
-included (each example's random ops are seeded from its position). Resuming skips at most one
-epoch of (still encoded, so cheap) records.
+Training stream: the split is read in shards (one per process by default, `data.num_shards`),
+and epoch e of a shard is that shard shuffled with seed (seed, e). The stream is a pure function
+of (seed, position), where position counts the examples this process has consumed, so resuming
+at a checkpointed position replays exactly what an uninterrupted run would have read,
+augmentations included (each example's random ops are seeded from its shard and position).
+Resuming skips at most one epoch of (still encoded, so cheap) records.
 """
 from __future__ import annotations
 
@@ -73,22 +74,47 @@ def noisy_labels(source: Source, fraction: float):
 
 def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed: int,
                   start: int = 0, shuffle_buffer: int = 50_000, process_index: int = 0,
-                  process_count: int = 1, label_noise: float = 0.0
-                  ) -> Iterator[dict[str, np.ndarray]]:
-  """Endless batches from example position `start` (counted per process) onwards.
+                  process_count: int = 1, label_noise: float = 0.0,
+                  num_shards: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+  """Endless batches of this process (`batch_size` rows) from example position `start` (counted
+  per process) onwards.
 
+  The split is read in `num_shards` contiguous shards (default: one per process), each shuffled
+  and augmented on its own, and every global batch is the shards' equal parts in shard order;
+  a process reads its own consecutive shards. So a run's batches depend on the number of shards,
+  not of processes: `num_shards=2` in one process gives the batches of a 2-process job.
   Each batch dict holds `image` (B, H, W, C) float32 and `labels` (B, num_classes) float32.
   `label_noise` replaces that fraction of the training labels by random classes (`noisy_labels`).
   """
+  shards = num_shards or process_count
+  if shards % process_count or batch_size * process_count % shards:
+    raise ValueError(f"data.num_shards={shards} must be a multiple of the {process_count} "
+                     f"processes and divide the batch of {batch_size * process_count}")
+  mine = shards // process_count  # consecutive shards of this process
+  streams = [_shard_stream(source, split, pp, batch_size // mine, seed=seed,
+                           start=start // mine, shuffle_buffer=shuffle_buffer,
+                           shard=process_index * mine + i, shards=shards,
+                           label_noise=label_noise) for i in range(mine)]
+  if mine == 1:
+    return streams[0].prefetch(2).as_numpy_iterator()
+  ds = tf.data.Dataset.zip(tuple(streams)).map(
+      lambda *parts: {k: tf.concat([p[k] for p in parts], 0) for k in parts[0]})
+  return ds.prefetch(2).as_numpy_iterator()
+
+
+def _shard_stream(source: Source, split: str, pp: str, batch_size: int, *, seed: int, start: int,
+                  shuffle_buffer: int, shard: int, shards: int, label_noise: float
+                  ) -> tf.data.Dataset:
+  """Endless batches of one shard of the split from position `start` (counted in the shard)."""
   preprocess = _finish(source, pp_ops.parse(pp), pp)
   if label_noise:
-    raw = source.read(split, process_index, process_count, with_index=True).map(
+    raw = source.read(split, shard, shards, with_index=True).map(
         noisy_labels(source, label_noise))
   else:
-    raw = source.read(split, process_index, process_count)
-  num = source.num_examples(split) // process_count
+    raw = source.read(split, shard, shards)
+  num = source.num_examples(split) // shards
   if num < batch_size:
-    raise ValueError(f"split {split!r} of {source.name!r} has {num} examples per process, fewer "
+    raise ValueError(f"split {split!r} of {source.name!r} has {num} examples per shard, fewer "
                      f"than one batch of {batch_size}")
   if num <= _CACHE_MAX_EXAMPLES:
     raw = raw.cache()
@@ -100,10 +126,9 @@ def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed:
 
   ds = tf.data.Dataset.range(first_epoch, 1 << 62).flat_map(epoch).skip(offset)
   ds = tf.data.Dataset.zip(tf.data.Dataset.range(start, 1 << 62), ds)
-  ds = ds.map(_with_rng(seed, process_index)).map(preprocess, num_parallel_calls=tf.data.AUTOTUNE,
-                                                  deterministic=True)
-  ds = ds.batch(batch_size, drop_remainder=True).prefetch(2)
-  return ds.as_numpy_iterator()
+  ds = ds.map(_with_rng(seed, shard)).map(preprocess, num_parallel_calls=tf.data.AUTOTUNE,
+                                          deterministic=True)
+  return ds.batch(batch_size, drop_remainder=True)
 
 
 def eval_batches(source: Source, split: str, pp: str, batch_size: int, *, process_index: int = 0,

@@ -110,10 +110,15 @@ class EncoderBlock(nn.Module):
 
 
 class MapHead(nn.Module):
-  """Multihead attention pooling with a learned probe (used by V-MoE-15B, from Zhai et al.)."""
+  """Multihead attention pooling with a learned probe (used by V-MoE-15B, from Zhai et al.).
+
+  `qk_norm`: flax's `normalize_qk` in its attention; the model sets it to `attention_qk_norm`, as
+  the reference's MapHead (vmoe/nn/vit_moe.py) does.
+  """
   num_heads: int
   mlp_dim: int
   dtype: Any = jnp.float32
+  qk_norm: bool = False
 
   @nn.compact
   def __call__(self, x, *, train: bool, dropout: bool | None = None):
@@ -122,7 +127,7 @@ class MapHead(nn.Module):
                        (1, 1, d))
     probe = jnp.tile(probe, (b, 1, 1)).astype(self.dtype)
     y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dtype=self.dtype,
-                                        name="attention")(probe, x)
+                                        normalize_qk=self.qk_norm, name="attention")(probe, x)
     z = nn.LayerNorm(dtype=self.dtype, name="norm")(y)
     y = y + MlpBlock(self.mlp_dim, dtype=self.dtype, name="mlp")(z, train=train, dropout=dropout)
     return y[:, 0]
@@ -194,8 +199,8 @@ class VisionTransformer(nn.Module):
     elif self.classifier == "gap":
       x = x.mean(axis=1)
     elif self.classifier == "map":
-      x = MapHead(self.num_heads, self.mlp_dim, self.dtype, name="map_head")(x, train=train,
-                                                                          dropout=dropout)
+      x = MapHead(self.num_heads, self.mlp_dim, self.dtype, self.attention_qk_norm,
+                  name="map_head")(x, train=train, dropout=dropout)
     else:
       raise ValueError(f"unknown classifier {self.classifier!r}; valid: {CLASSIFIERS}")
     if self.representation_size:

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from runner import checkpoint, data, weights
 from runner.config import as_dict, derived
 from runner.config.schema import TrainTask
+from runner.errors import ConfigError
 from runner.models import build_model, transfer
 from runner.parallel import Placement
 from runner.tasks import common, dataset_specs, fewshot_data
@@ -87,6 +90,10 @@ def init_from_checkpoint(config: TrainTask, model, source: data.Source):
 
 
 def run_training(config: TrainTask, placement: Placement, stage: str) -> dict:
+  shards = config.data.num_shards
+  if shards and shards % jax.process_count():
+    raise ConfigError(f"data.num_shards={shards} is not a multiple of the job's "
+                      f"{jax.process_count()} processes: each reads an equal number of shards.")
   resuming = checkpoint.has_checkpoints(config.workdir)
   if config.init.checkpoint and not resuming:
     weights.check(config.init.checkpoint)  # a wrong path fails before the data is read

@@ -278,7 +278,8 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
       batches = data.train_batches(source, d.split, d.pp_train,
                                    batch_size // processes["process_count"], seed=seed,
                                    start=position, shuffle_buffer=d.shuffle_buffer,
-                                   label_noise=d.label_noise, **processes)
+                                   label_noise=d.label_noise, num_shards=d.num_shards,
+                                   **processes)
 
       start_step = int(state.step)
       progress = Progress(steps, start_step, batch_size, desc=stage,

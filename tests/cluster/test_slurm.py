@@ -1,0 +1,159 @@
+"""Sweeps, multi-process jobs, preemption and searches on a real SLURM (tests/cluster/slurm_cluster.py)
+and on this machine (the parallel launcher). Run by `make test-cluster`, not `make test`."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY = ["model.num_layers=2", "model.hidden_size=32", "model.mlp_dim=64", "model.num_heads=2",
+        "model.image_size=16", "data.batch_size=16", "logger.wandb.mode=disabled",
+        "logger.progress=false"]
+
+
+def vmoe(*args: str, env: dict | None = None, timeout: float = 900, background: bool = False):
+  """`vmoe <args>` as a user runs it, in its own process (cwd: the checkout)."""
+  command = [sys.executable, "-m", "runner.cli", *args]
+  environ = {**os.environ, "VMOE_ALLOCATOR": "system", **(env or {})}
+  if background:
+    return subprocess.Popen(command, cwd=ROOT, env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+  done = subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True,
+                        timeout=timeout)
+  return done.returncode, done.stdout + done.stderr
+
+
+def _losses(workdir: pathlib.Path) -> dict[int, float]:
+  records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+
+
+def _params(workdir: pathlib.Path):
+  from runner import weights
+  return weights.load(str(workdir))[0]
+
+
+def test_a_sweep_runs_as_slurm_jobs_each_with_its_workdir(slurm, tmp_path):
+  code, out = vmoe("pretrain", "--multirun", "hydra/launcher=slurm", "seed=0,1",
+                   "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10",
+                   f"workdir={tmp_path / 'sweep'}", *TINY, "train.steps=3", env=slurm.env)
+  assert code == 0, out[-3000:]
+  for job in (0, 1):
+    workdir = tmp_path / "sweep" / str(job)
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["step"] == 3
+    assert (workdir / "checkpoints" / "3").exists()
+    overrides = yaml.safe_load((workdir / ".hydra" / "overrides.yaml").read_text())
+    assert f"seed={job}" in overrides
+  logs = list((tmp_path / "sweep" / ".submitit").rglob("*_log.out"))
+  assert len(logs) == 2  # two tasks of one SLURM job array
+  assert not slurm.jobs()
+
+
+def test_a_two_task_job_trains_through_jax_distributed_from_slurm(slurm, tmp_path):
+  """tasks_per_node=2: both processes join jax.distributed from SLURM's environment (no
+  distributed.* keys), one batch split over 2 devices; the losses match one process's reading
+  the data in the same 2 shards (data.num_shards=2: the batches of a 2-process job)."""
+  args = [*TINY, "train.steps=4", "train.log_every_steps=1", "checkpoint.every_steps=0",
+          "data.num_shards=2"]
+  code, out = vmoe("pretrain", f"workdir={tmp_path / 'one'}", *args)
+  assert code == 0, out[-3000:]
+  code, out = vmoe("pretrain", "--multirun", "hydra/launcher=slurm",
+                   "hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1",
+                   "hydra.launcher.timeout_min=10", f"workdir={tmp_path / 'two'}", *args,
+                   "logger.progress=true", env=slurm.env)
+  assert code == 0, out[-3000:]
+  two, one = _losses(tmp_path / "two" / "0"), _losses(tmp_path / "one")
+  assert sorted(two) == sorted(one) == [1, 2, 3, 4]
+  np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)],
+                             atol=1e-4)
+  logs = [p.read_text() for p in (tmp_path / "two" / ".submitit").rglob("*_0_log.*")]
+  assert any("on 2 device(s)" in log for log in logs)  # one job over both processes' devices
+  # One writer: metrics logged once per step, not once per process.
+  records = [json.loads(l) for l in (tmp_path / "two" / "0" / "metrics.jsonl").read_text()
+             .splitlines() if "train/loss" in l]
+  assert [r["step"] for r in records] == [1, 2, 3, 4]
+
+
+def _wait(predicate, timeout: float, what: str):
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    value = predicate()
+    if value:
+      return value
+    time.sleep(0.5)
+  raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_scancel_term_checkpoints_and_the_requeued_job_resumes_exactly(slurm, tmp_path):
+  args = [*TINY, "train.steps=60", "train.log_every_steps=1", "checkpoint.every_steps=0",
+          "eval.every_steps=0"]
+  code, out = vmoe("pretrain", f"workdir={tmp_path / 'straight'}", *args)
+  assert code == 0, out[-3000:]
+  sweep = tmp_path / "sweep"
+  launcher = vmoe("pretrain", "--multirun", "hydra/launcher=slurm",
+                  "hydra.launcher.cpus_per_task=2", "hydra.launcher.timeout_min=10",
+                  f"workdir={sweep}", *args, env=slurm.env, background=True)
+  try:
+    metrics = sweep / "0" / "metrics.jsonl"
+    _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 300,
+          "the job to train a few steps")
+    job = _wait(lambda: [j for j in slurm.jobs() if j["state"] == "RUNNING"], 60, "the job")[0]
+    slurm.run("scancel", "--signal=TERM", job["id"])
+    # The job saves a checkpoint and requeues itself; SLURM holds a requeued job back for a
+    # while (its begin time), which the test cuts short.
+    _wait(lambda: [j for j in slurm.jobs() if j["state"] == "PENDING"], 120, "the requeue")
+    steps = sorted(int(p.name) for p in (sweep / "0" / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps and 5 <= steps[0] < 60, steps  # saved where it stopped
+    slurm.run("scontrol", "update", f"JobId={job['id']}", "StartTime=now")
+    out, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, out[-3000:]
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+  resumed, straight = _params(sweep / "0"), _params(tmp_path / "straight")
+  for a, b in zip(jax_leaves(resumed), jax_leaves(straight)):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+  losses = _losses(sweep / "0")
+  assert sorted(losses)[-1] == 60
+
+
+def jax_leaves(tree):
+  import jax
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_the_parallel_launcher_runs_jobs_at_once_on_this_machine(tmp_path):
+  code, out = vmoe("pretrain", "--multirun", "hydra/launcher=parallel", "hydra.launcher.jobs=2",
+                   "seed=0,1", f"workdir={tmp_path / 'sweep'}", *TINY, "train.steps=20")
+  assert code == 0, out[-3000:]
+  spans = []
+  for job in (0, 1):
+    workdir = tmp_path / "sweep" / str(job)
+    assert json.loads((workdir / "summary.json").read_text())["step"] == 20
+    spans.append(((workdir / "launcher.log").stat().st_ctime,
+                  (workdir / "summary.json").stat().st_mtime))
+  (start0, end0), (start1, end1) = spans
+  assert start1 < end0 and start0 < end1  # both ran at the same time
+  assert "cpus [0]" in out and "cpus [1]" in out or os.cpu_count() < 2  # pinned to a core each
+
+
+def test_an_optuna_search_records_its_best_trial(tmp_path):
+  code, out = vmoe("pretrain", "--multirun", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4",
+                   "'optim.lr=tag(log,interval(1e-4,1e-1))'".strip("'"),
+                   f"workdir={tmp_path / 'search'}", *TINY, "train.steps=3")
+  assert code == 0, out[-3000:]
+  results = yaml.safe_load((tmp_path / "search" / "optimization_results.yaml").read_text())
+  assert set(results["best_params"]) == {"optim.lr"}
+  assert 1e-4 <= results["best_params"]["optim.lr"] <= 1e-1
+  values = [json.loads((tmp_path / "search" / str(i) / "summary.json").read_text())["val/prec@1"]
+            for i in range(4)]
+  assert results["best_value"] == pytest.approx(max(values))  # maximised: the stage's main metric
