@@ -120,6 +120,23 @@ TRAINING_CASES = [
      ["model.moe.ensemble_size=2 needs a token-choice router", "model.router.type=soft"]),
     (["model.router.slots_per_expert=2"],
      ["model.router.slots_per_expert=2 means nothing for model.router.type=token_choice"]),
+    # launchers and sweepers (nothing is submitted)
+    (["--multirun", "hydra/launcher=kubernetes"], ["hydra/launcher/kubernetes", "slurm",
+                                                   "parallel", "basic"]),
+    (["--multirun", "hydra/sweeper=bayesian"], ["hydra/sweeper/bayesian", "optuna", "basic"]),
+    (["--multirun", "hydra/launcher=slurm", "hydra.launcher.timeout_min=soon"],
+     ["hydra.launcher.timeout_min", "'soon'", "Integer"]),
+    (["--multirun", "hydra/launcher=slurm", "hydra.launcher.nodes=two"],
+     ["hydra.launcher.nodes", "Integer"]),
+    (["--multirun", "hydra/launcher=parallel", "hydra.launcher.jobs=many"],
+     ["hydra.launcher.jobs", "Integer"]),
+    (["--multirun", "hydra/sweeper=optuna", "optim.lr=interval(0.1,0.001)"],
+     ["search range optim.lr=interval(0.1,0.001) is empty", "a < b"]),
+    (["--multirun", "hydra/sweeper=optuna", "optim.lr=interval(0.1,fast)"],
+     ["optim.lr=interval(0.1,fast)", "cannot parse"]),
+    (["--multirun", "hydra/sweeper=optuna", "optim.lr=tag(log,interval(-1,0.1))"],
+     ["optim.lr=-1.0", "must be > 0"]),
+    (["data.num_shards=3"], ["data.num_shards=3", "data.batch_size=16"]),
     # several problems are reported together
     (["train.steps=-5", "optim.lr=-0.1"], ["2 problems", "train.steps=-5", "optim.lr=-0.1"]),
     # composition: unknown names and keys, types
