@@ -58,6 +58,9 @@ class LayerInfo:
   grid: tuple[int, int]  # patches per side
   class_token: bool  # the first token is the class token (not a patch)
   k: int  # top-i weights reported: the router's k, at least 2
+  # Blocks of E / partitions experts, one per member (pbe) or per partition (partition_only),
+  # each routed alone; 1 for a V-MoE and for tiling_only (one router over all E experts).
+  partitions: int = 1
 
 
 def layer_info(model_config, batch_size: int) -> LayerInfo:
@@ -67,24 +70,30 @@ def layer_info(model_config, batch_size: int) -> LayerInfo:
   side = model_config.image_size // model_config.patch_size
   k = model_config.router.k if "k" in family.options else 2
   tiled = derived.predictions_per_image(model_config)
+  experts = derived.num_experts(model_config)
   return LayerInfo(family=family.name, router=model_config.router,
-                   experts=derived.num_experts(model_config), members=tiled,
+                   experts=experts, members=tiled,
                    group_size=min(model_config.moe.group_size, batch_size),
                    tokens=tokens_per_image(model_config), grid=(side, side),
                    class_token=str(getattr(model_config.classifier, "value",
                                            model_config.classifier)) == "token",
-                   k=max(2, min(k, derived.experts_per_router(model_config))))
+                   k=max(2, min(k, derived.experts_per_router(model_config))),
+                   partitions=experts // derived.experts_per_router(model_config) if experts
+                   else 1)
 
 
 def member_records(key: str, records: dict, info: LayerInfo) -> dict[str, dict]:
-  """The records of one layer split per member of a tiled ensemble ("<key>/member_<m>"), each
-  restricted to the member's own experts; the layer itself otherwise."""
-  if info.members == 1:
+  """The records of one layer split per member of a partitioned batch ensemble
+  ("<key>/member_<m>"): a tiled member's own tokens (pbe, tiling_only), restricted to its
+  partition of the experts (pbe; partition_only: every token, once per partition); the layer
+  itself otherwise."""
+  if info.members == 1 and info.partitions == 1:
     return {key: records}
-  t, e = info.tokens, info.experts // info.members
+  t, e = info.tokens, info.experts // info.partitions
   out = {}
-  for m in range(info.members):
-    rows, cols = slice(m * t, (m + 1) * t), slice(m * e, (m + 1) * e)
+  for m in range(max(info.members, info.partitions)):
+    rows = slice(m * t, (m + 1) * t) if info.members > 1 else slice(None)
+    cols = slice(m * e, (m + 1) * e) if info.partitions > 1 else slice(None)
     out[f"{key}/member_{m}"] = {name: value[:, rows, cols] for name, value in records.items()
                                 if name in ("expert_weights", "expert_mask", "routed_mask")}
   return out
@@ -296,8 +305,9 @@ def analyse(totals: dict, info: LayerInfo) -> dict:
   if "load" in totals:
     load = totals["load"] / max(totals["load"].sum(), 1e-12)
     nz = load[load > 0]
-    scalars["load_entropy"] = float(-np.sum(nz * np.log(nz)) / math.log(info.experts)
-                                    if info.experts > 1 else 1.0)
+    experts = len(load)  # the layer's experts, or a partitioned ensemble member's E / M
+    scalars["load_entropy"] = float(-np.sum(nz * np.log(nz)) / math.log(experts)
+                                    if experts > 1 else 1.0)
     scalars["dropped_fraction"] = float(totals["dropped"] / (images * info.tokens))
     # The same scores from the assignments actually processed (the discrete routing, not the
     # soft gates, whose near-uniform mass dilutes the dependence).
@@ -331,15 +341,17 @@ def dropped_patches(weights: np.ndarray, info: LayerInfo, capacities: list[float
     return {}
   images, t = weights.shape[0], info.tokens
   group = min(info.group_size, images)
-  e = info.experts // info.members
+  e = info.experts // info.partitions
   groups = images // group
-  # Member 0 of an ensemble: its tokens and its partition's experts.
-  gates = jnp.asarray(weights[:groups * group, :t, :e]).reshape(groups, group * t, e)
+  # Member 0 of an ensemble: its partition's experts, and the tokens routed with its own: its
+  # copy of each image, or every member's copy under tiling_only (one router over all E).
+  rows = t * info.members if info.partitions == 1 else t
+  gates = jnp.asarray(weights[:groups * group, :rows, :e]).reshape(groups, group * rows, e)
   images = groups * group
   out = {}
   for c in capacities:
     router = dc.replace(info.router, eval_capacity_ratio=float(c))
-    capacity = routers.family(info.family).capacity(router, group * t, e, train=False)
+    capacity = routers.family(info.family).capacity(router, group * rows, e, train=False)
     if info.family == "experts_choice":
       from runner.models.moe.routers.experts_choice import top_tokens_per_expert
       _, chosen = top_tokens_per_expert(gates, capacity)  # (groups, E, C) token ids
@@ -352,6 +364,6 @@ def dropped_patches(weights: np.ndarray, info: LayerInfo, capacities: list[float
       plan = routing.plan_dispatch(gates, k=info.router.k, capacity=capacity, batch_priority=bpr,
                                    priority=str(getattr(info.router.priority, "value",
                                                         info.router.priority)))
-      kept = np.asarray(plan.kept).reshape(images, t, -1).any(-1)
+      kept = np.asarray(plan.kept).reshape(images, rows, -1).any(-1)[:, :t]
       out[f"{c:g}/{'bpr' if bpr else 'vanilla'}"] = ~kept
   return out
