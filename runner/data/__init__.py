@@ -1,4 +1,5 @@
-"""Input data: embedded offline TFDS datasets, any prepared TFDS dataset, image folders.
+"""Input data: embedded offline TFDS datasets, any prepared TFDS dataset, image folders, files of
+image-caption pairs; and tokenizers for the captions.
 
 Importing this package quiets TensorFlow and hides accelerators from it, so tf.data never takes
 GPU/TPU memory that JAX needs.
@@ -17,10 +18,10 @@ tf.config.set_visible_devices([], "GPU")
 logging.getLogger("absl").setLevel(logging.WARNING)
 tfds.disable_progress_bar()
 
-from runner.data.pipeline import eval_batches, image_shape, train_batches  # noqa: E402
+from runner.data.pipeline import TextSpec, eval_batches, image_shape, train_batches  # noqa: E402
 from runner.data.sources import DataError, Source, known_names, open_source  # noqa: E402
 from runner.data.pp_ops import PreprocessError  # noqa: E402
 from runner.data import corruptions  # noqa: E402,F401  (registers the corrupt(name, severity) op)
 
-__all__ = ["DataError", "PreprocessError", "Source", "eval_batches", "image_shape", "known_names",
-           "open_source", "train_batches"]
+__all__ = ["DataError", "PreprocessError", "Source", "TextSpec", "eval_batches", "image_shape",
+           "known_names", "open_source", "train_batches"]

@@ -6,9 +6,13 @@ of (seed, position), where position counts the examples this process has consume
 at a checkpointed position replays exactly what an uninterrupted run would have read,
 augmentations included (each example's random ops are seeded from its shard and position).
 Resuming skips at most one epoch of (still encoded, so cheap) records.
+
+Image-text data (a `TextSpec`) adds each example's caption as `tokens`: in training a random one
+of its captions where it has several (seeded like the augmentations), in evaluation the first.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Iterator
 
@@ -16,28 +20,93 @@ import numpy as np
 import tensorflow as tf
 
 from runner.data import pp_ops
-from runner.data.sources import Source
+from runner.data.sources import DataError, Source, text_of
+from runner.data.tokenizers import PAD, Tokenizer
 
 # Cache raw records in memory for splits this small (encoded images: CIFAR-10 is ~130 MB).
 _CACHE_MAX_EXAMPLES = 200_000
+# Folded into an example's seed to pick its caption, apart from the seeds of the augmentations.
+_CAPTION_SEED = 7_919
 
 
-def _finish(source: Source, pp, spec: str) -> callable:
-  """User preprocessing, then one/multi-hot `labels` unless the spec made them, then drop extras."""
+@dataclasses.dataclass(frozen=True)
+class TextSpec:
+  """Where an example's caption is (`key`, '/' for nested features) and how it becomes tokens."""
+  key: str
+  tokenizer: Tokenizer
+  max_length: int
+
+
+def _finish(source: Source, pp, spec: str, text: TextSpec | None = None,
+            train: bool = False) -> callable:
+  """User preprocessing, then one/multi-hot `labels` unless the spec made them, then drop extras.
+
+  With `text`, also the caption's `tokens`; `labels` only if the dataset has classes.
+  """
   def fn(example):
+    if text:
+      caption = _pick_caption(text_of(example, text.key), example["_rng"], train)
     example = pp(example)
     image = example.get(source.image_key)
     if image is None or image.dtype == tf.string:
       raise pp_ops.PreprocessError(
           f"preprocessing {spec!r} leaves no decoded image under {source.image_key!r}; start it "
           "with decode (e.g. 'decode(3)|resize(224)|value_range(-1,1)') and keep the image.")
-    if "labels" not in example:
-      if source.label_key not in example:
-        raise pp_ops.PreprocessError(f"preprocessing {spec!r} removed the label "
-                                     f"{source.label_key!r}; keep it or produce 'labels'.")
-      example = pp_ops.get_onehot(source.num_classes, key=source.label_key)(example)
-    return {"image": tf.cast(image, tf.float32), "labels": example["labels"]}
+    out = {"image": tf.cast(image, tf.float32)}
+    if text:  # tokenized as batches are read (_tokenized)
+      out["_caption"] = caption
+    if source.num_classes:  # (train_batches and eval_batches check there are classes, or text)
+      if "labels" not in example:
+        if source.label_key not in example:
+          raise pp_ops.PreprocessError(f"preprocessing {spec!r} removed the label "
+                                       f"{source.label_key!r}; keep it or produce 'labels'.")
+        example = pp_ops.get_onehot(source.num_classes, key=source.label_key)(example)
+      out["labels"] = example["labels"]
+    return out
   return fn
+
+
+def _pick_caption(captions: tf.Tensor, rng: tf.Tensor, train: bool) -> tf.Tensor:
+  """The example's caption; of several (a 1-D tensor), a random one in training, else the first."""
+  if captions.shape.rank == 0:
+    return captions
+  if not train:
+    return captions[0]
+  seed = tf.random.experimental.stateless_fold_in(rng, _CAPTION_SEED)
+  index = tf.random.stateless_uniform([], seed=seed, maxval=tf.shape(captions)[0], dtype=tf.int32)
+  return captions[index]
+
+
+def _tokenized(batches: Iterator[dict], text: TextSpec) -> Iterator[dict[str, np.ndarray]]:
+  """Numpy batches with each `_caption` turned into `tokens` (B, max_length) int32, in the thread
+  that reads them: a Python tokenizer inside tf.data (tf.numpy_function) deadlocks when an
+  iterator with calls in flight is dropped (its destructor waits for them, holding the GIL).
+  Padding rows (`_mask` False) get all-zero tokens."""
+  for batch in batches:
+    captions = batch.pop("_caption")
+    tokens = np.stack([text.tokenizer.encode(c.decode("utf-8", "replace"), text.max_length)
+                       for c in captions])
+    if "_mask" in batch:
+      tokens[~batch["_mask"]] = PAD
+    batch["tokens"] = tokens
+    yield batch
+
+
+class TokenizedBatches:
+  """A re-iterable dataset of evaluation batches with tokens (`as_numpy_iterator`, as tf.data)."""
+
+  def __init__(self, batches: tf.data.Dataset, text: TextSpec):
+    self.batches, self.text = batches, text
+
+  def as_numpy_iterator(self) -> Iterator[dict[str, np.ndarray]]:
+    return _tokenized(self.batches.as_numpy_iterator(), self.text)
+
+
+def _check_labels(source: Source, text: TextSpec | None) -> None:
+  """A dataset without classes (image-caption pairs) trains and evaluates only with its text."""
+  if not source.num_classes and not text:
+    raise DataError(f"dataset {source.name!r} has no class labels, only image-caption pairs: "
+                    "train it with objective=contrastive, or choose a dataset with classes.")
 
 
 def _with_rng(seed: int, process_index: int = 0):
@@ -75,7 +144,8 @@ def noisy_labels(source: Source, fraction: float):
 def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed: int,
                   start: int = 0, shuffle_buffer: int = 50_000, process_index: int = 0,
                   process_count: int = 1, label_noise: float = 0.0,
-                  num_shards: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+                  num_shards: int | None = None,
+                  text: TextSpec | None = None) -> Iterator[dict[str, np.ndarray]]:
   """Endless batches of this process (`batch_size` rows) from example position `start` (counted
   per process) onwards.
 
@@ -83,9 +153,14 @@ def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed:
   and augmented on its own, and every global batch is the shards' equal parts in shard order;
   a process reads its own consecutive shards. So a run's batches depend on the number of shards,
   not of processes: `num_shards=2` in one process gives the batches of a 2-process job.
-  Each batch dict holds `image` (B, H, W, C) float32 and `labels` (B, num_classes) float32.
+  Each batch dict holds `image` (B, H, W, C) float32 and `labels` (B, num_classes) float32; with
+  `text`, also `tokens` (B, max_length) int32, and `labels` only if the dataset has classes.
   `label_noise` replaces that fraction of the training labels by random classes (`noisy_labels`).
   """
+  _check_labels(source, text)
+  if label_noise and not source.num_classes:
+    raise DataError(f"data.label_noise={label_noise} replaces training labels by random classes, "
+                    f"but dataset {source.name!r} has no class labels; leave it at 0.")
   shards = num_shards or process_count
   if shards % process_count or batch_size * process_count % shards:
     raise ValueError(f"data.num_shards={shards} must be a multiple of the {process_count} "
@@ -94,19 +169,21 @@ def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed:
   streams = [_shard_stream(source, split, pp, batch_size // mine, seed=seed,
                            start=start // mine, shuffle_buffer=shuffle_buffer,
                            shard=process_index * mine + i, shards=shards,
-                           label_noise=label_noise) for i in range(mine)]
+                           label_noise=label_noise, text=text) for i in range(mine)]
   if mine == 1:
-    return streams[0].prefetch(2).as_numpy_iterator()
-  ds = tf.data.Dataset.zip(tuple(streams)).map(
-      lambda *parts: {k: tf.concat([p[k] for p in parts], 0) for k in parts[0]})
-  return ds.prefetch(2).as_numpy_iterator()
+    ds = streams[0]
+  else:
+    ds = tf.data.Dataset.zip(tuple(streams)).map(
+        lambda *parts: {k: tf.concat([p[k] for p in parts], 0) for k in parts[0]})
+  batches = ds.prefetch(2).as_numpy_iterator()
+  return _tokenized(batches, text) if text else batches
 
 
 def _shard_stream(source: Source, split: str, pp: str, batch_size: int, *, seed: int, start: int,
-                  shuffle_buffer: int, shard: int, shards: int, label_noise: float
-                  ) -> tf.data.Dataset:
+                  shuffle_buffer: int, shard: int, shards: int, label_noise: float,
+                  text: TextSpec | None = None) -> tf.data.Dataset:
   """Endless batches of one shard of the split from position `start` (counted in the shard)."""
-  preprocess = _finish(source, pp_ops.parse(pp), pp)
+  preprocess = _finish(source, pp_ops.parse(pp), pp, text, train=True)
   if label_noise:
     raw = source.read(split, shard, shards, with_index=True).map(
         noisy_labels(source, label_noise))
@@ -132,15 +209,18 @@ def _shard_stream(source: Source, split: str, pp: str, batch_size: int, *, seed:
 
 
 def eval_batches(source: Source, split: str, pp: str, batch_size: int, *, process_index: int = 0,
-                 process_count: int = 1, cache: bool = True) -> tf.data.Dataset:
+                 process_count: int = 1, cache: bool = True,
+                 text: TextSpec | None = None) -> tf.data.Dataset | TokenizedBatches:
   """A re-iterable dataset of full-size batches; `_mask` marks real examples, the rest is padding.
 
   Every example of the split is read by exactly one process, and every process yields the same
   number of batches (the collective eval step needs that), padding with masked-out batches.
   `cache` keeps the raw split in memory for repeated evaluation during training; a one-pass
-  evaluation turns it off so that memory does not grow with the split.
+  evaluation turns it off so that memory does not grow with the split. With `text`, batches hold
+  `tokens` of each example's first caption too (and `labels` only if the dataset has classes).
   """
-  preprocess = _finish(source, pp_ops.parse(pp), pp)
+  _check_labels(source, text)
+  preprocess = _finish(source, pp_ops.parse(pp), pp, text)
   raw = source.read(split, process_index, process_count, drop_remainder=False)
   total = source.num_examples(split)
   if cache and total <= _CACHE_MAX_EXAMPLES:
@@ -151,7 +231,8 @@ def eval_batches(source: Source, split: str, pp: str, batch_size: int, *, proces
   ds = ds.padded_batch(batch_size).map(lambda b: _pad_batch(b, batch_size))
   num_batches = math.ceil(math.ceil(total / process_count) / batch_size)
   empty = ds.take(1).map(lambda b: {k: tf.zeros_like(v) for k, v in b.items()}).repeat()
-  return ds.concatenate(empty).take(num_batches).prefetch(2)
+  ds = ds.concatenate(empty).take(num_batches).prefetch(2)
+  return TokenizedBatches(ds, text) if text else ds
 
 
 def _pad_batch(batch, batch_size):

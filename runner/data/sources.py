@@ -1,4 +1,5 @@
-"""Opening a dataset by name: embedded offline builders, any prepared TFDS dataset, or an image folder.
+"""Opening a dataset by name: embedded offline builders, any prepared TFDS dataset, an image folder,
+or a file of image-caption pairs.
 
 Every failure here happens before any compute and says what is valid instead.
 """
@@ -12,11 +13,13 @@ import sys
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from runner.data import image_folder
+from runner.data import caption_file, image_folder
+from runner.data import captions  # noqa: F401  (registers the captioned digit sets in EMBEDDED)
 from runner.data.embedded import EMBEDDED
 from runner.errors import UserError
 
 IMAGE_FOLDER = "image_folder"
+CAPTIONS = "captions"
 _SLICE = re.compile(r"^(?P<name>[\w-]+)(\[(?P<start>(-?\d+%?)?):(?P<stop>(-?\d+%?)?)\])?$")
 
 
@@ -30,13 +33,18 @@ def default_data_dir() -> str:
 
 @dataclasses.dataclass
 class Source:
-  """An opened dataset: its builder, label space and split sizes."""
+  """An opened dataset: its builder, label space and split sizes, and where its captions are.
+
+  An image-text dataset without classes has num_classes 0 and no class_names.
+  """
   name: str
   builder: tfds.core.DatasetBuilder
   num_classes: int
   multilabel: bool
   image_key: str = "image"
   label_key: str = "label"
+  text_key: str | None = None  # a caption, or several ('captions/text' of coco_captions)
+  class_names: list[str] | None = None
 
   @property
   def splits(self) -> dict[str, int]:
@@ -105,6 +113,24 @@ class Source:
           lambda index, example: {**example, "_index": index})
     return ds
 
+  def captions(self, split: str) -> list[str]:
+    """Every caption of `split` (all of an example's, where it has several), in order: the text
+    a tokenizer is trained on."""
+    if not self.text_key:
+      raise DataError(f"dataset {self.name!r} has no captions: set data.text_key to its text "
+                      f"feature (its features are {sorted(self.builder.info.features.keys())}).")
+    key = self.text_key
+    ds = self.read(split).map(lambda example: tf.reshape(text_of(example, key), [-1])).unbatch()
+    return [text.decode("utf-8", "replace") for batch in ds.batch(4096).as_numpy_iterator()
+            for text in batch.tolist()]
+
+
+def text_of(example: dict, key: str) -> tf.Tensor:
+  """The feature at a '/'-separated path of a (nested) example: 'caption', 'captions/text'."""
+  for part in key.split("/"):
+    example = example[part]
+  return example
+
 
 def process_share(n: int, index: int, count: int, drop_remainder: bool) -> tuple[int, int]:
   """[start, stop) of process `index` among `count` in n examples."""
@@ -117,20 +143,23 @@ def process_share(n: int, index: int, count: int, drop_remainder: bool) -> tuple
 
 
 def known_names() -> list[str]:
-  return sorted(EMBEDDED) + [IMAGE_FOLDER]
+  return sorted(EMBEDDED) + [IMAGE_FOLDER, CAPTIONS]
 
 
 def open_source(name: str, data_dir: str | None = None, root: str | None = None,
                 image_key: str = "image", label_key: str = "label",
-                skip_unreadable: bool = False) -> Source:
+                skip_unreadable: bool = False, text_key: str | None = None) -> Source:
   """Opens (and for embedded datasets, prepares) a dataset, or raises DataError explaining why not.
 
-  skip_unreadable (image folders only) leaves out unreadable and non-image files with a warning
-  instead of failing.
+  skip_unreadable (image folders and caption files) leaves out unreadable and non-image files with
+  a warning instead of failing. With `text_key` (the captions), a dataset needs no label.
   """
   data_dir = data_dir or default_data_dir()
   if name == IMAGE_FOLDER:
     builder = _image_folder(root, skip_unreadable)
+  elif name == CAPTIONS:
+    builder = _caption_file(root, skip_unreadable)
+    text_key = text_key or "caption"
   elif name in EMBEDDED:
     builder = EMBEDDED[name](data_dir=data_dir)
     if not _is_prepared(builder):
@@ -143,17 +172,50 @@ def open_source(name: str, data_dir: str | None = None, root: str | None = None,
   else:
     builder = _prepared_tfds_builder(name, data_dir)
   features = builder.info.features
-  if image_key not in features or label_key not in features:
+  if text_key:
+    _check_text_feature(name, features, text_key)
+  if image_key not in features or (label_key not in features and not text_key):
     raise DataError(f"dataset {name!r} has features {sorted(features.keys())}; expected an image "
                     f"under {image_key!r} and a label under {label_key!r} "
                     "(set data.image_key / data.label_key).")
+  if label_key not in features:  # image-text pairs without classes
+    return Source(name=name, builder=builder, num_classes=0, multilabel=False,
+                  image_key=image_key, label_key=label_key, text_key=text_key)
   label = features[label_key]
   multilabel = isinstance(label, tfds.features.Sequence)
   label = label.feature if multilabel else label
   if not isinstance(label, tfds.features.ClassLabel):
     raise DataError(f"feature {label_key!r} of dataset {name!r} is not a class label.")
   return Source(name=name, builder=builder, num_classes=label.num_classes, multilabel=multilabel,
-                image_key=image_key, label_key=label_key)
+                image_key=image_key, label_key=label_key, text_key=text_key,
+                class_names=list(label.names))
+
+
+def _check_text_feature(name: str, features, key: str) -> None:
+  """`key` names a string feature: one caption, or a sequence of them ('captions/text')."""
+  feature, rank = features, 0  # rank: of the example's tensor, one per sequence on the way
+  try:
+    for part in key.split("/"):
+      feature = feature[part]
+      while isinstance(feature, tfds.features.Sequence):
+        feature, rank = feature.feature, rank + 1
+    ok = feature.tf_dtype == tf.string and rank + len(feature.shape) <= 1
+  except (KeyError, TypeError, AttributeError):
+    ok = False
+  if not ok:
+    raise DataError(f"data.text_key={key!r} names no caption (text) feature of dataset {name!r}; "
+                    f"its features are {_feature_paths(features)}. Nested features are named "
+                    "with '/', e.g. captions/text.")
+
+
+def _feature_paths(features, prefix: str = "") -> list[str]:
+  """'image', 'captions/text', ...: every leaf feature of a (nested) FeaturesDict."""
+  if isinstance(features, tfds.features.Sequence):
+    features = features.feature
+  if not isinstance(features, tfds.features.FeaturesDict):
+    return [prefix.rstrip("/")]
+  return [path for key in sorted(features.keys())
+          for path in _feature_paths(features[key], f"{prefix}{key}/")]
 
 
 def _is_prepared(builder) -> bool:
@@ -180,13 +242,42 @@ def _image_folder(root: str | None, skip_unreadable: bool = False):
   return image_folder.ScannedImageFolder(root, scan.examples)
 
 
+def _caption_file(root: str | None, skip_unreadable: bool = False) -> caption_file.CaptionFile:
+  """Checks every row and image of the file first, so that all faults are reported at once."""
+  files = " or ".join(caption_file.FILE_NAMES)
+  if not root:
+    raise DataError("data=captions needs data.root=<path>: a .jsonl or .csv file of rows (image, "
+                    f"caption[, split]), or a folder holding {files}.")
+  path = os.path.expanduser(root)
+  if os.path.isdir(path):
+    found = [f for f in caption_file.FILE_NAMES if os.path.isfile(os.path.join(path, f))]
+    if len(found) != 1:
+      raise DataError(f"data.root={root!r} is a folder, which must hold one of {files}; it holds "
+                      + ("both." if found else f"{sorted(os.listdir(path))[:10]}."))
+    path = os.path.join(path, found[0])
+  elif not os.path.isfile(path):
+    raise DataError(f"data.root={root!r} does not exist; it must be a .jsonl or .csv file of "
+                    f"rows (image, caption[, split]), or a folder holding {files}.")
+  elif not path.lower().endswith((".jsonl", ".csv")):
+    raise DataError(f"data.root={root!r} is neither a .jsonl nor a .csv file of rows (image, "
+                    f"caption[, split]), nor a folder holding {files}.")
+  scan = caption_file.scan(path)
+  if skip_unreadable and scan.warning():
+    print(scan.warning(), file=sys.stderr)
+  error = scan.error(skip_unreadable)
+  if error:
+    raise DataError(error)
+  return caption_file.CaptionFile(path, scan.examples)
+
+
 def _prepared_tfds_builder(name: str, data_dir: str):
   try:
     builder = tfds.builder(name, data_dir=data_dir)
   except tfds.core.registered.DatasetNotFoundError:
     raise DataError(
         f"unknown dataset {name!r}: it is neither embedded ({', '.join(sorted(EMBEDDED))}), nor "
-        f"'{IMAGE_FOLDER}' (with data.root=<dir>), nor a TFDS dataset name "
+        f"'{IMAGE_FOLDER}' (with data.root=<dir>), nor '{CAPTIONS}' (with data.root=<file of "
+        "image-caption pairs>), nor a TFDS dataset name "
         "(e.g. cifar10, cifar100, imagenet2012, oxford_iiit_pet).") from None
   except Exception as e:  # a TFDS builder whose module cannot import, a bad config name...
     raise DataError(f"TFDS cannot open dataset {name!r}: {e}") from None
@@ -196,5 +287,6 @@ def _prepared_tfds_builder(name: str, data_dir: str):
         f"{builder.data_dir}). Prepare it where the network is reachable, e.g. "
         f"`tfds build {name} --data_dir {data_dir}`, and copy the folder here; or pass "
         "data.data_dir=<dir> where it is prepared. Offline alternatives: "
-        f"{', '.join(sorted(EMBEDDED))}, or data=image_folder data.root=<dir>.")
+        f"{', '.join(sorted(EMBEDDED))}, data=image_folder data.root=<dir>, or data=captions "
+        "data.root=<file of image-caption pairs>.")
   return builder

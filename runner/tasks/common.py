@@ -45,7 +45,8 @@ def open_data(d: DataConfig) -> tuple[DataConfig, data.Source]:
   Returns the data config with the splits actually used, so they are stored with the checkpoint.
   """
   source = data.open_source(d.name, data_dir=d.data_dir, root=d.root, image_key=d.image_key,
-                            label_key=d.label_key, skip_unreadable=d.skip_unreadable)
+                            label_key=d.label_key, skip_unreadable=d.skip_unreadable,
+                            text_key=d.text_key)
   source.num_examples(d.split)  # raises with the valid splits
   if d.label_noise and source.multilabel:
     raise data.DataError(f"data.label_noise={d.label_noise} replaces a label by a random class, "

@@ -164,6 +164,8 @@ def test_open_source_prepares_once_then_reuses(tmp_path):
 def test_embedded_names_are_known():
   bases = {"mnist5k", "uci_digits", "lfw_faces"}
   digit_subsets = {f"{b}_{s}" for b in ("mnist5k", "uci_digits") for s in ("0to4", "5to9")}
-  assert set(embedded.EMBEDDED) == bases | digit_subsets
-  assert data.known_names()[-1] == "image_folder"
-  assert set(data.known_names()[:-1]) == set(embedded.EMBEDDED)
+  captioned = {"mnist5k_captions", "uci_digits_captions"}  # runner/data/captions.py
+  assert set(embedded.EMBEDDED) == bases | digit_subsets | captioned
+  names = data.known_names()
+  assert names[-2:] == ["image_folder", "captions"]  # a folder of images, a file of pairs
+  assert names[:-2] == sorted(embedded.EMBEDDED)
