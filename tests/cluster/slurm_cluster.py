@@ -66,6 +66,12 @@ class Cluster:
     return [dict(zip(("id", "state", "name", "reason"), line.split("|")))
             for line in out.splitlines() if line.strip()]
 
+  def job(self, job_id: str) -> dict:
+    """`scontrol show job` of one job as a dict (JobState, Reason, Restarts, ...); {} once SLURM
+    no longer knows it."""
+    out = self.run("scontrol", "show", "job", "-o", job_id, check=False)
+    return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
   def stop(self) -> None:
     for name in ("slurmd", "slurmctld", "munged"):
       pid_file = self.root / f"{name}.pid"

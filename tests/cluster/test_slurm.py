@@ -93,8 +93,28 @@ def _wait(predicate, timeout: float, what: str):
   raise AssertionError(f"timed out waiting for {what}")
 
 
+def _requeued(slurm, job_id: str, sweep: pathlib.Path):
+  """The job's state once SLURM requeued it and its first run has ended (Restarts counts the
+  requeues, and stays; a state such as PENDING can be passed between two polls). A job that ended
+  without a requeue fails at once, with its logs."""
+  info = slurm.job(job_id)
+  if int(info.get("Restarts", 0)) >= 1:  # the checkpoint was committed before the requeue
+    return info if info.get("JobState") != "COMPLETING" else None  # the first run still ends
+  if info.get("JobState") in ("RUNNING", "COMPLETING"):
+    return None
+  logs = "\n".join(f"{p}:\n{p.read_text()[-1500:]}" for p in sorted(
+      (sweep / ".submitit").rglob("*_log.*")))
+  raise AssertionError(f"job {job_id} ended without being requeued ({info or 'gone'}):\n{logs}")
+
+
+# Long enough that the signal, sent as soon as the job has logged a few steps, lands in the training
+# loop on any machine: the job reacts to it there only (~5 ms a step on 2 CPU cores; with 60 steps
+# a signal sent 0.3 s late found the run finished, and the job completed instead of requeueing).
+STEPS = 1000
+
+
 def test_scancel_term_checkpoints_and_the_requeued_job_resumes_exactly(slurm, tmp_path):
-  args = [*TINY, "train.steps=60", "train.log_every_steps=1", "checkpoint.every_steps=0",
+  args = [*TINY, f"train.steps={STEPS}", "train.log_every_steps=1", "checkpoint.every_steps=0",
           "eval.every_steps=0"]
   code, out = vmoe("pretrain", f"workdir={tmp_path / 'straight'}", *args)
   assert code == 0, out[-3000:]
@@ -103,27 +123,34 @@ def test_scancel_term_checkpoints_and_the_requeued_job_resumes_exactly(slurm, tm
                   "hydra.launcher.cpus_per_task=2", "hydra.launcher.timeout_min=10",
                   f"workdir={sweep}", *args, env=slurm.env, background=True)
   try:
+    job = _wait(lambda: [j for j in slurm.jobs() if j["state"] == "RUNNING"], 300, "the job")[0]
     metrics = sweep / "0" / "metrics.jsonl"
-    _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 300,
-          "the job to train a few steps")
-    job = _wait(lambda: [j for j in slurm.jobs() if j["state"] == "RUNNING"], 60, "the job")[0]
+    deadline = time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+      assert time.time() < deadline, "timed out waiting for the job to train a few steps"
+      assert launcher.poll() is None, launcher.communicate()[0][-3000:]
+      time.sleep(0.05)
     slurm.run("scancel", "--signal=TERM", job["id"])
-    # The job saves a checkpoint and requeues itself; SLURM holds a requeued job back for a
-    # while (its begin time), which the test cuts short.
-    _wait(lambda: [j for j in slurm.jobs() if j["state"] == "PENDING"], 120, "the requeue")
+    trained = len(metrics.read_text().splitlines())  # steps done before the signal arrived
+    # The job saves a checkpoint and requeues itself (scontrol requeue); SLURM holds a requeued
+    # job back for a while (Reason=BeginTime), which the test cuts short.
+    info = _wait(lambda: _requeued(slurm, job["id"], sweep), 120, "the requeue")
     steps = sorted(int(p.name) for p in (sweep / "0" / "checkpoints").iterdir() if p.name.isdigit())
-    assert steps and 5 <= steps[0] < 60, steps  # saved where it stopped
-    slurm.run("scontrol", "update", f"JobId={job['id']}", "StartTime=now")
+    assert steps and 5 <= trained <= steps[0] < STEPS, (trained, steps)  # saved where it stopped
+    if info["JobState"] == "PENDING":
+      slurm.run("scontrol", "update", f"JobId={job['id']}", "StartTime=now", check=False)
     out, _ = launcher.communicate(timeout=600)
     assert launcher.returncode == 0, out[-3000:]
   finally:
     if launcher.poll() is None:
       launcher.kill()
+      launcher.communicate()
+  assert int(slurm.job(job["id"]).get("Restarts", 0)) == 1  # requeued once, then ran to the end
   resumed, straight = _params(sweep / "0"), _params(tmp_path / "straight")
   for a, b in zip(jax_leaves(resumed), jax_leaves(straight)):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
   losses = _losses(sweep / "0")
-  assert sorted(losses)[-1] == 60
+  assert sorted(losses)[-1] == STEPS
 
 
 def jax_leaves(tree):
