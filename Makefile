@@ -19,11 +19,11 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,cluster]'
-	@# jemalloc makes CPU training 1.4-1.6x faster (README, "Speed"); optional, Debian/Ubuntu only.
+	@# jemalloc makes CPU training 1.4-1.6x faster (docs/speed.md); optional, Debian/Ubuntu only.
 	@cd $(VENV) && (apt-get download libjemalloc2 >/dev/null 2>&1 \
 	  && dpkg -x libjemalloc2_*.deb jemalloc-pkg && cp jemalloc-pkg/usr/lib/*/libjemalloc.so.2 lib/ \
 	  && echo "jemalloc: $(VENV)/lib/libjemalloc.so.2") \
-	  || echo "jemalloc not available here: CPU training runs, but slower (see README, Speed)"; \
+	  || echo "jemalloc not available here: CPU training runs, but slower (see docs/speed.md)"; \
 	  rm -rf jemalloc-pkg libjemalloc2_*.deb
 	touch $(STAMP)
 
@@ -43,11 +43,11 @@ test-full: install
 test-cluster: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/cluster
 
-# The efficient-ensembles paper's comparison on the embedded data (README, "Efficient ensembles").
+# The efficient-ensembles paper's comparison on the embedded data (docs/ensembles.md).
 study-ensembles: install
 	$(WITH_JEMALLOC) $(BIN)/python -m runner.studies.ensembles
 
-# The HET-XL paper's comparison of classifier heads on the embedded data (README, "Heteroscedastic heads").
+# The HET-XL paper's comparison of classifier heads on the embedded data (docs/heads.md).
 study-heads: install
 	$(WITH_JEMALLOC) $(BIN)/python -m runner.studies.heads
 

@@ -46,7 +46,7 @@ _SHOW_FLAGS = {"-h", "--help", "--hydra-help", "--version", "-i", "--info", "--s
 
 # XLA on CPU allocates each step's temporaries (hundreds of MB) afresh; glibc maps and unmaps such
 # blocks every step, so the step spends a third of its time in page faults. jemalloc keeps them
-# mapped: a ViT/V-MoE train step runs 1.4-1.6x faster. See README, "Speed".
+# mapped: a ViT/V-MoE train step runs 1.4-1.6x faster. See docs/speed.md.
 JEMALLOC_CONF = "oversize_threshold:0,dirty_decay_ms:60000,muzzy_decay_ms:60000"
 _JEMALLOC_PATHS = ("{prefix}/lib/libjemalloc.so.2", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
                    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2", "/usr/lib64/libjemalloc.so.2",
