@@ -39,7 +39,8 @@ STAGES = [
     ("eval", "eval", [f"workdir={ROOT}/eval", f"init.checkpoint={ROOT}/finetune",
                       "eval.ood_datasets=[lfw_faces]",
                       "eval.corruptions=[gaussian_noise,contrast]",
-                      "eval.severities=[1,3,5]", "eval.capacity_sweep=[1.05,0.5,0.25,0.1]"]),
+                      "eval.severities=[1,3,5]", "eval.capacity_sweep=[1.05,0.5,0.25,0.1]",
+                      "eval.routing_analysis=true"]),
     ("eval_bpr", "eval", [f"workdir={ROOT}/eval_bpr", f"init.checkpoint={ROOT}/finetune",
                           "model.router.capacity_ratio=0.5", "model.router.batch_priority=true"]),
     ("ensemble", "ensemble", [f"workdir={ROOT}/ensemble",
@@ -103,6 +104,7 @@ def measurements() -> str:
        f"{ev['compute/params_active']:,} of {ev['compute/params_total']:,} parameters active, "
        f"{ev['compute/images_per_s']:.0f} images/s"),
       ("capacity sweep, prec@1 vanilla / BPR", sweep),
+      ("routing analysis (the fine-tuned V-MoE, uci_digits test)", routing(ev)),
       ("few-shot (pretrained, uci_digits)", few),
       ("ensemble of the pBE's 2 members and the V-MoE (3 members)",
        f"ECE {ens[f'{ds}/ece']:.4f} vs {ev[f'{ds}/ece']:.4f} for the V-MoE alone; members' "
@@ -114,6 +116,18 @@ def measurements() -> str:
   lines = ["| measurement | result |", "|---|---|"]
   lines += [f"| {name} | {value} |" for name, value in rows]
   return "\n".join(lines)
+
+
+def routing(ev: dict) -> str:
+  """Per MoE layer: how much the class determines the expert (U(E|C) of the processed
+  assignments), the mean TOP-1 and TOP-2 weights, and the dropped tokens."""
+  layers = sorted({k.split("/")[1] for k in ev if k.startswith("routing/layer_")},
+                  key=lambda name: int(name.split("_")[1]))
+  return "; ".join(
+      f"{layer}: U(E|class) {ev[f'routing/{layer}/uncertainty_class_routed']:.3f}, "
+      f"U(E|position) {ev[f'routing/{layer}/uncertainty_position_routed']:.3f}, top-1 / top-2 "
+      f"weight {ev[f'routing/{layer}/top1']:.2f} / {ev[f'routing/{layer}/top2']:.2f}, dropped "
+      f"{ev[f'routing/{layer}/dropped_fraction']:.3f}" for layer in layers)
 
 
 def main(extra: list[str]) -> int:

@@ -73,6 +73,8 @@ def stage_of(summary: dict) -> str:
   """Which stage wrote a summary, from its keys."""
   if "val/prec@1" in summary:
     return "finetune"
+  if "val/i2t_prec@1" in summary:  # objective=contrastive
+    return "contrastive"
   if any(k.startswith("mean/") and k.endswith("shot/accuracy") for k in summary):
     return "fewshot"
   return "ensemble" if "ensemble/size" in summary else "eval"
@@ -88,6 +90,10 @@ def default_columns(jobs: list[Job]) -> list[Column]:
             Column("test prec@1", "test/prec@1"), Column("test NLL", "test/nll")]
   if stage == "fewshot":
     return [Column("few-shot accuracy (most shots)", lambda s: main_metric("fewshot", s))]
+  if stage == "contrastive":
+    return [Column("val zero-shot prec@1", "val/zero_shot_prec@1"),
+            Column("val i2t prec@1", "val/i2t_prec@1"), Column("val t2i prec@1", "val/t2i_prec@1"),
+            Column("val loss", "val/loss"), Column("test zero-shot prec@1", "test/zero_shot_prec@1")]
   dataset = next(k.split("/")[0] for k in summary if k.endswith("/prec@1") and k.count("/") == 1)
   return [Column(f"{dataset} prec@1", f"{dataset}/prec@1"), Column("NLL", f"{dataset}/nll"),
           Column("ECE", f"{dataset}/ece"), Column("GFLOPs/image", "compute/gflops_per_image")]

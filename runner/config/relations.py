@@ -17,9 +17,11 @@ import typing
 from typing import Callable
 
 from runner.config import derived
-from runner.config.schema import (AdversarialProtocol, DataConfig, DistributedConfig, EnsembleRun,
-                                  EnsembleVariant, EvalConfig, EvalSuiteConfig, FewshotConfig,
-                                  FewshotRun, HeadType, ModelConfig, RunFields, TrainConfig)
+from runner.config.schema import (AdversarialProtocol, ContrastiveLoss, DataConfig,
+                                  DistributedConfig, EnsembleRun, EnsembleVariant, EvalConfig,
+                                  EvalRun, EvalSuiteConfig, FewshotConfig, FewshotRun, HeadConfig,
+                                  HeadType, ModelConfig, Objective, ObjectiveConfig, RunFields,
+                                  TextConfig, TokenizerKind, TrainConfig, TrainTask)
 from runner.errors import ConfigError
 
 
@@ -199,6 +201,76 @@ def image_folder_has_a_root(data: DataConfig):
   if data.name == "image_folder" and not data.root:
     return ("data=image_folder needs data.root=<dir>, a folder holding train/ and test/ "
             "(optionally validation/) with one sub-folder of images per class.")
+  if data.name == "captions" and not data.root:
+    return ("data=captions needs data.root=<file or dir>: a JSONL or CSV file of (image path, "
+            "caption) rows, or a folder holding one (docs/data.md, image-text pairs).")
+
+
+# --- the objective ------------------------------------------------------------------------------
+
+@relation
+def contrastive_heads(objective: ObjectiveConfig, model: ModelConfig):
+  """A contrastive model's towers end in embeddings: of the heads, only the choice between
+  deterministic and HET-XL-noisy representations (and HET-XL's noise options) means something."""
+  if objective.name != Objective.contrastive:
+    return None
+  head, defaults = model.head, HeadConfig()
+  if head.type not in (HeadType.det, HeadType.het_xl):
+    return (f"model.head.type={_show(head.type)} means nothing for objective=contrastive: its "
+            "towers end in embeddings, not a classifier; valid: det (the deterministic "
+            "baseline) or het_xl (HET-XL's noise on the representations, its paper's Sec. 5).")
+  if head.type == HeadType.het_xl and objective.loss == ContrastiveLoss.sigmoid:
+    return ("model.head.type=het_xl with objective.loss=sigmoid: HET-XL's contrastive noise is "
+            "defined for the softmax loss (the HET-XL paper's Eq. 8); use objective.loss=softmax, "
+            "or the sigmoid loss with model.head.type=det.")
+  unused = [f"model.head.{name}" for name in ("temperature", "latent_dim")
+            if getattr(head, name) != getattr(defaults, name)]
+  if unused:
+    return (f"{', '.join(unused)} means nothing for objective=contrastive: the learned scale "
+            "starts at objective.temperature_init, and HET-XL's noise has the embedding's width "
+            "(objective.embedding_dim).")
+
+
+@relation
+def pairs_need_the_contrastive_objective(objective: ObjectiveConfig, data: DataConfig):
+  if data.name in ("captions", "coco_captions") and objective.name != Objective.contrastive:
+    return (f"data={data.name} holds image-caption pairs without class labels: train on it with "
+            "objective=contrastive (a classifier needs labels: choose a dataset with classes).")
+
+
+@relation
+def tokenizer_has_its_model(objective: ObjectiveConfig, text: TextConfig):
+  if (objective.name == Objective.contrastive and text.tokenizer.kind == TokenizerKind.sentencepiece
+          and not text.tokenizer.path):
+    return ("text.tokenizer.kind=sentencepiece needs text.tokenizer.path=<file>, a SentencePiece "
+            "model; or use text.tokenizer.kind=bytes (no model) or train (a model trained on the "
+            "training captions).")
+
+
+@relation
+def contrastive_batches_stay_whole(objective: ObjectiveConfig, train: TrainConfig):
+  """Each pair's negatives are the other pairs of its batch: micro-batches would shrink them."""
+  if objective.name == Objective.contrastive and train.accum_steps > 1:
+    return (f"train.accum_steps={train.accum_steps} with objective=contrastive: the contrastive "
+            "loss of a micro-batch sees only its own pairs as negatives, so accumulating "
+            "micro-batches is not the loss of the whole batch; use train.accum_steps=1 (a "
+            "smaller data.batch_size, or more devices, for memory).")
+
+
+@relation
+def contrastive_measurements_in_training(objective: ObjectiveConfig, eval: EvalConfig):
+  """Contrastive validation measures the loss, in-batch retrieval and zero-shot accuracy; the
+  classifier measurements of a contrastive model are vmoe eval's (zero-shot)."""
+  if objective.name != Objective.contrastive:
+    return None
+  given = [key for key, on in (("eval.ood_datasets", eval.ood_datasets),
+                               ("eval.corruptions", eval.corruptions),
+                               ("eval.adversarial.epsilons", eval.adversarial.epsilons),
+                               ("eval.routing_analysis", eval.routing_analysis)) if on]
+  if given:
+    return (f"{', '.join(given)} during objective=contrastive training: its validation measures "
+            "the loss, in-batch retrieval and zero-shot accuracy; take these measurements of "
+            "the zero-shot classifier with vmoe eval init.checkpoint=<the run>.")
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -278,16 +350,102 @@ def routing_analysis_needs_experts(run: RunFields):
 
 
 @relation
-def evaluations_during_training(eval: EvalConfig):
-  """In training the measurements run on the run's own validation split."""
+def evaluations_during_training(eval: EvalConfig, objective: ObjectiveConfig):
+  """In training the measurements run on the run's own validation split (a contrastive run's
+  zero-shot validation reads eval.zero_shot)."""
   defaults = EvalConfig()
-  given = [f"eval.{name}" for name in ("datasets", "split", "save_predictions", "capacity_sweep")
-           if getattr(eval, name) != getattr(defaults, name)]
+  names = ("datasets", "split", "save_predictions", "capacity_sweep", "retrieval")
+  if objective.name != Objective.contrastive:
+    names += ("zero_shot",)
+  given = [f"eval.{name}" for name in names if getattr(eval, name) != getattr(defaults, name)]
   if given:
     return (f"{', '.join(given)} means nothing during training: the eval.* measurements run on "
             "the run's validation split every eval.every_steps and at the end; take them on "
             "other datasets, save predictions or sweep capacities with vmoe eval "
             "init.checkpoint=<the run>.")
+
+
+def _zero_shot_keys(eval: EvalSuiteConfig) -> list[str]:
+  """The eval.* keys given that only a contrastive checkpoint reads."""
+  z = eval.zero_shot
+  return ([f"eval.zero_shot.class_names={list(z.class_names)}"] if z.class_names else []) + (
+      [f"eval.zero_shot.templates={list(z.templates)}"] if z.templates else []) + (
+      ["eval.retrieval=true"] if eval.retrieval else [])
+
+
+@relation
+def zero_shot_needs_a_contrastive_checkpoint(run: EvalRun):
+  """A contrastive checkpoint is evaluated as a zero-shot classifier; its class names, prompt
+  templates and retrieval mean nothing for a classifier's checkpoint."""
+  if run.init.tower is not None:
+    return (f"init.tower={_show(run.init.tower)} means nothing in vmoe eval: a contrastive "
+            "checkpoint is evaluated whole, as a zero-shot classifier (its image tower's "
+            "features by vmoe fewshot); init.tower is for vmoe finetune.")
+  given = _zero_shot_keys(run.eval)
+  if given and run.objective.name != Objective.contrastive:
+    return (f"{', '.join(given)} means nothing for init.checkpoint={run.init.checkpoint}, a "
+            "classifier: zero-shot classification from class prompts and image-text retrieval "
+            "need a contrastive checkpoint (vmoe pretrain objective=contrastive); drop "
+            f"{'them' if len(given) > 1 else 'it'}.")
+
+
+def _checkpoint_objective(path: str) -> str | None:
+  """What the run at `path` was trained for (released checkpoints are classifiers); None when
+  it cannot be read here (the task then reports why)."""
+  from runner import weights
+  from runner.errors import UserError
+  try:
+    stored = weights.stored_config(path)
+  except UserError:
+    return None
+  return str(((stored or {}).get("objective") or {}).get("name") or "classification")
+
+
+@relation
+def classifier_from_a_tower(run: TrainTask):
+  """A classifier starts from a contrastive checkpoint only from the tower init.tower names, and
+  init.tower names a tower only of a contrastive checkpoint."""
+  init, tower = run.init, f"init.tower={_show(run.init.tower)}"
+  if init.tower is not None and not init.checkpoint:
+    return (f"{tower} names a tower of init.checkpoint, which is not set; give "
+            "init.checkpoint=<a run of vmoe pretrain objective=contrastive>, or drop init.tower.")
+  if not init.checkpoint:
+    return None
+  if run.objective.name == Objective.contrastive:
+    if init.tower is not None:
+      return (f"{tower} means nothing with objective=contrastive: a contrastive run starts its "
+              "image tower from init.checkpoint (or both towers from a contrastive run) as it "
+              "is; drop init.tower.")
+    return None
+  stored = _checkpoint_objective(init.checkpoint)
+  if stored == Objective.contrastive.value and init.tower is None:
+    return (f"init.checkpoint={init.checkpoint} is a contrastive run (an image and a text tower), "
+            "not a classifier: say which tower the classifier starts from, init.tower=image "
+            "(its image tower, with a new head).")
+  if init.tower is not None and stored is not None and stored != Objective.contrastive.value:
+    return (f"{tower} means nothing for init.checkpoint={init.checkpoint}, a classifier "
+            f"(objective={stored}): init.tower picks a tower of a contrastive run (vmoe pretrain "
+            "objective=contrastive); drop it.")
+  if init.tower is not None and not init.reinit_head:
+    return (f"init.reinit_head=false with {tower}: the image tower of a contrastive run has no "
+            "classifier head to keep; drop init.reinit_head=false.")
+  return None
+
+
+@relation
+def ensembles_of_classifiers(run: EnsembleRun):
+  towers = [m.path for m in run.members if m.objective == Objective.contrastive]
+  if towers:
+    return (f"init.checkpoint names a contrastive run ({', '.join(towers)}): vmoe ensemble "
+            "averages the predictions of classifiers, which a contrastive checkpoint is not; "
+            "evaluate it zero-shot with vmoe eval init.checkpoint=<the run>, or fine-tune its "
+            "image tower into a classifier (vmoe finetune init.checkpoint=<the run> "
+            "init.tower=image) and ensemble that.")
+  given = _zero_shot_keys(run.eval)
+  if given:
+    return (f"{', '.join(given)} means nothing in vmoe ensemble: zero-shot classification and "
+            "retrieval are vmoe eval's, of one contrastive checkpoint; drop "
+            f"{'them' if len(given) > 1 else 'it'}.")
 
 
 @relation

@@ -16,7 +16,8 @@ from omegaconf.errors import (InterpolationResolutionError, MissingMandatoryValu
 
 from runner.config.schema import (DataConfig, EnsembleMember, EnsembleRun, EvalRun,
                                   FewshotMember, FewshotRun, InitConfig, Loss, ModelConfig,
-                                  RunFields, TrainConfig, TrainTask)
+                                  Objective, ObjectiveConfig, RunFields, TextConfig, TrainConfig,
+                                  TrainTask)
 from runner.config.validate import validate
 from runner.errors import ConfigError
 
@@ -27,7 +28,8 @@ def typed(node):
     return OmegaConf.to_object(node)
   except MissingMandatoryValue as e:
     raise ConfigError(f"{e.full_key} has no value and needs one: add {e.full_key}=<value> "
-                      "(for data=image_folder: data.root=<dir with train/ and test/>).") from None
+                      "(for data=image_folder: data.root=<dir with train/ and test/>; for data=captions: "
+                      "data.root=<a JSONL or CSV file of image-caption pairs, or its folder>).") from None
   except InterpolationResolutionError as e:
     raise ConfigError(f"cannot resolve {e.full_key}: {str(e).splitlines()[0]}") from None
   except OmegaConfBaseException as e:
@@ -123,7 +125,14 @@ def stored_model_and_data(stored: dict, model: dict | None = None,
 
 
 def stored_loss(stored: dict) -> Loss:
+  if stored_objective(stored) == Objective.contrastive:
+    return Loss.softmax_xent  # zero-shot: a softmax over the similarities to the classes
   return Loss(_known(TrainConfig, stored.get("train")).get("loss", Loss.softmax_xent))
+
+
+def stored_objective(stored: dict) -> Objective:
+  """What the checkpoint was trained for (a checkpoint without an objective: a classifier)."""
+  return Objective(str((stored.get("objective") or {}).get("name") or "classification"))
 
 
 def _sections(cfg: DictConfig, workdir: str, *names: str) -> dict:
@@ -139,7 +148,11 @@ def _sections(cfg: DictConfig, workdir: str, *names: str) -> dict:
 def eval_run(cfg: DictConfig, workdir: str, stored: dict) -> EvalRun:
   given = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
   model, data = stored_model_and_data(stored, given.get("model"), given.get("data"))
-  return EvalRun(model=model, data=data, loss=stored_loss(stored),
+  contrastive = stored_objective(stored) == Objective.contrastive  # its towers, for zero-shot
+  towers = {"objective": from_dict(ObjectiveConfig, _known(ObjectiveConfig, stored["objective"])),
+            "text": from_dict(TextConfig, _known(TextConfig, stored.get("text")))
+            } if contrastive else {}
+  return EvalRun(model=model, data=data, loss=stored_loss(stored), **towers,
                  **_sections(cfg, workdir, "init", "eval"))
 
 
@@ -161,7 +174,8 @@ def fewshot_run(cfg: DictConfig, workdir: str, stored: dict[str, dict]) -> Fewsh
   members = []
   for path, config in stored.items():
     model, data = stored_model_and_data(config, given)
-    members.append(FewshotMember(path=path, model=model, data=data))
+    members.append(FewshotMember(path=path, model=model, data=data,
+                                 objective=stored_objective(config)))
   return FewshotRun(members=members, data=members[0].data, **_sections(cfg, workdir, "fewshot"))
 
 
@@ -174,7 +188,7 @@ def ensemble_run(cfg: DictConfig, workdir: str, stored: dict[str, dict]) -> Ense
     init = _known(InitConfig, config.get("init"))
     members.append(EnsembleMember(path=path, model=model, data=data, loss=stored_loss(config),
                                   stage=config.get("stage"), upstream=init.get("checkpoint"),
-                                  seed=config.get("seed")))
+                                  seed=config.get("seed"), objective=stored_objective(config)))
   return EnsembleRun(members=members, data=members[0].data, loss=members[0].loss,
                      **_sections(cfg, workdir, "eval", "ensemble"))
 

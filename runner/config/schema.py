@@ -89,6 +89,33 @@ class AdversarialProtocol(str, enum.Enum):
   reference = "reference"  # step ε/steps, no clipping; experts that receive the token
 
 
+class Objective(str, enum.Enum):
+  """What a training stage learns (runner/tasks/training.py)."""
+  classification = "classification"  # images -> labels (a ViT / V-MoE classifier)
+  contrastive = "contrastive"  # image-text pairs -> aligned embeddings (two towers, LiT)
+
+
+class ContrastiveLoss(str, enum.Enum):
+  softmax = "softmax"  # symmetric cross-entropy over the batch (CLIP, LiT, HET-XL's Eq. 6)
+  sigmoid = "sigmoid"  # one binary term per pair (SigLIP)
+
+
+class TokenizerKind(str, enum.Enum):
+  bytes = "bytes"  # UTF-8 bytes: nothing to train or download
+  sentencepiece = "sentencepiece"  # a SentencePiece model file the user gives (text.tokenizer.path)
+  train = "train"  # a SentencePiece model trained by vmoe on the training captions
+
+
+class TextPool(str, enum.Enum):
+  last = "last"  # the end-of-text token's representation (CLIP, LiT)
+  mean = "mean"  # the mean over the caption's tokens
+  first = "first"
+
+
+class Tower(str, enum.Enum):
+  image = "image"
+
+
 class WandbMode(str, enum.Enum):
   online = "online"
   offline = "offline"
@@ -105,6 +132,17 @@ class DType(str, enum.Enum):
 def _corruption_names() -> list[str]:
   from runner.data.corruptions import CORRUPTIONS
   return [*CORRUPTIONS, "all"]
+
+
+def _is_template(text) -> bool:
+  """A zero-shot prompt template: a string with exactly one `{}`, filled by str.format."""
+  if not isinstance(text, str) or "{}" not in text:
+    return False
+  try:
+    text.format("name")
+  except (IndexError, KeyError, ValueError):
+    return False
+  return True
 
 
 def _sharding_bundles() -> list[str]:
@@ -253,8 +291,8 @@ class DataConfig:
   holdout_fraction: float = key(0.02, Range(0, 1, low_open=True, high_open=True),
                                 "the held-out share of `split` when there is no eval split")
   data_dir: Optional[str] = None  # default: $TFDS_DATA_DIR or ~/tensorflow_datasets
-  root: Optional[str] = None  # for data=image_folder
-  skip_unreadable: bool = False  # image_folder: skip unreadable files (with a warning) instead of failing
+  root: Optional[str] = None  # data=image_folder: its folder; data=captions: its file or folder
+  skip_unreadable: bool = False  # image_folder, captions: skip unreadable images (warning) instead of failing
   label_noise: float = key(0.0, probability(), "the fraction of training labels replaced by random "
                            "classes, the same examples in every run; evaluation labels stay clean")
   pp_train: str = key("decode(3)|resize(224)|value_range(-1,1)", Preprocessing())
@@ -267,6 +305,47 @@ class DataConfig:
                                   "run's batches depend on it, not on the process count")
   image_key: str = "image"
   label_key: str = "label"
+  text_key: Optional[str] = None  # the caption of an image-text dataset (contrastive objective)
+
+
+@dataclass
+class TokenizerConfig:
+  kind: TokenizerKind = key(TokenizerKind.bytes, hint="bytes (no model), sentencepiece (a model "
+                            "file: text.tokenizer.path), train (trained on the training captions)")
+  path: Optional[str] = None  # the SentencePiece model file (kind=sentencepiece)
+  vocab_size: int = key(1000, at_least(8), "kind=train: the vocabulary of the model trained on "
+                        "the training captions")
+
+
+@dataclass
+class TextConfig:
+  """The text tower of a contrastive model: a Transformer encoder over tokens (LiT's)."""
+  name: str = "text_tiny"
+  width: int = key(128, at_least(1))
+  depth: int = key(2, at_least(1))
+  mlp_dim: int = key(512, at_least(1))
+  num_heads: int = key(4, at_least(1))
+  max_length: int = key(48, at_least(2), "tokens per caption, the end token included (longer "
+                        "captions are cut); 48 holds the embedded captions in bytes")
+  pool: TextPool = TextPool.last
+  tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+
+
+@dataclass
+class ObjectiveConfig:
+  """What training optimises: a classifier, or image-text alignment (two towers)."""
+  name: Objective = Objective.classification
+  loss: ContrastiveLoss = key(ContrastiveLoss.softmax, hint="contrastive: softmax (CLIP, LiT) or "
+                              "sigmoid (SigLIP)")
+  embedding_dim: int = key(128, at_least(1), "contrastive: the shared embedding width")
+  temperature_init: Optional[float] = key(None, positive(), "contrastive: the learned logit "
+                                          "scale's start; null: 10 (det head), 3 (het_xl), as "
+                                          "the HET-XL paper's App. N")
+  bias_init: Optional[float] = key(None, hint="sigmoid loss: the learned logit bias's start; "
+                                   "null: -10 (SigLIP)")
+  lock_image: bool = True  # contrastive from init.checkpoint: the image tower is locked (LiT)
+  noise_pre_norm: bool = True  # het_xl: normalise the representations before the noise
+  noise_post_norm: bool = False  # het_xl: and again after it (the HET-XL paper's Table 7)
 
 
 @dataclass
@@ -338,6 +417,18 @@ class RoutingAnalysisConfig:
 
 
 @dataclass
+class ZeroShotConfig:
+  """eval.zero_shot.*: classifying images by their similarity to class prompts (a contrastive
+  checkpoint)."""
+  class_names: List[str] = key([], Items(matches(r"(?s).*\S.*", "a non-empty name"),
+                                         unique=True, example="[cat,dog]"),
+                               "[]: the first eval dataset's own class names, in label order")
+  templates: List[str] = key([], Items(Rule(_is_template, "a prompt with one {} where the class "
+                                            "name goes"), example="['a photo of a {}.']"),
+                             "[]: the templates held out from the embedded captions")
+
+
+@dataclass
 class EvalSuiteConfig:
   """vmoe eval: which measurements to take, on which datasets."""
   batch_size: Optional[int] = key(None, at_least(1), "null: data.eval_batch_size, else "
@@ -353,6 +444,8 @@ class EvalSuiteConfig:
                                     "inference capacity ratios, vanilla vs BPR")
   routing_analysis: bool = False  # the V-MoE paper's Sec. 5 analysis (eval.routing.*)
   routing: RoutingAnalysisConfig = field(default_factory=RoutingAnalysisConfig)
+  zero_shot: ZeroShotConfig = field(default_factory=ZeroShotConfig)
+  retrieval: bool = False  # contrastive: image->text and text->image recall@1/5/10
   save_predictions: bool = False
   plots: bool = True
 
@@ -402,6 +495,8 @@ class InitConfig:
   # A partitioned batch ensemble may start a model with another ensemble_size only when asked:
   # its experts are then divided anew between the members.
   repartition_experts: bool = False
+  # A contrastive checkpoint's tower to start a classifier from (only `image`).
+  tower: Optional[Tower] = None
 
 
 @dataclass
@@ -466,6 +561,8 @@ class TrainTask(RunFields):
   """pretrain and finetune."""
   model: ModelConfig = MISSING
   data: DataConfig = MISSING
+  objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+  text: TextConfig = field(default_factory=TextConfig)  # the contrastive objective's text tower
   optim: OptimConfig = field(default_factory=OptimConfig)
   schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
   train: TrainConfig = field(default_factory=TrainConfig)
@@ -546,6 +643,9 @@ class EvalRun(RunFields):
   data: DataConfig = MISSING
   loss: Loss = MISSING
   eval: EvalSuiteConfig = MISSING
+  # A contrastive checkpoint's (from its stored config): evaluated zero-shot.
+  objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+  text: TextConfig = field(default_factory=TextConfig)
 
 
 @dataclass
@@ -554,6 +654,8 @@ class FewshotMember:
   path: str
   model: ModelConfig
   data: DataConfig
+  # A contrastive checkpoint's (objective=contrastive) features are its image tower's.
+  objective: Objective = Objective.classification
 
 
 @dataclass
@@ -574,6 +676,7 @@ class EnsembleMember:
   stage: Optional[str] = None  # "pretrain" or "finetune" (None: a checkpoint that does not say)
   upstream: Optional[str] = None  # the init.checkpoint it was trained from
   seed: Optional[int] = None
+  objective: Objective = Objective.classification  # what the checkpoint was trained for
 
 
 @dataclass

@@ -10,6 +10,7 @@ from hydra.core.config_store import ConfigStore
 from runner.config.resolve import as_dict
 from runner.config.schema import TASK_SCHEMAS
 from runner.models import catalog
+from runner.models.text import TEXT_SIZES
 
 
 def register_model(name: str) -> None:
@@ -28,6 +29,9 @@ def register_configs() -> None:
     store.store(name=f"{task}_schema", node=schema)
   for name in catalog.CPU_MODELS + catalog.PAPER_MODELS + catalog.SOFT_MOE_MODELS:
     register_model(name)
+  for name, (width, depth, mlp_dim, num_heads) in TEXT_SIZES.items():  # text=<size>: the tower
+    store.store(group="text", name=name, node=dict(name=name, width=width, depth=depth,
+                                                   mlp_dim=mlp_dim, num_heads=num_heads))
 
 
 register_configs()

@@ -13,4 +13,5 @@ REGISTRY = {
     "compute": "compute",  # GFLOPs per image (XLA, analytic), parameters
     "capacity_sweep": "capacity_sweep",  # eval.capacity_sweep: accuracy vs inference capacity
     "routing_analysis": "routing_analysis",  # eval.routing_analysis: the V-MoE paper's Sec. 5
+    "retrieval": "retrieval",  # eval.retrieval: image<->text recall@k of a contrastive checkpoint
 }

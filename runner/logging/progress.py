@@ -47,8 +47,9 @@ class Progress:
       return
     rate = self.images_per_second(step)
     eta = (self.total - step) * self.batch_size / rate if rate else float("nan")
-    labels = {"train/loss": "loss", "train/prec@1": "prec@1", "val/prec@1": "val prec@1",
-              "val/nll": "val nll"}
+    labels = {"train/loss": "loss", "train/prec@1": "prec@1", "train/i2t_prec@1": "i2t prec@1",
+              "val/prec@1": "val prec@1", "val/nll": "val nll",
+              "val/zero_shot_prec@1": "val zero-shot prec@1", "val/i2t_prec@1": "val i2t prec@1"}
     shown = {label: metrics[k] for k, label in labels.items() if k in metrics}
     text = " ".join(f"{k} {v:.4g}" for k, v in shown.items())
     if self.bar is not None:

@@ -50,7 +50,8 @@ class SelfAttention(nn.Module):
   qk_norm: bool = False
 
   @nn.compact
-  def __call__(self, x, *, train: bool, dropout: bool | None = None):
+  def __call__(self, x, *, train: bool, dropout: bool | None = None, mask=None):
+    """`mask` (B, S) bool: the keys that may be attended to (padding excluded); None: all."""
     dropout = train if dropout is None else dropout
     d = x.shape[-1]
     if d % self.num_heads:
@@ -74,6 +75,8 @@ class SelfAttention(nn.Module):
       q = nn.LayerNorm(use_bias=False, dtype=self.dtype, name="query_ln")(q)
       k = nn.LayerNorm(use_bias=False, dtype=self.dtype, name="key_ln")(k)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q * head_dim**-0.5, k)
+    if mask is not None:
+      logits = jnp.where(mask[:, None, None, :], logits, jnp.finfo(logits.dtype).min)
     weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(self.dtype)
     weights = nn.Dropout(self.dropout_rate)(weights, deterministic=not dropout)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b * n, h * head_dim)
@@ -92,11 +95,11 @@ class EncoderBlock(nn.Module):
   qk_norm: bool = False
 
   @nn.compact
-  def __call__(self, x, *, train: bool, dropout: bool | None = None):
+  def __call__(self, x, *, train: bool, dropout: bool | None = None, mask=None):
     dropout = train if dropout is None else dropout
     y = nn.LayerNorm(dtype=self.dtype, name="norm1")(x)
     y = SelfAttention(self.num_heads, self.attention_dropout_rate, self.dtype, self.qk_norm,
-                      name="attention")(y, train=train, dropout=dropout)
+                      name="attention")(y, train=train, dropout=dropout, mask=mask)
     x = x + nn.Dropout(self.dropout_rate)(y, deterministic=not dropout)
     y = nn.LayerNorm(dtype=self.dtype, name="norm2")(x)
     if self.moe is None:
@@ -145,7 +148,8 @@ class VisionTransformer(nn.Module):
 
   A heteroscedastic head (`head`, runner/models/heads.py) returns the log of its MC-mean
   probability as logits, with `extras["loc_logits"]` (the noise-free logits) and
-  `extras["temperature"]`; the pre-logits stay deterministic.
+  `extras["temperature"]`; the pre-logits stay deterministic. With `num_classes=0` there is no
+  head: the model returns its representation (the image tower of runner/models/contrastive.py).
   """
   num_classes: int
   patch_size: int
@@ -209,6 +213,13 @@ class VisionTransformer(nn.Module):
                            bias_init=part(nn.initializers.zeros, ("mlp",)))(x))
     pre_logits = x
     head_extras = {}
+    if not self.num_classes:  # a representation only (the image tower of a contrastive model)
+      aux = sum((m["auxiliary_loss"] for m in routing_metrics.values()), jnp.zeros(()))
+      pre_logits = pre_logits.astype(jnp.float32)
+      if self.tiles > 1:  # the members' representations side by side, as the joint features
+        pre_logits = pre_logits.reshape(b, -1)
+      return pre_logits, {"pre_logits": pre_logits, "routing": routing_metrics,
+                          "auxiliary_loss": aux}
     if self.head is None:
       logits = nn.Dense(self.num_classes, dtype=self.dtype, name="head",
                         kernel_init=part(nn.initializers.zeros, (None, "classes")),

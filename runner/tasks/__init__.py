@@ -11,9 +11,9 @@ import re
 import sys
 
 MAIN_METRICS = {
-    "pretrain": "val/prec@1",
+    "pretrain": "val/prec@1 (objective=contrastive: val/zero_shot_prec@1, else val/i2t_prec@1)",
     "finetune": "val/prec@1",
-    "eval": "<first eval dataset>/prec@1",
+    "eval": "<first eval dataset>/prec@1 (retrieval alone: <dataset>/i2t_recall@1)",
     "ensemble": "<first eval dataset>/prec@1",
     "fewshot": "mean/<most shots>shot/accuracy",
 }
@@ -22,9 +22,14 @@ MAIN_METRICS = {
 def main_metric(stage: str, summary: dict) -> float:
   """The stage's main metric from its summary (MAIN_METRICS says which)."""
   if stage in ("pretrain", "finetune"):
-    return float(summary["val/prec@1"])
-  if stage in ("eval", "ensemble"):
-    return float(next(v for k, v in summary.items() if re.fullmatch(r"[^/]+/prec@1", k)))
+    for key in ("val/prec@1", "val/zero_shot_prec@1", "val/i2t_prec@1"):
+      if key in summary:
+        return float(summary[key])
+    raise KeyError(f"the {stage} summary has none of val/prec@1, val/zero_shot_prec@1, "
+                   "val/i2t_prec@1")
+  if stage in ("eval", "ensemble"):  # retrieval alone (captions without labels): i2t recall@1
+    return float(next(v for pattern in (r"[^/]+/prec@1", r"[^/]+/i2t_recall@1")
+                      for k, v in summary.items() if re.fullmatch(pattern, k)))
   if stage == "fewshot":
     shots = max(int(m[1]) for k in summary if (m := re.fullmatch(r"mean/(\d+)shot/accuracy", k)))
     return float(summary[f"mean/{shots}shot/accuracy"])

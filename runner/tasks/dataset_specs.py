@@ -2,7 +2,8 @@
 
 The evaluated model fixes the preprocessing (its image size and value range), so every dataset is
 read with the checkpoint's eval `pp`; only the splits and keys depend on the dataset: from its
-`conf/data/<name>.yaml` when there is one, else TFDS's usual train/validation/test.
+`conf/data/<name>.yaml` when there is one (with its captions' `text_key`), else TFDS's usual
+train/validation/test.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from runner.config import conf_dir
 from runner.config.schema import DataConfig
 from runner.evaluators.suite import Dataset
 
-_SPLIT_KEYS = ("split", "eval_split", "test_split", "holdout_fraction", "image_key", "label_key")
+_SPLIT_KEYS = ("split", "eval_split", "test_split", "holdout_fraction", "image_key", "label_key",
+               "text_key")
 
 
 def dataset_config(name: str, base: DataConfig) -> DataConfig:

@@ -21,7 +21,7 @@ import numpy as np
 
 from runner import data
 from runner.config import as_dict, derived
-from runner.config.schema import DataConfig, EvalRun
+from runner.config.schema import DataConfig, EvalRun, Objective
 from runner.errors import ConfigError
 from runner.evaluators import suite as suite_lib
 from runner.evaluators.suite import Suite
@@ -32,6 +32,11 @@ from runner.tasks import members as members_lib
 
 
 def run(config: EvalRun, placement: Placement) -> dict:
+  if config.objective.name == Objective.contrastive:  # two towers: a zero-shot classifier
+    from runner.tasks import zero_shot
+    members, only, summary = zero_shot.load(config)
+    return evaluate(config, members, placement, job_type="eval", extra_summary=summary,
+                    only=only)
   members = members_lib.load([(config.init.checkpoint, config.model)],
                              output=derived.model_output(config.loss))
   partitioned = {"ensemble/type": "pbe"} if members.size > 1 else None
@@ -39,9 +44,10 @@ def run(config: EvalRun, placement: Placement) -> dict:
 
 
 def evaluate(config, members: members_lib.Members, placement: Placement, *, job_type: str,
-             extra_summary: dict | None = None) -> dict:
-  """Every measurement `config.eval` enables (runner/evaluators), on the members' prediction;
-  summary.json, predictions.npz on request, PNGs and the W&B run."""
+             extra_summary: dict | None = None, only: tuple[str, ...] | None = None) -> dict:
+  """Every measurement `config.eval` enables (runner/evaluators), on the members' prediction
+  (`only`: just these evaluators); summary.json, predictions.npz on request, PNGs and the W&B
+  run."""
   d, e = config.data, config.eval
   workdir = config.workdir
   num_classes = members.num_classes
@@ -67,7 +73,7 @@ def evaluate(config, members: members_lib.Members, placement: Placement, *, job_
   steps = members.steps
   summary: dict = {"checkpoint_step": steps[0] if len(steps) == 1 else steps,
                    "split": in_dist.split, **(extra_summary or {})}
-  if members.size > 1 or extra_summary:
+  if members.size > 1 or "ensemble/type" in (extra_summary or {}):
     summary["ensemble/size"] = members.size
   with placement.context():
     suite = Suite(e, members=members, model=members.model(),
@@ -75,7 +81,7 @@ def evaluate(config, members: members_lib.Members, placement: Placement, *, job_
                   batch_size=derived.eval_batch_size(e, d), loss=config.loss.value,
                   datasets=datasets, ood=ood, out_dir=workdir,
                   verbose=config.logger.progress, plots=e.plots)
-    result = suite_lib.run(suite)
+    result = suite_lib.run(suite, names=list(only) if only else None)
   summary.update(result.summary)
   if result.arrays and jax.process_index() == 0:
     np.savez_compressed(pathlib.Path(workdir) / "predictions.npz", **result.arrays)

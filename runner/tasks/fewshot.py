@@ -2,7 +2,8 @@
 
 Each checkpoint's model comes from the config stored with it; model.* keys change inference
 settings on top (router k, capacity, Batch Prioritized Routing). Datasets are read with the
-checkpoint's eval preprocessing. Several checkpoints (init.checkpoint=[runs/a,runs/b]) are probed
+checkpoint's eval preprocessing; a contrastive checkpoint's features are its image tower's
+pre-logits. Several checkpoints (init.checkpoint=[runs/a,runs/b]) are probed
 as one representation, their pre-logits concatenated, so they must preprocess images alike.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax
 
 from runner import data, weights
 from runner.config import as_dict, derived
-from runner.config.schema import FewshotRun
+from runner.config.schema import FewshotRun, Objective
 from runner.evaluators.fewshot import (FewshotEvaluator, accuracy_table, format_table,
                                        make_feature_fn, plot_accuracy_vs_shots)
 from runner.logging import MetricWriter
@@ -43,7 +44,10 @@ def run(config: FewshotRun, placement: Placement) -> dict:
   members = []
   for member in config.members:
     params, _, step = weights.load(member.path, ensemble_size=derived.ensemble_size(member.model))
-    model = build_model(member.model, heads.num_classes(params))
+    if member.objective == Objective.contrastive:  # its image tower: no head, the pre-logits
+      params, model = params["image"], build_model(member.model, 0)
+    else:
+      model = build_model(member.model, heads.num_classes(params))
     common.check_params_fit(member.path, step, params, model, image_shape, "fewshot")
     members.append((member.path, step, model, params))
   common.write_config(config, workdir)

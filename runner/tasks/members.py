@@ -2,6 +2,8 @@
 
 One checkpoint (a ViT, a V-MoE, a partitioned batch ensemble) is its own flax model; several
 checkpoints (a deep ensemble) or MC-dropout samples become a `runner.models.ensemble.Ensemble`.
+A contrastive checkpoint is one member too: its two towers as a zero-shot classifier
+(`zero_shot`, runner/tasks/zero_shot.py), whose parameters hold the class embeddings.
 Either way the evaluators see "a model" whose logits are the prediction and whose extras carry
 the members' logits when there are several (design principle 12: an ensemble is a list of
 members).
@@ -9,6 +11,7 @@ members).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 
@@ -30,6 +33,18 @@ class Checkpoint:
   step: int
   config: ModelConfig
   params: dict  # host NumPy arrays
+  zero_shot: Any = None  # a contrastive checkpoint: runner/tasks/zero_shot.py `ZeroShot`
+
+  def build(self, config: ModelConfig, num_classes: int, output: str):
+    """This checkpoint's flax model with `config` (its own, or with inference changes)."""
+    if self.zero_shot is not None:
+      return self.zero_shot.model(config)
+    return build_model(config, num_classes, output=output)
+
+  @property
+  def predicting_params(self) -> dict:
+    """The parameters a prediction uses (a zero-shot classifier's text tower ran once, before)."""
+    return self.zero_shot.per_image(self.params) if self.zero_shot is not None else self.params
 
 
 class Members:
@@ -38,7 +53,8 @@ class Members:
   def __init__(self, checkpoints: list[Checkpoint], *, output: str, mc_samples: int = 0,
                seed: int = 0):
     self.checkpoints, self.output, self.mc_samples, self.seed = checkpoints, output, mc_samples, seed
-    classes = [heads.num_classes(c.params) for c in checkpoints]
+    classes = [c.zero_shot.num_classes if c.zero_shot is not None else
+               heads.num_classes(c.params) for c in checkpoints]
     if len(set(classes)) > 1:
       listing = "; ".join(f"{c.path}: {n} classes" for c, n in zip(checkpoints, classes))
       raise ConfigError("the members of an ensemble must predict the same classes, but their "
@@ -58,7 +74,8 @@ class Members:
     if router_changes:
       configs = [dataclasses.replace(c, router=dataclasses.replace(c.router, **router_changes))
                  for c in configs]
-    models = [build_model(c, self.num_classes, output=self.output) for c in configs]
+    models = [c.build(config, self.num_classes, self.output)
+              for c, config in zip(self.checkpoints, configs)]
     if self.is_one_model:
       return models[0]
     return Ensemble(models, output=self.output, mc_samples=self.mc_samples, seed=self.seed)
@@ -66,7 +83,8 @@ class Members:
   @property
   def size(self) -> int:
     """Members in all (a V-MoE or a ViT alone: 1; MC-dropout of a pBE: samples x M)."""
-    tiled = sum(derived.predictions_per_image(c.config) for c in self.checkpoints)
+    tiled = sum(1 if c.zero_shot is not None else derived.predictions_per_image(c.config)
+                for c in self.checkpoints)
     return tiled * (self.mc_samples or 1)
 
   @property
@@ -75,7 +93,7 @@ class Members:
 
   def check_fit(self, image_shape, command: str) -> None:
     for c in self.checkpoints:
-      model = build_model(c.config, self.num_classes, output=self.output)
+      model = c.build(c.config, self.num_classes, self.output)
       common.check_params_fit(c.path, c.step, c.params, model, image_shape, command)
 
   def place(self, placement, image_shape):
@@ -83,7 +101,7 @@ class Members:
     placed = []
     for c in self.checkpoints:
       _, logical = state_lib.abstract_params(
-          build_model(c.config, self.num_classes, output=self.output), image_shape)
+          c.build(c.config, self.num_classes, self.output), image_shape)
       placed.append(jax.device_put(c.params, placement.shardings(logical)))
     self.placed = placed[0] if self.is_one_model else tuple(placed)
     return self.placed
@@ -102,6 +120,9 @@ class Members:
         config = dataclasses.replace(config, router=dataclasses.replace(config.router,
                                                                         **router_changes))
       samples = self.mc_samples or 1
+      if c.zero_shot is not None:
+        total += samples * c.zero_shot.flops_per_image(config, batch_size)
+        continue
       if samples > 1 and derived.num_experts(config) and derived.ensemble_size(config) == 1 and \
           not (config.dropout_rate or config.attention_dropout_rate):
         config = dataclasses.replace(config, moe=dataclasses.replace(
@@ -112,7 +133,7 @@ class Members:
     return total
 
   def params_total(self) -> int:
-    return sum(predictions.count_params(c.params) for c in self.checkpoints)
+    return sum(predictions.count_params(c.predicting_params) for c in self.checkpoints)
 
   def params_active(self) -> int:
     """Parameters one token uses: each member's experts count (experts per token) / E, as its
@@ -121,7 +142,7 @@ class Members:
     for c in self.checkpoints:
       experts = derived.num_experts(c.config)
       if not experts:
-        total += predictions.active_params(c.params, 0, 0)
+        total += predictions.active_params(c.predicting_params, 0, 0)
         continue
       config = c.config
       tokens = tokens_per_group(config)
@@ -129,7 +150,7 @@ class Members:
       capacity = family.capacity(config.router, tokens, experts, train=False)
       chosen = family.experts_per_token(config.router, tokens, experts, capacity)
       chosen *= derived.ensemble_size(config)
-      total += predictions.active_params(c.params, experts, min(chosen, experts))
+      total += predictions.active_params(c.predicting_params, experts, min(chosen, experts))
     return total
 
   @property

@@ -7,7 +7,7 @@ import jax
 
 from runner import checkpoint, data, weights
 from runner.config import as_dict, derived
-from runner.config.schema import TrainTask
+from runner.config.schema import Objective, TrainTask
 from runner.errors import ConfigError
 from runner.models import build_model, transfer
 from runner.parallel import Placement
@@ -62,20 +62,23 @@ def _router_changes(config: TrainTask, stored: dict | None, restored) -> bool:
 
 def init_from_checkpoint(config: TrainTask, model, source: data.Source):
   """Parameters for `model` mapped from init.checkpoint (an earlier stage's run, or a released
-  checkpoint)."""
+  checkpoint); with init.tower, from that tower of a contrastive run (its head is new)."""
   init = config.init
   stored = weights.stored_config(init.checkpoint)
   if stored is not None:
     _check_ensemble_size(config, stored)
   restored, stored, step = weights.load(init.checkpoint,
                                         ensemble_size=derived.ensemble_size(config.model))
+  what = f"checkpoint {init.checkpoint} (step {step})"
+  if init.tower is not None:  # a contrastive run's (relations.classifier_from_a_tower)
+    restored, what = restored[init.tower.value], f"the {init.tower.value} tower of {what}"
   fresh, _ = state_lib.init_params(model, data.image_shape(source, config.data.split,
                                                            config.data.pp_train), config.seed)
   try:
     return transfer.adapt_params(restored, fresh, reinit_head=init.reinit_head,
                                  dense_to_experts=init.dense_to_experts,
                                  new_router=_router_changes(config, stored, restored),
-                                 source=f"checkpoint {init.checkpoint} (step {step})")
+                                 source=what)
   except checkpoint.CheckpointError as e:
     if not stored:  # a released checkpoint: no config to compare with
       raise checkpoint.CheckpointError(
@@ -94,11 +97,18 @@ def run_training(config: TrainTask, placement: Placement, stage: str) -> dict:
   if shards and shards % jax.process_count():
     raise ConfigError(f"data.num_shards={shards} is not a multiple of the job's "
                       f"{jax.process_count()} processes: each reads an equal number of shards.")
+  if config.objective.name == Objective.contrastive:
+    from runner.tasks import contrastive  # noqa: PLC0415 (image-text pairs: two towers)
+    return contrastive.run(config, placement, stage)
   resuming = checkpoint.has_checkpoints(config.workdir)
   if config.init.checkpoint and not resuming:
     weights.check(config.init.checkpoint)  # a wrong path fails before the data is read
   data_config, source = common.open_data(config.data)
   config = dataclasses.replace(config, data=data_config)
+  if not source.num_classes:
+    raise data.DataError(f"data={config.data.name} has no class labels, only image-caption pairs: "
+                         "train on them with objective=contrastive, or choose a dataset with "
+                         "classes.")
   fewshot = None
   if derived.fewshot_in_training(config.fewshot):  # every dataset checked before any compute
     fewshot = fewshot_data.batches(

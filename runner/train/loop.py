@@ -178,6 +178,13 @@ class _Measurements:
   Compute and capacity sweeps belong to vmoe eval (a relation says so for the sweep)."""
   SKIP = ("classification", "compute", "capacity_sweep")
 
+  @classmethod
+  def none(cls):
+    """No measurement (a contrastive model evaluates its own way)."""
+    out = cls.__new__(cls)
+    out.names = []
+    return out
+
   def __init__(self, config: TrainTask, model, source, placement: Placement, batch_size: int,
                ood: list):
     d = config.data
@@ -205,7 +212,7 @@ class _Measurements:
 def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement,
                        init_params=None, stage: str = "train",
                        fewshot_datasets: dict | None = None,
-                       ood_datasets: list | None = None) -> dict:
+                       ood_datasets: list | None = None, pairs=None) -> dict:
   """Trains `model` on `source` as `config` says; returns the final metrics (also summary.json).
 
   `fewshot_datasets` (name -> (pool batches, test batches, num_classes)) adds linear few-shot
@@ -213,6 +220,8 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
   The evaluators that `eval.*` enables beyond classification (runner/evaluators: OOD detection
   against `ood_datasets`, corruptions, PGD, routing analysis) run on the validation split with
   the evaluation, logged under `val/`; their pictures and files are written at the end.
+  `pairs` (runner/tasks/contrastive.py `PairTraining`): a contrastive model of image-text pairs,
+  with its objective, the captions' tokens in every batch, and its evaluator.
   """
   workdir = config.workdir
   d, t, o, s = config.data, config.train, config.optim, config.schedule
@@ -231,7 +240,8 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
                                  weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm,
                                  beta2_cap=o.beta2_cap,
                                  min_dim_size_to_factor=o.min_dim_size_to_factor,
-                                 clipping_threshold=o.clipping_threshold)
+                                 clipping_threshold=o.clipping_threshold,
+                                 frozen=pairs.frozen if pairs else None)
   ckpt = config.checkpoint
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=ckpt.keep,
                               every_steps=ckpt.every_steps, async_save=ckpt.async_save)
@@ -248,18 +258,23 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
                             wandb=config.logger.wandb, job_type=stage)
       step_fn = jax.jit(
           make_train_step(model, tx, schedule, loss=t.loss.value,
-                          aux_loss_weight=t.aux_loss_weight, accum_steps=t.accum_steps, seed=seed),
+                          aux_loss_weight=t.aux_loss_weight, accum_steps=t.accum_steps, seed=seed,
+                          objective=pairs.objective if pairs else None),
           in_shardings=(shardings, placement.batch_sharding), out_shardings=(shardings, None),
           donate_argnums=0)
-      eval_step = jax.jit(make_eval_step(model, t.loss.value))
+      text = pairs.text if pairs else None
+      eval_step = None if pairs else jax.jit(make_eval_step(model, t.loss.value))
 
       def evaluator(split, prefix):
         batches = data.eval_batches(source, split, d.pp,
-                                    eval_batch_size // processes["process_count"], **processes)
+                                    eval_batch_size // processes["process_count"], text=text,
+                                    **processes)
+        if pairs:
+          return pairs.evaluator(batches, prefix, placement.put)
         return ClassificationEvaluator(eval_step, batches, prefix=prefix, put=placement.put)
       val = evaluator(d.eval_split, "val")
-      measurements = _Measurements(config, model, source, placement, eval_batch_size,
-                                   ood_datasets or [])
+      measurements = (_Measurements(config, model, source, placement, eval_batch_size,
+                                    ood_datasets or []) if not pairs else _Measurements.none())
       fewshot_cfg, fewshot = config.fewshot, None
       if fewshot_datasets:
         fewshot = FewshotEvaluator(None, fewshot_datasets, shots=fewshot_cfg.shots,
@@ -279,7 +294,7 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
                                    batch_size // processes["process_count"], seed=seed,
                                    start=position, shuffle_buffer=d.shuffle_buffer,
                                    label_noise=d.label_noise, num_shards=d.num_shards,
-                                   **processes)
+                                   text=text, **processes)
 
       start_step = int(state.step)
       progress = Progress(steps, start_step, batch_size, desc=stage,

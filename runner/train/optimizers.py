@@ -45,7 +45,10 @@ def decoupled_weight_decay(decay_tree) -> optax.GradientTransformation:
     return optax.EmptyState()
 
   def update(updates, state, params):
-    updates = jax.tree.map(lambda u, p, d: u + d * p if d else u, updates, params, decay_tree)
+    # A frozen part (optax.multi_transform's MaskedNode) is left as it is.
+    frozen = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    updates = jax.tree.map(lambda u, p, d: u if frozen(u) or not d else u + d * p,
+                           updates, params, decay_tree, is_leaf=frozen)
     return updates, state
   return optax.GradientTransformation(init, update)
 
@@ -70,7 +73,7 @@ def make_optimizer(name: str, schedule, params, *, b1: float = 0.9, b2: float = 
                    eps: float = 1e-8, momentum: float = 0.9, nesterov: bool = False,
                    weight_decay=0.0, grad_clip_norm: float | None = None,
                    beta2_cap: float = 0.999, min_dim_size_to_factor: int = 32,
-                   clipping_threshold: float | None = 1.0,
+                   clipping_threshold: float | None = 1.0, frozen: str | None = None,
                    **unused) -> optax.GradientTransformation:
   """clip -> precondition (adam | momentum | adafactor) -> decoupled weight decay -> learning rate.
 
@@ -79,6 +82,8 @@ def make_optimizer(name: str, schedule, params, *, b1: float = 0.9, b2: float = 
   min(beta2_cap, 1 - t^-0.8), epsilon 1e-30; then update clipping by block RMS at
   `clipping_threshold` (None: none, as big_vision's and vmoe's defaults; the Adafactor paper's
   d = 1 is this project's default); then momentum `b1` (an EMA without debiasing; 0: none).
+  `frozen`: a regex of parameter names that never change (LiT's locked image tower): they get
+  no update, no weight decay and no optimizer state.
   """
   del unused  # config keys of other optimizers (lr is in the schedule)
   if name == "adam":
@@ -95,9 +100,15 @@ def make_optimizer(name: str, schedule, params, *, b1: float = 0.9, b2: float = 
         optax.ema(b1, debias=False) if b1 else optax.identity())
   else:
     raise ValueError(f"unknown optimizer {name!r}; valid: {OPTIMIZERS}")
-  return optax.chain(
+  learn = optax.chain(
       optax.clip_by_global_norm(grad_clip_norm) if grad_clip_norm else optax.identity(),
       precondition,
       decoupled_weight_decay(weight_decay_tree(params, weight_decay)),
       optax.scale_by_learning_rate(schedule),
   )
+  if not frozen:
+    return learn
+  pattern = re.compile(frozen)
+  labels = jax.tree.map(lambda name: "frozen" if pattern.fullmatch(name) else "learn",
+                        param_names(params))
+  return optax.multi_transform({"learn": learn, "frozen": optax.set_to_zero()}, labels)

@@ -6,49 +6,38 @@ import jax.numpy as jnp
 import optax
 
 from runner.models.heads import NOISE_RNG
-from runner.train.losses import LOSSES, precision_at_1
+from runner.train import objectives
 from runner.train.state import TrainState
 
 
 def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: str,
-                    aux_loss_weight: float, accum_steps: int = 1, seed: int = 0):
-  """Returns step(state, batch). Randomness (router noise, dropout) is a function of (seed, step),
-  so a resumed run draws exactly what an uninterrupted one would.
+                    aux_loss_weight: float, accum_steps: int = 1, seed: int = 0,
+                    objective=None):
+  """Returns step(state, batch). Randomness (router noise, dropout, heteroscedastic draws) is a
+  function of (seed, step), so a resumed run draws exactly what an uninterrupted one would.
 
-  A partitioned batch ensemble trains on the mean of its members' cross-entropies (E³, App. D.1),
-  not on the cross-entropy of their mean prediction; precision@1 is the ensemble's.
+  `objective(params, batch, rngs) -> (loss, metrics)` (runner/train/objectives.py): by default
+  the classification of `loss`, where a partitioned batch ensemble trains on the mean of its
+  members' cross-entropies (E³, App. D.1), not on the cross-entropy of their mean prediction.
   """
-  loss_fn = LOSSES[loss]
+  objective = objective or objectives.classification(model, loss=loss,
+                                                     aux_loss_weight=aux_loss_weight)
   root = jax.random.key(seed)
 
-  def objective(params, images, labels, rng):
+  def with_rngs(params, batch, rng):
     gating, dropout = jax.random.split(rng)
     # A heteroscedastic head's MC draws, a stream of its own: fold_in(rng, 1) would be the dropout
     # key (split(k)[i] == fold_in(k, i) with partitionable threefry).
     noise = jax.random.fold_in(rng, 2)
-    logits, extras = model.apply({"params": params}, images, train=True,
-                                 rngs={"gating": gating, "dropout": dropout, NOISE_RNG: noise})
-    if "member_logits" in extras:  # an ensemble learns from the mean of its members' losses
-      member_logits = extras["member_logits"]
-      cls_loss = loss_fn(member_logits, labels[:, None, :]).mean()
-    else:
-      cls_loss = loss_fn(logits, labels).mean()
-    aux = extras["auxiliary_loss"]
-    total = cls_loss + aux_loss_weight * aux
-    metrics = {"train/loss": total, "train/cls_loss": cls_loss, "train/aux_loss": aux,
-               "train/prec@1": precision_at_1(logits, labels).mean()}
-    if "temperature" in extras:  # a heteroscedastic head's τ (learned, or fixed)
-      metrics["train/temperature"] = extras["temperature"]
-    for layer, layer_metrics in extras["routing"].items():
-      metrics.update({f"moe/{layer}/{k}": v for k, v in layer_metrics.items()})
-    return total, metrics
+    return objective(params, batch, {"gating": gating, "dropout": dropout, NOISE_RNG: noise})
 
-  grad_fn = jax.value_and_grad(objective, has_aux=True)
+  grad_fn = jax.value_and_grad(with_rngs, has_aux=True)
 
   def step(state: TrainState, batch: dict):
     rng = jax.random.fold_in(root, state.step)
+    batch = {k: v for k, v in batch.items() if not k.startswith("_")}
     if accum_steps == 1:
-      (_, metrics), grads = grad_fn(state.params, batch["image"], batch["labels"], rng)
+      (_, metrics), grads = grad_fn(state.params, batch, rng)
     else:
       # Micro-batch i takes examples i, i + accum, ...: each is spread over all devices.
       def split(x):
@@ -57,12 +46,11 @@ def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: 
       micro = jax.tree.map(split, batch)
 
       def body(acc, xs):
-        i, images, labels = xs
-        (_, m), g = grad_fn(state.params, images, labels, jax.random.fold_in(rng, i))
+        i, part = xs
+        (_, m), g = grad_fn(state.params, part, jax.random.fold_in(rng, i))
         return jax.tree.map(jnp.add, acc, g), m
       zeros = jax.tree.map(jnp.zeros_like, state.params)
-      grads, per_micro = jax.lax.scan(
-          body, zeros, (jnp.arange(accum_steps), micro["image"], micro["labels"]))
+      grads, per_micro = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
       grads = jax.tree.map(lambda g: g / accum_steps, grads)
       metrics = jax.tree.map(lambda m: m.mean(axis=0), per_micro)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)

@@ -98,6 +98,21 @@ TRAINING_CASES = [
     (["fewshot.every_steps=5", "fewshot.shots=[0]"], ["fewshot.shots=[0]", "item 0", ">= 1"]),
     (["fewshot.l2_regs=[1,0.5]"], ["fewshot.l2_regs=[1.0, 0.5]", "strictly increasing"]),
     (["fewshot.protocol=whiten"], ["fewshot.protocol", "reference", "plain"]),
+    # eval.* in training: the measurements run on the run's validation split
+    (["eval.datasets=[uci_digits]"], ["eval.datasets means nothing during training",
+                                      "validation split", "vmoe eval init.checkpoint=<the run>"]),
+    (["eval.save_predictions=true"], ["eval.save_predictions means nothing during training",
+                                      "vmoe eval init.checkpoint=<the run>"]),
+    (["eval.capacity_sweep=[0.5]"], ["eval.capacity_sweep means nothing during training",
+                                     "sweep capacities with vmoe eval"]),
+    (["eval.routing_analysis=true", "model=vit_tiny"],
+     ["eval.routing_analysis=true", "vit_tiny has no MoE layers", "V-MoE, experts-choice or Soft "
+      "MoE"]),
+    (["eval.routing_analysis=true", "eval.routing.layers=[0]"],
+     ["eval.routing.layers=[0]", "without an MoE layer", "its MoE layers are blocks [1]",
+      "eval.routing.layers=[]"]),
+    (["eval.routing_analysis=true", "eval.routing.capacities=[0]"],
+     ["eval.routing.capacities=[0.0]", "must be > 0"]),
     # router families: unknown names, bad slot counts, options that mean nothing for the router
     (["model.router.type=hash"], ["model.router.type='hash'", "token_choice", "experts_choice",
                                   "soft"]),
@@ -234,8 +249,31 @@ def test_image_folder_without_images(run_cli, tmp_path):
   _nothing_like_a_run(tmp_path / "w")
 
 
+def test_broken_caption_file_is_listed_before_compute(run_cli, tmp_path):
+  """Every faulty row of a file of image-caption pairs, in one message."""
+  _png(tmp_path / "pairs" / "a.png")
+  (tmp_path / "pairs" / "b.png").write_text("not an image")
+  (tmp_path / "pairs" / "captions.jsonl").write_text("\n".join([
+      '{"image": "a.png", "caption": "a blue square"}',
+      '{"image": "gone.png", "caption": "missing"}',
+      '{"image": "b.png", "caption": "a text file"}',
+      '{"image": "a.png", "caption": ""}',
+      '{"image": "a.png", "caption": "x", "split": "dev"}']) + "\n")
+  workdir = tmp_path / "w"
+  _fails_clearly(run_cli("pretrain", f"workdir={workdir}", *TRAIN, "objective=contrastive",
+                         "data=captions", f"data.root={tmp_path / 'pairs'}"),
+                 "captions.jsonl has 4 problems", "1 missing image file (line 2: gone.png)",
+                 "1 unreadable or non-image file (line 3: b.png", "empty or missing caption "
+                 "(line 4)", "unknown split (line 5: 'dev')", "data.skip_unreadable=true")
+  _nothing_like_a_run(workdir)
+
+
 @pytest.mark.parametrize("args, expected", [
     (["data=tfds", "data.name=cifar10"], ["cifar10", "not prepared", "tfds build", "data_dir"]),
+    (["objective=contrastive", "data=coco_captions"],
+     ["'coco_captions' is not prepared", "tfds build coco_captions", "mnist5k_captions"]),
+    (["objective=contrastive", "data=captions", "data.root=/no/such/pairs.jsonl"],
+     ["data.root='/no/such/pairs.jsonl' does not exist", "captions.jsonl or captions.csv"]),
     (["data=tfds", "data.name=no_such_dataset"], ["unknown dataset 'no_such_dataset'", "mnist5k"]),
     (["data.split=val"], ["no split 'val'", "train (4000 examples)"]),
     (["fewshot.every_steps=1", "fewshot.datasets=[lfw_faces]", "fewshot.shots=[50]"],
@@ -363,6 +401,22 @@ EVAL_CASES = [
     (["model.router.k=0"], ["model.router.k=0", ">= 1"]),
     (["model.router.k=9"], ["model.router.k=9", "1 <= k <= 8"]),
     (["model.router.capacity_ratio=-1"], ["model.router.capacity_ratio=-1", "> 0"]),
+    # the routing analysis: MoE blocks, positive capacity ratios (vmoe runs: MoE on block 1 of 2)
+    (["eval.routing_analysis=true", "eval.routing.layers=[0]"],
+     ["eval.routing.layers=[0]", "without an MoE layer in model vmoe_tiny",
+      "its MoE layers are blocks [1]", "eval.routing.layers=[] for all of them"]),
+    (["eval.routing_analysis=true", "eval.routing.layers=[1,5]"],
+     ["eval.routing.layers=[1, 5]", "([5])", "blocks [1]"]),
+    (["eval.routing_analysis=true", "eval.routing.layers=[-1]"],
+     ["eval.routing.layers=[-1]", ">= 0"]),
+    (["eval.routing_analysis=true", "eval.routing.capacities=[0]"],
+     ["eval.routing.capacities=[0.0]", "item 0.0", "must be > 0", "[1.0,0.5,0.1]"]),
+    (["eval.routing_analysis=true", "eval.routing.capacities=[-0.5]"],
+     ["eval.routing.capacities=[-0.5]", "item -0.5", "must be > 0"]),
+    (["eval.routing_analysis=true", "eval.routing.capacities=[]"],
+     ["eval.routing.capacities=[]", "non-empty"]),
+    (["eval.routing_analysis=true", "eval.routing.images=-1"],
+     ["eval.routing.images=-1", ">= 0"]),
 ]
 
 
@@ -393,6 +447,9 @@ def test_eval_of_a_soft_moe(args, expected, runs, run_cli, tmp_path):
 @pytest.mark.parametrize("args, expected", [
     (["eval.capacity_sweep=[0.5]"], ["eval.capacity_sweep=[0.5] needs a V-MoE checkpoint"]),
     (["model.router.k=1"], None),  # inference settings of a ViT: nothing to route, still fine
+    (["eval.routing_analysis=true"], ["eval.routing_analysis=true looks at what routers decide",
+                                      "vit_tiny has no MoE layers",
+                                      "analyse a V-MoE, experts-choice or Soft MoE checkpoint"]),
 ])
 def test_eval_of_a_vit(args, expected, runs, run_cli, tmp_path):
   workdir = tmp_path / "w"
@@ -627,3 +684,102 @@ def test_a_het_checkpoint_with_another_head(sub, args, expected, config_only, he
     assert not workdir.exists()
   else:
     _nothing_like_a_run(workdir)
+
+
+# --- contrastive image-text training (objective=contrastive) -------------------------------------
+
+CONTRASTIVE = ["objective=contrastive", "text.width=32", "text.depth=1", "text.mlp_dim=64",
+               "text.num_heads=2", "text.max_length=12", "objective.embedding_dim=16"]
+
+CONTRASTIVE_CONFIG_CASES = [
+    (["model.head.type=het"], ["model.head.type=het means nothing for objective=contrastive",
+                               "det", "het_xl"]),
+    (["model.head.type=het_xl", "objective.loss=sigmoid"],
+     ["model.head.type=het_xl with objective.loss=sigmoid", "softmax loss", "Eq. 8",
+      "objective.loss=softmax"]),
+    (["objective.loss=hinge"], ["objective.loss", "softmax", "sigmoid"]),
+    (["text.tokenizer.kind=wordpiece"], ["text.tokenizer.kind", "bytes", "sentencepiece",
+                                         "train"]),
+    (["objective.temperature_init=0"], ["objective.temperature_init=0", "> 0"]),
+]
+
+
+@pytest.mark.parametrize("args, expected", CONTRASTIVE_CONFIG_CASES,
+                         ids=lambda v: " ".join(v)[:60])
+def test_contrastive_config_value(args, expected, run_cli, tmp_path):
+  workdir = tmp_path / "w"
+  _fails_clearly(run_cli("pretrain", f"workdir={workdir}", *TRAIN, *CONTRASTIVE, *args),
+                 *expected)
+  assert not workdir.exists()  # validated before Hydra created anything
+
+
+def _caption_file(folder: pathlib.Path, rows: list[str]) -> pathlib.Path:
+  """captions.jsonl in `folder` with these rows; a.png, b.png and c.png exist beside it."""
+  for name in ("a", "b", "c"):
+    _png(folder / f"{name}.png")
+  path = folder / "captions.jsonl"
+  path.write_text("\n".join(rows) + "\n")
+  return path
+
+
+GOOD_ROWS = ['{"image": "a.png", "caption": "a blue square"}',
+             '{"image": "b.png", "caption": "another blue square"}',
+             '{"image": "c.png", "caption": "a third one", "split": "validation"}']
+
+
+def _no_run_at_all(workdir: pathlib.Path) -> None:
+  """Nothing a rerun could mistake for a run or reuse: no checkpoint, W&B run, summary, metrics,
+  nor a trained tokenizer."""
+  _nothing_like_a_run(workdir)
+  assert not (workdir / "tokenizer.model").exists()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["objective=contrastive", "data=mnist5k"],
+     ["objective=contrastive trains on image-caption pairs", "data=mnist5k has no captions",
+      "data=mnist5k_captions"]),
+    (["data=captions", "data.root={good}"],
+     ["data=captions holds image-caption pairs without class labels", "objective=contrastive"]),
+    (["objective=contrastive", "data=captions", "data.root={missing_image}"],
+     ["has 1 problem", "1 missing image file (line 2: gone.png)", "data.skip_unreadable=true"]),
+    (["objective=contrastive", "data=captions", "data.root={empty_caption}"],
+     ["has 1 problem", "1 row with an empty or missing caption (line 2)", "non-empty `caption`"]),
+    (["objective=contrastive", "text.tokenizer.kind=sentencepiece"],
+     ["text.tokenizer.kind=sentencepiece needs text.tokenizer.path=<file>",
+      "text.tokenizer.kind=bytes"]),
+    (["objective=contrastive", "text.tokenizer.kind=sentencepiece",
+      "text.tokenizer.path=/no/such/spm.model"],
+     ["text.tokenizer.path='/no/such/spm.model' does not exist", "SentencePiece model file"]),
+    (["objective=contrastive", "text.tokenizer.kind=sentencepiece",
+      "text.tokenizer.path={corrupt_model}"],
+     ["is not a SentencePiece model", "spm_train"]),
+], ids=lambda v: " ".join(v)[:70])
+def test_contrastive_data_and_tokenizer(args, expected, run_cli, tmp_path):
+  files = {"good": _caption_file(tmp_path / "good", GOOD_ROWS),
+           "missing_image": _caption_file(tmp_path / "missing", [
+               GOOD_ROWS[0], '{"image": "gone.png", "caption": "missing"}', *GOOD_ROWS[1:]]),
+           "empty_caption": _caption_file(tmp_path / "empty", [
+               GOOD_ROWS[0], '{"image": "b.png", "caption": "  "}', *GOOD_ROWS[1:]]),
+           "corrupt_model": tmp_path / "spm.model"}
+  files["corrupt_model"].write_bytes(os.urandom(512))
+  workdir = tmp_path / "w"
+  text_args = CONTRASTIVE[1:] if "objective=contrastive" in args else []
+  err = _fails_clearly(run_cli("pretrain", f"workdir={workdir}", *TRAIN, *text_args,
+                               *_fill(args, files)), *_fill(expected, files))
+  for name in ("missing_image", "empty_caption"):
+    if f"{{{name}}}" in " ".join(args):
+      assert str(files[name]) in err
+  _no_run_at_all(workdir)
+
+
+def test_contrastive_from_an_image_checkpoint_that_does_not_fit(runs, run_cli, tmp_path):
+  """LiT from an image model of another width: the checkpoint's and the model's shapes named.
+  With a tokenizer trained on the captions (text.tokenizer.kind=train), no tokenizer is left in
+  the workdir either: a rerun there would take it as its own, whatever its vocabulary size."""
+  workdir = tmp_path / "w"
+  _fails_clearly(run_cli("pretrain", f"workdir={workdir}", *TRAIN, *CONTRASTIVE,
+                         "text.tokenizer.kind=train", "text.tokenizer.vocab_size=64",
+                         f"init.checkpoint={runs['vmoe']}", "model.hidden_size=48"),
+                 f"the image checkpoint {runs['vmoe']}", "does not fit the model",
+                 "checkpoint (32,) vs model (48,)")
+  _no_run_at_all(workdir)

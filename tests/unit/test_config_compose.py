@@ -14,7 +14,7 @@ CONF = conf_dir()
 SWEEPS = CONF.parent / "sweeps"
 PRIMARY = ["pretrain", "finetune", "fewshot", "eval", "ensemble"]
 GROUPS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-          for group in ("data", "optim", "schedule", "experiment", "sharding")}
+          for group in ("data", "optim", "schedule", "experiment", "sharding", "objective")}
 # Hydra's own groups: the shared settings and the launchers' options.
 HYDRA_GROUPS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
                 for group in ("hydra/env", "hydra/launcher")}
@@ -27,7 +27,8 @@ def _compose(name, overrides=(), config_dir=CONF, extra_dir=None, with_hydra=Fal
 
 
 def _resolved(cfg):
-  # data.root is mandatory for image_folder and tfds needs a name: give them values to resolve.
+  # data.root is mandatory for image_folder and captions, and tfds needs a name: the tests give
+  # them values to resolve.
   return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
 
 
@@ -71,11 +72,19 @@ def test_group_options_compose_with_pretrain(group, option):
   overrides = [f"{group}={option}"]
   if option == "image_folder":
     overrides.append("data.root=/some/folder")
+  if group == "data" and option == "captions":
+    overrides.append("data.root=/some/pairs.jsonl")
   if option == "tfds":
     overrides.append("data.name=cifar10")
   config = _resolved(_compose("pretrain", overrides))
   if group == "data":
     assert str(config["model"]["image_size"]) in config["data"]["pp"]
+    # an image-text dataset names its caption feature; a classification one names none
+    assert bool(config["data"]["text_key"]) == ("captions" in option)
+  if group == "objective":
+    assert config["objective"]["name"] == option
+    if option == "contrastive":  # it brings image-caption data (embedded by default)
+      assert config["data"]["text_key"]
 
 
 @pytest.mark.parametrize("name", catalog.CPU_MODELS + catalog.PAPER_MODELS)

@@ -1,0 +1,92 @@
+"""Evaluating image-text models: in-batch retrieval and loss, zero-shot classification from class
+prompts, and retrieval recall@k over a whole split.
+
+Zero-shot classification (CLIP, LiT): each class name is written into every prompt template, the
+prompts' text embeddings are averaged per class and normalised again (prompt ensembling), and an
+image's logits are t·(its embedding · each class embedding), t the model's learned scale. Retrieval
+ranks, for every image of a split, all of the split's captions by similarity (and every caption
+all images) and reports recall@k: how often the true partner is among the k most similar.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from runner.train import contrastive
+
+RECALL_AT = (1, 5, 10)
+
+
+def prompts(class_names: list[str], templates: list[str]) -> list[str]:
+  """Class-major: every template for class 0, then class 1, ..."""
+  return [t.format(name) for name in class_names for t in templates]
+
+
+def class_embeddings(model, params, tokens: np.ndarray, num_templates: int) -> jax.Array:
+  """(C, E) normalised mean of each class's prompt embeddings; tokens (C * T, L), class-major."""
+  _, extras = model.apply({"params": params}, None, jnp.asarray(tokens), train=False)
+  z = extras["text_embedding"].reshape(-1, num_templates, extras["text_embedding"].shape[-1])
+  return contrastive.normalize(z.mean(axis=1))
+
+
+def make_pair_step(model, *, sigmoid: bool):
+  """(params, batch, classes) -> sums over the batch's real pairs (runner/train/contrastive.py
+  masked_sums), plus zero-shot correct predictions when `classes` (C, E) and labels are given."""
+  def step(params, batch, classes):
+    zimg, extras = model.apply({"params": params}, batch["image"], batch["tokens"], train=False)
+    sums = contrastive.masked_sums(zimg, extras["text_embedding"], extras["temperature"],
+                                   batch["_mask"], bias=extras.get("bias") if sigmoid else None)
+    if classes is not None and "labels" in batch:
+      predicted = jnp.argmax(zimg @ classes.T, axis=-1)
+      correct = jnp.take_along_axis(batch["labels"], predicted[:, None], axis=1)[:, 0] > 0
+      sums["zero_shot_prec@1"] = jnp.sum(correct * batch["_mask"])
+    return sums
+  return step
+
+
+class PairEvaluator:
+  """The training loop's evaluation of a contrastive model on a split of pairs: the loss, the
+  in-batch image->text and text->image accuracies, and zero-shot accuracy from class prompts
+  (when the data has classes)."""
+
+  def __init__(self, step, batches, *, prefix: str, put=lambda b: b, model=None,
+               class_tokens: np.ndarray | None = None, num_templates: int = 1):
+    self.step, self.batches, self.prefix, self.put = step, batches, prefix, put
+    self.model, self.class_tokens, self.num_templates = model, class_tokens, num_templates
+    self.embed = jax.jit(lambda p, t: class_embeddings(model, p, t, num_templates))
+
+  def run(self, params) -> dict:
+    classes = None
+    if self.class_tokens is not None:
+      classes = self.embed(params, self.class_tokens)
+    totals: dict[str, float] = {}
+    start = time.perf_counter()
+    for batch in self.batches.as_numpy_iterator():
+      sums = jax.device_get(self.step(params, self.put(batch), classes))
+      for k, v in sums.items():
+        totals[k] = totals.get(k, 0.0) + float(v)
+    count = max(totals.pop("count", 0.0), 1.0)
+    out = {f"{self.prefix}/{k}": v / count for k, v in totals.items()}
+    out[f"{self.prefix}/images_per_s"] = count / max(time.perf_counter() - start, 1e-9)
+    return out
+
+
+def recall_at_k(zimg: np.ndarray, ztxt: np.ndarray, ks=RECALL_AT, block: int = 1024) -> dict:
+  """Image->text and text->image recall@k of N pairs (row n of each is the true partner),
+  ranking by cosine similarity block by block (never all N x N similarities at once; ties count
+  against the true partner)."""
+  out = {}
+  for name, queries, keys in (("i2t", zimg, ztxt), ("t2i", ztxt, zimg)):
+    ranks = []
+    for start in range(0, len(queries), block):
+      q = queries[start:start + block]
+      sims = q @ keys.T
+      own = sims[np.arange(len(q)), np.arange(start, start + len(q))]
+      ranks.append((sims >= own[:, None]).sum(1) - 1)  # keys at least as similar as the partner
+    ranks = np.concatenate(ranks)
+    for k in ks:
+      out[f"{name}_recall@{k}"] = float(np.mean(ranks < k))
+  return out

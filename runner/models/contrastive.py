@@ -1,0 +1,155 @@
+"""Two towers for contrastive image-text learning (LiT, Zhai et al. 2022; the HET-XL paper's Sec. 5).
+
+The image tower is any model of the catalog without its head (a ViT, a V-MoE, a partitioned batch
+ensemble, any router family; its representation, the members' side by side for an ensemble);
+the text tower a Transformer over tokens (runner/models/text.py). Each is projected to the shared
+embedding width and L2-normalised (α for images, β for texts). A learned scale t multiplies the
+similarities (stored as log t, started at `temperature_init`: 10 for a deterministic model, 3 for
+HET-XL, the paper's App. N); the sigmoid loss also learns a bias (started at -10, SigLIP's).
+
+HET-XL (`noise`, from model.head.type=het_xl): in training, each tower's embedding gets Gaussian
+noise ε ~ N(0, Σ(z)) with Σ = V(z)V(z)^T + d(z)d(z)^T of size D x D computed from that tower's
+embedding z (a rank-R term, R = model.head.num_factors, not parameter-efficient as the paper's,
+plus a rank-1 term; runner/models/heads.py's parameterisation), with S = train_mc_samples draws
+(the paper: 1). `pre_norm`: the noise is added to the normalised embedding (the paper's choice,
+its Table 7 finds it crucial); `post_norm`: the sum is normalised again. At evaluation the
+representations stay deterministic (the paper's App. M).
+
+LiT (`lock_image`): the image tower runs in inference mode and no gradient reaches it; the
+projections and the text tower learn.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from runner.models import heads
+from runner.train.contrastive import normalize
+
+part = nn.with_logical_partitioning
+
+
+class RepresentationNoise(nn.Module):
+  """HET-XL's noise on a D-dim representation: (B, D) -> (B, S, D) draws of ε(z)."""
+  num_factors: int = 15
+  parameter_efficient: bool = False
+
+  @nn.compact
+  def __call__(self, z: jax.Array, samples: int) -> jax.Array:
+    batch, dim = z.shape
+    weights = {"diag_layer": heads._Linear(dim, name="diag_layer")(dim)}
+    if self.parameter_efficient:
+      weights["scale_layer_homoscedastic"] = heads._Linear(
+          dim, name="scale_layer_homoscedastic")(self.num_factors)
+      weights["scale_layer_heteroscedastic"] = heads._Linear(
+          dim, name="scale_layer_heteroscedastic")(dim)
+    else:
+      weights["scale_layer"] = heads._Linear(dim * self.num_factors, name="scale_layer")(dim)
+    key = (self.make_rng(heads.NOISE_RNG) if self.has_rng(heads.NOISE_RNG)
+           else jax.random.key(heads.EVAL_NOISE_SEED))  # initialisation: shapes only
+    z_key, zeta_key = jax.random.split(key)
+    draws = jax.random.normal(z_key, (batch, samples, self.num_factors), jnp.float32)
+    zeta = jax.random.normal(zeta_key, (batch, samples, 1), jnp.float32)
+    return heads.noise(draws, zeta, weights, z, parameter_efficient=self.parameter_efficient)
+
+
+class TwoTowers(nn.Module):
+  image: nn.Module  # a VisionTransformer with num_classes=0
+  text: nn.Module  # a TextTransformer
+  embedding_dim: int = 128
+  max_length: int = 16
+  temperature_init: float = 10.0
+  bias_init: float | None = None  # a learned bias (the sigmoid loss)
+  noise: dict | None = None  # HET-XL: num_factors, parameter_efficient, train_mc_samples,
+  #                            pre_norm, post_norm
+  lock_image: bool = False
+  dtype: Any = jnp.float32
+
+  def embed_image(self, images, *, train: bool, dropout: bool | None = None):
+    rep, extras = self.image(images, train=train and not self.lock_image,
+                             dropout=False if self.lock_image else dropout)
+    if self.lock_image:  # LiT: the image tower is a fixed feature extractor
+      rep = jax.lax.stop_gradient(rep)
+      extras = {**extras, "auxiliary_loss": jnp.zeros(())}
+    z = nn.Dense(self.embedding_dim, name="image_projection",
+                 kernel_init=part(nn.initializers.lecun_normal(), (None, "embed")))(rep)
+    return z.astype(jnp.float32), extras
+
+  def embed_text(self, tokens, *, train: bool):
+    rep = self.text(tokens, train=train)
+    z = nn.Dense(self.embedding_dim, name="text_projection",
+                 kernel_init=part(nn.initializers.lecun_normal(), (None, "embed")))(rep)
+    return z.astype(jnp.float32)
+
+  @nn.compact
+  def __call__(self, images, tokens=None, *, train: bool = False, dropout: bool | None = None):
+    """(normalised image embeddings (B, E), extras): `pre_logits` (the image tower's
+    representation, for few-shot and OOD scores), `routing` and `auxiliary_loss` (its MoE layers),
+    `text_embedding` (normalised, with `tokens`), `temperature` t and `bias`; in training with
+    HET-XL noise, `image_samples` and `text_samples` (B, S, E). With `images=None` only the text
+    tower runs (prompts of zero-shot classification): (None, extras)."""
+    if images is None:
+      log_scale = self.param("log_temperature", nn.initializers.constant(
+          jnp.log(self.temperature_init)), (), jnp.float32)
+      return None, {"text_embedding": normalize(self.embed_text(tokens, train=train)),
+                    "temperature": jnp.exp(log_scale)}
+    zimg, extras = self.embed_image(images, train=train, dropout=dropout)
+    extras = {"pre_logits": extras["pre_logits"], "routing": extras["routing"],
+              "auxiliary_loss": extras["auxiliary_loss"]}
+    if tokens is None and self.is_initializing():  # the text tower's parameters too
+      tokens = jnp.ones((1, self.max_length), jnp.int32)
+    log_scale = self.param("log_temperature", nn.initializers.constant(
+        jnp.log(self.temperature_init)), (), jnp.float32)
+    extras["temperature"] = jnp.exp(log_scale)
+    if self.bias_init is not None:
+      extras["bias"] = self.param("bias", nn.initializers.constant(self.bias_init), (),
+                                  jnp.float32)
+    ztxt = self.embed_text(tokens, train=train) if tokens is not None else None
+    if self.noise is not None:
+      noises = {"image": RepresentationNoise(self.noise["num_factors"],
+                                             self.noise["parameter_efficient"], name="image_noise"),
+                "text": RepresentationNoise(self.noise["num_factors"],
+                                            self.noise["parameter_efficient"], name="text_noise")}
+      if train and ztxt is not None:
+        for name, z in (("image", zimg), ("text", ztxt)):
+          extras[f"{name}_samples"] = self._noisy(noises[name], z)
+      elif self.is_initializing():  # create the noise layers' parameters
+        for name, z in (("image", zimg), ("text", ztxt)):
+          noises[name](z, 1)
+    extras["text_embedding"] = None if ztxt is None else normalize(ztxt)
+    return normalize(zimg), extras
+
+  def _noisy(self, noise: RepresentationNoise, z: jax.Array) -> jax.Array:
+    base = normalize(z) if self.noise["pre_norm"] else z
+    samples = base[:, None] + noise(z, self.noise["train_mc_samples"])
+    return normalize(samples) if self.noise["post_norm"] else samples
+
+
+def build_two_towers(model_config, text_config, objective, vocab_size: int, *,
+                     lock_image: bool = False) -> TwoTowers:
+  """The contrastive model of a config: `model` the image tower (any catalog model; its head
+  type chooses HET-XL noise), `text` the text tower, `objective` the loss's settings;
+  `lock_image`: LiT (the task locks a tower it starts from a checkpoint)."""
+  from runner.config.schema import ContrastiveLoss, HeadType
+  from runner.models import build_model
+  from runner.models.text import TextTransformer
+  name = lambda option: str(getattr(option, "value", option))  # noqa: E731
+  het = model_config.head.type == HeadType.het_xl
+  head = model_config.head
+  noise = dict(num_factors=head.num_factors, parameter_efficient=head.parameter_efficient,
+               train_mc_samples=head.train_mc_samples, pre_norm=objective.noise_pre_norm,
+               post_norm=objective.noise_post_norm) if het else None
+  sigmoid = objective.loss == ContrastiveLoss.sigmoid
+  dtype = jnp.dtype(name(model_config.dtype))
+  text = TextTransformer(vocab_size, width=text_config.width, depth=text_config.depth,
+                         mlp_dim=text_config.mlp_dim, num_heads=text_config.num_heads,
+                         pool=name(text_config.pool), dtype=dtype)
+  return TwoTowers(
+      image=build_model(model_config, 0), text=text, embedding_dim=objective.embedding_dim,
+      max_length=text_config.max_length,
+      temperature_init=objective.temperature_init or (3.0 if het else 10.0),
+      bias_init=(-10.0 if objective.bias_init is None else objective.bias_init) if sigmoid
+      else None, noise=noise, lock_image=lock_image, dtype=dtype)

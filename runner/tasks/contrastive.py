@@ -1,0 +1,141 @@
+"""`vmoe pretrain objective=contrastive`: two towers learn aligned image and text embeddings.
+
+The image tower is `model` (any catalog model, without its head), the text tower `text.*`; the
+data are image-caption pairs (`data.text_key`; by default the embedded MNIST digits with template
+captions). With `init.checkpoint=<an image model's run>` the image tower starts from it and, with
+`objective.lock_image` (the default), stays locked: LiT (Zhai et al. 2022). `model.head.type=
+het_xl` adds HET-XL's noise to the representations (runner/models/contrastive.py). The tokenizer
+is `text.tokenizer.*`; a trained one is written to the workdir and reused by later stages.
+Validation reports the loss, in-batch retrieval accuracies, and zero-shot accuracy from class
+prompts (the embedded captions' held-out templates) when the data has classes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from typing import Callable
+
+import jax
+import numpy as np
+
+from runner import checkpoint, data, weights
+from runner.config import derived
+from runner.config.schema import ContrastiveLoss, Objective, TokenizerKind, TrainTask
+from runner.data.captions import HELD_OUT_TEMPLATES
+from runner.data.pipeline import TextSpec
+from runner.data.tokenizers import MODEL_FILE, make_tokenizer
+from runner.errors import ConfigError
+from runner.evaluators.contrastive import PairEvaluator, make_pair_step, prompts
+from runner.models import transfer
+from runner.models.contrastive import build_two_towers
+from runner.parallel import Placement
+from runner.tasks import common, fewshot_data
+from runner.train import objectives, state as state_lib
+from runner.train.loop import train_and_evaluate
+
+
+@dataclasses.dataclass
+class PairTraining:
+  """What the training loop needs for image-text pairs."""
+  objective: Callable  # runner/train/objectives.py contrastive_pairs
+  text: TextSpec
+  evaluator: Callable  # (batches, prefix, put) -> PairEvaluator
+  frozen: str | None = None  # parameter names the optimizer leaves alone (LiT: the image tower)
+
+
+def tokenizer(config: TrainTask, source: data.Source, split: str, workdir: str, *,
+              resuming: bool, scratch: str):
+  """The run's tokenizer; `train` fits one on the training captions, kept in the workdir. A
+  resumed run reuses it (its ids must not change); a fresh run trains one in `scratch`, which
+  `keep_tokenizer` moves into the workdir once the run is known to start (a failed start leaves
+  nothing a rerun could take for its tokenizer)."""
+  texts = None
+  if config.text.tokenizer.kind == TokenizerKind.train:
+    texts = source.captions(split)
+  return make_tokenizer(config.text.tokenizer, texts=texts,
+                        workdir=workdir if resuming else scratch)
+
+
+def keep_tokenizer(config: TrainTask, scratch: str) -> None:
+  trained = os.path.join(scratch, MODEL_FILE)
+  if config.text.tokenizer.kind == TokenizerKind.train and os.path.exists(trained):
+    staged = os.path.join(config.workdir, f"{MODEL_FILE}.tmp{os.getpid()}")
+    shutil.copyfile(trained, staged)
+    os.replace(staged, os.path.join(config.workdir, MODEL_FILE))
+
+
+def class_tokens(names: list[str] | None, templates, tok, max_length: int):
+  """(C * T, L) tokens of every class prompt, class-major; None without class names."""
+  if not names:
+    return None
+  return np.stack([tok.encode(p, max_length) for p in prompts(list(names), list(templates))])
+
+
+def _image_tower_init(config: TrainTask, model, image_shape) -> dict:
+  """Parameters with the image tower from init.checkpoint (its head left out); the rest fresh."""
+  init = config.init
+  stored = weights.stored_config(init.checkpoint)
+  restored, stored, step = weights.load(init.checkpoint,
+                                        ensemble_size=derived.ensemble_size(config.model))
+  fresh, _ = state_lib.init_params(model, image_shape, config.seed)
+  if (stored or {}).get("objective", {}).get("name") == Objective.contrastive.value:
+    return transfer.adapt_params(restored, fresh, reinit_head=False,  # a contrastive run, on
+                                 source=f"checkpoint {init.checkpoint} (step {step})")
+  image = transfer.adapt_params(restored, fresh["image"], reinit_head=True,
+                                source=f"image checkpoint {init.checkpoint} (step {step})")
+  return {**fresh, "image": image}
+
+
+def run(config: TrainTask, placement: Placement, stage: str) -> dict:
+  resuming = checkpoint.has_checkpoints(config.workdir)
+  if config.init.checkpoint and not resuming:
+    weights.check(config.init.checkpoint)
+  data_config, source = common.open_data(config.data)
+  config = dataclasses.replace(config, data=data_config)
+  if not source.text_key:
+    raise ConfigError(f"objective=contrastive trains on image-caption pairs, but data="
+                      f"{config.data.name} has no captions (data.text_key is not set); use "
+                      "data=mnist5k_captions (embedded), data=captions data.root=<pairs.jsonl> or "
+                      "data=coco_captions.")
+  fewshot = None
+  if derived.fewshot_in_training(config.fewshot):
+    fewshot = fewshot_data.batches(
+        fewshot_data.open_datasets(config.fewshot, config.data),
+        derived.fewshot_batch_size(config.fewshot, config.data, config.eval.batch_size))
+  # Zero-shot validation: the data's class names in the held-out templates (or eval.zero_shot.*).
+  zero_shot = config.eval.zero_shot
+  if zero_shot.class_names and len(zero_shot.class_names) != source.num_classes:
+    raise ConfigError(f"eval.zero_shot.class_names names {len(zero_shot.class_names)} classes, "
+                      f"but data={config.data.name} has {source.num_classes}; name each of its "
+                      "classes in label order, or leave the list empty for the data's own names.")
+  templates = list(zero_shot.templates) or HELD_OUT_TEMPLATES
+  locked = bool(config.init.checkpoint) and config.objective.lock_image
+  with tempfile.TemporaryDirectory() as scratch:
+    tok = tokenizer(config, source, config.data.split, config.workdir, resuming=resuming,
+                    scratch=scratch)
+    model = build_two_towers(config.model, config.text, config.objective, tok.vocab_size,
+                             lock_image=locked)
+    image_shape = data.image_shape(source, config.data.split, config.data.pp_train)
+    init_params = None
+    if config.init.checkpoint and not resuming:
+      init_params = _image_tower_init(config, model, image_shape)
+    if not resuming:
+      keep_tokenizer(config, scratch)
+  common.write_config(config, config.workdir)
+  sigmoid = config.objective.loss == ContrastiveLoss.sigmoid
+  pair_step = jax.jit(make_pair_step(model, sigmoid=sigmoid))
+  tokens = class_tokens(list(zero_shot.class_names) or source.class_names, templates, tok,
+                        config.text.max_length)
+  pairs = PairTraining(
+      objective=objectives.contrastive_pairs(model, loss=config.objective.loss.value,
+                                             aux_loss_weight=config.train.aux_loss_weight),
+      text=TextSpec(source.text_key, tok, config.text.max_length),
+      evaluator=lambda batches, prefix, put: PairEvaluator(
+          pair_step, batches, prefix=prefix, put=put, model=model, class_tokens=tokens,
+          num_templates=len(templates)),
+      frozen="image/.*" if locked else None)
+  return train_and_evaluate(config, model=model, source=source, placement=placement,
+                            init_params=init_params, stage=stage, fewshot_datasets=fewshot,
+                            pairs=pairs)

@@ -1,0 +1,57 @@
+"""What a train step minimises, as a function of (params, batch, rngs) -> (loss, metrics).
+
+Classification: the cross-entropy of the labels (a partitioned batch ensemble: the mean of its
+members' cross-entropies, E³ App. D.1) plus the MoE auxiliary loss. Contrastive: the symmetric
+softmax loss (with HET-XL's noisy samples) or SigLIP's sigmoid loss of image-text pairs
+(runner/train/contrastive.py), plus the image tower's auxiliary loss.
+"""
+from __future__ import annotations
+
+from runner.train import contrastive
+from runner.train.losses import LOSSES, precision_at_1
+
+
+def _routing(extras: dict) -> dict:
+  return {f"moe/{layer}/{k}": v for layer, metrics in extras["routing"].items()
+          for k, v in metrics.items()}
+
+
+def classification(model, *, loss: str, aux_loss_weight: float):
+  loss_fn = LOSSES[loss]
+
+  def objective(params, batch, rngs):
+    images, labels = batch["image"], batch["labels"]
+    logits, extras = model.apply({"params": params}, images, train=True, rngs=rngs)
+    if "member_logits" in extras:  # an ensemble learns from the mean of its members' losses
+      cls_loss = loss_fn(extras["member_logits"], labels[:, None, :]).mean()
+    else:
+      cls_loss = loss_fn(logits, labels).mean()
+    aux = extras["auxiliary_loss"]
+    total = cls_loss + aux_loss_weight * aux
+    metrics = {"train/loss": total, "train/cls_loss": cls_loss, "train/aux_loss": aux,
+               "train/prec@1": precision_at_1(logits, labels).mean()}
+    if "temperature" in extras:  # a heteroscedastic head's τ (learned, or fixed)
+      metrics["train/temperature"] = extras["temperature"]
+    return total, {**metrics, **_routing(extras)}
+  return objective
+
+
+def contrastive_pairs(model, *, loss: str, aux_loss_weight: float, chunk: int = 8):
+  """`loss`: "softmax" or "sigmoid"; `chunk`: HET-XL samples whose logits exist at once."""
+
+  def objective(params, batch, rngs):
+    zimg, extras = model.apply({"params": params}, batch["image"], batch["tokens"], train=True,
+                               rngs=rngs)
+    ztxt, scale = extras["text_embedding"], extras["temperature"]
+    if loss == "sigmoid":
+      pair_loss, metrics = contrastive.sigmoid_loss(zimg, ztxt, scale, extras["bias"])
+    else:
+      pair_loss, metrics = contrastive.softmax_loss(
+          zimg, ztxt, scale, image_samples=extras.get("image_samples"),
+          text_samples=extras.get("text_samples"), chunk=chunk)
+    aux = extras["auxiliary_loss"]
+    total = pair_loss + aux_loss_weight * aux
+    out = {"train/loss": total, "train/contrastive_loss": pair_loss, "train/aux_loss": aux,
+           "train/temperature": scale, **{f"train/{k}": v for k, v in metrics.items()}}
+    return total, {**out, **_routing(extras)}
+  return objective
