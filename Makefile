@@ -12,7 +12,7 @@ comma := ,
 JEMALLOC := $(firstword $(wildcard $(VENV)/lib/libjemalloc.so.2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2))
 WITH_JEMALLOC := $(if $(JEMALLOC),LD_PRELOAD=$(abspath $(JEMALLOC)) MALLOC_CONF=oversize_threshold:0$(comma)dirty_decay_ms:60000$(comma)muzzy_decay_ms:60000 VMOE_ALLOCATOR=jemalloc,)
 
-.PHONY: install demo test test-full test-cluster bench study-ensembles study-heads study-routers clean
+.PHONY: install demo test test-full test-cluster bench study-ensembles study-heads study-routers study-contrastive clean
 
 install: $(STAMP)
 
@@ -54,6 +54,10 @@ study-heads: install
 # Router families at matched compute (docs/routers.md): ViT, token-choice k=1/k=2, experts-choice, Soft MoE.
 study-routers: install
 	$(WITH_JEMALLOC) $(BIN)/python -m runner.studies.routers
+
+# DET vs HET-XL contrastive learning, LiT from the demo's V-MoE, zero-shot on held-out prompts (docs/contrastive.md).
+study-contrastive: install
+	$(WITH_JEMALLOC) $(BIN)/python -m runner.studies.contrastive
 
 bench: install
 	$(WITH_JEMALLOC) $(BIN)/python -m benchmarks.run_all

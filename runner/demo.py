@@ -124,8 +124,8 @@ def routing(ev: dict) -> str:
   layers = sorted({k.split("/")[1] for k in ev if k.startswith("routing/layer_")},
                   key=lambda name: int(name.split("_")[1]))
   return "; ".join(
-      f"{layer}: U(E|class) {ev[f'routing/{layer}/uncertainty_class_routed']:.3f}, "
-      f"U(E|position) {ev[f'routing/{layer}/uncertainty_position_routed']:.3f}, top-1 / top-2 "
+      f"{layer}: U(E∣class) {ev[f'routing/{layer}/uncertainty_class_routed']:.3f}, "
+      f"U(E∣position) {ev[f'routing/{layer}/uncertainty_position_routed']:.3f}, top-1 / top-2 "
       f"weight {ev[f'routing/{layer}/top1']:.2f} / {ev[f'routing/{layer}/top2']:.2f}, dropped "
       f"{ev[f'routing/{layer}/dropped_fraction']:.3f}" for layer in layers)
 

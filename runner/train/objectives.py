@@ -36,8 +36,9 @@ def classification(model, *, loss: str, aux_loss_weight: float):
   return objective
 
 
-def contrastive_pairs(model, *, loss: str, aux_loss_weight: float, chunk: int = 8):
-  """`loss`: "softmax" or "sigmoid"; `chunk`: HET-XL samples whose logits exist at once."""
+def contrastive_pairs(model, *, loss: str, aux_loss_weight: float, chunk: int = 1):
+  """`loss`: "softmax" or "sigmoid"; `chunk`: HET-XL samples whose logits exist at once (1: the
+  least memory, and on CPU also the fastest; benchmarks/contrastive_memory.py)."""
 
   def objective(params, batch, rngs):
     zimg, extras = model.apply({"params": params}, batch["image"], batch["tokens"], train=True,
