@@ -1,7 +1,8 @@
 """`make bench`: every benchmark; a summary of all of them in benchmarks/results/latest.json."""
 from __future__ import annotations
 
-from benchmarks import bpr_inference, device_scaling, dispatch_scaling, harness, train_step
+from benchmarks import (bpr_inference, device_scaling, dispatch_scaling, harness,
+                        routing_analysis, train_step)
 
 
 def main() -> dict:
@@ -19,6 +20,7 @@ def main() -> dict:
       "dispatch_scaling": dispatch_scaling.main([])["rows"],
       "bpr_inference": bpr_inference.main([])["rows"],
       "device_scaling": device_scaling.main([])["runs"],
+      "routing_analysis": routing_analysis.main([])["models"],
   }
   print(f"wrote {harness.write('latest', latest)}")
   return latest
