@@ -130,6 +130,7 @@ def test_multirun_gives_each_job_its_own_workdir(tmp_path, run_cli):
     assert (tmp_path / j / "checkpoints" / "1").exists()
 
 
+@pytest.mark.slow  # sweeps compose in test_config_compose; a multirun's workdirs just above
 def test_finetune_lr_study_from_sweeps(pretrained, tmp_path, run_cli):
   code, _, err = run_cli("finetune", "-cd", "sweeps", "-cn", "finetune_lr", f"workdir={tmp_path}",
                          f"init.checkpoint={pretrained}", *TINY_MODEL, *QUIET, "train.steps=1",

@@ -64,7 +64,8 @@ def test_pretrain_records_the_routers_metrics(upstream, name, router):
 @pytest.mark.parametrize("name,origin", [("softmoe_tiny", "vmoe_tiny"),
                                          ("ecmoe_tiny", "vmoe_tiny"),
                                          ("softmoe_tiny", "vit_tiny"),
-                                         ("ecmoe_tiny", "ecmoe_tiny")])
+                                         pytest.param("ecmoe_tiny", "ecmoe_tiny",
+                                                      marks=pytest.mark.slow)])
 def test_finetune_keeps_the_experts_and_starts_a_new_router(upstream, tmp_path, run_cli, name,
                                                             origin):
   _, runs = upstream
