@@ -65,3 +65,22 @@ def run_cli(capsys):
     out, err = capsys.readouterr()
     return code, out, err
   return run
+
+
+def fails_clearly(result, *expected) -> str:
+  """A CLI run (run_cli's result) that failed as bad input must: exit 2, one paragraph naming
+  each of `expected`, no traceback. Returns the message."""
+  code, out, err = result
+  assert code == 2, (code, out, err)
+  assert "Traceback" not in err and "Traceback" not in out
+  message = err.strip().splitlines()
+  assert len(message) == 1, err  # one paragraph
+  for text in expected:
+    assert text in err, (text, err)
+  return err
+
+
+def nothing_like_a_run(workdir: pathlib.Path) -> None:
+  """No artefact a resume could take for a run."""
+  for artefact in ("checkpoints", "wandb", "summary.json", "metrics.jsonl"):
+    assert not (workdir / artefact).exists(), artefact

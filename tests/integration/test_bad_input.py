@@ -17,28 +17,14 @@ import pytest
 from PIL import Image
 
 from conftest import TINY_MODEL
+from conftest import fails_clearly as _fails_clearly
+from conftest import nothing_like_a_run as _nothing_like_a_run
 
 pytestmark = pytest.mark.xdist_group("bad_input")
 
 # W&B offline (not disabled), so that "no W&B run was started" is a real check.
 LOGS = ["logger.wandb.mode=offline", "logger.progress=false"]
 TRAIN = [*TINY_MODEL, *LOGS, "train.steps=1", "data.batch_size=16"]
-
-
-def _fails_clearly(result, *expected) -> str:
-  code, out, err = result
-  assert code == 2, (code, out, err)
-  assert "Traceback" not in err and "Traceback" not in out
-  message = err.strip().splitlines()
-  assert len(message) == 1, err  # one paragraph
-  for text in expected:
-    assert text in err, (text, err)
-  return err
-
-
-def _nothing_like_a_run(workdir: pathlib.Path) -> None:
-  for artefact in ("checkpoints", "wandb", "summary.json", "metrics.jsonl"):
-    assert not (workdir / artefact).exists(), artefact
 
 
 # --- config values, pretrain / finetune --------------------------------------------------------

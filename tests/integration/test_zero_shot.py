@@ -13,6 +13,8 @@ import pytest
 from PIL import Image
 
 from conftest import QUIET, TINY_MODEL
+from conftest import fails_clearly as _fails_clearly
+from conftest import nothing_like_a_run as _nothing_like_a_run
 
 pytestmark = pytest.mark.xdist_group("zero_shot")
 
@@ -166,21 +168,6 @@ def test_finetune_starts_from_the_image_tower(contrastive_run, finetuned):
 
 
 # --- bad input: exit 2, one paragraph, no traceback, nothing like a run --------------------------
-
-def _fails_clearly(result, *expected) -> str:
-  code, out, err = result
-  assert code == 2, (code, out, err)
-  assert "Traceback" not in err and "Traceback" not in out
-  assert len(err.strip().splitlines()) == 1, err  # one paragraph
-  for text in expected:
-    assert text in err, (text, err)
-  return err
-
-
-def _nothing_like_a_run(workdir: pathlib.Path) -> None:
-  for artefact in ("checkpoints", "wandb", "summary.json", "metrics.jsonl"):
-    assert not (workdir / artefact).exists(), artefact
-
 
 @pytest.fixture(scope="module")
 def caption_file(tmp_path_factory) -> pathlib.Path:
