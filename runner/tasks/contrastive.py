@@ -20,7 +20,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from runner import checkpoint, data, weights
+from runner import data, weights
 from runner.config import derived
 from runner.config.schema import ContrastiveLoss, Objective, TokenizerKind, TrainTask
 from runner.data.captions import HELD_OUT_TEMPLATES
@@ -31,7 +31,7 @@ from runner.evaluators.contrastive import PairEvaluator, make_pair_step, prompts
 from runner.models import transfer
 from runner.models.contrastive import build_two_towers
 from runner.parallel import Placement
-from runner.tasks import common, fewshot_data
+from runner.tasks import common
 from runner.train import objectives, state as state_lib
 from runner.train.loop import train_and_evaluate
 
@@ -76,7 +76,6 @@ def class_tokens(names: list[str] | None, templates, tok, max_length: int):
 def _image_tower_init(config: TrainTask, model, image_shape) -> dict:
   """Parameters with the image tower from init.checkpoint (its head left out); the rest fresh."""
   init = config.init
-  stored = weights.stored_config(init.checkpoint)
   restored, stored, step = weights.load(init.checkpoint,
                                         ensemble_size=derived.ensemble_size(config.model))
   fresh, _ = state_lib.init_params(model, image_shape, config.seed)
@@ -88,22 +87,14 @@ def _image_tower_init(config: TrainTask, model, image_shape) -> dict:
   return {**fresh, "image": image}
 
 
-def run(config: TrainTask, placement: Placement, stage: str) -> dict:
-  resuming = checkpoint.has_checkpoints(config.workdir)
-  if config.init.checkpoint and not resuming:
-    weights.check(config.init.checkpoint)
-  data_config, source = common.open_data(config.data)
-  config = dataclasses.replace(config, data=data_config)
+def run(config: TrainTask, placement: Placement, stage: str, *, source: data.Source,
+        resuming: bool, fewshot) -> dict:
+  """Called by runner/tasks/training.py once the data (and few-shot datasets) are open."""
   if not source.text_key:
     raise ConfigError(f"objective=contrastive trains on image-caption pairs, but data="
                       f"{config.data.name} has no captions (data.text_key is not set); use "
                       "data=mnist5k_captions (embedded), data=captions data.root=<pairs.jsonl> or "
                       "data=coco_captions.")
-  fewshot = None
-  if derived.fewshot_in_training(config.fewshot):
-    fewshot = fewshot_data.batches(
-        fewshot_data.open_datasets(config.fewshot, config.data),
-        derived.fewshot_batch_size(config.fewshot, config.data, config.eval.batch_size))
   # Zero-shot validation: the data's class names in the held-out templates (or eval.zero_shot.*).
   zero_shot = config.eval.zero_shot
   if zero_shot.class_names and len(zero_shot.class_names) != source.num_classes:

@@ -97,23 +97,24 @@ def run_training(config: TrainTask, placement: Placement, stage: str) -> dict:
   if shards and shards % jax.process_count():
     raise ConfigError(f"data.num_shards={shards} is not a multiple of the job's "
                       f"{jax.process_count()} processes: each reads an equal number of shards.")
-  if config.objective.name == Objective.contrastive:
-    from runner.tasks import contrastive  # noqa: PLC0415 (image-text pairs: two towers)
-    return contrastive.run(config, placement, stage)
   resuming = checkpoint.has_checkpoints(config.workdir)
   if config.init.checkpoint and not resuming:
     weights.check(config.init.checkpoint)  # a wrong path fails before the data is read
   data_config, source = common.open_data(config.data)
   config = dataclasses.replace(config, data=data_config)
-  if not source.num_classes:
-    raise data.DataError(f"data={config.data.name} has no class labels, only image-caption pairs: "
-                         "train on them with objective=contrastive, or choose a dataset with "
-                         "classes.")
   fewshot = None
   if derived.fewshot_in_training(config.fewshot):  # every dataset checked before any compute
     fewshot = fewshot_data.batches(
         fewshot_data.open_datasets(config.fewshot, config.data),
         derived.fewshot_batch_size(config.fewshot, config.data, config.eval.batch_size))
+  if config.objective.name == Objective.contrastive:
+    from runner.tasks import contrastive  # noqa: PLC0415 (image-text pairs: two towers)
+    return contrastive.run(config, placement, stage, source=source, resuming=resuming,
+                           fewshot=fewshot)
+  if not source.num_classes:
+    raise data.DataError(f"data={config.data.name} has no class labels, only image-caption pairs: "
+                         "train on them with objective=contrastive, or choose a dataset with "
+                         "classes.")
   # OOD datasets of in-training evaluation, checked before any compute as in vmoe eval.
   ood = [dataset_specs.open_dataset(name, config.data, None) for name in config.eval.ood_datasets]
   model = build_model(config.model, source.num_classes,

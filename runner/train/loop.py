@@ -178,13 +178,6 @@ class _Measurements:
   Compute and capacity sweeps belong to vmoe eval (a relation says so for the sweep)."""
   SKIP = ("classification", "compute", "capacity_sweep")
 
-  @classmethod
-  def none(cls):
-    """No measurement (a contrastive model evaluates its own way)."""
-    out = cls.__new__(cls)
-    out.names = []
-    return out
-
   def __init__(self, config: TrainTask, model, source, placement: Placement, batch_size: int,
                ood: list):
     d = config.data
@@ -273,8 +266,9 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
           return pairs.evaluator(batches, prefix, placement.put)
         return ClassificationEvaluator(eval_step, batches, prefix=prefix, put=placement.put)
       val = evaluator(d.eval_split, "val")
-      measurements = (_Measurements(config, model, source, placement, eval_batch_size,
-                                    ood_datasets or []) if not pairs else _Measurements.none())
+      # (A contrastive run enables none: its validation is pairs.evaluator; a relation says so.)
+      measurements = _Measurements(config, model, source, placement, eval_batch_size,
+                                   ood_datasets or [])
       fewshot_cfg, fewshot = config.fewshot, None
       if fewshot_datasets:
         fewshot = FewshotEvaluator(None, fewshot_datasets, shots=fewshot_cfg.shots,
