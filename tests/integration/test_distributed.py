@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import QUIET, TINY_MODEL
+from conftest import FAST_COMPILE, QUIET, TINY_MODEL
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
@@ -22,7 +22,7 @@ def _free_port() -> int:
 
 def test_two_processes_train_together(tmp_path):
   port = _free_port()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device each
+  env = dict(os.environ, XLA_FLAGS=FAST_COMPILE)  # one CPU device each
   common = ["pretrain", f"workdir={tmp_path}", *TINY_MODEL, *QUIET, "train.steps=3",
             "train.log_every_steps=1", "checkpoint.every_steps=2", "data.batch_size=32",
             f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2"]

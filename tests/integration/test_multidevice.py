@@ -13,7 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_meshes_and_shardings_on_8_fake_devices(request):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  flags = os.environ.get("XLA_FLAGS", "")  # tests/conftest.py's compile settings, and 8 devices
+  env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=8".strip())
   env.pop("PYTEST_XDIST_WORKER", None)
   # The outer run's marker selection holds inside too (`make test` leaves the slow ones out).
   markers = request.config.getoption("markexpr")

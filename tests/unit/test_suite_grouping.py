@@ -1,0 +1,23 @@
+"""The suite's own set-up: tests that share an expensive module fixture run in one worker.
+
+`make test` runs `-n 2 --dist loadgroup`: the integration modules build their runs once, in the
+worker that gets their `xdist_group`. pytest 9 silently broke that (pytest-xdist 3.8 marks a
+group by renaming the test's node id, which pytest 9 no longer reads), and every module fixture
+was then built in both workers, minutes of the suite's budget; this test says so if it recurs.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.xdist_group("suite_grouping")
+
+
+def test_a_grouped_test_carries_its_group_under_loadgroup(request):
+  if getattr(request.config.option, "dist", "no") == "no" and not hasattr(request.config,
+                                                                            "workerinput"):
+    pytest.skip("only meaningful under pytest-xdist (make test)")
+  if not getattr(request.config.option, "loadgroup", False):
+    pytest.skip("the run does not use --dist loadgroup")
+  assert request.node.nodeid.endswith("@suite_grouping"), (
+      f"{request.node.nodeid}: pytest-xdist's loadgroup does not group tests with this pytest; "
+      "pin a pytest that it supports (constraints.txt)")
