@@ -65,6 +65,21 @@ class MetricWriter:
         logged[k] = wandb.Histogram(v) if v.ndim else v.item()
       self.run.log(logged, step=int(step))
 
+  def last_logged(self, prefix: str, up_to_step: int) -> dict:
+    """The `prefix` metrics of the latest record at or before `up_to_step`: a resumed run that
+    has nothing left to train still reports its last training metrics."""
+    if not self.active:
+      return {}
+    latest = {}
+    for line in (self.workdir / "metrics.jsonl").read_text().splitlines():
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:  # a line cut short by a kill
+        continue
+      if record.get("step", math.inf) <= up_to_step and any(k.startswith(prefix) for k in record):
+        latest = {k: v for k, v in record.items() if k.startswith(prefix)}
+    return latest
+
   def log_image(self, step: int, key: str, path: str) -> None:
     if self.run is not None:
       import wandb

@@ -298,7 +298,7 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
                        f"{steps} steps of {batch_size} images on {placement.mesh.size} device(s) "
                        f"-> {workdir}")
       eval_every = config.eval.every_steps
-      history, last_train = [], {}
+      history, last_train = [], writer.last_logged("train/", start_step) if start_step else {}
       guard = _DivergenceGuard(config, checkpointer)
 
       def save(step):

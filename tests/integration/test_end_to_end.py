@@ -53,12 +53,17 @@ def test_pretrain_writes_metrics_summary_config_and_checkpoints(pretrained):
 
 def test_rerun_of_a_finished_run_resumes_without_training(pretrained, run_cli):
   before = (pretrained / "metrics.jsonl").read_text()
+  summary = json.loads((pretrained / "summary.json").read_text())
   code, _, err = run_cli("pretrain", f"workdir={pretrained}", *TINY_MODEL, *QUIET,
                          "train.steps=4", "data.batch_size=16")
   assert code == 0, err
   after = _lines(pretrained / "metrics.jsonl")[len(before.splitlines()):]
   assert all("train/loss" not in r for r in after)  # no step was trained again
   assert any("val/prec@1" in r for r in after)
+  # The summary still reports the last training metrics, as the first run's did.
+  rerun = json.loads((pretrained / "summary.json").read_text())
+  train = {k: v for k, v in summary.items() if k.startswith("train/")}
+  assert train and {k: rerun.get(k) for k in train} == train
 
 
 def test_finetune_from_pretrain_then_eval(pretrained, tmp_path, run_cli):
