@@ -1,5 +1,6 @@
 """A partitioned batch ensemble (E³) through the CLI on 8 (fake CPU) devices under expert
-parallelism: pretrain, eval and ensemble give the numbers a data-parallel mesh gives.
+parallelism: pretrain, eval (with the routing analysis) and ensemble give the numbers a
+data-parallel mesh gives.
 (Training on meshes vs one device: test_meshes.py, for a V-MoE and a pBE alike.) Runs in its own
 process with XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/integration/
 test_multidevice.py starts it); skipped anywhere else.
@@ -36,11 +37,12 @@ def test_pbe_cli_pretrain_expert_parallel_then_evaluate(run_cli, tmp_path):
   lines = [json.loads(line) for line in metrics]
   assert all(np.isfinite(r["train/loss"]) for r in lines if "train/loss" in r)
   # The expert-parallel checkpoint evaluated on a data-parallel mesh and on an expert one: the same
-  # numbers (same batches, same groups).
+  # numbers (same batches, same groups), the routing analysis' too.
   summaries = []
   for name, args in (("dp", ["mesh.data=8"]), ("ep", ["sharding=ep"])):
     code, _, err = run_cli("eval", f"init.checkpoint={tmp_path / 'up'}",
-                           f"workdir={tmp_path / name}", *QUIET, *args)
+                           f"workdir={tmp_path / name}", *QUIET, *args,
+                           "eval.routing_analysis=true", "eval.routing.images=2")
     assert code == 0, err
     summaries.append(json.loads((tmp_path / name / "summary.json").read_text()))
   dp, ep = summaries
@@ -48,6 +50,14 @@ def test_pbe_cli_pretrain_expert_parallel_then_evaluate(run_cli, tmp_path):
   for key in ("mnist5k/prec@1", "mnist5k/nll", "mnist5k/member_0/nll", "mnist5k/member_1/nll",
               "mnist5k/diversity/kl"):
     assert ep[key] == pytest.approx(dp[key], rel=1e-5, abs=1e-7), key
+  routing = sorted(k for k, v in ep.items() if k.startswith("routing/") and isinstance(v, float))
+  assert any("member_1" in k for k in routing) and any("top1" in k for k in routing), routing
+  for key in routing:
+    assert ep[key] == pytest.approx(dp[key], rel=1e-4, abs=1e-6), key
+  analysis = [dict(np.load(tmp_path / name / "routing_analysis.npz")) for name in ("dp", "ep")]
+  assert analysis[0].keys() == analysis[1].keys()
+  for key, value in analysis[0].items():
+    np.testing.assert_allclose(analysis[1][key], value, rtol=1e-4, atol=1e-6, err_msg=key)
   code, _, err = run_cli("ensemble", f"init.checkpoint=[{tmp_path / 'up'}]",
                          f"workdir={tmp_path / 'ens'}", *QUIET, "sharding=ep")
   assert code == 0, err
