@@ -2,7 +2,8 @@
 same losses, parameters and embeddings as on one device, with a V-MoE image tower under expert
 parallelism and HET-XL's noise on both towers' representations (its draws are sharded with the
 batch and must not depend on the sharding); and `vmoe pretrain objective=contrastive sharding=ep`
-end to end gives the numbers of a data-parallel mesh.
+end to end, whose checkpoint `vmoe eval` classifies zero-shot and retrieves with on an
+expert-parallel mesh as on a data-parallel one.
 
 Runs in its own process with XLA_FLAGS=--xla_force_host_platform_device_count=8
 (tests/integration/test_multidevice.py starts it); skipped anywhere else.
@@ -125,20 +126,40 @@ TEXT = ["text.width=32", "text.depth=1", "text.mlp_dim=64", "text.num_heads=2",
         "text.max_length=12", "objective.embedding_dim=16"]
 
 
-@pytest.mark.slow  # the CLI's ep path is test_cli_mesh's; the match above is the library's
-def test_cli_contrastive_pretrain_expert_parallel(run_cli, tmp_path):
+def test_cli_contrastive_pretrain_expert_parallel_then_zero_shot_eval(run_cli, tmp_path):
   """`vmoe pretrain objective=contrastive sharding=ep` end to end on 8 devices (HET-XL noise, a
-  V-MoE image tower): training, validation with zero-shot accuracy, the checkpoint."""
-  code, _, err = run_cli("pretrain", f"workdir={tmp_path}", "objective=contrastive", *TINY_MODEL,
+  V-MoE image tower): training, validation with zero-shot accuracy, the checkpoint; then
+  `vmoe eval` of it (zero-shot classification and retrieval) on a data-parallel and on an
+  expert-parallel mesh gives the same numbers."""
+  run = tmp_path / "run"
+  code, _, err = run_cli("pretrain", f"workdir={run}", "objective=contrastive", *TINY_MODEL,
                          *QUIET, *TEXT, "model.head.type=het_xl", "sharding=ep", "train.steps=2",
                          "train.log_every_steps=1", "data.batch_size=64",
                          'data.eval_split="validation[:64]"', "data.test_split=null")
   assert code == 0, err
-  config = __import__("yaml").safe_load((tmp_path / "config.yaml").read_text())
+  config = __import__("yaml").safe_load((run / "config.yaml").read_text())
   assert config["sharding"]["name"] == "ep" and config["mesh"]["expert"] == -1
-  lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
   losses = {r["step"]: r["train/loss"] for r in lines if "train/loss" in r}
   assert sorted(losses) == [1, 2] and np.all(np.isfinite(list(losses.values())))
-  summary = json.loads((tmp_path / "summary.json").read_text())
+  summary = json.loads((run / "summary.json").read_text())
   assert np.isfinite(summary["val/loss"]) and 0 <= summary["val/zero_shot_prec@1"] <= 1
-  assert (tmp_path / "checkpoints" / "2").is_dir()
+  assert (run / "checkpoints" / "2").is_dir()
+  summaries = []
+  for name, args in (("dp", ["mesh.data=8"]), ("ep", ["sharding=ep"])):
+    code, _, err = run_cli("eval", f"init.checkpoint={run}", f"workdir={tmp_path / name}",
+                           *QUIET, *args, 'eval.split="test[:128]"', "eval.retrieval=true",
+                           "data.batch_size=64")
+    assert code == 0, err
+    summaries.append(json.loads((tmp_path / name / "summary.json").read_text()))
+  dp, ep = summaries
+  # Measured, not computed: speed, and XLA's FLOP count (it counts the all-to-alls too).
+  keys = sorted(k for k, v in ep.items() if isinstance(v, float) and "images_per_s" not in k
+                and "seconds" not in k and not k.startswith("compute/"))
+  recalls = [k for k in keys if "recall@" in k]
+  assert any(k.endswith("/prec@1") for k in keys) and len(recalls) == 6, keys
+  for key in keys:
+    # Two steps on captions that carry only the label: many pairs' similarities are near-ties,
+    # which float rounding may order differently (a retrieval query more or less among 128).
+    tolerance = 2 / 128 if key in recalls else 1e-6
+    assert ep[key] == pytest.approx(dp[key], rel=1e-4, abs=tolerance), key
