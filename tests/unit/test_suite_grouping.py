@@ -13,8 +13,7 @@ pytestmark = pytest.mark.xdist_group("suite_grouping")
 
 
 def test_a_grouped_test_carries_its_group_under_loadgroup(request):
-  if getattr(request.config.option, "dist", "no") == "no" and not hasattr(request.config,
-                                                                            "workerinput"):
+  if not hasattr(request.config, "workerinput"):  # not an xdist worker
     pytest.skip("only meaningful under pytest-xdist (make test)")
   if not getattr(request.config.option, "loadgroup", False):
     pytest.skip("the run does not use --dist loadgroup")
