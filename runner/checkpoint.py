@@ -384,8 +384,9 @@ def param_shapes(path: str) -> dict:
     return jax.tree.map(lambda m: tuple(m.shape), tree)
 
 
-def load_params(path: str) -> tuple[dict, dict, int]:
-  """(parameters as host NumPy arrays, stored config, step) for initialising a later stage."""
+def load_params(path: str, *, with_config: bool = True) -> tuple[dict, dict | None, int]:
+  """(parameters as host NumPy arrays, stored config, step) for initialising a later stage;
+  without the config (None) when the caller has it already."""
   directory, step = locate(path)
   manager = _reader(directory)
   # Whatever mesh saved it (8 devices, 2 hosts...), read it whole onto this process's first device.
@@ -396,6 +397,8 @@ def load_params(path: str) -> tuple[dict, dict, int]:
   params = _restore_item(manager, directory, step, "params", ocp.args.StandardRestore(target))
   with _reading(directory, step, "params"):
     params = jax.tree.map(np.asarray, params)
+  if not with_config:
+    return params, None, step
   with _reading(directory, step, "config"):
     config = dict(_restore_item(manager, directory, step, "config", ocp.args.JsonRestore()))
   return params, config, step

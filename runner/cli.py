@@ -8,11 +8,29 @@ debug=true shows tracebacks.
 """
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
 import os
 import re
 import sys
+
+import hydra
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import IntervalSweep
+from hydra.types import RunMode
+from omegaconf import OmegaConf, open_dict
+
+from runner import config as config_layer, plugins
+from runner.config import conf_dir, registries
+from runner.errors import UserError, VmoeError
+
+# The library's own modules (models, data, training, evaluators, tasks: JAX and TensorFlow) are
+# imported inside the functions that need them, deliberately: a command first re-executes itself
+# with jemalloc and quiets TensorFlow's environment (entry(), _quiet_environment()), which must
+# happen before those libraries load, and `vmoe --help` or `vmoe summarize` need none of them.
 
 SUBCOMMANDS = {
     "pretrain": "train a ViT or V-MoE upstream (default: V-MoE tiny on embedded MNIST-5k)",
@@ -120,7 +138,6 @@ def _sweep_axes(overrides: list[str], study: dict) -> tuple[list[str], list[list
 
   `study` holds a sweep study's own `hydra.sweeper.params`; the command line wins over it.
   """
-  from hydra.core.override_parser.overrides_parser import OverridesParser
   parser = OverridesParser.create()
   fixed, axes, given = [], [], set()
   for ov in parser.parse_overrides(overrides):
@@ -146,7 +163,6 @@ class SearchRangeError(ValueError):
 def _sweep_values(override) -> list:
   """The values a sweep override takes; a search range (`interval(a,b)`, for the optuna
   sweeper) is checked to be non-empty and is validated at both of its ends."""
-  from hydra.core.override_parser.types import IntervalSweep
   sweep = override.value()
   if isinstance(sweep, IntervalSweep):
     if not sweep.start < sweep.end:
@@ -155,6 +171,13 @@ def _sweep_values(override) -> list:
           f"'{override.get_key_element()}=tag(log,interval(1e-4,1e-1))').")
     return [sweep.start, sweep.end]
   return list(override.sweep_string_iterator())
+
+
+def _job_count(overrides: list[str], study: dict) -> int:
+  count = 1
+  for axis in _sweep_axes(overrides, study)[1]:
+    count *= len(axis)
+  return count
 
 
 def _jobs(overrides: list[str], study: dict) -> list[list[str]]:
@@ -167,7 +190,7 @@ def _jobs(overrides: list[str], study: dict) -> list[list[str]]:
 
 def _register_requested_models(overrides: list[str]) -> None:
   """model=<name> in the catalog grammar (vmoe_b16_every2_e32_k2) becomes a `model` option."""
-  from runner.config.store import register_model
+  from runner.config_store import register_model
   from runner.models import catalog
   for ov in overrides:
     key, _, value = ov.partition("=")
@@ -182,7 +205,6 @@ def _register_requested_models(overrides: list[str]) -> None:
 def _explain_composition_error(err: Exception, sub: str, overrides: list[str],
                                config_dir: str | None, config_name: str) -> str:
   """One paragraph for a failed composition: what was wrong and what is valid."""
-  from omegaconf import OmegaConf
   from runner.models import catalog
   cause = err.__cause__ or err
   if isinstance(err, SearchRangeError):
@@ -228,8 +250,6 @@ def _explain_composition_error(err: Exception, sub: str, overrides: list[str],
 
 def _compose(config_dir: str | None, config_name: str, overrides: list[str],
              with_hydra: bool = False):
-  from hydra import compose, initialize_config_dir
-  from runner.config import conf_dir
   primary, extra = str(conf_dir()), []
   if config_dir:  # as Hydra's --config-dir: that folder first, conf/ still searched
     primary = os.path.abspath(config_dir)
@@ -240,21 +260,25 @@ def _compose(config_dir: str | None, config_name: str, overrides: list[str],
 
 def _study_params(choices: dict) -> dict:
   """A sweep study's `hydra.sweeper.params` (empty for the primary configs)."""
-  from omegaconf import OmegaConf
   params = choices["params"]
   return dict(OmegaConf.to_container(params)) if params else {}
 
 
-def _device_count_if_local(composed, launcher: str) -> int | None:
-  """The device count, when this process alone is the job (else it is known only after start-up
-  where the job runs, and the task checks the devices then). A launcher that runs jobs
-  elsewhere (SLURM, or other processes on this machine) leaves JAX untouched here."""
-  from runner.parallel.distributed import cluster_detected
+def _devices_here(composed, launcher: str) -> int | None:
+  """The device count when this process is the job itself (the basic launcher, not part of a
+  multi-process job); None where the job runs elsewhere (SLURM, the parallel launcher, other
+  hosts), which checks its devices when it starts."""
+  from runner.parallel.distributed import cluster_detected  # lazily, as the library's modules
   if launcher != "basic" or composed.get("distributed", {}).get("coordinator_address") \
       or cluster_detected():
     return None
-  import jax
+  import jax  # lazily: JAX starts its backend here, in the process that runs the job
   return jax.device_count()
+
+
+# Whether check_overrides checked every job of this process's command against its devices too
+# (then the job, run here by the basic launcher, does not check them again).
+_devices_checked = False
 
 
 def _hydra_choices(config_dir: str | None, config_name: str, overrides: list[str]) -> dict:
@@ -263,16 +287,21 @@ def _hydra_choices(config_dir: str | None, config_name: str, overrides: list[str
   `hydra.sweeper.params`."""
   first = _sweep_axes(overrides, {})[0]
   hydra_given = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
-  node = _compose(config_dir, config_name, first + hydra_given, with_hydra=True).hydra
+  composed = _compose(config_dir, config_name, first + hydra_given, with_hydra=True)
+  node = composed.hydra
+  with open_dict(composed):
+    del composed["hydra"]
   return {"launcher": node.runtime.choices.get("hydra/launcher", "basic"),
           "sweeper": node.runtime.choices.get("hydra/sweeper", "basic"),
-          "params": node.sweeper.get("params")}
+          "params": node.sweeper.get("params"),
+          "job": first, "composed": composed}  # the job without sweep values, composed
 
 
 def check_overrides(sub: str, args: list[str]) -> str | None:
   """The error paragraph if the overrides (every job of a sweep) do not compose and validate."""
-  from runner import config as config_layer
-  from runner.errors import UserError
+  from runner import weights  # lazily, as every library module here (see the imports above)
+  global _devices_checked
+  _devices_checked = False
   flags, overrides, show = _split_args(args)
   _register_requested_models(overrides)
   if show:
@@ -287,19 +316,26 @@ def check_overrides(sub: str, args: list[str]) -> str | None:
     jobs = _jobs(overrides, _study_params(choices))
   except Exception as err:  # Hydra/OmegaConf raise many types; all mean "bad input"
     return _explain_composition_error(err, sub, overrides, config_dir, config_name)
+  checked_here = len(jobs) == _job_count(overrides, _study_params(choices))
   for job in jobs:
-    try:
-      composed = _compose(config_dir, config_name, job)
+    try:  # a run without a sweep was composed above already
+      composed = (choices["composed"] if job == choices["job"]
+                  else _compose(config_dir, config_name, job))
     except Exception as err:
       return _explain_composition_error(err, sub, job, config_dir, config_name)
     if compose_only:
       continue
     try:
-      typed = config_layer.load(sub, composed, check=False)
-      config_layer.validate(typed, devices=_device_count_if_local(composed, choices["launcher"]))
+      # Once, before anything is launched or submitted; what needs the devices too when this
+      # process runs the job, else the job checks that when it starts (runner/tasks/common.py).
+      typed = config_layer.load(sub, composed, check=False, checkpoints=weights)
+      devices = _devices_here(composed, choices["launcher"])
+      config_layer.validate(typed, devices=devices, checkpoints=weights)
+      checked_here = checked_here and devices is not None
     except UserError as err:
       swept = [o for o in job if o not in overrides]
       return (f"in the sweep job {' '.join(swept)}: " if swept else "") + str(err)
+  _devices_checked = checked_here and not compose_only
   return None
 
 
@@ -324,8 +360,6 @@ def _quiet_library_noise() -> None:
 def _sweep_identity(typed) -> None:
   """A sweep's job: its W&B run joins the sweep's group (logger.wandb.group, else the sweep's
   folder) and records the overrides that make the job."""
-  from hydra.core.hydra_config import HydraConfig
-  from hydra.types import RunMode
   hydra = HydraConfig.get()
   if hydra.mode != RunMode.MULTIRUN:
     return
@@ -336,16 +370,19 @@ def _sweep_identity(typed) -> None:
 
 def _job(sub: str):
   def job(cfg):
-    from hydra.core.hydra_config import HydraConfig
-    from runner import config as config_layer
-    from runner.errors import VmoeError
+    from runner import weights
     from runner.tasks import run_task
     try:
+      # A job in a process of its own (a launcher's: SLURM, the parallel one) registers the
+      # built-ins and loads the plug-ins it was composed with before its config is typed.
+      _register_builtins()
+      plugins.load(cfg.get("plugins") or [])
       # Checked before launch; in the job it is checked once more, with its devices, as the
       # task starts (runner/tasks/common.py).
-      typed = config_layer.load(sub, cfg, HydraConfig.get().runtime.output_dir, check=False)
+      typed = config_layer.load(sub, cfg, HydraConfig.get().runtime.output_dir, check=False,
+                                checkpoints=weights)
       _sweep_identity(typed)
-      return run_task(sub, typed)
+      return run_task(sub, typed, devices_checked=_devices_checked)
     except VmoeError as e:
       if cfg.get("debug"):
         raise
@@ -372,12 +409,15 @@ def main(argv: list[str] | None = None) -> int:
           "(`vmoe --help` describes each).", file=sys.stderr)
     return 2
   if sub in TOOLS:
-    import importlib
     return importlib.import_module(TOOLS[sub]).main(rest)
   _quiet_environment()
-  import hydra
-  import runner.config.store  # noqa: F401  (registers the schemas and model names with Hydra)
-  from runner.config import conf_dir
+  try:  # before the schemas reach Hydra: a plug-in adds names and keys to them
+    plugins.load(plugins.requested(_split_args(rest)[1]))
+  except UserError as e:
+    print(f"vmoe {sub}: error: {e}", file=sys.stderr)
+    return 2
+  _register_builtins()
+  import runner.config_store  # noqa: F401  (registers the schemas and model names with Hydra)
   if not any(arg.lstrip("+").lower() in ("debug=true", "debug=1") for arg in rest):
     _quiet_library_noise()
   problem = check_overrides(sub, rest)
@@ -390,7 +430,36 @@ def main(argv: list[str] | None = None) -> int:
     rest = rest + ["hydra.sweeper.direction=maximize"]  # each stage returns its main metric
   sys.argv = [f"vmoe {sub}"] + rest
   hydra.main(config_path=str(conf_dir()), config_name=sub, version_base=None)(_job(sub))()
+  if any(a in ("-h", "--help") for a in rest):
+    print(_registered_names())
   return 0
+
+
+def _register_builtins() -> None:
+  """Imports the modules that register the built-in router families, evaluators, optimizers,
+  schedules, preprocessing ops and corruptions, so that names are checked against all of them
+  (lazily: `vmoe --help` stays fast)."""
+  import runner.data  # noqa: F401
+  import runner.evaluators  # noqa: F401
+  import runner.models  # noqa: F401
+  import runner.train.optimizers  # noqa: F401
+  import runner.train.schedules  # noqa: F401
+
+
+def _registered_names() -> str:
+  """What `--help` adds to Hydra's: every name a config may choose, built-in or a plug-in's."""
+  from runner.data import pp_ops, sources
+  from runner.models import catalog
+  lines = ["", "== Registered names (built-in and from plugins=[...]) =="]
+  for what, names in (("model.router.type", registries.ROUTERS.names()),
+                      ("evaluators (eval.*)", registries.EVALUATORS.names()),
+                      ("optim.name", registries.OPTIMIZERS.names()),
+                      ("schedule.name", registries.SCHEDULES.names()),
+                      ("data.name (embedded, image_folder, captions)", sources.known_names()),
+                      ("preprocessing ops", pp_ops.registered_ops()),
+                      ("model= (besides the name grammar)", catalog.registered_names())):
+    lines.append(f"{what}: {', '.join(names) or '-'}")
+  return "\n".join(lines)
 
 
 def entry() -> None:

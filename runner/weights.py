@@ -8,6 +8,7 @@ model and data from a checkpoint need `model=` and `data=` for them.
 """
 from __future__ import annotations
 
+import copy
 import pathlib
 import zipfile
 
@@ -40,10 +41,27 @@ def check(path: str) -> None:
 
 
 def stored_config(path: str) -> dict | None:
-  """The config stored with one of our checkpoints; None for a released checkpoint (it has none)."""
+  """The config stored with one of our checkpoints; None for a released checkpoint (it has none).
+
+  Read once per process and checkpoint: checking a command line, resolving its config and
+  starting from the checkpoint all ask (a new checkpoint under `path` is read anew)."""
   if released_kind(path) is not None:
     return None
-  return checkpoint.read_config(path)
+  directory, step = checkpoint.locate(path)
+  key = (str(directory), step, _modified(directory / str(step)))
+  if key not in _STORED_CONFIGS:
+    _STORED_CONFIGS[key] = checkpoint.read_config(path)
+  return copy.deepcopy(_STORED_CONFIGS[key])
+
+
+_STORED_CONFIGS: dict[tuple, dict] = {}
+
+
+def _modified(path) -> int:
+  try:
+    return pathlib.Path(path).stat().st_mtime_ns
+  except OSError:
+    return 0
 
 
 def _read_npz(path: str) -> dict[str, np.ndarray]:
@@ -97,7 +115,8 @@ def load(path: str, *, ensemble_size: int = 1) -> tuple[dict, dict, int]:
   """
   kind = released_kind(path)
   if kind is None:
-    return checkpoint.load_params(path)
+    params, _, step = checkpoint.load_params(path, with_config=False)
+    return params, stored_config(path), step
   flat = read_released(path)
   try:
     ours = mapping.to_ours(flat, ensemble_size=ensemble_size)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -39,6 +41,14 @@ import logging  # noqa: E402
 
 import absl.logging  # noqa: E402
 import pytest  # noqa: E402
+
+# The built-in router families, evaluators, optimizers, schedules, ops and corruptions register
+# their names (and the families their model.router.* keys) when imported, as the CLI imports them.
+import runner.data  # noqa: E402,F401
+import runner.evaluators  # noqa: E402,F401
+import runner.models  # noqa: E402,F401
+import runner.train.optimizers  # noqa: E402,F401
+import runner.train.schedules  # noqa: E402,F401
 
 # absl's root handler holds whatever sys.stderr was at import (pytest's capture stream) and closes
 # that stream when logging is reconfigured (Hydra does), unless it is the real stderr.
@@ -91,3 +101,23 @@ def nothing_like_a_run(workdir: pathlib.Path) -> None:
   """No artefact a resume could take for a run."""
   for artefact in ("checkpoints", "wandb", "summary.json", "metrics.jsonl"):
     assert not (workdir / artefact).exists(), artefact
+
+
+EXAMPLE_PLUGINS = pathlib.Path(__file__).resolve().parents[1] / "examples" / "plugins"
+
+
+def plugin_lab(tmp_path_factory, example: str) -> pathlib.Path:
+  """A researcher's folder holding a copy of examples/plugins/<example>: the working directory
+  of the commands that load it."""
+  folder = tmp_path_factory.mktemp("lab")
+  shutil.copy(EXAMPLE_PLUGINS / example, folder / example)
+  return folder
+
+
+def vmoe_in(cwd: pathlib.Path, *args: str) -> tuple[int, str, str]:
+  """`vmoe <args>` in a fresh process in `cwd`, as a user runs it: (exit code, stdout, stderr).
+  Plug-in tests use it: loading a plug-in changes the registries and the schema of the process
+  that loads it, which must not leak into the other tests of a pytest worker."""
+  proc = subprocess.run([sys.executable, "-m", "runner.cli", *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=600)
+  return proc.returncode, proc.stdout, proc.stderr

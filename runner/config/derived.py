@@ -1,13 +1,39 @@
 """Values that follow from several keys, computed in one place for the checks and the tasks."""
 from __future__ import annotations
 
-from runner.config.schema import (DataConfig, EnsembleRun, EvalRun, FewshotConfig, FewshotRun,
-                                  ModelConfig)
+import re
+
+from runner.config import registries
+from runner.config.schema import (DataConfig, EnsembleRun, EnsembleVariant, EvalRun, FewshotConfig,
+                                  FewshotRun, ModelConfig)
+
+
+def moe_layer_indices(layers, num_layers: int) -> tuple[int, ...]:
+  """'everyN' -> every N-th block ending at the last; 'lastN' -> the last N of 'every2'; or a list."""
+  if isinstance(layers, str):
+    m = re.fullmatch(r"(every|last)(\d+)", layers)
+    if not m:
+      raise ValueError(f"moe.layers={layers!r}: expected 'every<n>', 'last<n>' or a list of block "
+                       "indices")
+    n = int(m[2])
+    if n < 1:
+      raise ValueError(f"moe.layers={layers!r} needs n >= 1")
+    if m[1] == "every":
+      return tuple(range(num_layers - 1, -1, -n))[::-1]
+    every2 = tuple(range(1, num_layers, 2))
+    if n > len(every2):
+      raise ValueError(f"moe.layers={layers!r}: a {num_layers}-block model has only "
+                       f"{len(every2)} every-2 blocks")
+    return every2[len(every2) - n:]
+  indices = tuple(int(i) for i in layers)
+  bad = [i for i in indices if not 0 <= i < num_layers]
+  if bad:
+    raise ValueError(f"moe.layers {bad} out of range for a {num_layers}-block model (0..{num_layers - 1})")
+  return tuple(sorted(set(indices)))
 
 
 def moe_layers(model: ModelConfig) -> tuple[int, ...]:
   """The blocks whose MLP is a mixture of experts (raises ValueError for an invalid spec)."""
-  from runner.models.catalog import moe_layer_indices
   return moe_layer_indices(model.moe.layers or [], model.num_layers)
 
 
@@ -24,7 +50,6 @@ def ensemble_size(model: ModelConfig) -> int:
 def predictions_per_image(model: ModelConfig) -> int:
   """How many member predictions a model makes: M for a tiled ensemble (pbe, tiling_only), else 1
   (partition_only combines its partitions inside the layer)."""
-  from runner.config.schema import EnsembleVariant
   if model.moe.ensemble_variant == EnsembleVariant.partition_only:
     return 1
   return ensemble_size(model)
@@ -32,7 +57,6 @@ def predictions_per_image(model: ModelConfig) -> int:
 
 def experts_per_router(model: ModelConfig) -> int:
   """The experts one routing decision chooses among: E, or E / M for a partitioned ensemble."""
-  from runner.config.schema import EnsembleVariant
   experts, m = num_experts(model), ensemble_size(model)
   if m > 1 and model.moe.ensemble_variant != EnsembleVariant.tiling_only:
     return experts // m
@@ -40,9 +64,9 @@ def experts_per_router(model: ModelConfig) -> int:
 
 
 def router_family(model: ModelConfig):
-  """The router family `model.router.type` names (runner/models/moe/routers)."""
-  from runner.models.moe import routers
-  return routers.family(model.router.type)
+  """The router family `model.router.type` names (registered by runner/models/moe/routers or a
+  plug-in)."""
+  return registries.ROUTERS.get(model.router.type)
 
 
 def pre_logits_width(model: ModelConfig) -> int:

@@ -16,13 +16,15 @@ import inspect
 import typing
 from typing import Callable
 
-from runner.config import derived
+from runner.config import derived, registries
 from runner.config.schema import (AdversarialProtocol, ContrastiveLoss, DataConfig,
                                   DistributedConfig, EnsembleRun, EnsembleVariant, EvalConfig,
                                   EvalRun, EvalSuiteConfig, FewshotConfig, FewshotRun, HeadConfig,
-                                  HeadType, ModelConfig, Objective, ObjectiveConfig, RunFields,
-                                  TextConfig, TokenizerKind, TrainConfig, TrainTask)
-from runner.errors import ConfigError
+                                  HeadType, ModelConfig, MoeConfig, Objective, ObjectiveConfig,
+                                  RouterConfig, RunFields, TextConfig, TokenizerKind, TrainConfig,
+                                  TrainTask)
+from runner.config.mesh import mesh_shape
+from runner.errors import ConfigError, UserError
 
 
 def _show(value) -> str:
@@ -30,11 +32,6 @@ def _show(value) -> str:
   if isinstance(value, bool):
     return str(value).lower()
   return str(getattr(value, "value", value))
-
-
-def _router_names() -> list[str]:
-  from runner.models.moe import routers
-  return routers.names()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +43,17 @@ class Relation:
   def needs_devices(self) -> bool:
     return "devices" in inspect.signature(self.fn).parameters
 
-  def arguments(self, config, devices: int | None) -> dict | None:
+  @property
+  def needs_checkpoints(self) -> bool:
+    return "checkpoints" in inspect.signature(self.fn).parameters
+
+  def arguments(self, config, devices: int | None, checkpoints=None) -> dict | None:
     """The sections this relation reads from `config`, or None when it does not apply."""
-    if self.needs_devices and devices is None:
+    if (self.needs_devices and devices is None) or (self.needs_checkpoints and checkpoints is None):
       return None
     args = {"devices": devices} if self.needs_devices else {}
+    if self.needs_checkpoints:
+      args["checkpoints"] = checkpoints
     for name, schema in self.sections.items():
       value = config if isinstance(config, schema) and name == "run" else getattr(config, name,
                                                                                    None)
@@ -65,7 +68,8 @@ RELATIONS: list[Relation] = []
 
 def relation(fn):
   hints = typing.get_type_hints(fn)
-  sections = {name: hints[name] for name in inspect.signature(fn).parameters if name != "devices"}
+  sections = {name: hints[name] for name in inspect.signature(fn).parameters
+              if name not in ("devices", "checkpoints")}
   RELATIONS.append(Relation(fn, sections))
   return fn
 
@@ -101,7 +105,6 @@ def moe_layers_exist(model: ModelConfig):
 def router_options_apply(model: ModelConfig):
   """A key of model.router (or model.moe.dispatcher) that the chosen router does not read is an
   error unless it keeps its default: a value that would change nothing is a mistake."""
-  from runner.config.schema import MoeConfig, RouterConfig
   family = derived.router_family(model)
   defaults = RouterConfig()
   if not family.capacity_at_inference and model.router.eval_capacity_ratio is not None:
@@ -120,7 +123,7 @@ def router_options_apply(model: ModelConfig):
     return (f"{', '.join(ignored)} means nothing for model.router.type={family.name} "
             f"({family.summary}); its keys are model.router.{{{', '.join(family.options)}}}. "
             "Drop the other keys, or choose a router that reads them (model.router.type="
-            f"{'|'.join(_router_names())}).")
+            f"{'|'.join(registries.ROUTERS.names())}).")
 
 
 @relation
@@ -154,9 +157,10 @@ def ensemble_needs_experts(model: ModelConfig):
   if not family.supports_ensembles:
     return (f"model.moe.ensemble_size={m} needs a token-choice router: a partitioned batch "
             f"ensemble routes each member's tokens TOP-k among its own experts, and "
-            f"model.router.type={family.name} has no such routing; use "
-            "model.router.type=token_choice, or a deep ensemble of separate runs with vmoe "
-            "ensemble.")
+            f"model.router.type={family.name} has no such routing; use a router that forms "
+            "them (model.router.type="
+            f"{'|'.join(n for n, f in registries.ROUTERS.items() if f.supports_ensembles)}), or a "
+            "deep ensemble of separate runs with vmoe ensemble.")
   if model.moe.num_experts % m:
     return (f"model.moe.ensemble_size={m} does not divide model.moe.num_experts="
             f"{model.moe.num_experts}: each member gets an equal share of the experts; use a "
@@ -263,10 +267,8 @@ def contrastive_measurements_in_training(objective: ObjectiveConfig, eval: EvalC
   classifier measurements of a contrastive model are vmoe eval's (zero-shot)."""
   if objective.name != Objective.contrastive:
     return None
-  given = [key for key, on in (("eval.ood_datasets", eval.ood_datasets),
-                               ("eval.corruptions", eval.corruptions),
-                               ("eval.adversarial.epsilons", eval.adversarial.epsilons),
-                               ("eval.routing_analysis", eval.routing_analysis)) if on]
+  given = [cls.enabling_key or f"the evaluator {cls.name} (always on)" for cls in _evaluators()
+           if cls.in_training and cls.enabled(eval)]
   if given:
     return (f"{', '.join(given)} during objective=contrastive training: its validation measures "
             "the loss, in-batch retrieval and zero-shot accuracy; take these measurements of "
@@ -289,6 +291,20 @@ def fewshot_in_training_names_datasets(train: TrainConfig, fewshot: FewshotConfi
 
 
 # --- evaluation and few-shot -------------------------------------------------------------------
+
+def _evaluators() -> list:
+  """Every registered evaluator class, in the order they run: the built-in ones registered as
+  runner.evaluators was imported (the CLI does before validating), a plug-in's as `plugins=`
+  loaded it."""
+  return [cls for _, cls in registries.EVALUATORS.items()]
+
+
+def _given(cls, eval: EvalSuiteConfig) -> str:
+  """The key that turned evaluator `cls` on, with its value, as one would type it."""
+  value = cls.setting(eval)
+  shown = f"[{', '.join(map(_show, value))}]" if isinstance(value, (list, tuple)) else _show(value)
+  return f"{cls.enabling_key}={shown}"
+
 
 @relation
 def corruptions_have_severities(eval: EvalSuiteConfig):
@@ -319,7 +335,8 @@ def capacity_sweep_needs_experts(run: RunFields):
     return (f"eval.capacity_sweep={eval.capacity_sweep} means nothing for "
             f"model.router.type={family.name}: its slots are parameters fixed when the model "
             "is trained, so the capacity cannot change at inference; drop eval.capacity_sweep "
-            "(it applies to token_choice and experts_choice routers).")
+            "(it applies to the routers model.router.type="
+            f"{'|'.join(n for n, f in registries.ROUTERS.items() if f.capacity_at_inference)}).")
   if sparse:
     return None
   if getattr(run, "members", None) is None:
@@ -352,31 +369,37 @@ def routing_analysis_needs_experts(run: RunFields):
 @relation
 def evaluations_during_training(eval: EvalConfig, objective: ObjectiveConfig):
   """In training the measurements run on the run's own validation split (a contrastive run's
-  zero-shot validation reads eval.zero_shot)."""
+  zero-shot validation reads eval.zero_shot); the evaluators that are not `in_training` are vmoe
+  eval's."""
   defaults = EvalConfig()
-  names = ("datasets", "split", "save_predictions", "capacity_sweep", "retrieval")
+  names = ("datasets", "split", "save_predictions")
   if objective.name != Objective.contrastive:
     names += ("zero_shot",)
   given = [f"eval.{name}" for name in names if getattr(eval, name) != getattr(defaults, name)]
+  given += [cls.enabling_key for cls in _evaluators()
+            if not cls.in_training and cls.enabling_key and cls.enabled(eval)]
   if given:
     return (f"{', '.join(given)} means nothing during training: the eval.* measurements run on "
             "the run's validation split every eval.every_steps and at the end; take them on "
-            "other datasets, save predictions or sweep capacities with vmoe eval "
-            "init.checkpoint=<the run>.")
+            "other datasets, save predictions or take the measurements that are vmoe eval's "
+            "alone with vmoe eval init.checkpoint=<the run>.")
 
 
 def _zero_shot_keys(eval: EvalSuiteConfig) -> list[str]:
-  """The eval.* keys given that only a contrastive checkpoint reads."""
+  """The eval.* keys given that only a contrastive checkpoint reads (its prompts, and the
+  evaluators that are not `on_classifier`)."""
   z = eval.zero_shot
   return ([f"eval.zero_shot.class_names={list(z.class_names)}"] if z.class_names else []) + (
-      [f"eval.zero_shot.templates={list(z.templates)}"] if z.templates else []) + (
-      ["eval.retrieval=true"] if eval.retrieval else [])
+      [f"eval.zero_shot.templates={list(z.templates)}"] if z.templates else []) + [
+      _given(cls, eval) for cls in _evaluators()
+      if not cls.on_classifier and cls.enabling_key and cls.enabled(eval)]
 
 
 @relation
 def zero_shot_needs_a_contrastive_checkpoint(run: EvalRun):
   """A contrastive checkpoint is evaluated as a zero-shot classifier; its class names, prompt
-  templates and retrieval mean nothing for a classifier's checkpoint."""
+  templates and the evaluators not `on_classifier` mean nothing for a classifier's checkpoint,
+  and the evaluators not `on_contrastive` nothing for a contrastive one."""
   if run.init.tower is not None:
     return (f"init.tower={_show(run.init.tower)} means nothing in vmoe eval: a contrastive "
             "checkpoint is evaluated whole, as a zero-shot classifier (its image tower's "
@@ -384,27 +407,35 @@ def zero_shot_needs_a_contrastive_checkpoint(run: EvalRun):
   given = _zero_shot_keys(run.eval)
   if given and run.objective.name != Objective.contrastive:
     return (f"{', '.join(given)} means nothing for init.checkpoint={run.init.checkpoint}, a "
-            "classifier: zero-shot classification from class prompts and image-text retrieval "
-            "need a contrastive checkpoint (vmoe pretrain objective=contrastive); drop "
-            f"{'them' if len(given) > 1 else 'it'}.")
+            "classifier: zero-shot classification from class prompts and the image-text "
+            "measurements need a contrastive checkpoint (vmoe pretrain objective=contrastive); "
+            f"drop {'them' if len(given) > 1 else 'it'}.")
+  refused = [_given(cls, run.eval) for cls in _evaluators()
+             if not cls.on_contrastive and cls.enabling_key and cls.enabled(run.eval)]
+  if refused and run.objective.name == Objective.contrastive:
+    which = ("the evaluators they turn on do" if len(refused) > 1
+             else "the evaluator it turns on does")
+    return (f"{', '.join(refused)} means nothing for init.checkpoint={run.init.checkpoint}, a "
+            f"contrastive run evaluated as a zero-shot classifier, which {which} not measure; "
+            f"drop {'them' if len(refused) > 1 else 'it'}, or evaluate a classifier fine-tuned "
+            "from its image tower (vmoe finetune init.checkpoint=<the run> init.tower=image).")
 
 
-def _checkpoint_objective(path: str) -> str | None:
+def _checkpoint_objective(path: str, checkpoints) -> str | None:
   """What the run at `path` was trained for (released checkpoints are classifiers); None when
   it cannot be read here (the task then reports why)."""
-  from runner import weights
-  from runner.errors import UserError
   try:
-    stored = weights.stored_config(path)
+    stored = checkpoints.stored_config(path)
   except UserError:
     return None
   return str(((stored or {}).get("objective") or {}).get("name") or "classification")
 
 
 @relation
-def classifier_from_a_tower(run: TrainTask):
+def classifier_from_a_tower(run: TrainTask, checkpoints):
   """A classifier starts from a contrastive checkpoint only from the tower init.tower names, and
-  init.tower names a tower only of a contrastive checkpoint."""
+  init.tower names a tower only of a contrastive checkpoint. `checkpoints` reads what
+  init.checkpoint was trained for (runner.weights; given before launch)."""
   init, tower = run.init, f"init.tower={_show(run.init.tower)}"
   if init.tower is not None and not init.checkpoint:
     return (f"{tower} names a tower of init.checkpoint, which is not set; give "
@@ -417,7 +448,7 @@ def classifier_from_a_tower(run: TrainTask):
               "image tower from init.checkpoint (or both towers from a contrastive run) as it "
               "is; drop init.tower.")
     return None
-  stored = _checkpoint_objective(init.checkpoint)
+  stored = _checkpoint_objective(init.checkpoint, checkpoints)
   if stored == Objective.contrastive.value and init.tower is None:
     return (f"init.checkpoint={init.checkpoint} is a contrastive run (an image and a text tower), "
             "not a classifier: say which tower the classifier starts from, init.tower=image "
@@ -444,7 +475,7 @@ def ensembles_of_classifiers(run: EnsembleRun):
   given = _zero_shot_keys(run.eval)
   if given:
     return (f"{', '.join(given)} means nothing in vmoe ensemble: zero-shot classification and "
-            "retrieval are vmoe eval's, of one contrastive checkpoint; drop "
+            "the image-text measurements are vmoe eval's, of one contrastive checkpoint; drop "
             f"{'them' if len(given) > 1 else 'it'}.")
 
 
@@ -578,7 +609,6 @@ def inference_batch_fits(run: RunFields, devices: int):
 
 @relation
 def mesh_fits(run: RunFields, devices: int):
-  from runner.parallel.mesh import mesh_shape
   for model in derived.held_models(run):
     try:
       mesh_shape(run.mesh.data, run.mesh.expert, devices, derived.num_experts(model))

@@ -4,13 +4,17 @@ pretrain/finetune run their composed config as it is. eval and fewshot take the 
 from the config stored with the checkpoint, with the command line's non-null `model.*`/`data.*`
 keys on top (interpolations such as `${model.image_size}` in a data option resolve against the
 merged model). Each result is checked by `validate` before it is returned.
+
+The checkpoints are read by the caller's `CheckpointReader` (runner.weights): the config layer
+sits below everything that knows checkpoint formats.
 """
 from __future__ import annotations
 
 import dataclasses
 import typing
+from typing import Protocol
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import (InterpolationResolutionError, MissingMandatoryValue,
                               OmegaConfBaseException)
 
@@ -49,6 +53,16 @@ def from_dict(schema, values: dict):
 def as_dict(config) -> dict:
   """A typed config as plain JSON-able Python (enums as their names), for files and W&B."""
   return OmegaConf.to_container(OmegaConf.structured(config), enum_to_str=True)
+
+
+class CheckpointReader(Protocol):
+  """What a checkpoint says about itself; runner.weights is one."""
+
+  def stored_config(self, path: str) -> dict | None:
+    """The config stored with one of our checkpoints; None for a released one (it has none)."""
+
+  def describe(self, path: str) -> str:
+    """'a google-research/vmoe checkpoint (hidden size 512, ...)', for error messages."""
 
 
 def train_task(cfg: DictConfig, workdir: str) -> TrainTask:
@@ -138,7 +152,7 @@ def stored_objective(stored: dict) -> Objective:
 def _sections(cfg: DictConfig, workdir: str, *names: str) -> dict:
   """The run fields every task shares (RunFields) and the task's own `names`, typed."""
   shared = {f.name: cfg[f.name] for f in dataclasses.fields(RunFields)}
-  out = {name: typed(value) if isinstance(value, DictConfig) else value
+  out = {name: typed(value) if isinstance(value, (DictConfig, ListConfig)) else value
          for name, value in shared.items()}
   out["workdir"] = str(workdir)
   out.update({name: typed(cfg[name]) for name in names})
@@ -193,13 +207,13 @@ def ensemble_run(cfg: DictConfig, workdir: str, stored: dict[str, dict]) -> Ense
                      **_sections(cfg, workdir, "eval", "ensemble"))
 
 
-def released_config(path: str, cfg: DictConfig, task: str) -> dict:
+def released_config(path: str, cfg: DictConfig, task: str,
+                    checkpoints: CheckpointReader) -> dict:
   """What stands for the stored config of a released checkpoint: the given model and data.
 
   Released checkpoints carry bare parameters, so the model (and, but for few-shot, the dataset
   the head predicts) must be named; the message says what the checkpoint looks like.
   """
-  from runner import weights
   given = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
   model, data = _prune_none(given.get("model") or {}), _prune_none(given.get("data") or {})
   needs_data = task != "fewshot"
@@ -208,7 +222,7 @@ def released_config(path: str, cfg: DictConfig, task: str) -> dict:
   if missing:
     example = "model=vmoe_s32_last2" + (" data=imagenet2012" if needs_data else "")
     raise ConfigError(
-        f"init.checkpoint={path} is {weights.describe(path)}, which stores parameters only, no "
+        f"init.checkpoint={path} is {checkpoints.describe(path)}, which stores parameters only, no "
         f"config: vmoe {task} needs {' and '.join(f'{m}=' for m in missing)} for it (e.g. "
         f"{example}: the model whose parameters these are"
         + (", and the dataset its head predicts)." if needs_data else ")."))
@@ -219,15 +233,19 @@ def released_config(path: str, cfg: DictConfig, task: str) -> dict:
   return {"model": model, "data": data, "stage": "released"}
 
 
-def _stored(path: str, cfg: DictConfig, task: str) -> dict:
-  from runner import weights  # eval, fewshot, ensemble only; the library never imports this module
-  stored = weights.stored_config(path)
-  return released_config(path, cfg, task) if stored is None else stored
+def _stored(path: str, cfg: DictConfig, task: str, checkpoints: CheckpointReader | None) -> dict:
+  if checkpoints is None:
+    raise ValueError(f"the config of vmoe {task} comes from its checkpoints: load it with "
+                     "checkpoints=runner.weights (or another CheckpointReader)")
+  stored = checkpoints.stored_config(path)
+  return released_config(path, cfg, task, checkpoints) if stored is None else stored
 
 
-def load(task: str, cfg: DictConfig, workdir: str | None = None, *, check: bool = True):
-  """The typed config of subcommand `task` (reading checkpoints' stored configs), validated
-  unless `check` is off (a job validates once, against its devices, when it starts)."""
+def load(task: str, cfg: DictConfig, workdir: str | None = None, *, check: bool = True,
+         checkpoints: CheckpointReader | None = None):
+  """The typed config of subcommand `task`, validated unless `check` is off (a job validates
+  once, against its devices, when it starts). eval, fewshot and ensemble read their checkpoints'
+  stored configs with `checkpoints` (runner.weights)."""
   if workdir is None:
     workdir = "" if OmegaConf.is_missing(cfg, "workdir") else str(cfg.workdir)
   checked = validate if check else (lambda config: config)
@@ -237,10 +255,10 @@ def load(task: str, cfg: DictConfig, workdir: str | None = None, *, check: bool 
     path = cfg.init.checkpoint
     if not path:
       raise ConfigError("vmoe eval needs init.checkpoint=<workdir of a pretrain/finetune run>.")
-    return checked(eval_run(cfg, workdir, _stored(path, cfg, task)))
+    return checked(eval_run(cfg, workdir, _stored(path, cfg, task, checkpoints)))
   if task in ("fewshot", "ensemble"):
     paths = checkpoint_paths(OmegaConf.to_container(cfg.init, resolve=True)["checkpoint"], task)
-    stored = {p: _stored(p, cfg, task) for p in paths}
+    stored = {p: _stored(p, cfg, task, checkpoints) for p in paths}
     if len(stored) != len(paths):
       raise ConfigError(f"init.checkpoint={paths} names a checkpoint twice.")
     make = fewshot_run if task == "fewshot" else ensemble_run

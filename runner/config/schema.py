@@ -1,6 +1,6 @@
 """Typed schemas of every config: each key's type, default, valid range and hint, in one place.
 
-Hydra composes the YAML files in conf/ against these dataclasses (runner/config/store.py registers
+Hydra composes the YAML files in conf/ against these dataclasses (runner/config_store.py registers
 them), so an unknown key or a value of the wrong type fails at composition. `key(default, check,
 hint)` adds what a type cannot say (steps >= 1, a probability in [0, 1]); relations between keys
 (k <= experts, batch divisible by devices) are in runner/config/relations.py. Both are checked by
@@ -19,26 +19,15 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
+from runner.config import preprocessing, registries, sections
 from runner.config.checks import (Check, Choice, Items, Range, Rule, at_least, key, matches, positive,
                                   probability, rate)
+from runner.config.mesh import MESH_AXES, RULES
 
 
 class Loss(str, enum.Enum):
   softmax_xent = "softmax_xent"
   sigmoid_xent = "sigmoid_xent"
-
-
-class OptimizerName(str, enum.Enum):
-  adam = "adam"
-  sgd = "sgd"
-  adafactor = "adafactor"
-
-
-class ScheduleName(str, enum.Enum):
-  constant = "constant"
-  linear = "linear"
-  cosine = "cosine"
-  rsqrt = "rsqrt"
 
 
 class Classifier(str, enum.Enum):
@@ -128,10 +117,9 @@ class DType(str, enum.Enum):
   float16 = "float16"
 
 
-# Checks that need a registry of the library load it only when a value is checked.
 def _corruption_names() -> list[str]:
-  from runner.data.corruptions import CORRUPTIONS
-  return [*CORRUPTIONS, "all"]
+  """Those runner/data/corruptions.py registers, read when a value is checked."""
+  return [*preprocessing.CORRUPTIONS.names(), "all"]
 
 
 def _is_template(text) -> bool:
@@ -146,7 +134,6 @@ def _is_template(text) -> bool:
 
 
 def _sharding_bundles() -> list[str]:
-  from runner.parallel.mesh import RULES
   return list(RULES)
 
 
@@ -154,10 +141,9 @@ class Preprocessing(Check):
   """A `|`-separated preprocessing spec whose ops are all registered (runner/data/pp_ops.py)."""
 
   def __call__(self, value):
-    from runner.data import pp_ops
     try:
-      pp_ops.parse(value)
-    except pp_ops.PreprocessError as e:
+      preprocessing.build(value)
+    except preprocessing.PreprocessError as e:
       return f"is not a valid preprocessing spec: {e}"
     return None
 
@@ -183,8 +169,6 @@ def _is_weight_decay(value) -> bool:
 
 
 def _is_sharding_rules(value) -> bool:
-  from runner.parallel.mesh import MESH_AXES
-
   def axes_ok(axes):
     axes = [axes] if isinstance(axes, str) or axes is None else axes
     return all(a is None or a in MESH_AXES for a in axes)
@@ -196,29 +180,13 @@ def _is_sharding_rules(value) -> bool:
 _DEVICES = Rule(lambda v: v == -1 or v >= 1, "-1 (infer from the device count) or >= 1")
 
 
-def _router_names() -> list[str]:
-  from runner.models.moe import routers
-  return routers.names()
-
-
 @dataclass
 class RouterConfig:
-  """Every router family's keys; each family reads its own (runner/models/moe/routers), and a
-  key another family reads must keep its default (runner/config/relations.py)."""
-  type: str = key("token_choice", Choice(_router_names), "token_choice (V-MoE), experts_choice, "
-                  "soft (Soft MoE)")
-  k: int = key(2, at_least(1), "experts per token")
-  capacity_ratio: float = key(1.05, positive(), "1.05 upstream; below 1 drops tokens, which Batch "
-                              "Prioritized Routing makes graceful")
-  eval_capacity_ratio: Optional[float] = key(None, positive(), "null: same as capacity_ratio")
-  batch_priority: bool = False
-  priority: Priority = Priority.max
-  noise_std: Optional[float] = key(None, at_least(0), "null: the router's default, 1 for token- "
-                                   "and experts-choice (multiplied by 1/E, as V-MoE), 0 for soft")
-  capacity_rounding: CapacityRounding = key(CapacityRounding.paper, hint="paper: round(k*N*C/E); "
-                                            "reference: ceil, then a multiple of 4 (vmoe code)")
-  slots_per_expert: Optional[int] = key(None, at_least(1), "soft: P, the reference's num_slots; "
-                                        "null: round(tokens per group * capacity_ratio / E)")
+  """model.router: `type` chooses a router family; each family declares its own keys in its own
+  `Config` (runner/models/moe/routers), which registering the family adds here, so that
+  `model.router.<key>` overrides are typed and range-checked like any key. A key that the chosen
+  family does not declare must keep its default (runner/config/relations.py)."""
+  type: str = key("token_choice", Choice(registries.ROUTERS.names), "a registered router family")
 
 
 @dataclass
@@ -350,7 +318,8 @@ class ObjectiveConfig:
 
 @dataclass
 class OptimConfig:
-  name: OptimizerName = OptimizerName.adam
+  name: str = key("adam", Choice(registries.OPTIMIZERS.names), "a registered optimizer "
+                  "(runner/train/optimizers.py)")
   lr: float = key(1e-3, positive(), "the peak learning rate")
   b1: float = key(0.9, rate())
   b2: float = key(0.999, rate())
@@ -374,7 +343,8 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
-  name: ScheduleName = ScheduleName.linear
+  name: str = key("linear", Choice(registries.SCHEDULES.names), "a registered schedule "
+                  "(runner/train/schedules.py)")
   warmup_steps: int = key(0, at_least(0))
   end_lr_fraction: float = key(0.0, probability(), "linear/cosine decay to lr * end_lr_fraction")
   timescale: Optional[int] = key(None, at_least(1), "rsqrt; null: warmup_steps (or 10000)")
@@ -547,6 +517,11 @@ class DistributedConfig:
 class RunFields:
   """The fields every run repeats, declared once: each task's schema and each resolved run adds
   its own sections to these."""
+  # Loaded before the config is composed (runner/plugins.py): what they register is then chosen
+  # by name like a built-in router family, evaluator, model, dataset, op, optimizer or schedule.
+  plugins: List[str] = key([], Items(matches(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "a Python module "
+                                               "name"), unique=True, example="[my_lab.router]"),
+                           "modules of your own that register routers, evaluators, models, ...")
   seed: int = 0
   workdir: str = MISSING
   debug: bool = False
@@ -582,6 +557,7 @@ def optional_copy(cls, prefix: str = "Optional"):
     ftype = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # noqa: S307
     if dataclasses.is_dataclass(ftype):
       sub = optional_copy(ftype, prefix)
+      sections.mirror(ftype, sub)  # keys registered later (router families) are added to both
       fields.append((f.name, sub, field(default_factory=sub)))
     else:
       fields.append((f.name, Optional[ftype], field(default=None, metadata=f.metadata)))

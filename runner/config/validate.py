@@ -44,20 +44,27 @@ def field_problems(node, prefix: str = "") -> list[str]:
   return found
 
 
-def problems(config, devices: int | None = None) -> list[str]:
-  """Everything wrong with `config`; relations needing the device count run when it is given.
+def problems(config, devices: int | None = None, checkpoints=None, *,
+             device_checks_only: bool = False) -> list[str]:
+  """Everything wrong with `config`; relations needing the device count run when it is given,
+  relations reading a checkpoint's stored config when `checkpoints` (runner.weights) is.
 
-  The members of a few-shot run (one model per checkpoint) are each checked like a model config.
+  Before launch the CLI checks what needs no devices; the job then checks only what does
+  (`device_checks_only`). The members of a few-shot run (one model per checkpoint) are each
+  checked like a model config.
   """
-  found = field_problems(config)
+  found = [] if device_checks_only else field_problems(config)
   members = getattr(config, "members", None) or []
   for member in members:
     where = f"checkpoint {member.path}: " if len(members) > 1 else ""
-    found += [where + p for p in problems(types.SimpleNamespace(model=member.model), devices)]
+    found += [where + p for p in problems(types.SimpleNamespace(model=member.model), devices,
+                                          device_checks_only=device_checks_only)]
   if found:
     return found
   for relation in RELATIONS:
-    args = relation.arguments(config, devices)
+    if device_checks_only and not relation.needs_devices:
+      continue
+    args = relation.arguments(config, devices, checkpoints)
     if args is None:
       continue
     try:
@@ -75,9 +82,10 @@ def paragraph(found: list[str]) -> str:
   return f"{len(found)} problems in the config: " + "; ".join(p.rstrip(".") for p in found) + "."
 
 
-def validate(config, devices: int | None = None):
+def validate(config, devices: int | None = None, checkpoints=None, *,
+             device_checks_only: bool = False):
   """Returns `config` unchanged, or raises one ConfigError listing every problem."""
-  found = problems(config, devices)
+  found = problems(config, devices, checkpoints, device_checks_only=device_checks_only)
   if found:
     raise ConfigError(paragraph(found))
   return config

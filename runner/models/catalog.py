@@ -23,7 +23,9 @@ in the paper's Last-n models. V-MoE defaults: E=32 experts, k=2 (tiny: E=8, k=2)
 """
 from __future__ import annotations
 
+import dataclasses
 import re
+from typing import Callable
 
 from runner.config.schema import Classifier, ModelConfig, MoeConfig, RouterConfig
 from runner.errors import UserError
@@ -67,8 +69,31 @@ class UnknownModelError(UserError, ValueError):
   pass
 
 
+# Names a plug-in registers (`register`), each with a function that makes its config.
+_REGISTERED: dict[str, Callable[[], ModelConfig]] = {}
+
+
+def register(name: str, make: Callable[[], ModelConfig] | ModelConfig) -> None:
+  """Adds `model=<name>` for a plug-in: a ModelConfig, or a function returning one (e.g. a
+  catalog name with another router: `dataclasses.replace(model_config("vmoe_tiny"), ...)`)."""
+  if _NAME.match(name) or _SOFT_NAME.match(name):
+    raise UserError(f"model name {name!r} is already taken by the catalog's grammar: choose "
+                    "another name for the plug-in's model.")
+  factory = make if callable(make) else (lambda: dataclasses.replace(make))
+  _REGISTERED[name] = factory
+
+
+def registered_names() -> list[str]:
+  """The names `model=` lists: the CPU sizes, the papers' models, then the plug-ins'."""
+  return list(CPU_MODELS + PAPER_MODELS + SOFT_MOE_MODELS) + list(_REGISTERED)
+
+
 def model_config(name: str) -> ModelConfig:
-  """The full model config (constructor arguments plus image_size) for a name in the grammar."""
+  """The full model config (constructor arguments plus image_size) for a name in the grammar,
+  or registered by a plug-in."""
+  if name in _REGISTERED:
+    config = _REGISTERED[name]()
+    return dataclasses.replace(config, name=name)
   soft = _SOFT_NAME.match(name)
   if soft and not (soft["kind"] == "ecmoe" and soft["p"]):
     return _soft_moe_paper_model(name, soft)
@@ -76,7 +101,7 @@ def model_config(name: str) -> ModelConfig:
   if not m or (m["kind"] == "vit" and (m["place"] or m["e"] or m["k"] or m["m"])):
     raise UnknownModelError(
         f"unknown model {name!r}. Valid names: "
-        f"{', '.join(CPU_MODELS + PAPER_MODELS + SOFT_MOE_MODELS)}, or any "
+        f"{', '.join(registered_names())}, or any "
         "vit_<size><patch> / vmoe_<size><patch>_<every|last><n>[_e<E>][_k<k>][_m<M>] with size "
         f"in {{{', '.join(s for s in SIZES if s != 'tiny')}}} (e.g. vmoe_b16_every2_e32_k2, "
         "vmoe_tiny_k1_m2), softmoe_<size><patch>[_e<E>][_p<P>] or ecmoe_<size><patch>[_e<E>] "
@@ -112,27 +137,3 @@ def _soft_moe_paper_model(name: str, m) -> ModelConfig:
                      attention_qk_norm=qk_norm,
                      moe=MoeConfig(layers=placement, num_experts=experts, group_size=1),
                      router=router)
-
-
-def moe_layer_indices(layers, num_layers: int) -> tuple[int, ...]:
-  """'everyN' -> every N-th block ending at the last; 'lastN' -> the last N of 'every2'; or a list."""
-  if isinstance(layers, str):
-    m = re.fullmatch(r"(every|last)(\d+)", layers)
-    if not m:
-      raise ValueError(f"moe.layers={layers!r}: expected 'every<n>', 'last<n>' or a list of block "
-                       "indices")
-    n = int(m[2])
-    if n < 1:
-      raise ValueError(f"moe.layers={layers!r} needs n >= 1")
-    if m[1] == "every":
-      return tuple(range(num_layers - 1, -1, -n))[::-1]
-    every2 = tuple(range(1, num_layers, 2))
-    if n > len(every2):
-      raise ValueError(f"moe.layers={layers!r}: a {num_layers}-block model has only "
-                       f"{len(every2)} every-2 blocks")
-    return every2[len(every2) - n:]
-  indices = tuple(int(i) for i in layers)
-  bad = [i for i in indices if not 0 <= i < num_layers]
-  if bad:
-    raise ValueError(f"moe.layers {bad} out of range for a {num_layers}-block model (0..{num_layers - 1})")
-  return tuple(sorted(set(indices)))

@@ -36,14 +36,17 @@ def main_metric(stage: str, summary: dict) -> float:
   raise ValueError(f"unknown stage {stage!r}; valid: {', '.join(MAIN_METRICS)}")
 
 
-def run_task(name: str, config) -> float:
-  """Runs subcommand `name`; returns its main metric (its summary is in the workdir)."""
+def run_task(name: str, config, *, devices_checked: bool = False) -> float:
+  """Runs subcommand `name`; returns its main metric (its summary is in the workdir).
+  `devices_checked`: the CLI checked the config against this process's devices already."""
+  # Lazily: these load JAX and TensorFlow, and `vmoe summarize` and the Hydra launcher import this
+  # package for main_metric alone.
   import jax
 
   from runner.tasks import common
   from runner.workdir_lock import WorkdirLock
   module = importlib.import_module(f"runner.tasks.{name.replace('-', '_')}")
-  placement = common.start(config)
+  placement = common.start(config, check_devices=not devices_checked)
   with WorkdirLock(config.workdir, " ".join(sys.argv), enabled=jax.process_index() == 0):
     summary = module.run(config, placement)
   return main_metric(name, summary)

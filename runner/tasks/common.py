@@ -20,12 +20,15 @@ def model_of(config) -> ModelConfig:
   return config.model if hasattr(config, "model") else config.members[0].model
 
 
-def start(config) -> parallel.Placement:
-  """Joins the multi-host job, checks what depends on the devices, and builds the mesh."""
+def start(config, *, check_devices: bool = True) -> parallel.Placement:
+  """Joins the multi-host job, checks what depends on the devices (unless the CLI did, in this
+  process), and builds the mesh."""
   d = config.distributed
   parallel.initialize(d.coordinator_address, d.num_processes, d.process_id, auto=d.auto,
                       timeout_seconds=d.timeout_seconds)
-  validate(config, devices=jax.device_count())
+  # What needs no devices was checked before launch (runner/cli.py); here, what does.
+  if check_devices:
+    validate(config, devices=jax.device_count(), device_checks_only=True)
   return parallel.placement(config.mesh.data, config.mesh.expert,
                             parallel.logical_rules(config.sharding.name, config.sharding.rules),
                             num_experts=derived.num_experts(model_of(config)))

@@ -1,4 +1,5 @@
-"""Optimizers through optax: Adam, SGD with momentum, Adafactor; per-parameter weight decay."""
+"""Optimizers through optax: Adam, SGD with momentum, Adafactor (and a plug-in's, registered by
+name); per-parameter weight decay."""
 from __future__ import annotations
 
 import re
@@ -7,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-OPTIMIZERS = ("adam", "sgd", "adafactor")
+from runner.config import registries
 
 
 def param_names(params) -> dict:
@@ -85,21 +86,10 @@ def make_optimizer(name: str, schedule, params, *, b1: float = 0.9, b2: float = 
   `frozen`: a regex of parameter names that never change (LiT's locked image tower): they get
   no update, no weight decay and no optimizer state.
   """
-  del unused  # config keys of other optimizers (lr is in the schedule)
-  if name == "adam":
-    precondition = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
-  elif name == "sgd":
-    precondition = optax.trace(decay=momentum, nesterov=nesterov) if momentum else optax.identity()
-  elif name == "adafactor":
-    precondition = optax.chain(
-        optax.scale_by_factored_rms(factored=True, decay_rate=ADAFACTOR_DECAY_RATE,
-                                    step_offset=0, min_dim_size_to_factor=min_dim_size_to_factor,
-                                    epsilon=1e-30,
-                                    decay_rate_fn=adafactor_decay_rate_fn(beta2_cap)),
-        optax.clip_by_block_rms(clipping_threshold) if clipping_threshold else optax.identity(),
-        optax.ema(b1, debias=False) if b1 else optax.identity())
-  else:
-    raise ValueError(f"unknown optimizer {name!r}; valid: {OPTIMIZERS}")
+  precondition = registries.OPTIMIZERS.get(name)(
+      b1=b1, b2=b2, eps=eps, momentum=momentum, nesterov=nesterov, beta2_cap=beta2_cap,
+      min_dim_size_to_factor=min_dim_size_to_factor, clipping_threshold=clipping_threshold,
+      **unused)
   learn = optax.chain(
       optax.clip_by_global_norm(grad_clip_norm) if grad_clip_norm else optax.identity(),
       precondition,
@@ -112,3 +102,35 @@ def make_optimizer(name: str, schedule, params, *, b1: float = 0.9, b2: float = 
   labels = jax.tree.map(lambda name: "frozen" if pattern.fullmatch(name) else "learn",
                         param_names(params))
   return optax.multi_transform({"learn": learn, "frozen": optax.set_to_zero()}, labels)
+
+
+def register(name: str):
+  """Registers `optim.name=<name>` (a decorator, for the built-ins and a plug-in's): a function
+  taking the optim.* keys as keyword arguments (b1, b2, eps, momentum, ...; lr excepted, which
+  the schedule carries) and returning the optax preconditioner. Gradient clipping, weight decay
+  and the learning rate are chained around it for every optimizer."""
+  def wrap(make):
+    registries.OPTIMIZERS.add(name, make)
+    return make
+  return wrap
+
+
+@register("adam")
+def _adam(*, b1: float, b2: float, eps: float, **_) -> optax.GradientTransformation:
+  return optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+
+
+@register("sgd")
+def _sgd(*, momentum: float, nesterov: bool, **_) -> optax.GradientTransformation:
+  return optax.trace(decay=momentum, nesterov=nesterov) if momentum else optax.identity()
+
+
+@register("adafactor")
+def _adafactor(*, b1: float, beta2_cap: float, min_dim_size_to_factor: int,
+               clipping_threshold: float | None, **_) -> optax.GradientTransformation:
+  return optax.chain(
+      optax.scale_by_factored_rms(factored=True, decay_rate=ADAFACTOR_DECAY_RATE,
+                                  step_offset=0, min_dim_size_to_factor=min_dim_size_to_factor,
+                                  epsilon=1e-30, decay_rate_fn=adafactor_decay_rate_fn(beta2_cap)),
+      optax.clip_by_block_rms(clipping_threshold) if clipping_threshold else optax.identity(),
+      optax.ema(b1, debias=False) if b1 else optax.identity())

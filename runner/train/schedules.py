@@ -1,9 +1,10 @@
-"""Learning-rate schedules: linear warmup, then constant, linear, cosine or rsqrt decay."""
+"""Learning-rate schedules: linear warmup, then constant, linear, cosine or rsqrt decay (or a
+plug-in's, registered by name)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-SCHEDULES = ("constant", "linear", "cosine", "rsqrt")
+from runner.config import registries
 
 
 def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0,
@@ -27,8 +28,7 @@ def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0,
   holds the rate reached when the cooldown starts and decays that linearly, at count step + 1
   lr / sqrt(1 + (T - W - C) / t) * (T - step - 1) / C.
   """
-  if name not in SCHEDULES:
-    raise ValueError(f"unknown schedule {name!r}; valid: {SCHEDULES}")
+  make_value = registries.SCHEDULES.get(name)
   warmup_steps = min(warmup_steps, total_steps)
   decay_steps = max(total_steps - warmup_steps, 1)
   end = lr * end_lr_fraction
@@ -37,17 +37,44 @@ def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0,
     step = jnp.asarray(step, jnp.float32)
     warm = jnp.minimum(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
     progress = jnp.clip((step - warmup_steps) / decay_steps, 0.0, 1.0)
-    if name == "constant":
-      value = lr
-    elif name == "linear":
-      value = end + (lr - end) * (1.0 - progress)
-    elif name == "cosine":
-      value = end + (lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
-    else:  # rsqrt from the end of warmup, with an optional linear cooldown to zero at the end
-      # t = timescale, else warmup_steps (capped at total_steps above), else 10000.
-      t = float(timescale or warmup_steps or 10_000)
-      value = lr * jnp.sqrt(t / (t + jnp.maximum(step + 1 - warmup_steps, 0)))
-      if cooldown_steps:
-        value = value * jnp.clip((total_steps - step) / cooldown_steps, 0.0, 1.0)
+    value = make_value(step, lr=lr, end=end, progress=progress, warmup_steps=warmup_steps,
+                       total_steps=total_steps, timescale=timescale,
+                       cooldown_steps=cooldown_steps)
     return value * warm
   return schedule
+
+
+def register(name: str):
+  """Registers `schedule.name=<name>` (a decorator, for the built-ins and a plug-in's): a function
+  `(step, *, lr, end, progress, warmup_steps, total_steps, timescale, cooldown_steps) -> rate`
+  (traced: use jnp), where `progress` in [0, 1] is the share of the steps after warmup done and
+  `end` = lr * end_lr_fraction. `make_schedule` multiplies it by the warmup."""
+  def wrap(value):
+    registries.SCHEDULES.add(name, value)
+    return value
+  return wrap
+
+
+@register("constant")
+def _constant(step, *, lr, **_):
+  return lr
+
+
+@register("linear")
+def _linear(step, *, lr, end, progress, **_):
+  return end + (lr - end) * (1.0 - progress)
+
+
+@register("cosine")
+def _cosine(step, *, lr, end, progress, **_):
+  return end + (lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+
+
+@register("rsqrt")
+def _rsqrt(step, *, lr, warmup_steps, total_steps, timescale, cooldown_steps, **_):
+  """From the end of warmup, with an optional linear cooldown to zero at the end."""
+  t = float(timescale or warmup_steps or 10_000)  # warmup_steps: already capped at total_steps
+  value = lr * jnp.sqrt(t / (t + jnp.maximum(step + 1 - warmup_steps, 0)))
+  if cooldown_steps:
+    value = value * jnp.clip((total_steps - step) / cooldown_steps, 0.0, 1.0)
+  return value

@@ -15,7 +15,7 @@ import typing
 import pytest
 from hydra import compose, initialize_config_dir
 
-import runner.config.store  # noqa: F401  (registers the schemas and model names with Hydra)
+import runner.config_store  # noqa: F401  (registers the schemas and model names with Hydra)
 from runner.config import conf_dir, schema, validate
 from runner.config.checks import Check
 from runner.config.resolve import train_task
@@ -275,7 +275,7 @@ def test_the_library_imports_without_hydra():
           "import runner.data, runner.parallel, runner.checkpoint\n"
           "loaded = sorted(m for m in sys.modules if m == 'hydra' or m.startswith('hydra.'))\n"
           "assert not loaded, loaded\n"
-          "assert 'runner.config.store' not in sys.modules\n")
+          "assert 'runner.config_store' not in sys.modules\n")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]

@@ -10,7 +10,8 @@ import pytest
 from runner.config import from_dict
 from runner.config.schema import ModelConfig
 from runner.models import build_model
-from runner.train.optimizers import OPTIMIZERS, make_optimizer, param_names, weight_decay_tree
+from runner.config.registries import OPTIMIZERS
+from runner.train.optimizers import make_optimizer, param_names, weight_decay_tree
 from runner.train.state import abstract_params
 
 TINY_VMOE = from_dict(ModelConfig, dict(
@@ -219,9 +220,9 @@ def test_adam_ignores_options_of_other_optimizers():
 
 
 def test_unknown_optimizer_raises_with_valid_names():
-  with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'") as e:
+  with pytest.raises(ValueError, match="optim.name='rmsprop' is not a known optimizer") as e:
     make_optimizer("rmsprop", lambda step: 0.1, _params())
-  for name in OPTIMIZERS:
+  for name in OPTIMIZERS.names():
     assert name in str(e.value)
 
 

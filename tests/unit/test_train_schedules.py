@@ -11,7 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from runner.train.schedules import SCHEDULES, make_schedule
+from runner.config.registries import SCHEDULES
+from runner.train.schedules import make_schedule
 
 
 def values(schedule, steps):
@@ -124,9 +125,9 @@ def test_warmup_longer_than_training_is_clamped():
 
 
 def test_unknown_schedule_raises_with_valid_names():
-  with pytest.raises(ValueError, match="unknown schedule 'exponential'") as e:
+  with pytest.raises(ValueError, match="schedule.name='exponential' is not a known schedule") as e:
     make_schedule("exponential", 1.0, total_steps=10)
-  for name in SCHEDULES:
+  for name in SCHEDULES.names():
     assert name in str(e.value)
 
 

@@ -27,7 +27,7 @@ def register_configs() -> None:
   store = ConfigStore.instance()
   for task, schema in TASK_SCHEMAS.items():
     store.store(name=f"{task}_schema", node=schema)
-  for name in catalog.CPU_MODELS + catalog.PAPER_MODELS + catalog.SOFT_MOE_MODELS:
+  for name in catalog.registered_names():
     register_model(name)
   for name, (width, depth, mlp_dim, num_heads) in TEXT_SIZES.items():  # text=<size>: the tower
     store.store(group="text", name=name, node=dict(name=name, width=width, depth=depth,

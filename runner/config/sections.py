@@ -1,0 +1,74 @@
+"""Keys that a router family or an evaluator declares in its own module, added to the schema.
+
+A router family declares its `model.router.*` keys in its own dataclass, an evaluator its
+`eval.<name>.*` section; registering one adds those fields to the schema class they belong to
+(`RouterConfig`, `EvalSuiteConfig`), in place, so every reference to that class (Hydra's typed
+nodes, `isinstance` checks, the classes derived from it) sees them. Registration happens when a
+family's or evaluator's module is imported: the built-in ones with the package that holds them,
+a plug-in's from `plugins=` before any config is composed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+# What `dataclasses.dataclass` writes on a class; removed before the class is processed again.
+_GENERATED = ("__init__", "__repr__", "__eq__", "__hash__", "__match_args__",
+              "__dataclass_fields__", "__dataclass_params__", "__slots__")
+
+
+def _reprocess(cls) -> None:
+  """Runs `dataclasses.dataclass` over `cls` again, keeping each field as it was declared."""
+  own = cls.__dict__.get("__annotations__", {})
+  declared = {f.name: f for f in dataclasses.fields(cls)}
+  for name in own:
+    setattr(cls, name, declared[name])
+  for name in _GENERATED:
+    if name in cls.__dict__ and name != "__slots__":
+      delattr(cls, name)
+  dataclasses.dataclass(cls)
+  for sub in cls.__subclasses__():  # they collected the base's fields when they were made
+    if dataclasses.is_dataclass(sub):
+      _reprocess(sub)
+
+
+# class -> its all-optional copies (schema.optional_copy: eval's "unchanged unless given" model
+# overrides), which gain each new key too, as Optional and None by default.
+_OPTIONAL_COPIES: dict[type, list[type]] = {}
+
+
+def mirror(cls, optional_copy) -> None:
+  _OPTIONAL_COPIES.setdefault(cls, []).append(optional_copy)
+
+
+def add_fields(cls, fields: dict[str, tuple[type, dataclasses.Field]]) -> None:
+  """Adds `name -> (type, dataclasses.field(...))` to the dataclass `cls` and its subclasses."""
+  if not fields:
+    return
+  for copy in _OPTIONAL_COPIES.get(cls, []):
+    add_fields(copy, {name: (Optional[kind], dataclasses.field(default=None,
+                                                               metadata=field.metadata))
+                      for name, (kind, field) in fields.items()})
+  annotations = cls.__dict__.get("__annotations__")
+  if annotations is None:
+    annotations = cls.__annotations__ = {}
+  declared = {f.name: f for f in dataclasses.fields(cls)}
+  own = {name: declared[name] for name in annotations}  # inherited fields stay the base's
+  for name, (kind, field) in fields.items():
+    annotations[name] = kind  # the type itself, not a string: typing.get_type_hints takes both
+    own[name] = field
+  for name, field in own.items():
+    setattr(cls, name, field)
+  for name in _GENERATED:
+    if name in cls.__dict__ and name != "__slots__":
+      delattr(cls, name)
+  dataclasses.dataclass(cls)
+  for sub in cls.__subclasses__():
+    if dataclasses.is_dataclass(sub):
+      _reprocess(sub)
+
+
+def default_of(f: dataclasses.Field):
+  if f.default_factory is not dataclasses.MISSING:
+    return f.default_factory()
+  return f.default
