@@ -288,6 +288,7 @@ def plot_pgd(metrics: dict, prefix: str, path: str, title: str = "") -> str:
   Reads the keys `AdversarialEvaluator.run` writes; the clean error is drawn at ε = 0. A bare Agg
   figure, not pyplot, so no global backend or figure state changes.
   """
+  # lazily: matplotlib is slow to import, and only a run that draws needs it
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
@@ -341,10 +342,7 @@ class Evaluator(suite_lib.Evaluator):
   """`eval.adversarial.*`: PGD at each ε on every eval dataset (`AdversarialEvaluator`), with a
   plot of error and routing change against ε."""
   name = "adversarial"
-
-  @classmethod
-  def enabled(cls, config) -> bool:
-    return bool(config.adversarial.epsilons)
+  enabling_key = "eval.adversarial.epsilons"
 
   def run(self) -> suite_lib.Result:
     s, adv = self.suite, self.suite.config.adversarial

@@ -10,7 +10,10 @@ import json
 
 import jax
 
+from runner.config import derived
+
 from runner.evaluators import predictions, suite as suite_lib
+from runner.evaluators.compute import xla_gflops_per_image
 
 
 def sweep_key(capacity_ratio: float, batch_priority: bool) -> str:
@@ -25,6 +28,7 @@ def write_sweep_json(rows: list[dict], path: str) -> str:
 
 def plot_capacity_sweep(rows: list[dict], path: str, metric: str = "prec@1", title: str = "") -> str:
   """One line per routing (vanilla, BPR): `metric` against GFLOPs per image, points labelled by C."""
+  # lazily: matplotlib is slow to import, and only a run that draws needs it
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
@@ -63,14 +67,14 @@ class Evaluator(suite_lib.Evaluator):
   vanilla and (for routers that prioritise, token-choice) with Batch Prioritized Routing. The
   setting the model already runs at reuses the main pass instead of repeating it."""
   name = "capacity_sweep"
+  enabling_key = "eval.capacity_sweep"
+  in_training = False  # changes the checkpoint's capacity: vmoe eval's (a relation says so)
 
   @classmethod
   def enabled(cls, config) -> bool:
     return bool(config.capacity_sweep)
 
   def run(self) -> suite_lib.Result:
-    from runner.config import derived
-    from runner.evaluators.compute import xla_gflops_per_image
     s = self.suite
     ds, members = s.in_distribution, s.members
     example = s.shared.get("example") or s.placement.put(

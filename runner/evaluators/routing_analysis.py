@@ -19,13 +19,15 @@ per expert):
 - top-i weights (Fig. 32): histograms (bins of 0.02) and means of the i-th largest g(t), i = 1 ..
   k (2 at least);
 - load: the fraction of processed assignments per expert, its entropy over log E (1: balanced),
-  and the fraction of tokens no expert processed;
-- experts-choice: experts per token, over the image and as a histogram; Soft MoE: each slot's
-  mean dispatch weight per patch (which patches a slot mixes) and the mean entropy of each
-  token's combine weights;
+  the fraction of tokens no expert processed, and experts per token, over the image and as a
+  histogram (drawn for the families with the "experts_per_token" view: experts-choice);
+- the views a router family adds (`RouterFamily.analysis_views`): "slot_mixing" (Soft MoE),
+  each slot's mean dispatch weight per patch (which patches a slot mixes) and the mean entropy of
+  each token's combine weights;
 - which patches survive (Fig. 5): the first MoE layer's routing of the first routing group,
-  replanned at each of `eval.routing.capacities` with vanilla routing and with Batch Prioritized
-  Routing (experts-choice: its top-C per expert), drawn over the first images.
+  replanned by its router family at each of `eval.routing.capacities`
+  (`RouterFamily.dropped_at_capacity`: token-choice with vanilla routing and with Batch
+  Prioritized Routing, experts-choice its top-C per expert), drawn over the first images.
 
 Scalars go to summary.json as routing/<layer>/..., the matrices to routing_analysis.npz, and the
 pictures to routing_*.png (and W&B). docs/routing-analysis.md explains how to read them.
@@ -40,7 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runner.evaluators import suite as suite_lib
+from runner.config import derived
+from runner.evaluators import routing_plots, suite as suite_lib
+from runner.models import tokens_per_image
+from runner.models.moe import routers
 
 BIN = 0.02
 BINS = int(round(1 / BIN))
@@ -61,11 +66,10 @@ class LayerInfo:
   # Blocks of E / partitions experts, one per member (pbe) or per partition (partition_only),
   # each routed alone; 1 for a V-MoE and for tiling_only (one router over all E experts).
   partitions: int = 1
+  views: tuple[str, ...] = ()  # the family's extra views (`RouterFamily.analysis_views`)
 
 
 def layer_info(model_config, batch_size: int) -> LayerInfo:
-  from runner.config import derived
-  from runner.models import tokens_per_image
   family = derived.router_family(model_config)
   side = model_config.image_size // model_config.patch_size
   k = model_config.router.k if "k" in family.options else 2
@@ -79,7 +83,7 @@ def layer_info(model_config, batch_size: int) -> LayerInfo:
                                            model_config.classifier)) == "token",
                    k=max(2, min(k, derived.experts_per_router(model_config))),
                    partitions=experts // derived.experts_per_router(model_config) if experts
-                   else 1)
+                   else 1, views=tuple(family.analysis_views))
 
 
 def member_records(key: str, records: dict, info: LayerInfo) -> dict[str, dict]:
@@ -99,11 +103,13 @@ def member_records(key: str, records: dict, info: LayerInfo) -> dict[str, dict]:
   return out
 
 
-def batch_sums(records: dict, labels, mask, k: int, patches: slice) -> dict:
+def batch_sums(records: dict, labels, mask, k: int, patches: slice,
+               views: tuple[str, ...] = ()) -> dict:
   """The fixed-size sums of one batch and one layer (traced, or NumPy for the tests).
 
-  records: `expert_weights` (B, T, E) and, but for Soft MoE, `routed_mask`; for Soft MoE
-  `dispatch_weights`, `combine_weights` (B, T, E*P). labels (B, C), mask (B,) of real rows.
+  records: `expert_weights` (B, T, E) and, for a discrete router, `routed_mask`; for the
+  "slot_mixing" view `dispatch_weights`, `combine_weights` (B, T, E*P). labels (B, C), mask (B,)
+  of real rows; `views` the family's (`LayerInfo.views`).
   """
   xp = jnp if isinstance(records["expert_weights"], jax.Array) else np
   w = records["expert_weights"].astype(xp.float32)
@@ -133,8 +139,8 @@ def batch_sums(records: dict, labels, mask, k: int, patches: slice) -> dict:
     out["experts_per_token"] = xp.einsum("b,bt->t", real, per_token[:, patches])
     counts = (per_token[..., None] == xp.arange(e + 1)).astype(xp.float32)
     out["experts_per_token_hist"] = xp.einsum("b,btn->n", real, counts)
-  dispatch = records.get("dispatch_weights")
-  if dispatch is not None:
+  if "slot_mixing" in views:
+    dispatch = records["dispatch_weights"]
     out["slot_position"] = xp.einsum("b,btn->nt", real, dispatch[:, patches].astype(xp.float32))
     c = records["combine_weights"].astype(xp.float32)
     entropy = -(c * xp.log(xp.maximum(c, 1e-30))).sum(-1)  # (B, T)
@@ -188,7 +194,8 @@ class Hook:
       info = self._info(key)
       patches = slice(1, None) if info.class_token else slice(0, None)
       for name, rec in member_records(key, layer, info).items():
-        out[name] = batch_sums(rec, batch["labels"], batch["_mask"], info.k, patches)
+        out[name] = batch_sums(rec, batch["labels"], batch["_mask"], info.k, patches,
+                               info.views)
     first = min((k for k in records if self._wanted(k)), default=None,
                 key=lambda k: (k.split("/")[0], int(k.rsplit("_", 1)[1])))
     if first is not None:  # the first MoE layer of the (first) model: its first routing groups
@@ -212,26 +219,9 @@ class Hook:
         totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64)
 
 
-def _order(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """(row order, column order) that puts each row's favourite column on a diagonal-ish band:
-  columns by the mean position of the rows that prefer them, rows by their favourite column then
-  by how strongly they prefer it (the paper orders each panel for the structure to show)."""
-  favourite = matrix.argmax(1)
-  strength = matrix.max(1)
-  rows = np.lexsort((-strength, favourite))
-  rank = np.empty_like(rows)
-  rank[rows] = np.arange(len(rows))
-  score = [rank[favourite == j].mean() if np.any(favourite == j) else len(rows) + j
-           for j in range(matrix.shape[1])]
-  cols = np.argsort(score, kind="stable")
-  remap = np.empty_like(cols)
-  remap[cols] = np.arange(len(cols))
-  rows = np.lexsort((-strength, remap[favourite]))
-  return rows, cols
-
-
 class Evaluator(suite_lib.Evaluator):
   name = "routing_analysis"
+  enabling_key = "eval.routing_analysis"
 
   @classmethod
   def enabled(cls, config) -> bool:
@@ -273,10 +263,11 @@ class Evaluator(suite_lib.Evaluator):
     if jax.process_index() == 0:
       np.savez_compressed(s.path("routing_analysis.npz"), **arrays)
     if s.plots and analysed:
-      from runner.evaluators import routing_plots
+      first_layer = getattr(hook, "first_layer", None)
+      infos = {key: hook._info(key) for key in [*analysed, first_layer] if key is not None}
       result.images.update(routing_plots.draw_all(
           analysed, drops, hook.sample, s.out_dir, images=s.config.routing.images,
-          first_layer=getattr(hook, "first_layer", None), infos=hook))
+          first_layer=first_layer, infos=infos))
     return result
 
 
@@ -323,7 +314,7 @@ def analyse(totals: dict, info: LayerInfo) -> dict:
     scalars["experts_per_token"] = float(
         np.sum(totals["experts_per_token_hist"] * np.arange(len(totals["experts_per_token_hist"])))
         / max(totals["experts_per_token_hist"].sum(), 1e-12))
-  if "slot_position" in totals:
+  if "slot_mixing" in info.views:
     arrays["slot_position_weights"] = totals["slot_position"] / images
     scalars["combine_entropy"] = float(totals["combine_entropy"] / (images * info.tokens))
     scalars["dropped_fraction"] = 0.0
@@ -331,13 +322,12 @@ def analyse(totals: dict, info: LayerInfo) -> dict:
 
 
 def dropped_patches(weights: np.ndarray, info: LayerInfo, capacities: list[float]) -> dict:
-  """{"<C>/vanilla" | "<C>/bpr": (images, tokens) bool, True where no expert processes the
-  token}: the first routing group replanned at each capacity ratio (Fig. 5). Soft MoE drops
-  nothing: {}."""
-  import dataclasses as dc
-
-  from runner.models.moe import routers, routing
-  if info.family == "soft":
+  """{"<C>/<routing>": (images, tokens) bool, True where no expert processes the token}: the
+  first routing group replanned by the router family at each capacity ratio (Fig. 5), in each
+  routing it can use ("vanilla", "bpr"). {} for a family whose capacity is fixed (Soft MoE drops
+  nothing) or that cannot replan."""
+  family = routers.family(info.family)
+  if not family.capacity_at_inference:
     return {}
   images, t = weights.shape[0], info.tokens
   group = min(info.group_size, images)
@@ -350,20 +340,8 @@ def dropped_patches(weights: np.ndarray, info: LayerInfo, capacities: list[float
   images = groups * group
   out = {}
   for c in capacities:
-    router = dc.replace(info.router, eval_capacity_ratio=float(c))
-    capacity = routers.family(info.family).capacity(router, group * rows, e, train=False)
-    if info.family == "experts_choice":
-      from runner.models.moe.routers.experts_choice import top_tokens_per_expert
-      _, chosen = top_tokens_per_expert(gates, capacity)  # (groups, E, C) token ids
-      kept = np.zeros((groups, group * t), bool)
-      for g in range(groups):
-        kept[g, np.asarray(chosen[g]).reshape(-1)] = True
-      out[f"{c:g}/vanilla"] = ~kept.reshape(images, t)
-      continue
-    for bpr in (False, True):
-      plan = routing.plan_dispatch(gates, k=info.router.k, capacity=capacity, batch_priority=bpr,
-                                   priority=str(getattr(info.router.priority, "value",
-                                                        info.router.priority)))
-      kept = np.asarray(plan.kept).reshape(images, rows, -1).any(-1)[:, :t]
-      out[f"{c:g}/{'bpr' if bpr else 'vanilla'}"] = ~kept
+    router = dataclasses.replace(info.router, eval_capacity_ratio=float(c))
+    capacity = family.capacity(router, group * rows, e, train=False)
+    for routing, dropped in family.dropped_at_capacity(router, gates, capacity).items():
+      out[f"{c:g}/{routing}"] = np.asarray(dropped).reshape(images, rows)[:, :t]
   return out

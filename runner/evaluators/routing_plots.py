@@ -2,8 +2,10 @@
 
 One figure per kind, one panel per analysed layer (and member): experts x classes heat maps
 (Fig. 8/30), per-expert maps over the patch grid (Fig. 31), top-i weight histograms (Fig. 32),
-dropped patches at several capacities (Fig. 5), experts per token over the image
-(experts-choice) and the patches each slot mixes (Soft MoE). Bare Agg figures, no pyplot state.
+dropped patches at several capacities (Fig. 5), and the views the layers' router families ask
+for (`LayerInfo.views`): experts per token over the image ("experts_per_token") and the patches
+each slot mixes ("slot_mixing"). Reads only what the analysis hands over; bare Agg figures, no
+pyplot state.
 """
 from __future__ import annotations
 
@@ -12,10 +14,9 @@ import pathlib
 
 import numpy as np
 
-from runner.evaluators.routing_analysis import BIN, _order
-
 
 def _figure(width: float, height: float):
+  # lazily: matplotlib is slow to import, and only a run that draws needs it
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
   figure = Figure(figsize=(width, height), dpi=100)
@@ -32,6 +33,24 @@ def _save(figure, path: pathlib.Path) -> str:
 def _panels(n: int, columns: int = 4) -> tuple[int, int]:
   columns = max(1, min(columns, n))
   return math.ceil(n / columns), columns
+
+
+def _order(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(row order, column order) that puts each row's favourite column on a diagonal-ish band:
+  columns by the mean position of the rows that prefer them, rows by their favourite column then
+  by how strongly they prefer it (the paper orders each panel for the structure to show)."""
+  favourite = matrix.argmax(1)
+  strength = matrix.max(1)
+  rows = np.lexsort((-strength, favourite))
+  rank = np.empty_like(rows)
+  rank[rows] = np.arange(len(rows))
+  score = [rank[favourite == j].mean() if np.any(favourite == j) else len(rows) + j
+           for j in range(matrix.shape[1])]
+  cols = np.argsort(score, kind="stable")
+  remap = np.empty_like(cols)
+  remap[cols] = np.arange(len(cols))
+  rows = np.lexsort((-strength, remap[favourite]))
+  return rows, cols
 
 
 def classes(analysed: dict, path: pathlib.Path) -> str:
@@ -90,7 +109,8 @@ def top_weights(analysed: dict, path: pathlib.Path) -> str:
   figure = _figure(3.2 * cols, 2.6 * rows)
   for i, (key, a) in enumerate(analysed.items()):
     hist = a["arrays"]["top_histogram"]  # (k, bins)
-    centres = (np.arange(hist.shape[1]) + 0.5) * BIN
+    edges = a["arrays"]["top_bins"]
+    centres = (np.arange(hist.shape[1]) + 0.5) * (edges[1] - edges[0])
     axes = figure.add_subplot(rows, cols, i + 1)
     for j, counts in enumerate(hist, start=1):
       total = max(counts.sum(), 1.0)
@@ -178,22 +198,24 @@ def soft_slots(analysed: dict, grid: dict, path: pathlib.Path, slots: int = 16) 
 
 def draw_all(analysed: dict, drops: dict, sample, out_dir, *, images: int, first_layer, infos
              ) -> dict[str, str]:
-  """Every picture that applies; returns {W&B key: PNG path}."""
+  """Every picture that applies; returns {W&B key: PNG path}. `infos`: the `LayerInfo` of every
+  analysed key and of `first_layer`."""
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  grid = {key: infos._info(key).grid for key in analysed}
+  grid = {key: infos[key].grid for key in analysed}
   out = {"routing/classes": classes(analysed, out_dir / "routing_classes.png"),
          "routing/positions": positions(analysed, grid, out_dir / "routing_positions.png"),
          "routing/top_weights": top_weights(analysed, out_dir / "routing_top_weights.png")}
   if drops and sample is not None and images:
     out["routing/dropped_patches"] = dropped(
-        drops, sample, infos._info(first_layer), images, out_dir / "routing_dropped_patches.png",
+        drops, sample, infos[first_layer], images, out_dir / "routing_dropped_patches.png",
         title=f"{first_layer}: dropped patches (white) by capacity ratio")
-  if any("experts_per_token_position" in a["arrays"] and infos._info(k).family == "experts_choice"
-         for k, a in analysed.items()):
+  per_token = {k: a for k, a in analysed.items() if "experts_per_token" in infos[k].views
+               and "experts_per_token_position" in a["arrays"]}
+  if per_token:
     out["routing/experts_per_token"] = experts_per_token(
-        {k: a for k, a in analysed.items() if infos._info(k).family == "experts_choice"}, grid,
-        out_dir / "routing_experts_per_token.png")
-  if any("slot_position_weights" in a["arrays"] for a in analysed.values()):
-    out["routing/soft_slots"] = soft_slots(analysed, grid, out_dir / "routing_soft_slots.png")
+        per_token, grid, out_dir / "routing_experts_per_token.png")
+  mixing = {k: a for k, a in analysed.items() if "slot_mixing" in infos[k].views}
+  if mixing:
+    out["routing/soft_slots"] = soft_slots(mixing, grid, out_dir / "routing_soft_slots.png")
   return out

@@ -10,21 +10,24 @@ are counted at their padded capacity (every buffer slot is computed, filled or n
 bookkeeping, softmax, normalisation and activations are not counted. A training step costs three
 forward passes (forward, and two matmuls per matmul in the backward pass).
 
-Partitioned batch ensembles (E³, `model.moe.ensemble_size` M > 1; spec ensembles-e3.md §1.10):
+Partitioned batch ensembles (E³, `model.moe.ensemble_size` M > 1; spec ensembles-e3.md §1.10).
+A routing group is routed as one or several blocks, each a router family's routing of some
+tokens among some experts, costed by the family as a group of its own (token-choice: capacity
+expert_capacity(tokens, experts, k, C), router 2·tokens·D·experts):
   pbe             the representation is repeated M times right before the first block with an MoE
                   MLP; that block (its attention included), every later block, the pre-logits layer
                   and the head run on M rows per image. Each replica routes within its member's
-                  E/M experts with that member's router columns (router: M·D·E/M = D·E per token);
-                  a routing group holds group_size images × M replicas, so each expert sees
-                  group_size·T tokens: capacity = expert_capacity(group_size·T, E/M, k, C).
-  tiling_only     repeated as pbe, but one router over all E experts on every replica (router:
-                  M·D·E per token), groups of group_size·M rows: capacity =
-                  expert_capacity(group_size·M·T, E, k, C).
-  partition_only  no repetition; each token picks k experts in every partition with the member
-                  routers (router: D·E per token); capacity = expert_capacity(group_size·T, E/M, k, C).
-In every case an MoE layer computes E·capacity/group_size expert slots per image, the capacity
-rounded as `model.router.capacity_rounding` says. M = 1 is a V-MoE; a model without MoE layers
-(a ViT) ignores M.
+                  E/M experts with that member's router columns: M blocks of group_size·T tokens
+                  and E/M experts per routing group (router: M·D·E/M = D·E per token).
+  tiling_only     repeated as pbe, but one router over all E experts on every replica: one block
+                  of group_size·M·T rows and E experts (router: M·D·E per token); for a family
+                  that forms no ensembles (the copies are MC-dropout's samples, each its own
+                  pass), M blocks of group_size·T tokens and E experts.
+  partition_only  no repetition; each token is routed in every partition with the member routers:
+                  M blocks of group_size·T tokens and E/M experts (router: D·E per token).
+In every case an MoE layer computes E·capacity/group_size expert slots per image. M = 1 is a
+V-MoE, one block of group_size·T tokens and E experts; a model without MoE layers (a ViT)
+ignores M.
 
 Heteroscedastic heads (HET-XL paper, Table 11; S MC samples, R factors, D the pre-logits' width,
 K classes, Q = K for HET and D for HET-XL): the mean classifier 2·D·K; the rank-1 scale 2·D·Q;
@@ -35,9 +38,8 @@ S is the training or the evaluation number of samples.
 from __future__ import annotations
 
 from runner.config.schema import Classifier, EnsembleVariant, HeadType, ModelConfig
-from runner.models.catalog import moe_layer_indices
+from runner.config.derived import moe_layer_indices
 from runner.models.moe import routers
-from runner.models.moe.routing import expert_capacity
 
 
 def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size: int,
@@ -63,6 +65,17 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
     raise ValueError(f"model.moe.num_experts={e} is not divisible by "
                      f"model.moe.ensemble_size={members}")
   tiled = members > 1 and variant in (EnsembleVariant.pbe, EnsembleVariant.tiling_only)
+  family = routers.family(router.type) if moe_layers else None
+  # Per routing group: `blocks` routings of `replicas` rows per image among `experts` experts.
+  if members > 1 and variant == EnsembleVariant.tiling_only:
+    # One router over the copies; copies of a family that forms no ensembles (MC-dropout's
+    # samples, runner/tasks/members.py) are routed one by one.
+    blocks, replicas = (1, members) if family.supports_ensembles else (members, 1)
+    experts = e
+  elif members > 1:  # pbe (a member's replicas), partition_only (every token, each partition)
+    blocks, replicas, experts = members, 1, e // members
+  else:
+    blocks, replicas, experts = 1, 1, e
   first_tiled = min(moe_layers) if tiled else layers
   rows = 1  # rows per image: M from the first MoE block on when tiled
   for i in range(layers):
@@ -72,25 +85,15 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
     if i not in moe_layers:
       flops += rows * dense_mlp
       continue
-    ratio = router.capacity_ratio
-    if not train and router.eval_capacity_ratio is not None:
-      ratio = router.eval_capacity_ratio
     group = min(moe.group_size, batch_size)  # images per routing group (per member when tiled)
-    rounding = router.capacity_rounding
-    if members == 1:  # the router family says what a group costs
-      family = routers.family(router.type)
-      # Slots that are parameters (Soft MoE) follow the configured group, not the batch.
-      fixed = not family.capacity_at_inference
-      capacity = family.capacity(router, (moe.group_size if fixed else group) * tokens, e,
-                                 train=train)
-      router_flops = family.router_flops(group * tokens, d, e, capacity) / group
-    elif variant == EnsembleVariant.tiling_only:
-      capacity = expert_capacity(group * members * tokens, e, router.k, ratio, rounding)
-      router_flops = members * 2.0 * tokens * d * e  # every replica scores all E experts
-    else:  # pbe (M replicas, E/M columns each) or partition_only (one token, all M partitions)
-      capacity = expert_capacity(group * tokens, e // members, router.k, ratio, rounding)
-      router_flops = 2.0 * tokens * d * e
-    slots_per_image = e * capacity / group
+    # The router family says what a block costs. Slots that are parameters (Soft MoE) follow
+    # the configured group, not the batch.
+    fixed = not family.capacity_at_inference
+    block_tokens = (moe.group_size if fixed else group) * replicas * tokens
+    capacity = family.capacity(router, block_tokens, experts, train=train)
+    router_flops = blocks * family.router_flops(group * replicas * tokens, d, experts,
+                                                capacity) / group
+    slots_per_image = blocks * experts * capacity / group
     flops += router_flops
     flops += 2 * 2.0 * slots_per_image * d * m  # experts at padded capacity
   if config.classifier == Classifier.map:  # one probe query attending to every token, then an MLP

@@ -3,17 +3,20 @@
 Applied with `mutable=["intermediates"]`, every MoE layer (runner/models/moe/layer.py) sows what
 its router decided; `routing_records` gathers them as {layer: {name: array}}, keyed
 "layer_<i>" (block i), or "member_<j>/layer_<i>" for the models of a deep ensemble
-(runner/models/ensemble.py). Every array has the images first:
+(runner/models/ensemble.py). Every array has the images first; what a layer sows is what its
+router family answers (runner/models/moe/routers, `RouterFamily`):
 
   expert_weights    (images, tokens, E) float32   the weight each token gives each expert
   expert_mask       (images, tokens, E) bool      the experts each token chose (token-choice: its
                                                   TOP-k; experts-choice: the experts that picked
-                                                  it); absent for Soft MoE
+                                                  it); only for `discrete` families
   routed_mask       (images, tokens, E) bool      the experts that process it after capacity
-  selected_experts  (images, tokens, k) int32     token-choice: the TOP-k ids
-  routed_experts    (images, tokens, k) int32     token-choice: the ids kept, -1 where dropped
-  dispatch_weights  (images, tokens, E*P) float32 Soft MoE: each token's weight in each slot
-  combine_weights   (images, tokens, E*P) float32 Soft MoE: each slot's weight in each token
+  selected_experts  (images, tokens, k) int32     the k chosen ids, for families that give them
+                                                  (`expert_ids`; token-choice: the TOP-k)
+  routed_experts    (images, tokens, k) int32     the ids kept, -1 where dropped
+  <the family's>    (images, tokens, N)           `sown_records`; Soft MoE: dispatch_weights and
+                                                  combine_weights, (images, tokens, E*P), each
+                                                  token's weight in each slot and back
 
 For a tiled partitioned batch ensemble the tokens axis holds the M members' copies one after the
 other (M * tokens), and a member's weights are zero outside its partition of the experts.
@@ -29,15 +32,15 @@ from flax import traverse_util
 
 _BLOCK = re.compile(r"block_(\d+)")
 _MEMBER = re.compile(r"member_\d+")  # a model of an `Ensemble`
-RECORDS = ("expert_weights", "expert_mask", "routed_mask", "selected_experts", "routed_experts",
-           "dispatch_weights", "combine_weights")
+MOE_LAYER = "moe"  # the name of an encoder block's MoE layer (runner/models/vit.py)
 
 
 def routing_records(intermediates) -> dict[str, dict[str, jax.Array]]:
-  """{"layer_<i>" or "member_<j>/layer_<i>": {record name: array}} of every MoE layer."""
+  """{"layer_<i>" or "member_<j>/layer_<i>": {record name: array}} of every MoE layer: whatever
+  the layer sowed, so that a router family's own records come along."""
   out: dict[str, dict[str, jax.Array]] = {}
   for path, value in traverse_util.flatten_dict(dict(intermediates)).items():
-    if path[-1] not in RECORDS:
+    if len(path) < 2 or path[-2] != MOE_LAYER:
       continue
     blocks = [m for m in map(_BLOCK.fullmatch, path) if m]
     if not blocks:

@@ -10,7 +10,7 @@ Rules, applied by parameter name:
   and the new router starts from its fresh initialisation;
 - with `new_router` (the model routes with another router family than the checkpoint: token-
   choice to Soft MoE, say), every router starts fresh and the checkpoint's routers are left out,
-  while the experts are kept;
+  while the experts are kept; `routers_fit` tells it for a checkpoint without a config;
 - a class token the model does not have (it pools its tokens) is left out;
 - everything else is copied and must match in shape. All mismatches are reported together, by
   parameter name, before any training.
@@ -22,6 +22,7 @@ import jax
 
 from runner.checkpoint import CheckpointError
 
+_ROUTER = "/moe/router/"  # the scope of an MoE layer's router parameters
 _EXPERT_FROM_DENSE = {"fc1_kernel": "fc1/kernel", "fc1_bias": "fc1/bias",
                       "fc2_kernel": "fc2/kernel", "fc2_bias": "fc2/bias"}
 
@@ -40,6 +41,14 @@ def unflatten(flat: dict[str, np.ndarray]) -> dict:
       node = node.setdefault(p, {})
     node[leaf] = value
   return tree
+
+
+def routers_fit(restored, family) -> bool:
+  """Whether a checkpoint's routers have the parameters of `family`'s
+  (`RouterFamily.router_parameters`), so that they can initialise its routers; a checkpoint
+  without routers (a ViT) has nothing that would not fit."""
+  names = {name.split(_ROUTER, 1)[1] for name in flatten(restored) if _ROUTER in name}
+  return not names or names == set(family.router_parameters)
 
 
 def resize_position_embedding(posemb: np.ndarray, num_tokens: int) -> np.ndarray:
@@ -95,10 +104,10 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
   out, problems, used = {}, [], set()
   linear_head = "head/kernel" in old
   if new_router:
-    used.update(n for n in old if "/moe/router/" in n)
+    used.update(n for n in old if _ROUTER in n)
   for name, target in new.items():
     shape = tuple(np.shape(target))
-    if new_router and "/moe/router/" in name:
+    if new_router and _ROUTER in name:
       out[name] = np.asarray(target)
       continue
     if name.startswith("head/") and reinit_head:
@@ -144,7 +153,7 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
       else:
         out[name] = np.broadcast_to(value, shape).copy()
       continue
-    if dense_to_experts and "/moe/router/" in name:
+    if dense_to_experts and _ROUTER in name:
       out[name] = np.asarray(target)
       continue
     if dense is not None and dense in old:

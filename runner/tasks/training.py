@@ -10,10 +10,11 @@ from runner.config import as_dict, derived
 from runner.config.schema import Objective, TrainTask
 from runner.errors import ConfigError
 from runner.models import build_model, transfer
+from runner.models.moe import routers
 from runner.parallel import Placement
-from runner.tasks import common, dataset_specs, fewshot_data
+from runner.tasks import common, contrastive, dataset_specs, fewshot_data
 from runner.train import state as state_lib
-from runner.train.loop import train_and_evaluate
+from runner.loop import train_and_evaluate
 
 
 def _model_differences(stored: dict, current: dict, prefix: str = "model.") -> str:
@@ -51,13 +52,13 @@ def _router_changes(config: TrainTask, stored: dict | None, restored) -> bool:
   then starts fresh and the checkpoint's is left out (the experts are kept)."""
   if not derived.num_experts(config.model):
     return False
-  family = derived.router_family(config.model).name
-  if stored:  # our runs say; a config of an older version without router.type is token-choice
+  family = derived.router_family(config.model)
+  if stored:  # our runs say; a config of an older version without router.type has the default
     router = (stored.get("model") or {}).get("router") or {}
-    return str(router.get("type") or "token_choice") != family
-  # A released checkpoint: Soft MoE stores slot parameters, the others a (D, E) kernel.
-  soft = any(name.endswith("/router/mu") for name in transfer.flatten(restored))
-  return soft != (family == "soft")
+    return str(router.get("type") or routers.DEFAULT) != family.name
+  # A released checkpoint: its routers' parameter names say (Soft MoE stores slot parameters,
+  # the others a (D, E) kernel).
+  return not transfer.routers_fit(restored, family)
 
 
 def init_from_checkpoint(config: TrainTask, model, source: data.Source):
@@ -108,7 +109,6 @@ def run_training(config: TrainTask, placement: Placement, stage: str) -> dict:
         fewshot_data.open_datasets(config.fewshot, config.data),
         derived.fewshot_batch_size(config.fewshot, config.data, config.eval.batch_size))
   if config.objective.name == Objective.contrastive:
-    from runner.tasks import contrastive  # noqa: PLC0415 (image-text pairs: two towers)
     return contrastive.run(config, placement, stage, source=source, resuming=resuming,
                            fewshot=fewshot)
   if not source.num_classes:

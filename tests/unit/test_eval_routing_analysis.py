@@ -10,9 +10,12 @@ per capacity setting and shared by the tests (`_step`).
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
+import inspect
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +25,7 @@ import scipy.stats
 from sklearn.metrics import mutual_info_score
 
 from runner.config.schema import EnsembleVariant, RouterConfig
-from runner.evaluators import routing_analysis as ra
+from runner.evaluators import routing_analysis as ra, routing_plots
 from runner.models import build_model, model_config
 from runner.models.introspection import apply_with_routing
 from runner.train.state import abstract_params
@@ -486,6 +489,33 @@ def test_bpr_keeps_other_patches_than_vanilla_at_low_capacity():
 def test_soft_moe_drops_nothing():
   info, _, _, hook = _pass("soft")
   assert ra.dropped_patches(hook.sample["weights"], info, [1.0, 0.1]) == {}
+
+
+# --- pictures ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family, pictures", [
+    ("token_choice", {"routing/dropped_patches"}),
+    ("experts_choice", {"routing/dropped_patches", "routing/experts_per_token"}),
+    ("soft", {"routing/soft_slots"}),
+])
+def test_the_pictures_follow_the_families_views(family, pictures, tmp_path):
+  info, _, _, hook = _pass(family)
+  analysed = {key: ra.analyse(totals, info) for key, totals in hook.totals.items()}
+  drops = ra.dropped_patches(hook.sample["weights"], info, [0.5, 1.0])
+  infos = {key: info for key in analysed}  # the sample's layer, layer_0, among them
+  out = routing_plots.draw_all(analysed, drops, hook.sample, tmp_path, images=2,
+                               first_layer="layer_0", infos=infos)
+  assert set(out) == {"routing/classes", "routing/positions", "routing/top_weights", *pictures}
+  assert all(pathlib.Path(path).stat().st_size > 0 for path in out.values())
+
+
+def test_the_pictures_do_not_import_the_analysis():
+  """The analysis draws with routing_plots, which reads only what it is handed: no cycle."""
+  tree = ast.parse(inspect.getsource(routing_plots))
+  imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+              for alias in node.names}
+  imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+  assert not any(name and name.startswith("runner") for name in imported)
 
 
 # --- streaming -----------------------------------------------------------------------------------

@@ -184,6 +184,18 @@ def test_map_head_runs_on_every_replica():
       forward_flops_per_image(untiled, 10, batch_size=16) == attention + map_head + 2 * d * 10
 
 
+@pytest.mark.parametrize("router", [dict(type="experts_choice"),
+                                    dict(type="soft", slots_per_expert=2)])
+def test_tiled_copies_of_a_family_without_ensembles_are_routed_one_by_one(router):
+  """MC-dropout's samples of an experts-choice or Soft MoE model, counted as tiled copies
+  (runner/tasks/members.py), each run alone: from the first MoE block on, M times one copy."""
+  one = _with(_small(1, PBE), router=router)
+  copies = _with(one, ensemble_size=3, ensemble_variant=TILING)
+  shared = EMBED + BLOCK0
+  assert forward_flops_per_image(copies, 10, batch_size=16) == \
+      shared + 3 * (forward_flops_per_image(one, 10, batch_size=16) - shared)
+
+
 def test_experts_must_divide_between_members():
   c = _small(3, PBE)
   with pytest.raises(ValueError, match="divisible"):

@@ -61,25 +61,29 @@ class MoeMlpBlock(nn.Module):
   - "partition_only": rows are not tiled; each token is routed in every partition (k experts in
     each) and the M partitions' outputs are summed (the ablation without tiling).
 
-  The router is the family `router["type"]` names (runner/models/moe/routers; token-choice by
-  default); only token-choice routers form ensembles.
+  The router is the family `router["type"]` names (runner/models/moe/routers; the schema's
+  default family when absent); only families that `supports_ensembles` form ensembles.
 
   Applied with mutable=["intermediates"], it also sows what the routing decided (read back with
-  runner/models/introspection.py): `expert_weights`, (images, tokens, E) float32, the weight
-  each token gives each expert (the gates; for Soft MoE each token's share of its dispatch mass
-  per expert), and for Soft MoE `dispatch_weights` and `combine_weights`, (images, tokens, E*P);
-  and `expert_mask` and `routed_mask`:
-  (images, tokens, E) bool, the experts each token chose (before capacity drops) and the experts
-  that process it (for a tiled ensemble, (images, M*tokens, E)); every router family answers
-  these. The token-choice router also sows `selected_experts`: (images, tokens, k) int32, every
-  token's TOP-k experts as the router chose them, before capacity drops (for an ensemble,
-  (images, M*tokens, k) for tiled rows and (images, tokens, M*k) for partition_only) — the "set
-  of selected experts" whose change under attack the adversarial evaluator measures (Puigcerver
-  et al. 2022, App. F): a property of the token alone, whereas what survives the buffers also
-  depends on the other images of its routing group; and `routed_experts`, of the same shape: the
-  expert id where the assignment found room in the expert's buffer with a non-zero combine
-  weight, -1 where it was dropped; the experts that actually process the token, which is what
-  the reference code's routing change compares.
+  runner/models/introspection.py), asking the family and its plan, with the images first:
+  - `expert_weights`, (images, tokens, E) float32: the weight each token gives each expert
+    (`Plan.expert_weights`);
+  - for a `discrete` family, `expert_mask` and `routed_mask`, (images, tokens, E) bool: the
+    experts each token chose (before capacity drops) and the experts that process it
+    (`Plan.expert_mask`);
+  - where the family gives k expert ids per token (`RouterFamily.expert_ids`),
+    `selected_experts`, (images, tokens, k) int32: the experts the router chose, before capacity
+    drops — the "set of selected experts" whose change under attack the adversarial evaluator
+    measures (Puigcerver et al. 2022, App. F): a property of the token alone, whereas what
+    survives the buffers also depends on the other images of its routing group; and
+    `routed_experts`, of the same shape: the id where the assignment found room in the expert's
+    buffer with a non-zero combine weight, -1 where it was dropped; the experts that actually
+    process the token, which is what the reference code's routing change compares;
+  - the family's own records (`RouterFamily.sown_records`; Soft MoE: `dispatch_weights` and
+    `combine_weights`, (images, tokens, E*P)).
+  In an ensemble, tiled rows give (images, M*tokens, ...) with a member's weights and masks
+  zero outside its partition of the experts, and partition_only gives every token's M
+  partitions side by side ((images, tokens, M*k) ids); ids are global expert ids.
   """
   num_experts: int
   mlp_dim: int
@@ -123,28 +127,7 @@ class MoeMlpBlock(nn.Module):
       raise ValueError(f"router type {family.name!r} does not form partitioned batch ensembles")
     plan, metrics = family.module(num_experts=self.num_experts, **options, name="router")(
         blocks, train=train)
-    # No-ops unless the caller made "intermediates" mutable (runner/models/introspection.py).
-    self.sow("intermediates", "expert_weights",
-             self._per_image(plan.expert_weights(), num_groups, group_size, tokens, partitions,
-                             tiled))
-    if family.name == "soft":  # which tokens each slot mixes, which slots each token mixes
-      self.sow("intermediates", "dispatch_weights", plan.dispatch_weights.reshape(images, tokens,
-                                                                                  -1))
-      self.sow("intermediates", "combine_weights", plan.combine_weights.reshape(images, tokens,
-                                                                                -1))
-    if family.supports_ensembles:
-      selected = self._selected(plan, num_groups, group_size, tokens, partitions, tiled)
-      routed = self._selected(plan, num_groups, group_size, tokens, partitions, tiled,
-                              routed=True)
-      self.sow("intermediates", "selected_experts", selected)
-      self.sow("intermediates", "routed_experts", routed)
-      self.sow("intermediates", "expert_mask", _ids_to_mask(selected, self.num_experts))
-      self.sow("intermediates", "routed_mask", _ids_to_mask(routed, self.num_experts))
-    else:
-      for name, routed in (("expert_mask", False), ("routed_mask", True)):
-        mask = plan.expert_mask(routed)
-        if mask is not None:
-          self.sow("intermediates", name, mask.reshape(images, tokens, -1))
+    self._sow_routing(family, plan, num_groups, group_size, tokens, partitions, tiled)
     weights = MlpExperts(self.num_experts, self.mlp_dim, name="experts")(dim)
     dropout = train if dropout is None else dropout
     rng = self.make_rng("dropout") if dropout and self.expert_dropout else None
@@ -180,24 +163,38 @@ class MoeMlpBlock(nn.Module):
       full = full.at[:, member, ..., member * e:(member + 1) * e].set(values[:, member])
     return full.transpose(0, 2, 1, 3, 4).reshape(images, m * tokens, m * e)
 
-  def _selected(self, plan, num_groups, group_size, tokens, partitions, tiled,
-                routed: bool = False) -> jax.Array:
-    """Each image's tokens' TOP-k experts (global expert ids), for the adversarial evaluator;
-    `routed`: -1 in place of the assignments dropped (or of combine weight 0)."""
-    experts = plan.experts
+  def _sow_routing(self, family, plan, num_groups, group_size, tokens, partitions, tiled):
+    """What the routing decided (see the class docstring), as the family and its plan answer.
+    No-ops unless the caller made "intermediates" mutable (runner/models/introspection.py)."""
+    layout = (num_groups, group_size, tokens, partitions, tiled)
+    self.sow("intermediates", "expert_weights", self._per_image(plan.expert_weights(), *layout))
     images = num_groups * group_size
+    for name, values in family.sown_records(plan).items():
+      if partitions > 1:
+        raise ValueError(f"router type {family.name!r} sows {name!r}, which a partitioned batch "
+                         "ensemble cannot lay out per image")
+      self.sow("intermediates", name, values.reshape(images, -1, values.shape[-1]))
+    for name, routed in (("selected_experts", False), ("routed_experts", True)):
+      ids = family.expert_ids(plan, routed)
+      if ids is not None:
+        self.sow("intermediates", name, self._per_image_ids(ids, *layout))
+    if family.discrete:
+      for name, routed in (("expert_mask", False), ("routed_mask", True)):
+        self.sow("intermediates", name, self._per_image(plan.expert_mask(routed), *layout))
+
+  def _per_image_ids(self, ids, num_groups, group_size, tokens, partitions, tiled) -> jax.Array:
+    """(G*P, S, k) expert ids of each block's plan (-1: none) -> global expert ids per image:
+    (images, M*T, k) for tiled rows, (images, T, M*k) for partition_only."""
+    images, k = num_groups * group_size, ids.shape[-1]
     if partitions == 1:  # rows of a tiled batch are image-major: one image's copies are adjacent
-      if routed:
-        experts = jnp.where(plan.combine_weights > 0, experts, -1)
-      return experts.reshape(images, -1, plan.k)
+      return ids.reshape(images, -1, k)
     m = partitions
-    experts = experts.reshape(num_groups, m, group_size, tokens, plan.k)
-    experts = experts + (jnp.arange(m) * (self.num_experts // m))[None, :, None, None, None]
-    if routed:
-      experts = jnp.where(plan.combine_weights.reshape(experts.shape) > 0, experts, -1)
+    ids = ids.reshape(num_groups, m, group_size, tokens, k)
+    first = (jnp.arange(m) * (self.num_experts // m))[None, :, None, None, None]
+    ids = jnp.where(ids >= 0, ids + first, -1)  # the partition's first expert id
     if tiled:  # (G, M, images, T, k) -> (images, M*T, k)
-      return experts.transpose(0, 2, 1, 3, 4).reshape(images, m * tokens, plan.k)
-    return experts.transpose(0, 2, 3, 1, 4).reshape(images, tokens, m * plan.k)
+      return ids.transpose(0, 2, 1, 3, 4).reshape(images, m * tokens, k)
+    return ids.transpose(0, 2, 3, 1, 4).reshape(images, tokens, m * k)
 
   def _experts_local(self, blocks, plan, weights, rng, partitions, *, expert_axis):
     """Dispatch, experts, combine on this device's groups; all-to-all over `expert_axis`."""
@@ -240,8 +237,3 @@ class MoeMlpBlock(nn.Module):
     in_specs = (batch_spec, batch_spec, P(), *(P(*axes) for axes in weight_axes))
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=batch_spec)(
         groups, plan, rng, *weights)
-
-
-def _ids_to_mask(ids: jax.Array, num_experts: int) -> jax.Array:
-  """(..., k) expert ids (-1: none) -> (..., E) bool membership."""
-  return jnp.any(jax.nn.one_hot(ids, num_experts, dtype=jnp.bool_), axis=-2)

@@ -18,13 +18,26 @@ tokens that at least one expert processes, and its complement as `fraction_dropp
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from runner.config.schema import CapacityRounding
 from runner.models.moe import routing
-from runner.models.moe.routers import RouterFamily
+from runner.models.moe.routers.base import RouterFamily, register
+from runner.models.moe.routers.token_choice import SHARED_KEYS
+
+
+@dataclasses.dataclass
+class ExpertsChoiceConfig:
+  """model.router.* of router type experts_choice."""
+  capacity_ratio: float = SHARED_KEYS["capacity_ratio"]()
+  eval_capacity_ratio: Optional[float] = SHARED_KEYS["eval_capacity_ratio"]()
+  noise_std: Optional[float] = SHARED_KEYS["noise_std"]()
+  capacity_rounding: CapacityRounding = SHARED_KEYS["capacity_rounding"]()
+
 
 _KERNEL_INIT = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
 
@@ -142,11 +155,13 @@ class ExpertsChoiceRouter(nn.Module):
     return plan, metrics
 
 
+@register
 class ExpertsChoice(RouterFamily):
   name = "experts_choice"
   module = ExpertsChoiceRouter
-  options = ("capacity_ratio", "eval_capacity_ratio", "noise_std", "capacity_rounding")
+  Config = ExpertsChoiceConfig
   summary = "each expert picks its top round(N*C/E) tokens; a token gets 0 to E experts"
+  analysis_views = ("experts_per_token",)
 
   @classmethod
   def module_kwargs(cls, router, *, tokens: int, experts: int) -> dict:
@@ -167,5 +182,13 @@ class ExpertsChoice(RouterFamily):
   def experts_per_token(cls, router, tokens: int, experts: int, capacity: int) -> float:
     return experts * capacity / tokens
 
+  @classmethod
+  def dropped_at_capacity(cls, router, weights: jax.Array, capacity: int
+                          ) -> dict[str, jax.Array]:
+    """Each expert's top-`capacity` tokens; the tokens no expert picks are dropped."""
+    groups, tokens, _ = weights.shape
+    _, picked = top_tokens_per_expert(weights, capacity)  # (G, E, C) token ids
+    kept = jnp.zeros((groups, tokens), bool).at[
+        jnp.arange(groups)[:, None], picked.reshape(groups, -1)].set(True)
+    return {"vanilla": ~kept}
 
-FAMILY = ExpertsChoice

@@ -23,12 +23,24 @@ as the reference reports.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from runner.models.moe.routers import RouterFamily
+from runner.config.checks import at_least, key
+from runner.models.moe.routers.base import RouterFamily, register
+from runner.models.moe.routers.token_choice import SHARED_KEYS
+
+
+@dataclasses.dataclass
+class SoftConfig:
+  """model.router.* of router type soft."""
+  capacity_ratio: float = SHARED_KEYS["capacity_ratio"]()
+  slots_per_expert: Optional[int] = key(None, at_least(1), "soft: P, the reference's num_slots; "
+                                        "null: round(tokens per group * capacity_ratio / E)")
+  noise_std: Optional[float] = SHARED_KEYS["noise_std"]()
 
 EPS = 1e-6
 
@@ -118,13 +130,16 @@ class SoftRouter(nn.Module):
     return plan, metrics
 
 
+@register
 class Soft(RouterFamily):
   name = "soft"
   module = SoftRouter
-  options = ("capacity_ratio", "slots_per_expert", "noise_std")
+  Config = SoftConfig
   capacity_at_inference = False  # the slots are parameters (mu)
   discrete = False
   uses_dispatcher = False
+  router_parameters = ("mu", "scale")
+  analysis_views = ("slot_mixing",)
   summary = ("every slot mixes all tokens of a group, every token mixes all slots; nothing is "
              "dropped (Soft MoE)")
 
@@ -152,5 +167,8 @@ class Soft(RouterFamily):
   def experts_per_token(cls, router, tokens: int, experts: int, capacity: int) -> float:
     return float(experts)
 
+  @classmethod
+  def sown_records(cls, plan: SoftPlan) -> dict[str, jax.Array]:
+    """Which tokens each slot mixes, and which slots each token mixes: (G, S, E * P) each."""
+    return {"dispatch_weights": plan.dispatch_weights, "combine_weights": plan.combine_weights}
 
-FAMILY = Soft

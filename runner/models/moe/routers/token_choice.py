@@ -8,12 +8,41 @@ code names this router `NoisyTopExpertsPerItemRouter` (vmoe/nn/routing.py).
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from runner.config.checks import at_least, key, positive
+from runner.config.schema import CapacityRounding, Priority
 from runner.models.moe import routing
-from runner.models.moe.routers import RouterFamily
+from runner.models.moe.routers.base import RouterFamily, register
+
+# Keys other families read too, with the same type, default and hint in each.
+SHARED_KEYS = {
+    "capacity_ratio": lambda: key(1.05, positive(), "1.05 upstream; below 1 drops tokens, which "
+                                  "Batch Prioritized Routing makes graceful"),
+    "eval_capacity_ratio": lambda: key(None, positive(), "null: same as capacity_ratio"),
+    "noise_std": lambda: key(None, at_least(0), "null: the router's default, 1 for token- and "
+                             "experts-choice (multiplied by 1/E, as V-MoE), 0 for soft"),
+    "capacity_rounding": lambda: key(CapacityRounding.paper, hint="paper: round(k*N*C/E); "
+                                     "reference: ceil, then a multiple of 4 (vmoe code)"),
+}
+
+
+@dataclasses.dataclass
+class TokenChoiceConfig:
+  """model.router.* of router type token_choice."""
+  k: int = key(2, at_least(1), "experts per token")
+  capacity_ratio: float = SHARED_KEYS["capacity_ratio"]()
+  eval_capacity_ratio: Optional[float] = SHARED_KEYS["eval_capacity_ratio"]()
+  batch_priority: bool = False
+  priority: Priority = Priority.max
+  noise_std: Optional[float] = SHARED_KEYS["noise_std"]()
+  capacity_rounding: CapacityRounding = SHARED_KEYS["capacity_rounding"]()
+
 
 _KERNEL_INIT = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
 
@@ -98,11 +127,11 @@ class NoisyTopKRouter(nn.Module):
 TokenChoiceRouter = NoisyTopKRouter
 
 
+@register
 class TokenChoice(RouterFamily):
   name = "token_choice"
   module = NoisyTopKRouter
-  options = ("k", "capacity_ratio", "eval_capacity_ratio", "batch_priority", "priority",
-             "noise_std", "capacity_rounding")
+  Config = TokenChoiceConfig
   supports_ensembles = True
   supports_batch_priority = True
   summary = "each token picks its TOP-k experts, buffers of round(k*N*C/E) slots (V-MoE)"
@@ -126,6 +155,24 @@ class TokenChoice(RouterFamily):
   def experts_per_token(cls, router, tokens: int, experts: int, capacity: int) -> float:
     return float(min(router.k, experts))
 
+  @classmethod
+  def expert_ids(cls, plan: routing.DispatchPlan, routed: bool) -> jax.Array:
+    """Each token's TOP-k, or (`routed`) -1 where its buffer was full (combine weight 0)."""
+    if routed:
+      return jnp.where(plan.combine_weights > 0, plan.experts, -1)
+    return plan.experts
+
+  @classmethod
+  def dropped_at_capacity(cls, router, weights: jax.Array, capacity: int
+                          ) -> dict[str, jax.Array]:
+    """Vanilla routing and Batch Prioritized Routing of the gates, TOP-k as configured."""
+    dropped = {}
+    for batch_priority in (False, True):
+      plan = routing.plan_dispatch(weights, k=router.k, capacity=capacity,
+                                   batch_priority=batch_priority, priority=_name(router.priority))
+      dropped["bpr" if batch_priority else "vanilla"] = ~plan.kept.any(-1)
+    return dropped
+
 
 def _name(option) -> str:
   return str(getattr(option, "value", option))
@@ -137,5 +184,3 @@ def _ratio(router, train: bool) -> float:
     return router.eval_capacity_ratio
   return router.capacity_ratio
 
-
-FAMILY = TokenChoice

@@ -1,0 +1,186 @@
+"""The router-family interface: the `Plan` a router returns, the `RouterFamily` that answers the
+rest of vmoe, and the registry (`register`, `family`) that resolves `model.router.type`. See the
+package's docstring for what a family is."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Protocol
+
+import jax
+
+from runner.config import registries, sections
+from runner.config.schema import RouterConfig
+from runner.errors import ConfigError
+
+
+class Plan(Protocol):
+  """What a router returns besides its metrics (see the module docstring)."""
+  num_experts: int
+  capacity: int
+
+  def dispatch(self, x: jax.Array, method: str) -> jax.Array:
+    """(G, S, D) tokens -> (E, G, C, D) expert buffers."""
+
+  def combine(self, y: jax.Array, method: str) -> jax.Array:
+    """(E, G, C, D) expert outputs -> (G, S, D) tokens."""
+
+  def expert_weights(self) -> jax.Array:
+    """(G, S, E) the weight each token gives each expert: the routing gates, or for a soft
+    router each token's share of its dispatch mass per expert (rows sum to 1)."""
+
+  def expert_mask(self, routed: bool) -> jax.Array | None:
+    """(G, S, E) bool: the experts a token chose (`routed=False`), or the experts that process
+    it after capacity (`routed=True`). Asked only of a `discrete` family's plan; None for a
+    router without discrete choices (soft)."""
+
+
+class RouterFamily:
+  """A router family's answers to the rest of vmoe; `router` is the `model.router` config.
+
+  Whatever differs between families is asked of this class (or of its plan, `Plan`), never
+  decided by the family's name. A plug-in defines `name`, `module`, `Config`, `summary`,
+  `module_kwargs`, `capacity` and `experts_per_token`; every other hook has a default that suits
+  a router whose tokens pick experts by a (D, E) gate kernel:
+
+  What it supports (class attributes):
+  - `supports_ensembles` (False): partitioned batch ensembles (E³); the module then takes
+    `partitions` P and routes group g among the E/P experts of partition g % P.
+  - `supports_batch_priority` (False): Batch Prioritized Routing (`batch_priority`); the
+    capacity sweep then adds its BPR rows.
+  - `capacity_at_inference` (True): the capacity may change at inference (eval_capacity_ratio,
+    capacity sweeps); False where the slots are parameters (Soft MoE).
+  - `discrete` (True): tokens go to chosen experts; the MoE layer sows `Plan.expert_mask` as
+    `expert_mask` and `routed_mask`, from which PGD measures its routing change and the routing
+    analysis its processed-assignment views (load, dropped tokens, experts per token). False: no
+    masks, so neither.
+  - `uses_dispatcher` (True): model.moe.dispatcher (indices or einsum) applies.
+
+  What it costs (class methods): `capacity` (slots per expert), `router_flops`, and
+  `experts_per_token` (active parameters). FLOP counting asks them per routing block, so they
+  also cost partitioned batch ensembles.
+
+  What it sows besides the expert weights and masks (runner/models/introspection.py):
+  - `expert_ids(plan, routed)` (None): each token's k chosen expert ids, or those that process
+    it; sown as `selected_experts` and `routed_experts` (global ids, per image), the sets PGD's
+    routing change compares in the reference code.
+  - `sown_records(plan)` ({}): extra per-token arrays, sown under their names (Soft MoE: its
+    dispatch and combine weights).
+
+  Fine-tuning across families: `router_parameters` (("dense/kernel",)), the names of the router's
+  parameters; a released checkpoint's routers initialise this family's when their names match.
+
+  The routing analysis (runner/evaluators/routing_analysis.py):
+  - `analysis_views` (()): the extra views that apply, by name: "experts_per_token" (a token
+    gets a varying number of experts: a map and a histogram of how many), "slot_mixing" (slots
+    mix tokens: which patches each slot mixes, and the entropy of each token's combine weights;
+    needs the `dispatch_weights` and `combine_weights` records, (images, tokens, E * slots)).
+  - `dropped_at_capacity(router, weights, capacity)` ({}): which tokens nothing processes when
+    routed again at another capacity, for the dropped-patch maps (Fig. 5).
+  """
+  name: str = ""
+  module: type  # the Flax module class
+  Config: type  # a dataclass: the model.router.* keys this family reads (besides `type`)
+  options: tuple[str, ...] = ()  # their names (set by `register`)
+  supports_ensembles: bool = False  # partitioned batch ensembles (E³)
+  supports_batch_priority: bool = False
+  capacity_at_inference: bool = True  # eval may change the capacity ratio (capacity sweeps)
+  discrete: bool = True  # tokens go to chosen experts (PGD routing change is defined)
+  uses_dispatcher: bool = True  # model.moe.dispatcher (indices or einsum) applies
+  summary: str = ""  # one line for error messages and docs
+  router_parameters: tuple[str, ...] = ("dense/kernel",)  # under the layer's `router/`
+  analysis_views: tuple[str, ...] = ()  # the routing analysis' extra views that apply
+
+  @classmethod
+  def module_kwargs(cls, router, *, tokens: int, experts: int) -> dict:
+    """The Flax module's keyword arguments (besides num_experts) from the config; `tokens` are
+    those of a full routing group, `experts` the layer's."""
+    raise NotImplementedError
+
+  @classmethod
+  def capacity(cls, router, tokens: int, experts: int, *, train: bool) -> int:
+    """Slots per expert for a routing group of `tokens` tokens."""
+    raise NotImplementedError
+
+  @classmethod
+  def router_flops(cls, tokens: int, dim: int, experts: int, capacity: int) -> float:
+    """Matmul FLOPs of routing one group (gates, and for soft routers the two mixing einsums)."""
+    return 2.0 * tokens * dim * experts
+
+  @classmethod
+  def experts_per_token(cls, router, tokens: int, experts: int, capacity: int) -> float:
+    """How many experts' parameters one token uses on average (active parameters)."""
+    raise NotImplementedError
+
+  @classmethod
+  def expert_ids(cls, plan, routed: bool) -> jax.Array | None:
+    """(G, S, k) int32: each token's k chosen experts (ids among the plan's experts) before
+    capacity (`routed=False`), or with -1 in place of the choices that no buffer processes
+    (`routed=True`); None for a router without a fixed number of choices per token."""
+    del plan, routed
+    return None
+
+  @classmethod
+  def sown_records(cls, plan) -> dict[str, jax.Array]:
+    """{record name: (G, S, N) array}: what the layer also sows about the plan, per image as
+    (images, tokens, N)."""
+    del plan
+    return {}
+
+  @classmethod
+  def dropped_at_capacity(cls, router, weights: jax.Array, capacity: int
+                          ) -> dict[str, jax.Array]:
+    """{routing: (G, S) bool, True where no expert processes the token} when groups whose tokens
+    gave the experts `weights` (G, S, E) (as `Plan.expert_weights`) are routed again at
+    `capacity` slots per expert; one entry per routing the family can use ("vanilla", "bpr").
+    Empty: the family draws no dropped-patch maps (it drops nothing, or cannot replan)."""
+    del router, weights, capacity
+    return {}
+
+
+def register(family_cls: type[RouterFamily]) -> type[RouterFamily]:
+  """Registers a router family under `family_cls.name` (a class decorator), for the built-in
+  families and a plug-in's alike: `model.router.type=<name>` then chooses it.
+
+  The family's `Config` dataclass declares its `model.router.*` keys; they are added to the
+  schema's `RouterConfig` (where `model.router.*` overrides are typed and range-checked), and a
+  key that several families declare must have the same type and default in each.
+  """
+  declared = {f.name: f for f in dataclasses.fields(RouterConfig)}
+  declared_types = typing.get_type_hints(RouterConfig)
+  hints = typing.get_type_hints(family_cls.Config)
+  new = {}
+  for f in dataclasses.fields(family_cls.Config):
+    if f.name == "type":
+      raise ConfigError(f"router family {family_cls.name!r} declares the key `type`, which "
+                        "chooses the family: rename it.")
+    if f.name in declared:
+      if (hints[f.name] != declared_types[f.name]
+          or sections.default_of(f) != sections.default_of(declared[f.name])):
+        raise ConfigError(
+            f"router family {family_cls.name!r} declares model.router.{f.name} with another "
+            "type or default than a family registered before it: a key shared by families must "
+            "mean the same; rename it, or give it the same type and default.")
+      continue
+    kwargs = dict(metadata=f.metadata)
+    if f.default_factory is not dataclasses.MISSING:
+      kwargs["default_factory"] = f.default_factory
+    else:
+      kwargs["default"] = f.default
+    new[f.name] = (hints[f.name], dataclasses.field(**kwargs))
+  sections.add_fields(RouterConfig, new)
+  family_cls.options = tuple(f.name for f in dataclasses.fields(family_cls.Config))
+  registries.ROUTERS.add(family_cls.name, family_cls)
+  return family_cls
+
+
+DEFAULT = RouterConfig.type  # the schema's default family
+
+
+def names() -> list[str]:
+  return registries.ROUTERS.names()
+
+
+def family(name: str | None) -> type[RouterFamily]:
+  """The family registered as `name` (None: the schema's default, token-choice)."""
+  return registries.ROUTERS.get(str(getattr(name, "value", name) or DEFAULT))
