@@ -1,17 +1,27 @@
-"""Evaluators as plug-ins: one module each, with its `Evaluator` class, its eval.* keys, and one
-line in this registry. `vmoe eval` and `vmoe ensemble` run every evaluator the eval.* keys enable,
-in this order; the training loop runs the same ones (but classification and compute, which it
-measures itself) on its validation split every `eval.every_steps` (runner/evaluators/suite.py).
-"""
+"""Evaluators as plug-ins: one class each, derived from `Evaluator`, that declares its eval.* keys
+and where it applies, registered with `register` (runner/evaluators/suite.py). `vmoe eval` and
+`vmoe ensemble` run every evaluator the eval.* keys enable, in registration order; the training
+loop runs those marked `in_training` on its validation split every `eval.every_steps`.
 
-# name -> module under runner/evaluators defining `Evaluator`; the order they run in.
-REGISTRY = {
-    "classification": "classification",  # prec@1, NLL, Brier, ECE per dataset (the main passes)
-    "ood": "ood_detection",  # eval.ood_datasets: MSP, max-logit, entropy, Mahalanobis detection
-    "corruptions": "corruption",  # eval.corruptions x eval.severities
-    "adversarial": "adversarial",  # eval.adversarial.epsilons: PGD and routing change
-    "compute": "compute",  # GFLOPs per image (XLA, analytic), parameters
-    "capacity_sweep": "capacity_sweep",  # eval.capacity_sweep: accuracy vs inference capacity
-    "routing_analysis": "routing_analysis",  # eval.routing_analysis: the V-MoE paper's Sec. 5
-    "retrieval": "retrieval",  # eval.retrieval: image<->text recall@k of a contrastive checkpoint
-}
+The built-in ones register here, in the order they run; a plug-in's registers when its module is
+imported (`plugins=[<module>]`), after them. Nothing outside this package names an evaluator.
+"""
+from runner.config.registries import EVALUATORS
+from runner.evaluators import (adversarial, capacity_sweep, classification, compute, corruption,
+                               ood_detection, retrieval, routing_analysis)
+from runner.evaluators.suite import Dataset, Evaluator, PassHook, Result, Suite, register
+
+for _module in (
+    classification,  # prec@1, NLL, Brier, ECE per dataset (the main passes)
+    ood_detection,  # eval.ood_datasets: MSP, max-logit, entropy, Mahalanobis detection
+    corruption,  # eval.corruptions x eval.severities
+    adversarial,  # eval.adversarial.epsilons: PGD and routing change
+    compute,  # GFLOPs per image (XLA, analytic), parameters
+    capacity_sweep,  # eval.capacity_sweep: accuracy vs inference capacity
+    routing_analysis,  # eval.routing_analysis: the V-MoE paper's Sec. 5
+    retrieval,  # eval.retrieval: image<->text recall@k of a contrastive checkpoint
+):
+  register(_module.Evaluator)
+del _module
+
+__all__ = ["EVALUATORS", "Dataset", "Evaluator", "PassHook", "Result", "Suite", "register"]

@@ -74,6 +74,7 @@ def plot_reliability_diagram(result: dict, path: str, title: str = "") -> str:
   light histogram on a second axis. Built on a bare Agg figure, not pyplot, so no global backend
   or figure state changes (safe in headless runs and inside other programs' plotting).
   """
+  # lazily: matplotlib is slow to import, and only a run that draws needs it
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 

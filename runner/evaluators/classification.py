@@ -3,6 +3,7 @@ loss), and the `vmoe eval` evaluator (prec@1, NLL, Brier, ECE; members and diver
 ensemble)."""
 from __future__ import annotations
 
+import re
 import time
 
 import jax
@@ -80,19 +81,16 @@ class _EnsembleStats(PredictionStats):
 
 
 def _file_name(text: str) -> str:
-  import re
   return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
 
 
 class Evaluator(suite_lib.Evaluator):
   """prec@1, error, NLL, Brier, ECE (and a reliability diagram) on every eval dataset; for an
-  ensemble also each member's metrics and the members' diversity. The first dataset's pass is
-  the main pass: other evaluators' hooks ride along it, and its speed is `compute/images_per_s`."""
+  ensemble also each member's metrics and the members' diversity. Each dataset's pass is its
+  main pass, which other evaluators ride (`Suite.main_pass`); the first one's speed is
+  `compute/images_per_s`."""
   name = "classification"
-
-  @classmethod
-  def enabled(cls, config) -> bool:
-    return True
+  in_training = False  # the training loop measures it itself (ClassificationEvaluator)
 
   def run(self) -> suite_lib.Result:
     s, e = self.suite, self.suite.config
@@ -103,10 +101,7 @@ class Evaluator(suite_lib.Evaluator):
       kwargs = dict(loss_name=s.loss_name, ece_bins=e.ece_bins, keep_probs=keep)
       stats = (_EnsembleStats(output=_output(s.loss_name), keep_members=keep, **kwargs)
                if ensemble else PredictionStats(**kwargs))
-      first = i == 0 and s.hooks
-      rate = s.evaluate(s.batches(ds), stats, f"{ds.name}/{ds.split}",
-                        step=s.hooked_step() if first else None,
-                        on_batch=s.feed_hooks if first else None)
+      rate = s.main_pass(ds, stats, first=i == 0)
       result.summary.update(stats.metrics(ds.name))
       result.summary[f"{ds.name}/split"] = ds.split
       result.summary[f"{ds.name}/images_per_s"] = rate

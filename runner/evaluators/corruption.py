@@ -23,10 +23,7 @@ def corruption_names(names: list[str]) -> list[str]:
 
 class Evaluator(suite_lib.Evaluator):
   name = "corruptions"
-
-  @classmethod
-  def enabled(cls, config) -> bool:
-    return bool(config.corruptions)
+  enabling_key = "eval.corruptions"
 
   def run(self) -> suite_lib.Result:
     s, e = self.suite, self.suite.config

@@ -173,6 +173,7 @@ def plot_accuracy_vs_shots(metrics: dict, path: str, title: str = "") -> str:
 
   A bare Agg figure, not pyplot: no global backend or figure state changes.
   """
+  # lazily: matplotlib is slow to import, and only a run that draws needs it
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 

@@ -10,10 +10,7 @@ from runner.evaluators.ood import SCORES, detection_metrics
 
 class Evaluator(suite_lib.Evaluator):
   name = "ood"
-
-  @classmethod
-  def enabled(cls, config) -> bool:
-    return bool(config.ood_datasets)
+  enabling_key = "eval.ood_datasets"
 
   def run(self) -> suite_lib.Result:
     s = self.suite

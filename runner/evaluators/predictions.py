@@ -12,6 +12,7 @@ from typing import Iterable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import numpy as np
 
 from runner.evaluators.calibration import CalibrationAccumulator
@@ -48,7 +49,6 @@ def make_predict_step(model, hooks: dict | None = None):
 def to_host(tree):
   """Global arrays as host NumPy; across processes every process gets every row (same order)."""
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
     return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
   return jax.tree.map(np.asarray, jax.device_get(tree))
 

@@ -53,6 +53,10 @@ def require_captions(text_keys: dict[str, str | None]) -> None:
 
 class Evaluator(suite_lib.Evaluator):
   name = "retrieval"
+  enabling_key = "eval.retrieval"
+  in_training = False  # a contrastive run's validation measures in-batch retrieval itself
+  on_classifier = False  # ranks captions by a contrastive model's text tower
+  needs_labels = False
 
   def __init__(self, suite: suite_lib.Suite):
     super().__init__(suite)
@@ -66,8 +70,8 @@ class Evaluator(suite_lib.Evaluator):
     self.spec = zero_shot[0]
 
   @classmethod
-  def enabled(cls, config) -> bool:
-    return bool(getattr(config, "retrieval", False))
+  def check_datasets(cls, config, datasets) -> None:
+    require_captions({name: d.text_key for name, d in datasets.items()})
 
   def run(self) -> suite_lib.Result:
     s, spec = self.suite, self.spec

@@ -3,22 +3,24 @@ them, where to write, and the main prediction pass that other evaluators may rid
 
 `vmoe eval` and `vmoe ensemble` build a `Suite` over the checkpoints' members and the datasets
 they name; the training loop builds one over the current parameters and its validation split.
-`run` then runs every evaluator the `eval.*` keys enable, in the registry's order
-(runner/evaluators/__init__.py), and merges what they measured.
+`run` then runs every evaluator the `eval.*` keys enable, in the order they were registered
+(`register`: the built-in ones in runner/evaluators/__init__.py, then the plug-ins'), and merges
+what they measured.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import pathlib
 import sys
-from typing import Protocol
+from typing import Callable, Protocol
 
 import jax
 
 from runner import data
-from runner.config.schema import DataConfig
-from runner.evaluators import REGISTRY, predictions
+from runner.config.registries import EVALUATORS
+from runner.config.schema import DataConfig, EvalSuiteConfig
+from runner.config.sections import add_fields
+from runner.evaluators import predictions
 
 
 @dataclasses.dataclass
@@ -55,6 +57,11 @@ class PassHook(Protocol):
     """Folds one batch's sums (as NumPy) in; `out` is the pass's host dict (labels, mask)."""
 
 
+# What an evaluator reads on the host from each batch of every dataset's main pass: the dataset
+# and the pass's host dict (logits, pre_logits, member_logits for an ensemble, labels, mask).
+Reader = Callable[["Dataset", dict], None]
+
+
 class Suite:
   """The shared state of one evaluation (see the module docstring).
 
@@ -80,6 +87,8 @@ class Suite:
     self.verbose, self.plots = verbose and jax.process_index() == 0, plots
     self.step = jax.jit(predictions.make_predict_step(model))
     self.hooks: dict[str, PassHook] = {}  # evaluator name -> its hook on the first main pass
+    self.readers: dict[str, Reader] = {}  # evaluator name -> its reader of every main pass
+    self.read: set[str] = set()  # the datasets whose main pass the readers have seen
     self.shared: dict = {}  # what an evaluator leaves for later ones (e.g. the pass's speed)
 
   @property
@@ -113,6 +122,21 @@ class Suite:
     for name, hook in self.hooks.items():
       hook.update(out["hooks"][name], out)
 
+  def main_pass(self, dataset: Dataset, stats, *, first: bool) -> float:
+    """Classification's pass over `dataset`, which others ride instead of passing again: the
+    hooks the first dataset's, the readers every dataset's. Returns images/s."""
+    hooked = first and bool(self.hooks)
+
+    def on_batch(out):
+      if hooked:
+        self.feed_hooks(out)
+      for read in self.readers.values():
+        read(dataset, out)
+    rate = self.evaluate(self.batches(dataset), stats, f"{dataset.name}/{dataset.split}",
+                         step=self.hooked_step() if hooked else None, on_batch=on_batch)
+    self.read.add(dataset.name)
+    return rate
+
   def hook_pass(self, name: str) -> None:
     """A pass over the in-distribution dataset for one evaluator's hook alone (when no main
     pass ran, as in training, where the loop evaluates classification itself)."""
@@ -124,47 +148,137 @@ class Suite:
                                 on_batch=lambda out: hook.update(out["hooks"][name], out))
     self.say(f"[eval] {name} on {ds.name}/{ds.split}: {rate:.0f} images/s")
 
+  def reader_passes(self, name: str) -> None:
+    """Passes over the datasets no main pass fed to evaluator `name`'s reader (in training,
+    where the loop evaluates classification itself, every dataset)."""
+    read = self.readers[name]
+    for ds in self.datasets:
+      if ds.name in self.read:
+        continue
+      rate = predictions.run_pass(self.step, self.params, self.batches(ds), None,
+                                  put=self.placement.put, on_batch=lambda out, ds=ds: read(ds, out))
+      self.say(f"[eval] {name} on {ds.name}/{ds.split}: {rate:.0f} images/s")
+
   def path(self, name: str) -> str:
     self.out_dir.mkdir(parents=True, exist_ok=True)
     return str(self.out_dir / name)
 
 
 class Evaluator:
-  """One measurement: a module under runner/evaluators with a class derived from this one, the
-  eval.* keys it reads, and a line in the registry (runner/evaluators/__init__.py)."""
-  name = ""
+  """One measurement, registered with `register`: the built-in ones in
+  runner/evaluators/__init__.py, a plug-in's in its own module. The class declares where it
+  applies, and the training loop, zero-shot evaluation and the config's relations ask these
+  attributes instead of naming evaluators."""
+  name = ""  # its section of eval.* (with a Config) and its name in messages and --help
+  # The eval.* key that turns it on, named in error messages ("": always on, as classification);
+  # `enabled` reads it unless the class says otherwise.
+  enabling_key = ""
+  in_training = True  # runs on the validation split in pretrain/finetune, every eval.every_steps
+  on_contrastive = True  # measures a contrastive checkpoint evaluated as a zero-shot classifier
+  on_classifier = True  # measures a classifier's checkpoint (False: needs a contrastive one)
+  needs_labels = True  # False: also measures a dataset without labels (captions alone)
+  # A dataclass of its own keys, eval.<name>.* (the built-in ones keep their older keys in
+  # EvalSuiteConfig); None: no section.
+  Config: type | None = None
 
   def __init__(self, suite: Suite):
     self.suite = suite
 
   @classmethod
   def enabled(cls, config) -> bool:
-    """Whether the eval.* section `config` asks for this measurement."""
-    raise NotImplementedError
+    """Whether the eval.* section `config` asks for this measurement: its key is set."""
+    return not cls.enabling_key or bool(cls.setting(config))
+
+  @classmethod
+  def setting(cls, config):
+    """The value of `enabling_key` in the eval.* section `config`."""
+    value = config
+    for part in cls.enabling_key.split(".")[1:]:
+      value = getattr(value, part)
+    return value
+
+  @classmethod
+  def check_datasets(cls, config, datasets: dict[str, DataConfig]) -> None:
+    """Raises a UserError when `datasets` (eval name -> data config) cannot be measured; a task
+    calls it before loading the checkpoint (zero-shot evaluation, which embeds the classes)."""
 
   def hook(self) -> PassHook | None:
     """Sums to add to the first dataset's main pass (None: the evaluator reads on its own)."""
+    return None
+
+  def reader(self) -> Reader | None:
+    """What reads every dataset's main pass on the host, instead of a pass of its own (None:
+    nothing); `run` calls `suite.reader_passes(name)` for the datasets no main pass covered."""
     return None
 
   def run(self) -> Result:
     raise NotImplementedError
 
 
-def evaluator_class(name: str) -> type[Evaluator]:
-  return importlib.import_module(f"runner.evaluators.{REGISTRY[name]}").Evaluator
+def _origin(cls) -> str:
+  return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)}"
 
 
-def run(suite: Suite, names: list[str] | None = None, skip: tuple[str, ...] = ()) -> Result:
-  """Runs the enabled evaluators (or just `names`) in registry order; hooks are collected first
-  so that they ride along the first main pass."""
-  chosen = [n for n in REGISTRY if (names is None or n in names) and n not in skip]
-  evaluators = [evaluator_class(n)(suite) for n in chosen
-                if evaluator_class(n).enabled(suite.config)]
-  suite.hooks = {}
+def _declaration_problem(cls) -> str | None:
+  """What keeps `cls` from being registered, in words for the plug-in's author; None if nothing."""
+  if not (isinstance(cls, type) and issubclass(cls, Evaluator)):
+    return "register a class derived from runner.evaluators.Evaluator"
+  if not isinstance(cls.name, str) or not cls.name.isidentifier():
+    return (f"its name {cls.name!r} must be a Python identifier (its section eval.<name>.*), "
+            "e.g. name = \"per_class_accuracy\"")
+  if cls.Config is not None and not dataclasses.is_dataclass(cls.Config):
+    return f"its Config {cls.Config!r} must be a dataclass (its keys, eval.{cls.name}.*)"
+  fields = {f.name: f for f in dataclasses.fields(EvalSuiteConfig)}
+  if cls.Config is not None and cls.name in fields and _origin(fields[cls.name].type) != _origin(
+      cls.Config):
+    return (f"eval.{cls.name} is already a key of eval.*, so its Config cannot be that section: "
+            "give the evaluator another name")
+  if cls.enabling_key and not _names_an_eval_key(cls):
+    return (f"enabling_key={cls.enabling_key!r} is not a key of eval.* (e.g. "
+            f"\"eval.{cls.name}.enabled\" with `enabled: bool = False` in its Config)")
+  return None
+
+
+def _names_an_eval_key(cls) -> bool:
+  """Whether `cls.enabling_key` is a key of eval.* once `cls.Config` is its section."""
+  if not cls.enabling_key.startswith("eval."):
+    return False
+  probe = EvalSuiteConfig()
+  if cls.Config is not None:
+    setattr(probe, cls.name, cls.Config())
+  try:
+    cls.setting(probe)
+  except AttributeError:
+    return False
+  return True
+
+
+def register(cls: type[Evaluator]) -> type[Evaluator]:
+  """Makes `cls` run wherever its keys enable it, after the evaluators registered before it,
+  and adds its Config to the schema as eval.<name>.*; a class decorator for a plug-in's module
+  (`plugins=[<module>]` imports it before the config is composed)."""
+  problem = _declaration_problem(cls)
+  if problem:
+    raise TypeError(f"evaluator {_origin(cls)} cannot be registered: {problem}.")
+  EVALUATORS.add(cls.name, cls)
+  if cls.Config is not None:
+    add_fields(EvalSuiteConfig,
+               {cls.name: (cls.Config, dataclasses.field(default_factory=cls.Config))})
+  return cls
+
+
+def run(suite: Suite, names: list[str] | None = None) -> Result:
+  """Runs the enabled evaluators (or just `names`) in registration order; hooks and readers are
+  collected first so that they ride along the main passes."""
+  chosen = [cls for name, cls in EVALUATORS.items() if names is None or name in names]
+  evaluators = [cls(suite) for cls in chosen if cls.enabled(suite.config)]
+  suite.hooks, suite.readers, suite.read = {}, {}, set()
   for ev in evaluators:
-    hook = ev.hook()
+    hook, reader = ev.hook(), ev.reader()
     if hook is not None:
       suite.hooks[ev.name] = hook
+    if reader is not None:
+      suite.readers[ev.name] = reader
   result = Result()
   for ev in evaluators:
     result.update(ev.run())

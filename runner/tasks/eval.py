@@ -21,19 +21,18 @@ import numpy as np
 
 from runner import data
 from runner.config import as_dict, derived
-from runner.config.schema import DataConfig, EvalRun, Objective
+from runner.config.schema import EvalRun, Objective
 from runner.errors import ConfigError
-from runner.evaluators import suite as suite_lib
+from runner.evaluators import EVALUATORS, suite as suite_lib
 from runner.evaluators.suite import Suite
 from runner.logging import MetricWriter
 from runner.parallel import Placement
-from runner.tasks import common, dataset_specs
+from runner.tasks import common, dataset_specs, zero_shot
 from runner.tasks import members as members_lib
 
 
 def run(config: EvalRun, placement: Placement) -> dict:
   if config.objective.name == Objective.contrastive:  # two towers: a zero-shot classifier
-    from runner.tasks import zero_shot
     members, only, summary = zero_shot.load(config)
     return evaluate(config, members, placement, job_type="eval", extra_summary=summary,
                     only=only)
@@ -52,6 +51,12 @@ def evaluate(config, members: members_lib.Members, placement: Placement, *, job_
   workdir = config.workdir
   num_classes = members.num_classes
 
+  # What each enabled evaluator needs of the datasets (zero-shot evaluation checked its own).
+  if only is None:
+    configs = {name: dataset_specs.dataset_config(name, d) for name in (e.datasets or [d.name])}
+    for _, cls in EVALUATORS.items():
+      if cls.enabled(e):
+        cls.check_datasets(e, configs)
   # Every dataset is opened (and its splits and classes checked) before any compute.
   datasets = [dataset_specs.open_dataset(name, d, e.split) for name in (e.datasets or [d.name])]
   for ds in datasets:

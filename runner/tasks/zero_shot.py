@@ -5,8 +5,9 @@ every prompt template (eval.zero_shot.templates, else the embedded captions' hel
 tokenised with the run's tokenizer, embedded by the text tower and averaged per class (prompt
 ensembling, runner/evaluators/contrastive.py); the checkpoint then evaluates as the classifier
 `runner.models.zero_shot.ZeroShotClassifier`, one member of `Members` like any checkpoint, so
-every measurement of `vmoe eval` applies. A dataset of captions without labels can only be
-evaluated for retrieval (eval.retrieval=true), which then runs alone.
+every measurement of `vmoe eval` that declares `on_contrastive` applies. A dataset of captions
+without labels can only be measured by the evaluators that declare they need no labels, which
+then run alone.
 
 Everything is checked before any compute: the class names, the tokenizer the run wrote, and that
 the parameters fit the stored model.
@@ -21,22 +22,31 @@ import numpy as np
 
 from runner import checkpoint, data, weights
 from runner.config import derived
-from runner.config.schema import ModelConfig, ObjectiveConfig, TextConfig, TokenizerKind
+from runner.config.schema import (HeadType, ModelConfig, ObjectiveConfig, TextConfig,
+                                  TokenizerKind)
 from runner.data.captions import HELD_OUT_TEMPLATES
 from runner.data.tokenizers import MODEL_FILE, Tokenizer, make_tokenizer
 from runner.errors import ConfigError
-from runner.evaluators import REGISTRY
-from runner.evaluators import retrieval, suite as suite_lib
+from runner.evaluators import EVALUATORS, suite as suite_lib
 from runner.evaluators.contrastive import class_embeddings, prompts
+from runner.models import flops as flops_lib
 from runner.models.contrastive import build_two_towers
 from runner.models.zero_shot import ZeroShotClassifier
-from runner.tasks import common
+from runner.tasks import common, dataset_specs
 from runner.tasks.members import Checkpoint, Members
 
 PROMPTS_PER_CALL = 4096  # prompts the text tower embeds at once
-RETRIEVAL_ONLY = ("retrieval",)  # what runs on captions without labels
-# The eval.* key that enables an evaluator, where it is not eval.<its name>.
-_KEYS = {"ood": "eval.ood_datasets", "adversarial": "eval.adversarial.epsilons"}
+
+
+def _runs_without_labels() -> list[type[suite_lib.Evaluator]]:
+  """The evaluators that measure a contrastive checkpoint on captions without labels."""
+  return [cls for _, cls in EVALUATORS.items() if cls.on_contrastive and not cls.needs_labels]
+
+
+def _turn_on(cls: type[suite_lib.Evaluator], eval_config) -> str:
+  """The override that turns `cls` on, for a message (`eval.<key>=true` for a switch)."""
+  switch = isinstance(cls.setting(eval_config), bool)
+  return f"{cls.enabling_key}={'true' if switch else '[...]'}"
 
 
 @dataclasses.dataclass
@@ -71,8 +81,6 @@ class ZeroShot:
 
   def flops_per_image(self, image: ModelConfig, batch_size: int) -> float:
     """The image tower (without a head), its projection, and the similarities to the classes."""
-    from runner.config.schema import HeadType
-    from runner.models import flops as flops_lib
     plain = dataclasses.replace(image, head=dataclasses.replace(image.head, type=HeadType.det))
     tower = flops_lib.forward_flops_per_image(plain, 0, batch_size=batch_size, train=False)
     width = derived.pre_logits_width(image) * derived.predictions_per_image(image)
@@ -96,25 +104,28 @@ def tokenizer(config, path: str) -> Tokenizer:
 
 
 def class_names(config, first: suite_lib.Dataset) -> list[str]:
-  """eval.zero_shot.class_names, else the first eval dataset's own; [] for retrieval alone on a
-  dataset without labels. Raises ConfigError when there is nothing to classify with."""
+  """eval.zero_shot.class_names, else the first eval dataset's own; [] on a dataset without labels
+  (where only the evaluators that need none run). Raises ConfigError when there is nothing to
+  classify with."""
   e, source = config.eval, first.source
   given = [str(n) for n in e.zero_shot.class_names]
   if not source.num_classes:
-    if not e.retrieval:
+    label_free = _runs_without_labels()
+    turn_on = " or ".join(_turn_on(cls, e) for cls in label_free if cls.enabling_key)
+    if not any(cls.enabled(e) for cls in label_free):
       raise ConfigError(
           f"eval dataset {first.name!r} has image-caption pairs but no labels, so a contrastive "
-          "checkpoint cannot be scored on it zero-shot; evaluate retrieval on it with "
-          "eval.retrieval=true, or classify a labelled dataset, e.g. eval.datasets=[mnist5k] "
+          "checkpoint cannot be scored on it zero-shot; measure what needs no labels on it "
+          f"with {turn_on}, or classify a labelled dataset, e.g. eval.datasets=[mnist5k] "
           "(with eval.zero_shot.class_names=[...] where its labels have no names).")
-    others = [_KEYS.get(n, f"eval.{n}") for n in REGISTRY
-              if n not in ("classification", "compute", *RETRIEVAL_ONLY)
-              and suite_lib.evaluator_class(n).enabled(e)]
+    # The keys given that need labels (an evaluator always on that needs them just does not run).
+    others = [cls.enabling_key for _, cls in EVALUATORS.items()
+              if cls.needs_labels and cls.enabling_key and cls.enabled(e)]
     others += ["eval.save_predictions"] if e.save_predictions else []
     if given or others:
       what = ", ".join((["eval.zero_shot.class_names"] if given else []) + others)
       raise ConfigError(
-          f"eval dataset {first.name!r} has no labels, so only retrieval (eval.retrieval=true) "
+          f"eval dataset {first.name!r} has no labels, so only what needs no labels ({turn_on}) "
           f"can be measured on it, but {what} asks for more; drop it, or evaluate a labelled "
           "dataset (eval.datasets=[...]).")
     return []
@@ -164,15 +175,17 @@ def _warn_if_cut(names: list[str], templates: list[str], tok: Tokenizer, max_len
           "for every class.", file=sys.stderr, flush=True)
 
 
-def load(config) -> tuple[Members, tuple[str, ...] | None, dict]:
-  """(the checkpoint as a zero-shot classifier, the evaluators to run (None: every enabled one),
-  the summary's zero-shot entries) for the resolved eval run `config` of a contrastive run."""
-  from runner.tasks import dataset_specs
+def load(config) -> tuple[Members, tuple[str, ...], dict]:
+  """(the checkpoint as a zero-shot classifier, the evaluators that may run on it (those the
+  eval.* keys enable run), the summary's zero-shot entries) for the resolved eval run `config`
+  of a contrastive run."""
   e, path = config.eval, config.init.checkpoint
   datasets = e.datasets or [config.data.name]
-  if e.retrieval:
-    retrieval.require_captions({name: dataset_specs.dataset_config(name, config.data).text_key
-                                for name in datasets})
+  enabled = [cls for _, cls in EVALUATORS.items() if cls.on_contrastive and cls.enabled(e)]
+  if enabled:  # what they need of the datasets, before the class embeddings are computed
+    configs = {name: dataset_specs.dataset_config(name, config.data) for name in datasets}
+    for cls in enabled:
+      cls.check_datasets(e, configs)
   first = dataset_specs.open_dataset(datasets[0], config.data, e.split)
   names = class_names(config, first)
   templates = [str(t) for t in e.zero_shot.templates] or list(HELD_OUT_TEMPLATES)
@@ -192,4 +205,6 @@ def load(config) -> tuple[Members, tuple[str, ...] | None, dict]:
   if names:
     summary.update({"zero_shot/num_classes": len(names), "zero_shot/class_names": names,
                     "zero_shot/templates": templates})
-  return Members([member], output="softmax"), (None if names else RETRIEVAL_ONLY), summary
+  runs = tuple(name for name, cls in EVALUATORS.items()
+               if cls.on_contrastive and (names or not cls.needs_labels))
+  return Members([member], output="softmax"), runs, summary

@@ -135,7 +135,8 @@ def test_class_names_given_or_the_datasets_own():
   assert zero_shot.class_names(_config(retrieval=True), _first(0)) == []
   with pytest.raises(ConfigError, match="no labels.*eval.retrieval=true"):
     zero_shot.class_names(_config(), _first(0))
-  with pytest.raises(ConfigError, match="only retrieval.*eval.ood_datasets, eval.save_predictions"):
+  with pytest.raises(ConfigError, match=r"only what needs no labels \(eval.retrieval=true\).*"
+                     "eval.ood_datasets, eval.save_predictions"):
     zero_shot.class_names(_config(retrieval=True, ood_datasets=["x"], save_predictions=True),
                           _first(0))
 

@@ -28,7 +28,7 @@ from runner.checkpoint import Checkpointer
 from runner.config import as_dict, derived
 from runner.config.schema import TrainTask
 from runner.errors import Interrupted, RunError
-from runner.evaluators import REGISTRY, suite as suite_lib
+from runner.evaluators import EVALUATORS, suite as suite_lib
 from runner.evaluators.classification import ClassificationEvaluator, make_eval_step
 from runner.evaluators.fewshot import FewshotEvaluator, make_feature_fn
 from runner.logging import MetricWriter, Progress
@@ -174,15 +174,14 @@ class _DivergenceGuard:
 
 
 class _Measurements:
-  """The eval.* evaluators beyond classification, on the validation split (runner/evaluators).
-  Compute and capacity sweeps belong to vmoe eval (a relation says so for the sweep)."""
-  SKIP = ("classification", "compute", "capacity_sweep")
+  """The eval.* evaluators that declare `in_training`, on the validation split
+  (runner/evaluators); the others are vmoe eval's (a relation refuses their keys here)."""
 
   def __init__(self, config: TrainTask, model, source, placement: Placement, batch_size: int,
                ood: list):
     d = config.data
-    names = [n for n in REGISTRY if n not in self.SKIP
-             and suite_lib.evaluator_class(n).enabled(config.eval)]
+    names = [name for name, cls in EVALUATORS.items()
+             if cls.in_training and cls.enabled(config.eval)]
     self.names = names
     if not names:
       return
@@ -210,9 +209,9 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
 
   `fewshot_datasets` (name -> (pool batches, test batches, num_classes)) adds linear few-shot
   accuracy of the current parameters every `fewshot.every_steps` and at the end, as `fewshot/...`.
-  The evaluators that `eval.*` enables beyond classification (runner/evaluators: OOD detection
-  against `ood_datasets`, corruptions, PGD, routing analysis) run on the validation split with
-  the evaluation, logged under `val/`; their pictures and files are written at the end.
+  The evaluators that `eval.*` enables and that run in training (runner/evaluators, built-in or
+  a plug-in's; OOD detection against `ood_datasets`) run on the validation split with the
+  evaluation, logged under `val/`; their pictures and files are written at the end.
   `pairs` (runner/tasks/contrastive.py `PairTraining`): a contrastive model of image-text pairs,
   with its objective, the captions' tokens in every batch, and its evaluator.
   """
@@ -225,10 +224,10 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
   processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
 
   image_shape = data.image_shape(source, d.split, d.pp_train)
-  schedule = schedules.make_schedule(s.name.value, o.lr, steps, s.warmup_steps,
+  schedule = schedules.make_schedule(s.name, o.lr, steps, s.warmup_steps,
                                      s.end_lr_fraction, s.timescale, s.cooldown_steps)
   abstract, _ = state_lib.abstract_params(model, image_shape)
-  tx = optimizers.make_optimizer(o.name.value, schedule, abstract, b1=o.b1, b2=o.b2, eps=o.eps,
+  tx = optimizers.make_optimizer(o.name, schedule, abstract, b1=o.b1, b2=o.b2, eps=o.eps,
                                  momentum=o.momentum, nesterov=o.nesterov,
                                  weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm,
                                  beta2_cap=o.beta2_cap,

@@ -1,0 +1,183 @@
+"""The evaluator registry: the built-in evaluators in the order they run and what each declares;
+`register` for a plug-in's evaluator (its eval.<name>.* section, its checks, the declarations it
+refuses); and the relations and tasks that ask those declarations instead of naming evaluators.
+
+Each test registers into a copy of the registry and of the eval.* schema, so the process's own
+stay as the built-in ones left them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+
+from runner.config import relations, schema
+from runner.config.checks import at_least, key
+from runner.config.validate import field_problems
+from runner.errors import ConfigError
+from runner.evaluators import EVALUATORS, Evaluator, register, suite as suite_lib
+
+BUILT_IN = ["classification", "ood", "corruptions", "adversarial", "compute", "capacity_sweep",
+            "routing_analysis", "retrieval"]
+
+
+@dataclasses.dataclass
+class ProbeConfig:
+  enabled: bool = False
+  top_k: int = key(3, at_least(1), "classes in the summary")
+
+
+@pytest.fixture
+def schemas(monkeypatch):
+  """(eval.* of vmoe eval, eval.* of training) for this test alone: copies that `register` adds
+  sections to, with the registry's entries copied too."""
+  monkeypatch.setattr(EVALUATORS, "_entries", dict(EVALUATORS._entries))
+  Eval = dataclasses.make_dataclass("Eval", [
+      (f.name, f.type, dataclasses.field(default=f.default, default_factory=f.default_factory,
+                                         metadata=f.metadata))
+      for f in dataclasses.fields(schema.EvalSuiteConfig)])
+
+  @dataclasses.dataclass
+  class TrainingEval(Eval):
+    every_steps: int = 0
+
+  monkeypatch.setattr(suite_lib, "EvalSuiteConfig", Eval)
+  return Eval, TrainingEval
+
+
+def _probe(name="probe", **declared):
+  """An evaluator class declaring `declared` (a section eval.<name>.* unless Config=None)."""
+  attributes = {"name": name, "enabling_key": f"eval.{name}.enabled", "Config": ProbeConfig,
+                **declared}
+  return type("Probe", (Evaluator,), attributes)
+
+
+def _enabled(eval_config, name="probe"):
+  """`eval_config` with the probe's section switched on."""
+  setattr(eval_config, name, ProbeConfig(enabled=True))
+  return eval_config
+
+
+def test_built_ins_register_in_the_order_they_run():
+  assert EVALUATORS.names()[:len(BUILT_IN)] == BUILT_IN
+  assert all(EVALUATORS.get(name).name == name for name in BUILT_IN)
+
+
+def test_built_ins_declare_where_they_apply():
+  built_in = {name: EVALUATORS.get(name) for name in BUILT_IN}
+  assert [n for n, c in built_in.items() if c.in_training] == [
+      "ood", "corruptions", "adversarial", "routing_analysis"]
+  assert [n for n, c in built_in.items() if not c.needs_labels] == ["retrieval"]
+  assert [n for n, c in built_in.items() if not c.on_classifier] == ["retrieval"]
+  assert all(c.on_contrastive for c in built_in.values())
+
+
+def test_built_in_enabling_keys_are_keys_of_eval():
+  defaults = schema.EvalSuiteConfig()
+  for name in BUILT_IN:
+    cls = EVALUATORS.get(name)
+    assert cls.Config is None  # the built-in ones keep their older keys
+    if not cls.enabling_key:  # always on
+      assert name in ("classification", "compute") and cls.enabled(defaults)
+      continue
+    assert cls.enabling_key.startswith("eval.")
+    cls.setting(defaults)
+    assert not cls.enabled(defaults), name
+  on = schema.EvalSuiteConfig(ood_datasets=["lfw_faces"], capacity_sweep=[0.5], retrieval=True)
+  assert [n for n in BUILT_IN if EVALUATORS.get(n).enabling_key and EVALUATORS.get(n).enabled(on)
+          ] == ["ood", "capacity_sweep", "retrieval"]
+
+
+def test_register_adds_the_section_to_both_eval_schemas(schemas):
+  Eval, TrainingEval = schemas
+  probe = _probe()
+  assert register(probe) is probe  # usable as a class decorator
+  assert EVALUATORS.names()[-1] == "probe" and EVALUATORS.get("probe") is probe
+  for cls in (Eval, TrainingEval):
+    section = cls().probe
+    assert section == ProbeConfig() and not probe.enabled(cls())
+  assert TrainingEval().every_steps == 0  # the subclass keeps its own keys
+  assert probe.enabled(_enabled(Eval()))
+  assert register(probe) is probe  # a module imported twice registers the same class again
+  assert EVALUATORS.names().count("probe") == 1
+
+
+def test_a_plugin_key_is_checked_like_a_built_in_one(schemas):
+  Eval, _ = schemas
+  register(_probe())
+  problems = field_problems(Eval(probe=ProbeConfig(top_k=0)), "eval.")
+  assert problems == ["eval.probe.top_k=0 must be >= 1 (classes in the summary)"]
+
+
+def test_a_taken_name_is_refused(schemas):
+  with pytest.raises(ConfigError, match="evaluator 'ood' is registered twice"):
+    register(_probe("ood", enabling_key="eval.ood_datasets", Config=None))
+
+
+@pytest.mark.parametrize("cls, expected", [
+    (type("NotOne", (), {"name": "x"}), "a class derived from runner.evaluators.Evaluator"),
+    (_probe(""), "its name '' must be a Python identifier"),
+    (_probe("per-class"), "its name 'per-class' must be a Python identifier"),
+    (_probe(Config=dict), "its Config <class 'dict'> must be a dataclass"),
+    (_probe("datasets", enabling_key="eval.datasets"), "eval.datasets is already a key of eval.*"),
+    (_probe(enabling_key="eval.probe.on"), "enabling_key='eval.probe.on' is not a key of eval.*"),
+    (_probe(enabling_key="probe.enabled"), "enabling_key='probe.enabled' is not a key of eval.*"),
+])
+def test_bad_declarations_say_what_to_fix(cls, expected, schemas):
+  with pytest.raises(TypeError, match="cannot be registered") as e:
+    register(cls)
+  assert expected in str(e.value)
+  assert getattr(cls, "name", None) not in EVALUATORS or cls.name in BUILT_IN
+
+
+def test_training_refuses_what_only_vmoe_eval_measures(schemas):
+  _, TrainingEval = schemas
+  register(_probe(in_training=False))
+  eval_config = _enabled(TrainingEval())
+  problem = relations.evaluations_during_training(eval_config, schema.ObjectiveConfig())
+  assert problem.startswith("eval.probe.enabled means nothing during training")
+  eval_config.capacity_sweep = [0.5]
+  problem = relations.evaluations_during_training(eval_config, schema.ObjectiveConfig())
+  assert problem.startswith("eval.capacity_sweep, eval.probe.enabled means nothing")
+
+
+def test_contrastive_training_refuses_what_runs_in_training(schemas):
+  _, TrainingEval = schemas
+  register(_probe())
+  contrastive = schema.ObjectiveConfig(name=schema.Objective.contrastive)
+  eval_config = _enabled(TrainingEval(ood_datasets=["lfw_faces"]))
+  problem = relations.contrastive_measurements_in_training(contrastive, eval_config)
+  assert problem.startswith("eval.ood_datasets, eval.probe.enabled during objective=contrastive")
+  assert relations.contrastive_measurements_in_training(schema.ObjectiveConfig(), eval_config) \
+      is None
+
+
+def _eval_run(eval_config, objective: str):
+  return types.SimpleNamespace(init=schema.InitConfig(checkpoint="runs/c"), eval=eval_config,
+                               objective=schema.ObjectiveConfig(name=schema.Objective(objective)))
+
+
+def test_checkpoints_refuse_the_evaluators_that_do_not_measure_them(schemas):
+  Eval, _ = schemas
+  register(_probe("image_only", on_contrastive=False))
+  register(_probe("text_only", on_classifier=False))
+  check = relations.zero_shot_needs_a_contrastive_checkpoint
+  on = _enabled(_enabled(Eval(), "image_only"), "text_only")
+  assert check(_eval_run(on, "contrastive")).startswith(
+      "eval.image_only.enabled=true means nothing for init.checkpoint=runs/c, a contrastive run")
+  problem = check(_eval_run(on, "classification"))
+  assert problem.startswith("eval.text_only.enabled=true means nothing for "
+                            "init.checkpoint=runs/c, a classifier")
+  assert "need a contrastive checkpoint" in problem
+  assert check(_eval_run(Eval(retrieval=True), "classification")).startswith(
+      "eval.retrieval=true means nothing")
+  assert check(_eval_run(Eval(), "contrastive")) is None
+
+
+def test_zero_shot_runs_what_declares_it_needs_no_labels(schemas):
+  from runner.tasks import zero_shot
+  assert [c.name for c in zero_shot._runs_without_labels()] == ["retrieval"]
+  register(_probe(needs_labels=False))
+  register(_probe("labelled"))
+  assert [c.name for c in zero_shot._runs_without_labels()] == ["retrieval", "probe"]
