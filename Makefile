@@ -31,7 +31,8 @@ $(STAMP): pyproject.toml constraints.txt
 demo: install
 	$(WITH_JEMALLOC) $(BIN)/python -m runner.demo
 
-# Fast suite: every subcommand end to end on tiny configs (slow tests are in test-full).
+# Fast suite: every subcommand end to end on tiny configs (slow tests are in test-full), and the
+# import contracts of pyproject.toml (lint-imports, tests/unit/test_import_contracts.py).
 test: install
 	$(WITH_JEMALLOC) $(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadgroup
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
+from runner.models.contrastive import normalize
 from runner.train import contrastive
 
 EMBED = 128  # objective.embedding_dim's default: the width both towers are projected to
@@ -68,7 +69,7 @@ def det_loss(zimg, ztxt, scale, image_samples, text_samples):
 
 def inputs(batch: int, samples: int, embed: int = EMBED, seed: int = 0):
   rng = np.random.default_rng(seed)
-  unit = lambda *shape: np.asarray(contrastive.normalize(  # noqa: E731
+  unit = lambda *shape: np.asarray(normalize(  # noqa: E731
       jnp.asarray(rng.standard_normal(shape), jnp.float32)))
   zimg, ztxt = unit(batch, embed), unit(batch, embed)
   noise = lambda z: z[:, None] + 0.1 * rng.standard_normal((batch, samples, embed))  # noqa: E731

@@ -22,6 +22,8 @@ from typing import Callable
 
 import yaml
 
+from runner.tasks import main_metric
+
 
 @dataclasses.dataclass
 class Job:
@@ -82,7 +84,6 @@ def stage_of(summary: dict) -> str:
 
 def default_columns(jobs: list[Job]) -> list[Column]:
   """The main metric of the jobs' stage, then what a reader checks next."""
-  from runner.tasks import main_metric
   summary = jobs[0].summary
   stage = stage_of(summary)
   if stage in ("pretrain", "finetune"):
@@ -155,6 +156,8 @@ def to_csv(header: list, body: list) -> str:
 def plot(jobs: list[Job], key: str, column: Column, path: pathlib.Path) -> str:
   """The column against one swept key: every job a point, the mean a line (a log x-axis for
   positive numbers spanning a decade or more)."""
+  # Lazily: matplotlib is slow to import and only the plots need it (not the tables, the studies).
+  # lazily: matplotlib is slow to import, and only a run that draws needs it
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
   points = [(job.overrides.get(key), column.read(job.summary)) for job in jobs]

@@ -120,6 +120,7 @@ class ParallelLauncher(Launcher):
 
   def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
              ) -> Sequence[JobReturn]:
+    # lazily: Hydra imports this plug-in at every start, and runner.tasks brings the library
     from runner.tasks import main_metric
     slots = self._slots()
     pending = list(enumerate(job_overrides, start=initial_job_idx))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from runner.config import preprocessing
 from runner.data.pp_ops import PreprocessError, _next_seed, register
 
 # Severity 1..5 -> parameter, copied from make_cifar_c.py (function of the same name there).
@@ -181,6 +182,8 @@ def _pixelate(x, c, seed):
 
 
 _FUNCTIONS = {name: globals()[f"_{name}"] for name in CORRUPTIONS}
+for _name, _fn in _FUNCTIONS.items():  # the names eval.corruptions may choose
+  preprocessing.CORRUPTIONS.add(_name, _fn)
 
 
 @register("corrupt")

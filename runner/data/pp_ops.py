@@ -2,73 +2,40 @@
 
 Each op is registered under a name; `parse(spec)` turns a `|`-separated spec into one function
 over an example dict of tensors. Ops read and write `example["image"]` unless told otherwise.
+The spec's grammar and the table of registered ops are the config layer's
+(runner/config/preprocessing.py), so a config's spec is checked without TensorFlow.
 Random ops are stateless: they draw from `example["_rng"]` (a per-example seed that the pipeline
 derives from the run seed and the example's position in the stream) so a resumed run sees exactly
 the same augmentations as an uninterrupted one.
 """
 from __future__ import annotations
 
-import ast
 from typing import Callable
 
 import tensorflow as tf
 
-from runner.errors import UserError
+# PreprocessError is the grammar's; the ops' callers catch it from here too.
+from runner.config.preprocessing import OPS, PreprocessError, build  # noqa: F401
 
 Example = dict
 Op = Callable[[Example], Example]
-_REGISTRY: dict[str, Callable[..., Op]] = {}
-
-
-class PreprocessError(UserError, ValueError):
-  """A preprocessing spec that cannot be parsed or names an unknown op."""
-  # Raised while tf.data traces a map function, an error passes through autograph, which re-raises
-  # it as its own type only if that type's __init__ is Exception's; otherwise as a StagingError,
-  # which is no UserError (the CLI would print a traceback instead of the message).
-  __init__ = Exception.__init__
 
 
 def register(name: str):
-  def wrap(factory):
-    _REGISTRY[name] = factory
+  """Marks `factory(*args, **kwargs) -> op` as the op `name` of a spec."""
+  def wrap(factory: Callable[..., Op]):
+    OPS.add(name, factory)
     return factory
   return wrap
 
 
 def registered_ops() -> list[str]:
-  return sorted(_REGISTRY)
-
-
-def _parse_call(text: str) -> tuple[str, list, dict]:
-  try:
-    node = ast.parse(text.strip(), mode="eval").body
-  except SyntaxError as e:
-    raise PreprocessError(f"cannot parse preprocessing op {text!r}: {e.msg}") from None
-  if isinstance(node, ast.Name):
-    return node.id, [], {}
-  if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
-    raise PreprocessError(f"preprocessing op {text!r} is not of the form name or name(args)")
-  try:
-    args = [ast.literal_eval(a) for a in node.args]
-    kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-  except ValueError:
-    raise PreprocessError(f"arguments of {text!r} must be literals (numbers, quoted strings, "
-                          "tuples)") from None
-  return node.func.id, args, kwargs
+  return sorted(OPS.names())
 
 
 def parse(spec: str) -> Op:
   """Builds the function for a `|`-separated spec; errors name the op and the valid ones."""
-  ops = []
-  for part in filter(None, (p.strip() for p in spec.split("|"))):
-    name, args, kwargs = _parse_call(part)
-    if name not in _REGISTRY:
-      raise PreprocessError(f"unknown preprocessing op {name!r} in {spec!r}; "
-                            f"registered ops: {', '.join(registered_ops())}")
-    try:
-      ops.append(_REGISTRY[name](*args, **kwargs))
-    except TypeError as e:
-      raise PreprocessError(f"bad arguments for preprocessing op {part!r}: {e}") from None
+  ops = build(spec)
 
   def apply(example: Example) -> Example:
     for op in ops:

@@ -68,7 +68,7 @@ def load_sentencepiece(path: str) -> Tokenizer:
   SentencePiece defaults: unknown 0, no padding) has its ids shifted by one, so that 0 is free
   for padding, and gets an end id after its vocabulary if it has none.
   """
-  import sentencepiece
+  import sentencepiece  # lazily: only the sentencepiece and train tokenizer kinds need it
 
   resolved = os.path.expanduser(path)
   if not os.path.isfile(resolved):
@@ -91,7 +91,7 @@ def load_sentencepiece(path: str) -> Tokenizer:
 def train_sentencepiece(texts: Iterable[str], vocab_size: int, path: str) -> None:
   """Trains a unigram SentencePiece model of at most `vocab_size` pieces on `texts`, offline, and
   writes it to `path` atomically (a reader never sees half a file)."""
-  import sentencepiece
+  import sentencepiece  # lazily: only the train tokenizer kind needs it
 
   texts = [t for t in texts if t.strip()]
   if not texts:

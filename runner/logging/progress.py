@@ -5,6 +5,7 @@ import sys
 import time
 
 import jax
+from tqdm import tqdm
 
 
 def _duration(seconds: float) -> str:
@@ -26,7 +27,6 @@ class Progress:
     self.step0 = start_step
     self.rate = 0.0
     if self.enabled and sys.stderr.isatty():
-      from tqdm import tqdm
       self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step",
                       dynamic_ncols=True, leave=True)
 

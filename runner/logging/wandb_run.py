@@ -19,7 +19,7 @@ INIT_TIMEOUT_S = 12.0  # W&B's deadline for creating the run on the server (its 
 
 def start_run(mode: str, workdir: str, **init_kwargs):
   """`wandb.init(mode=mode, dir=workdir, **init_kwargs)`, offline if online cannot start."""
-  import wandb
+  import wandb  # lazily: slow to import, and a run with logger.wandb.mode=disabled never needs it
   settings = dict(console="off")
   if mode == "online":
     url = wandb.setup().settings.base_url  # WANDB_BASE_URL, `wandb login --host`, or the default

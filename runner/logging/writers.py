@@ -58,7 +58,7 @@ class MetricWriter:
     self.jsonl.write(json.dumps(record) + "\n")
     self.jsonl.flush()
     if self.run is not None:
-      import wandb
+      import wandb  # lazily: slow to import, and only a live W&B run needs it
       logged = {}
       for k, v in metrics.items():
         v = np.asarray(v)
@@ -82,12 +82,12 @@ class MetricWriter:
 
   def log_image(self, step: int, key: str, path: str) -> None:
     if self.run is not None:
-      import wandb
+      import wandb  # lazily: slow to import, and only a live W&B run needs it
       self.run.log({key: wandb.Image(path)}, step=int(step))
 
   def log_table(self, key: str, columns: list[str], rows: list) -> None:
     if self.run is not None:
-      import wandb
+      import wandb  # lazily: slow to import, and only a live W&B run needs it
       self.run.log({key: wandb.Table(columns=columns, data=[list(r) for r in rows])})
 
   def summary(self, metrics: dict, filename: str = "summary.json") -> None:

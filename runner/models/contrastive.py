@@ -26,10 +26,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from runner.models import heads
-from runner.train.contrastive import normalize
+from runner.config.schema import ContrastiveLoss, HeadType
+from runner.models import build_model, heads
+from runner.models.text import TextTransformer
 
 part = nn.with_logical_partitioning
+EPS = 1e-8  # added to the norm before dividing by it (LiT)
+
+
+def normalize(z: jax.Array) -> jax.Array:
+  """Unit L2 norm along the last axis: the embeddings whose dot products the losses scale."""
+  return z / (jnp.linalg.norm(z, axis=-1, keepdims=True) + EPS)
 
 
 class RepresentationNoise(nn.Module):
@@ -133,9 +140,6 @@ def build_two_towers(model_config, text_config, objective, vocab_size: int, *,
   """The contrastive model of a config: `model` the image tower (any catalog model; its head
   type chooses HET-XL noise), `text` the text tower, `objective` the loss's settings;
   `lock_image`: LiT (the task locks a tower it starts from a checkpoint)."""
-  from runner.config.schema import ContrastiveLoss, HeadType
-  from runner.models import build_model
-  from runner.models.text import TextTransformer
   name = lambda option: str(getattr(option, "value", option))  # noqa: E731
   het = model_config.head.type == HeadType.het_xl
   head = model_config.head

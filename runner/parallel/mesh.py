@@ -3,53 +3,23 @@
 Mesh axes: `data` and `expert`. The batch is split over both (every device sees different images);
 parameters are replicated unless a rule maps one of their logical axes to a mesh axis:
 `expert` -> `expert` shards expert weights (expert parallelism), `embed` -> `data` shards every
-weight matrix along its embedding dimension (fully-sharded data parallelism).
+weight matrix along its embedding dimension (fully-sharded data parallelism). The axes, the rule
+bundles and the mesh's shape are config values (runner/config/mesh.py); this module builds them.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 
 import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from runner.config.mesh import MESH_AXES, RULES, mesh_shape
 from runner.errors import ConfigError
 
-MESH_AXES = ("data", "expert")
 BATCH_AXES = ("data", "expert")
-
-# Ready-made rule bundles (conf/sharding/*.yaml carry the same lists).
-RULES = {
-    "dp": (),
-    "ep": (("expert", "expert"),),
-    "fsdp_ep": (("expert", "expert"), ("embed", "data")),
-}
-
-
-def mesh_shape(data: int, expert: int, num_devices: int, num_experts: int = 0) -> tuple[int, int]:
-  """Resolves -1 entries: expert=-1 takes the most devices that divide both the device count and
-  the number of experts; data=-1 takes the rest. Errors name the numbers that do not fit."""
-  if expert == -1:
-    expert = math.gcd(num_devices, num_experts) if num_experts else 1
-  if expert < 1 or (data != -1 and data < 1):
-    raise ConfigError(f"mesh.data={data} and mesh.expert={expert} must be positive (or -1 to "
-                      "infer).")
-  if data == -1:
-    if num_devices % expert:
-      raise ConfigError(f"mesh.expert={expert} does not divide the {num_devices} devices; use a "
-                        f"divisor of {num_devices}.")
-    data = num_devices // expert
-  if data * expert != num_devices:
-    raise ConfigError(f"a mesh of mesh.data={data} x mesh.expert={expert} = {data * expert} "
-                      f"devices does not match the {num_devices} devices available; their "
-                      "product must equal the device count (set one of them to -1 to infer it).")
-  if num_experts and expert > 1 and num_experts % expert:
-    raise ConfigError(f"model.moe.num_experts={num_experts} is not divisible by the expert axis "
-                      f"mesh.expert={expert}; use an expert axis that divides {num_experts}.")
-  return data, expert
 
 
 def make_mesh(data: int = -1, expert: int = 1, devices=None, num_experts: int = 0) -> Mesh:

@@ -33,7 +33,7 @@ from runner.models.contrastive import build_two_towers
 from runner.parallel import Placement
 from runner.tasks import common
 from runner.train import objectives, state as state_lib
-from runner.train.loop import train_and_evaluate
+from runner.loop import train_and_evaluate
 
 
 @dataclasses.dataclass

@@ -15,6 +15,7 @@ from runner import data
 from runner.config import conf_dir
 from runner.config.schema import DataConfig
 from runner.evaluators.suite import Dataset
+from runner.tasks import common
 
 _SPLIT_KEYS = ("split", "eval_split", "test_split", "holdout_fraction", "image_key", "label_key",
                "text_key")
@@ -47,7 +48,6 @@ def dataset_config(name: str, base: DataConfig) -> DataConfig:
 
 def open_dataset(name: str, base: DataConfig, split: str | None) -> Dataset:
   """A dataset named in eval.*, opened, with the split evaluated checked to hold examples."""
-  from runner.tasks import common
   config, source = common.open_data(dataset_config(name, base))
   split = split or config.test_split or config.eval_split
   try:

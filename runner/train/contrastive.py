@@ -21,11 +21,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-EPS = 1e-8  # added to the norm before dividing by it (LiT)
-
-
-def normalize(z: jax.Array) -> jax.Array:
-  return z / (jnp.linalg.norm(z, axis=-1, keepdims=True) + EPS)
+# The towers normalise their embeddings (runner/models/contrastive.py); imported here only for
+# runner.evaluators.contrastive, which reads it as contrastive.normalize.
+from runner.models.contrastive import normalize  # noqa: F401
 
 
 def _correct_log_probs(queries: jax.Array, keys: jax.Array, scale) -> jax.Array:

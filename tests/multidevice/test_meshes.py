@@ -17,7 +17,7 @@ from runner.checkpoint import Checkpointer
 from runner.models import build_model, model_config
 from runner.parallel import Placement, RULES, logical_rules, make_mesh, placement as make_placement
 from runner.train import optimizers, schedules, state as state_lib
-from runner.train.loop import initial_state
+from runner.loop import initial_state
 from runner.train.step import make_train_step
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8,

@@ -1,5 +1,8 @@
 """Dispatch mechanics: move tokens into expert buffers and expert outputs back, given a plan.
 
+A `DispatchPlan` says where each (token, choice) assignment goes; routing (routing.py and the
+router families) decides it, this module only carries it out, so it imports neither.
+
 Buffers are expert-major, (E, G, C, D), so each expert's tokens from every group are contiguous
 and the experts run as one batched matmul with no transposes around it.
 
@@ -13,12 +16,66 @@ Two implementations of the same contract, chosen by name:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from runner.models.moe.routing import DispatchPlan
-
 DISPATCHERS = ("indices", "einsum")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DispatchPlan:
+  """Where assignments go, for G groups of S tokens, k choices, E experts of capacity C.
+
+  Assignment a = token * k + choice. Slot s = expert * C + position.
+  slot_of_assignment[g, a] is the slot, or E * C when the assignment was dropped.
+  assignment_of_slot[g, s] is the assignment, or S * k when the slot is empty (zero padded).
+  combine_weights[g, t, i] is the gate of token t's i-th choice, 0 where it was dropped.
+  experts[g, t, i] is token t's i-th choice (TOP-k, before capacity drops) and gates[g, t, e]
+  the routing weights the choices were made from; either may be None in plans built from the
+  other arrays alone.
+  """
+  slot_of_assignment: jax.Array
+  assignment_of_slot: jax.Array
+  combine_weights: jax.Array
+  num_experts: int = dataclasses.field(metadata=dict(static=True))
+  capacity: int = dataclasses.field(metadata=dict(static=True))
+  k: int = dataclasses.field(metadata=dict(static=True))
+  experts: jax.Array | None = None
+  gates: jax.Array | None = None
+
+  def dispatch(self, x: jax.Array, method: str = "indices") -> jax.Array:
+    """(G, S, D) tokens -> (E, G, C, D) expert buffers."""
+    return dispatch(x, self, method)
+
+  def combine(self, y: jax.Array, method: str = "indices") -> jax.Array:
+    """(E, G, C, D) expert outputs -> (G, S, D) tokens."""
+    return combine(y, self, method)
+
+  def expert_weights(self) -> jax.Array:
+    return self.gates
+
+  def expert_mask(self, routed: bool = False) -> jax.Array:
+    """(G, S, E): each token's TOP-k experts, or (`routed`) those that kept it in their buffer."""
+    chosen = jax.nn.one_hot(self.experts, self.num_experts, dtype=jnp.bool_)  # (G, S, k, E)
+    if routed:
+      chosen = chosen & (self.combine_weights > 0)[..., None]
+    return jnp.any(chosen, axis=-2)
+
+  @property
+  def kept(self) -> jax.Array:
+    """(G, S, k) bool: which assignments found room in their expert's buffer."""
+    g, s, k = self.combine_weights.shape
+    return (self.slot_of_assignment < self.num_experts * self.capacity).reshape(g, s, k)
+
+  @property
+  def expert_of_slot_filled(self) -> jax.Array:
+    """(G, E) number of filled slots of each expert."""
+    g, s, k = self.combine_weights.shape
+    filled = (self.assignment_of_slot < s * k).reshape(g, self.num_experts, self.capacity)
+    return filled.sum(-1)
 
 
 def _take_rows(src: jax.Array, index: jax.Array) -> jax.Array:

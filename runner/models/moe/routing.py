@@ -8,16 +8,18 @@ within one choice rank, tokens go in their natural order (Algorithm 1, "vanilla"
 routing score (Algorithm 2, Batch Prioritized Routing).
 
 The result is a `DispatchPlan`: a partial bijection between assignments and buffer slots. How
-tokens are physically moved into the buffers is the dispatcher's business (`dispatch.py`).
+tokens are physically moved into the buffers is the dispatcher's business: the plan and its
+mechanics are in `dispatch.py`, which knows nothing of how the plan was chosen.
 """
 from __future__ import annotations
 
-import dataclasses
 import fractions
 import math
 
 import jax
 import jax.numpy as jnp
+
+from runner.models.moe.dispatch import DispatchPlan
 
 PRIORITIES = ("max", "sum")
 
@@ -48,62 +50,6 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_ratio: f
     raise ValueError(f"unknown capacity rounding {rounding!r}; valid: {CAPACITY_ROUNDINGS}")
   exact = fractions.Fraction(str(capacity_ratio)) * k * num_tokens / num_experts
   return max(1, math.floor(exact + fractions.Fraction(1, 2)))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DispatchPlan:
-  """Where assignments go, for G groups of S tokens, k choices, E experts of capacity C.
-
-  Assignment a = token * k + choice. Slot s = expert * C + position.
-  slot_of_assignment[g, a] is the slot, or E * C when the assignment was dropped.
-  assignment_of_slot[g, s] is the assignment, or S * k when the slot is empty (zero padded).
-  combine_weights[g, t, i] is the gate of token t's i-th choice, 0 where it was dropped.
-  experts[g, t, i] is token t's i-th choice (TOP-k, before capacity drops) and gates[g, t, e]
-  the routing weights the choices were made from; either may be None in plans built from the
-  other arrays alone.
-  """
-  slot_of_assignment: jax.Array
-  assignment_of_slot: jax.Array
-  combine_weights: jax.Array
-  num_experts: int = dataclasses.field(metadata=dict(static=True))
-  capacity: int = dataclasses.field(metadata=dict(static=True))
-  k: int = dataclasses.field(metadata=dict(static=True))
-  experts: jax.Array | None = None
-  gates: jax.Array | None = None
-
-  def dispatch(self, x: jax.Array, method: str = "indices") -> jax.Array:
-    """(G, S, D) tokens -> (E, G, C, D) expert buffers (runner/models/moe/dispatch.py)."""
-    from runner.models.moe import dispatch
-    return dispatch.dispatch(x, self, method)
-
-  def combine(self, y: jax.Array, method: str = "indices") -> jax.Array:
-    """(E, G, C, D) expert outputs -> (G, S, D) tokens."""
-    from runner.models.moe import dispatch
-    return dispatch.combine(y, self, method)
-
-  def expert_weights(self) -> jax.Array:
-    return self.gates
-
-  def expert_mask(self, routed: bool = False) -> jax.Array:
-    """(G, S, E): each token's TOP-k experts, or (`routed`) those that kept it in their buffer."""
-    chosen = jax.nn.one_hot(self.experts, self.num_experts, dtype=jnp.bool_)  # (G, S, k, E)
-    if routed:
-      chosen = chosen & (self.combine_weights > 0)[..., None]
-    return jnp.any(chosen, axis=-2)
-
-  @property
-  def kept(self) -> jax.Array:
-    """(G, S, k) bool: which assignments found room in their expert's buffer."""
-    g, s, k = self.combine_weights.shape
-    return (self.slot_of_assignment < self.num_experts * self.capacity).reshape(g, s, k)
-
-  @property
-  def expert_of_slot_filled(self) -> jax.Array:
-    """(G, E) number of filled slots of each expert."""
-    g, s, k = self.combine_weights.shape
-    filled = (self.assignment_of_slot < s * k).reshape(g, self.num_experts, self.capacity)
-    return filled.sum(-1)
 
 
 def _pick(values: jax.Array, index: jax.Array) -> jax.Array:

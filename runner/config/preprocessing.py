@@ -1,0 +1,60 @@
+"""The preprocessing-spec language of `data.pp` and `data.pp_train`: "decode(3)|resize(32)|flip_lr".
+
+A spec is `|`-separated ops, each `name` or `name(literal arguments)`. The ops are TensorFlow
+functions (runner/data/pp_ops.py, runner/data/corruptions.py, a plug-in's) whose modules register
+their factories in `OPS`, and the `corrupt` op its corruption names in `CORRUPTIONS`, when they are
+imported. So a config's spec is checked here, op names and arguments included, without importing
+TensorFlow or the data package.
+"""
+from __future__ import annotations
+
+import ast
+
+from runner.config.registries import Registry
+from runner.errors import UserError
+
+OPS: Registry = Registry("preprocessing op", "data.pp")
+CORRUPTIONS: Registry = Registry("corruption", "eval.corruptions")
+
+
+class PreprocessError(UserError, ValueError):
+  """A preprocessing spec that cannot be parsed or names an unknown op."""
+  # Raised while tf.data traces a map function, an error passes through autograph, which re-raises
+  # it as its own type only if that type's __init__ is Exception's; otherwise as a StagingError,
+  # which is no UserError (the CLI would print a traceback instead of the message).
+  __init__ = Exception.__init__
+
+
+def _parse_call(text: str) -> tuple[str, list, dict]:
+  try:
+    node = ast.parse(text.strip(), mode="eval").body
+  except SyntaxError as e:
+    raise PreprocessError(f"cannot parse preprocessing op {text!r}: {e.msg}") from None
+  if isinstance(node, ast.Name):
+    return node.id, [], {}
+  if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+    raise PreprocessError(f"preprocessing op {text!r} is not of the form name or name(args)")
+  try:
+    args = [ast.literal_eval(a) for a in node.args]
+    kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+  except ValueError:
+    raise PreprocessError(f"arguments of {text!r} must be literals (numbers, quoted strings, "
+                          "tuples)") from None
+  return node.func.id, args, kwargs
+
+
+def build(spec: str) -> list:
+  """The op of each part of `spec`, in order, from its registered factory; errors name the op and
+  the valid ones."""
+  ops = []
+  for part in filter(None, (p.strip() for p in spec.split("|"))):
+    name, args, kwargs = _parse_call(part)
+    if name not in OPS:
+      known = ", ".join(sorted(OPS.names())) or "none (runner.data registers them when imported)"
+      raise PreprocessError(f"unknown preprocessing op {name!r} in {spec!r}; "
+                            f"registered ops: {known}")
+    try:
+      ops.append(OPS.get(name)(*args, **kwargs))
+    except TypeError as e:
+      raise PreprocessError(f"bad arguments for preprocessing op {part!r}: {e}") from None
+  return ops
