@@ -184,3 +184,22 @@ def test_an_optuna_search_records_its_best_trial(tmp_path):
   values = [json.loads((tmp_path / "search" / str(i) / "summary.json").read_text())["val/prec@1"]
             for i in range(4)]
   assert results["best_value"] == pytest.approx(max(values))  # maximised: the stage's main metric
+
+
+def test_a_plugin_router_sweeps_on_slurm_and_in_parallel(slurm, tmp_path):
+  """A router family from a user's module (examples/plugins/switch_router.py): each job, in a
+  process of its own, loads the plug-in it was composed with."""
+  plugin = ["plugins=[examples.plugins.switch_router]", "model.router.type=switch",
+            "model.router.z_loss_weight=0.0,0.1", *TINY, "train.steps=2"]
+  for launcher, extra in (("slurm", ["hydra.launcher.cpus_per_task=1",
+                                     "hydra.launcher.timeout_min=10"]),
+                          ("parallel", ["hydra.launcher.jobs=2"])):
+    code, out = vmoe("pretrain", "--multirun", f"hydra/launcher={launcher}", *extra, *plugin,
+                     f"workdir={tmp_path / launcher}", env=slurm.env)
+    assert code == 0, out[-3000:]
+    for job, weight in ((0, 0.0), (1, 0.1)):
+      config = yaml.safe_load((tmp_path / launcher / str(job) / "config.yaml").read_text())
+      assert config["plugins"] == ["examples.plugins.switch_router"]
+      assert config["model"]["router"]["type"] == "switch"
+      assert config["model"]["router"]["z_loss_weight"] == weight
+      assert json.loads((tmp_path / launcher / str(job) / "summary.json").read_text())["step"] == 2

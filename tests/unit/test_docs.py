@@ -12,9 +12,12 @@ command test itself.
 """
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -152,8 +155,38 @@ def test_commands_are_found():
   assert {"pretrain", "finetune", "fewshot", "eval", "ensemble"} <= shown, shown
 
 
+_PLUGIN_CHECK = """
+import json, sys
+from runner import cli, plugins
+cli._register_builtins()
+commands = json.loads(sys.argv[1])
+# All before the first composition, as `vmoe` loads a command's before it gives Hydra the schemas.
+plugins.load([m for line in commands for m in plugins.requested(line[1:])])
+problems = {}
+for line in commands:
+  sub, *rest = line
+  problems[" ".join(line)] = cli.check_overrides(sub, rest + ["--cfg", "job"])
+print(json.dumps(problems))
+"""
+
+
+@pytest.fixture(scope="module")
+def plugin_commands_composed() -> dict:
+  """Every documented command with `plugins=` (the examples of examples/plugins/), composed in
+  one process of its own run from that folder, so that what the plug-ins register stays out of
+  this one: command -> the problem found (None: it composes)."""
+  commands = [_tokens(c.values[2]) for c in COMMANDS
+              if any(a.startswith("plugins=") for a in _tokens(c.values[2]))]
+  done = subprocess.run([sys.executable, "-c", _PLUGIN_CHECK, json.dumps(commands)],
+                        cwd=ROOT / "examples" / "plugins", capture_output=True, text=True,
+                        timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("path, number, command, error", COMMANDS)
-def test_documented_command_composes(path, number, command, error, monkeypatch, tmp_path):
+def test_documented_command_composes(path, number, command, error, monkeypatch, tmp_path,
+                                     request):
   """`check_overrides(sub, args + ["--cfg", "job"])` composes every job against the schema and
   reads nothing. A command shown failing (its output `vmoe <sub>: error: ...`) is validated in
   full instead, and a config error must read as documented; an error the config check does not
@@ -169,6 +202,10 @@ def test_documented_command_composes(path, number, command, error, monkeypatch, 
     _check_tool(cli, sub, rest, where, monkeypatch, tmp_path)
     return
   monkeypatch.chdir(ROOT)  # `-cd sweeps` is relative to the checkout
+  if any(a.startswith("plugins=") for a in rest):
+    problem = request.getfixturevalue("plugin_commands_composed")[" ".join(args)]
+    assert problem is None, f"{where}\n{problem}"
+    return
   if error is None:
     problem = cli.check_overrides(sub, rest + ["--cfg", "job"])
     assert problem is None, f"{where}\n{problem}"

@@ -1,0 +1,67 @@
+"""The train step of this checkout against another commit's, in alternating rounds.
+
+    python -m benchmarks.ab_commits --base <dir of the other checkout> [--presets tiny,bigger]
+        [--rounds 4] [--families vmoe,experts_choice,soft]
+
+Two versions of the package cannot share one process, so each round runs `benchmarks.train_step`
+(one round of its own alternation) once in each checkout, the order swapped every round, on the
+same Python environment; a slow minute of this shared machine then falls on both alike. Reported
+per preset and model: each side's median step time over rounds and the median of the per-round
+ratios this / base (< 1: this checkout is faster). Make the other checkout with
+`git worktree add <dir> <commit>` or `git archive <commit> | tar -x -C <dir>`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parents[1]
+
+
+def one_round(checkout: pathlib.Path, presets: str, families: str, label: str) -> dict:
+  """{preset: {model: step ms}} of one train_step round run in `checkout`."""
+  name = f"ab_{label}"
+  subprocess.run([sys.executable, "-m", "benchmarks.train_step", "--presets", presets,
+                  "--rounds", "1", "--families", families, "--name", name],
+                 cwd=checkout, check=True, stdout=subprocess.DEVNULL)
+  record = json.loads((checkout / "benchmarks" / "results" / f"{name}.json").read_text())
+  return {preset: {model: r["train_step_ms"] for model, r in result.items()
+                   if isinstance(r, dict) and "train_step_ms" in r}
+          for preset, result in record["presets"].items()}
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--base", required=True, help="the other checkout's folder")
+  parser.add_argument("--presets", default="tiny,bigger")
+  parser.add_argument("--rounds", type=int, default=4)
+  parser.add_argument("--families", default="vmoe,experts_choice,soft")
+  args = parser.parse_args(argv)
+  sides = {"this": HERE, "base": pathlib.Path(args.base).resolve()}
+  rounds = {side: [] for side in sides}
+  for r in range(args.rounds):
+    order = list(sides) if r % 2 == 0 else list(reversed(sides))
+    for side in order:
+      rounds[side].append(one_round(sides[side], args.presets, args.families, side))
+      print(f"round {r + 1}/{args.rounds} {side}: {rounds[side][-1]}", flush=True)
+  table = {}
+  for preset, models in rounds["this"][0].items():
+    for model in models:
+      this = [x[preset][model] for x in rounds["this"]]
+      base = [x[preset][model] for x in rounds["base"]]
+      ratios = [a / b for a, b in zip(this, base)]
+      table[f"{preset}/{model}"] = dict(this_ms=statistics.median(this),
+                                        base_ms=statistics.median(base),
+                                        ratio=statistics.median(ratios), ratios=ratios)
+      print(f"{preset}/{model}: this {statistics.median(this):.1f} ms, base "
+            f"{statistics.median(base):.1f} ms, this/base {statistics.median(ratios):.3f} "
+            f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)})")
+  return table
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,100 @@
+"""A Switch-style top-1 router with ST-MoE's router z-loss, as a vmoe plug-in.
+
+Run it from the folder that holds this file:
+
+  vmoe pretrain plugins=[switch_router] model.router.type=switch model.router.z_loss_weight=0.1
+
+Routing (Fedus et al. 2021, "Switch Transformers", Sec. 2.1-2.2): each token goes to the one
+expert with the largest softmax(Wx) probability, scaled by that probability; each expert has
+round(tokens * C / E) slots per routing group and drops the tokens past them, in token order.
+The auxiliary loss is Switch's load-balancing loss E * sum_i f_i * P_i (f_i: the share of tokens
+whose choice is expert i, P_i: the mean router probability of expert i; 1 when balanced) plus
+`z_loss_weight` times ST-MoE's router z-loss mean_tokens(logsumexp(Wx)^2) (Zoph et al. 2022,
+Eq. 5), which keeps the router's logits small. vmoe multiplies each layer's auxiliary loss by
+train.aux_loss_weight (0.01: Switch's alpha), so the z-loss's weight in the total loss is
+0.01 * z_loss_weight (ST-MoE uses 0.001: z_loss_weight=0.1, the default).
+
+A router family is three things (docs/extending.md): its keys (a dataclass), a Flax module that
+returns a dispatch plan and its metrics, and a `RouterFamily` that answers the rest of vmoe.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from runner.config.checks import at_least, key, positive
+from runner.models.moe import routing
+from runner.models.moe.routers import RouterFamily, register
+
+
+@dataclasses.dataclass
+class SwitchConfig:
+  """model.router.* of router type switch. capacity_ratio and eval_capacity_ratio are keys the
+  built-in families declare too: a shared key keeps the same type and default everywhere."""
+  capacity_ratio: float = key(1.05, positive(), "1.05 upstream; below 1 drops tokens, which "
+                              "Batch Prioritized Routing makes graceful")
+  eval_capacity_ratio: Optional[float] = key(None, positive(), "null: same as capacity_ratio")
+  z_loss_weight: float = key(0.1, at_least(0), "the router z-loss's weight relative to the "
+                             "load-balancing loss (ST-MoE: 0.001 / 0.01 = 0.1)")
+
+
+class SwitchRouter(nn.Module):
+  """x: (G, S, D) routing groups -> (plan, metrics); the plan is vmoe's token-choice plan with
+  k = 1, so dispatching, combining and introspection work unchanged."""
+  num_experts: int
+  capacity_ratio: float = 1.05
+  eval_capacity_ratio: Optional[float] = None
+  z_loss_weight: float = 0.1
+
+  @nn.compact
+  def __call__(self, x: jax.Array, *, train: bool):
+    _, num_tokens, _ = x.shape
+    logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32,
+                      param_dtype=jnp.float32, name="dense")(x.astype(jnp.float32))
+    gates = jax.nn.softmax(logits)
+    ratio = self.capacity_ratio
+    if not train and self.eval_capacity_ratio is not None:
+      ratio = self.eval_capacity_ratio
+    capacity = routing.expert_capacity(num_tokens, self.num_experts, 1, ratio)
+    plan = routing.plan_dispatch(gates, k=1, capacity=capacity)
+    chosen = jax.nn.one_hot(plan.experts[..., 0], self.num_experts)  # (G, S, E)
+    balance = self.num_experts * jnp.sum(chosen.mean(axis=1) * gates.mean(axis=1), axis=-1)
+    z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    kept = plan.kept
+    metrics = {
+        "load_balancing_loss": balance.mean(),
+        "router_z_loss": z_loss,
+        "auxiliary_loss": balance.mean() + self.z_loss_weight * z_loss,
+        "fraction_dropped_tokens": jnp.mean(~kept.any(axis=-1)),
+        "expert_load": jnp.mean(plan.expert_of_slot_filled, axis=0) / capacity,
+    }
+    return plan, metrics
+
+
+@register
+class Switch(RouterFamily):
+  name = "switch"
+  module = SwitchRouter
+  Config = SwitchConfig
+  summary = "each token goes to its top-1 expert, buffers of round(N*C/E) slots (Switch)"
+
+  @classmethod
+  def module_kwargs(cls, router, *, tokens: int, experts: int) -> dict:
+    return dict(capacity_ratio=router.capacity_ratio,
+                eval_capacity_ratio=router.eval_capacity_ratio,
+                z_loss_weight=router.z_loss_weight)
+
+  @classmethod
+  def capacity(cls, router, tokens: int, experts: int, *, train: bool) -> int:
+    ratio = router.capacity_ratio
+    if not train and router.eval_capacity_ratio is not None:
+      ratio = router.eval_capacity_ratio
+    return routing.expert_capacity(tokens, experts, 1, ratio)
+
+  @classmethod
+  def experts_per_token(cls, router, tokens: int, experts: int, capacity: int) -> float:
+    return 1.0
