@@ -3,7 +3,9 @@
     python -m benchmarks.ab_commits --base <dir of the other checkout> [--presets tiny,bigger]
         [--rounds 4] [--families vmoe,experts_choice,soft]
 
-Two versions of the package cannot share one process, so each round runs `benchmarks.train_step`
+First each checkout lowers every model's train step (benchmarks/train_step_program.py): the
+same fingerprint on both sides is the same program, whatever the timings say. Two versions of
+the package cannot share one process, so each round runs `benchmarks.train_step`
 (one round of its own alternation) once in each checkout, the order swapped every round, on the
 same Python environment; a slow minute of this shared machine then falls on both alike. Reported
 per preset and model: each side's median step time over rounds and the median of the per-round
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -34,6 +37,19 @@ def one_round(checkout: pathlib.Path, presets: str, families: str, label: str) -
           for preset, result in record["presets"].items()}
 
 
+def programs(checkout: pathlib.Path, presets: str) -> dict:
+  """The fingerprints of `checkout`'s lowered train steps (benchmarks/train_step_program.py);
+  {} for a checkout older than that script."""
+  if not (checkout / "benchmarks" / "train_step_program.py").exists():
+    script = (HERE / "benchmarks" / "train_step_program.py").read_text()
+    command = [sys.executable, "-c", script, "--presets", presets]
+  else:
+    command = [sys.executable, "-m", "benchmarks.train_step_program", "--presets", presets]
+  done = subprocess.run(command, cwd=checkout, check=True, capture_output=True, text=True,
+                        env={**os.environ, "PYTHONPATH": str(checkout)})
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--base", required=True, help="the other checkout's folder")
@@ -42,14 +58,18 @@ def main(argv=None) -> dict:
   parser.add_argument("--families", default="vmoe,experts_choice,soft")
   args = parser.parse_args(argv)
   sides = {"this": HERE, "base": pathlib.Path(args.base).resolve()}
+  fingerprints = {side: programs(path, args.presets) for side, path in sides.items()}
+  for model, digest in fingerprints["this"].items():
+    same = "the same program" if fingerprints["base"].get(model) == digest else "DIFFERENT programs"
+    print(f"{model}: train step lowered to {same} ({digest} / {fingerprints['base'].get(model)})")
   rounds = {side: [] for side in sides}
   for r in range(args.rounds):
     order = list(sides) if r % 2 == 0 else list(reversed(sides))
     for side in order:
       rounds[side].append(one_round(sides[side], args.presets, args.families, side))
       print(f"round {r + 1}/{args.rounds} {side}: {rounds[side][-1]}", flush=True)
-  table = {}
-  for preset, models in rounds["this"][0].items():
+  table = {"programs_identical": fingerprints["this"] == fingerprints["base"]}
+  for preset, models in (rounds["this"][0] if rounds["this"] else {}).items():
     for model in models:
       this = [x[preset][model] for x in rounds["this"]]
       base = [x[preset][model] for x in rounds["base"]]

@@ -49,11 +49,11 @@ def pretrained(lab):
 
 
 @pytest.fixture(scope="module")
-def finetuned(lab, pretrained):
-  """The upstream fine-tuned on UCI digits (with expert dropout: MC-dropout samples it)."""
+def finetuned(lab):
+  """A tiny V-MoE fine-tuned on UCI digits from scratch (fine-tuning's expert dropout: MC-dropout
+  samples it) with the plug-in evaluated every 2 steps; eval and ensemble read it too."""
   workdir = lab / "down"
-  summary = _run(lab, "finetune", f"workdir={workdir}", f"init.checkpoint={pretrained[0]}",
-                 *TRAIN, *PLUGIN)
+  summary = _run(lab, "finetune", f"workdir={workdir}", *TRAIN, "eval.every_steps=2", *PLUGIN)
   return workdir, summary
 
 
@@ -67,6 +67,7 @@ def _check_consistent(summary: dict, prefix: str, k: int = 3) -> list[float]:
   return per_class
 
 
+@pytest.mark.slow  # the same evaluation as fine-tuning's (below), in the other training stage
 def test_runs_during_pretraining_on_the_validation_split(pretrained):
   workdir, s = pretrained
   per_class = _check_consistent(s, f"val/mnist5k/{KEY}")
@@ -78,8 +79,11 @@ def test_runs_during_pretraining_on_the_validation_split(pretrained):
 
 
 def test_runs_during_finetuning(finetuned):
-  _, s = finetuned
-  _check_consistent(s, f"val/uci_digits/{KEY}")
+  workdir, s = finetuned
+  per_class = _check_consistent(s, f"val/uci_digits/{KEY}")
+  assert min(per_class) <= s["val/prec@1"] <= max(per_class)
+  logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in logged if f"val/uci_digits/{KEY}/balanced" in r] == [2, 4]
 
 
 def _recompute(workdir: pathlib.Path, summary: dict, dataset: str) -> None:

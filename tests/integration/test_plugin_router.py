@@ -223,6 +223,7 @@ def test_finetune_carries_the_router_over(lab, pretrained):
                 - np.asarray(start["experts"]["fc1_kernel"])).max() < 0.05
 
 
+@pytest.mark.slow  # make test-cluster runs a plug-in's sweep on SLURM and the parallel launcher
 def test_multirun_over_a_plugin_key(lab, tmp_path):
   """Two jobs of the basic launcher (in one process: the plug-in loads once) both finish, each
   with its value of the plug-in's key."""
