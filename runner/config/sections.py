@@ -17,11 +17,12 @@ _GENERATED = ("__init__", "__repr__", "__eq__", "__hash__", "__match_args__",
               "__dataclass_fields__", "__dataclass_params__", "__slots__")
 
 
-def _reprocess(cls) -> None:
-  """Runs `dataclasses.dataclass` over `cls` again, keeping each field as it was declared."""
-  own = cls.__dict__.get("__annotations__", {})
+def _reprocess(cls, new: dict[str, dataclasses.Field] | None = None) -> None:
+  """Runs `dataclasses.dataclass` over `cls` again, keeping each field it declares as it was
+  declared (plus the `new` ones, already in its annotations), then over its subclasses."""
   declared = {f.name: f for f in dataclasses.fields(cls)}
-  for name in own:
+  declared.update(new or {})
+  for name in cls.__dict__.get("__annotations__", {}):  # inherited fields stay the base's
     setattr(cls, name, declared[name])
   for name in _GENERATED:
     if name in cls.__dict__ and name != "__slots__":
@@ -52,20 +53,9 @@ def add_fields(cls, fields: dict[str, tuple[type, dataclasses.Field]]) -> None:
   annotations = cls.__dict__.get("__annotations__")
   if annotations is None:
     annotations = cls.__annotations__ = {}
-  declared = {f.name: f for f in dataclasses.fields(cls)}
-  own = {name: declared[name] for name in annotations}  # inherited fields stay the base's
-  for name, (kind, field) in fields.items():
+  for name, (kind, _) in fields.items():
     annotations[name] = kind  # the type itself, not a string: typing.get_type_hints takes both
-    own[name] = field
-  for name, field in own.items():
-    setattr(cls, name, field)
-  for name in _GENERATED:
-    if name in cls.__dict__ and name != "__slots__":
-      delattr(cls, name)
-  dataclasses.dataclass(cls)
-  for sub in cls.__subclasses__():
-    if dataclasses.is_dataclass(sub):
-      _reprocess(sub)
+  _reprocess(cls, {name: field for name, (_, field) in fields.items()})
 
 
 def default_of(f: dataclasses.Field):

@@ -67,23 +67,24 @@ def _check_consistent(summary: dict, prefix: str, k: int = 3) -> list[float]:
   return per_class
 
 
-@pytest.mark.slow  # the same evaluation as fine-tuning's (below), in the other training stage
-def test_runs_during_pretraining_on_the_validation_split(pretrained):
-  workdir, s = pretrained
-  per_class = _check_consistent(s, f"val/mnist5k/{KEY}")
+def _check_in_training(workdir: pathlib.Path, s: dict, dataset: str) -> None:
+  """Measured on the validation split every eval.every_steps (2 of 4 steps) and at the end."""
+  per_class = _check_consistent(s, f"val/{dataset}/{KEY}")
   # prec@1 is the per-class accuracies weighted by the classes' sizes: between the extremes.
   assert min(per_class) <= s["val/prec@1"] <= max(per_class)
   logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in logged if f"val/mnist5k/{KEY}/balanced" in r] == [2, 4]
+  assert [r["step"] for r in logged if f"val/{dataset}/{KEY}/balanced" in r] == [2, 4]
+
+
+@pytest.mark.slow  # the same evaluation as fine-tuning's (below), in the other training stage
+def test_runs_during_pretraining_on_the_validation_split(pretrained):
+  workdir, s = pretrained
+  _check_in_training(workdir, s, "mnist5k")
   assert (workdir / "per_class_accuracy_mnist5k.png").stat().st_size > 0
 
 
 def test_runs_during_finetuning(finetuned):
-  workdir, s = finetuned
-  per_class = _check_consistent(s, f"val/uci_digits/{KEY}")
-  assert min(per_class) <= s["val/prec@1"] <= max(per_class)
-  logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in logged if f"val/uci_digits/{KEY}/balanced" in r] == [2, 4]
+  _check_in_training(*finetuned, "uci_digits")
 
 
 def _recompute(workdir: pathlib.Path, summary: dict, dataset: str) -> None:
