@@ -66,6 +66,15 @@ class Cluster:
     return [dict(zip(("id", "state", "name", "reason"), line.split("|")))
             for line in out.splitlines() if line.strip()]
 
+  def drained(self, timeout: float = 60) -> list[dict]:
+    """The jobs still queued once the queue empties or `timeout` seconds pass. A job whose
+    result submitit has already read can show RUNNING for a moment while its step and epilog
+    end; a job really left behind is still there after a minute."""
+    deadline = time.monotonic() + timeout
+    while (jobs := self.jobs()) and time.monotonic() < deadline:
+      time.sleep(1)
+    return jobs
+
   def job(self, job_id: str) -> dict:
     """`scontrol show job` of one job as a dict (JobState, Reason, Restarts, ...); {} once SLURM
     no longer knows it."""
