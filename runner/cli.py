@@ -24,7 +24,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
 from runner import config as config_layer, plugins
-from runner.config import conf_dir, registries
+from runner.config import conf_dir, launchers, registries
 from runner.errors import UserError, VmoeError
 
 # The library's own modules (models, data, training, evaluators, tasks: JAX and TensorFlow) are
@@ -51,7 +51,8 @@ subcommands:
 
 Overrides are Hydra's: key=value (optim.lr=3e-3), group=option (model=vit_s32, data=cifar10),
 comma lists with --multirun (optim.lr=1e-3,3e-3 seed=0,1). `vmoe <subcommand> --help` lists the
-config groups and options; `vmoe <subcommand> --cfg job` prints the composed config.
+config groups and options; `vmoe <subcommand> --cfg job` prints the composed config (with
+--multirun, every job's).
 Studies: `vmoe finetune -cd sweeps -cn <study>` (see sweeps/README.md). Add debug=true to see
 Python tracebacks.
 """
@@ -131,6 +132,7 @@ _PLUGIN_CONFIGS = {"submitit_slurm": "hydra-submitit-launcher",
 # jobs only the first values of each swept key are checked up front (every job is checked anyway
 # when it starts).
 MAX_CHECKED_JOBS = 64
+MAX_SHOWN_JOBS = 64  # `--multirun --cfg job` prints this many jobs' configs at most
 
 
 def _sweep_axes(overrides: list[str], study: dict) -> tuple[list[str], list[list[str]]]:
@@ -294,6 +296,9 @@ def _hydra_choices(config_dir: str | None, config_name: str, overrides: list[str
   return {"launcher": node.runtime.choices.get("hydra/launcher", "basic"),
           "sweeper": node.runtime.choices.get("hydra/sweeper", "basic"),
           "params": node.sweeper.get("params"),
+          "plugins": {section: OmegaConf.to_container(node[section], resolve=False,
+                                                      enum_to_str=True)
+                      for section in ("launcher", "sweeper")},
           "job": first, "composed": composed}  # the job without sweep values, composed
 
 
@@ -316,6 +321,10 @@ def check_overrides(sub: str, args: list[str]) -> str | None:
     jobs = _jobs(overrides, _study_params(choices))
   except Exception as err:  # Hydra/OmegaConf raise many types; all mean "bad input"
     return _explain_composition_error(err, sub, overrides, config_dir, config_name)
+  for section, node in choices["plugins"].items():
+    problem = launchers.problem(section, node)
+    if problem:
+      return problem
   checked_here = len(jobs) == _job_count(overrides, _study_params(choices))
   for job in jobs:
     try:  # a run without a sweep was composed above already
@@ -336,6 +345,87 @@ def check_overrides(sub: str, args: list[str]) -> str | None:
       swept = [o for o in job if o not in overrides]
       return (f"in the sweep job {' '.join(swept)}: " if swept else "") + str(err)
   _devices_checked = checked_here and not compose_only
+  if not compose_only and _multirun(args):
+    return _submission_problem(choices["plugins"]["launcher"])
+  return None
+
+
+def _overrides_first(args: list[str]) -> list[str]:
+  """The arguments with every override before the first flag: Hydra's argument parser takes
+  overrides only before its flags (`seed=1 --multirun`, not `--multirun seed=1 --cfg job x=1`)."""
+  flags, overrides, i = [], [], 0
+  while i < len(args):
+    arg = args[i]
+    if arg.startswith("-"):
+      flags.append(arg)
+      if arg in _VALUE_FLAGS and i + 1 < len(args) and not (
+          arg in ("--info", "-i") and "=" in args[i + 1]):  # --info takes an optional value
+        flags.append(args[i + 1])
+        i += 1
+    else:
+      overrides.append(arg)
+    i += 1
+  return overrides + flags
+
+
+def _show_sweep(sub: str, args: list[str]) -> int:
+  """`--multirun ... --cfg job`: each job's composed config, as `--cfg job` shows one run's
+  (Hydra itself refuses the pair). A search (hydra/sweeper=optuna) shows its fixed config and the
+  ranges searched."""
+  flags, overrides, _ = _split_args(args)
+  what = flags.get("--cfg") or flags.get("-c")
+  if what != "job":
+    print(f"vmoe {sub}: error: --cfg {what} with --multirun: Hydra shows the {what} config of "
+          "one run only. Drop --multirun to see it, or use --cfg job to see every job of the "
+          "sweep.", file=sys.stderr)
+    return 2
+  config_dir = flags.get("-cd") or flags.get("--config-dir")
+  config_name = flags.get("-cn") or flags.get("--config-name") or sub
+  choices = _hydra_choices(config_dir, config_name, overrides)
+  if launchers.plugin_name(choices["plugins"]["sweeper"]) != "BasicSweeper":
+    fixed = _sweep_axes(overrides, _study_params(choices))[0]
+    searched = [ov.input_line for ov in OverridesParser.create().parse_overrides(overrides)
+                if ov.is_sweep_override() and not ov.key_or_group.startswith("hydra")]
+    searched += [f"{k}={v}" for k, v in _study_params(choices).items()]
+    print(f"# hydra/sweeper={choices['sweeper']} searches: {' '.join(searched)}")
+    print(OmegaConf.to_yaml(_compose(config_dir, config_name, fixed)))
+    return 0
+  fixed, axes = _sweep_axes(overrides, _study_params(choices))
+  total = _job_count(overrides, _study_params(choices))
+  for number, values in enumerate(itertools.islice(itertools.product(*axes), MAX_SHOWN_JOBS)):
+    print(f"# job {number} of {total}: {' '.join(values) or '(no swept key)'}")
+    print(OmegaConf.to_yaml(_compose(config_dir, config_name, fixed + list(values))))
+  if total > MAX_SHOWN_JOBS:
+    print(f"# ... and {total - MAX_SHOWN_JOBS} more jobs")
+  return 0
+
+
+# Hydra's flags that choose the mode of a command: at most one of them is valid, in Hydra's terms
+# (spelled out as each's long form).
+_MODE_FLAGS = {"-m": "--multirun", "--multirun": "--multirun", "-c": "--cfg", "--cfg": "--cfg",
+               "-i": "--info", "--info": "--info", "-sc": "--shell-completion",
+               "--shell-completion": "--shell-completion"}
+
+
+def _modes(args: list[str]) -> set[str]:
+  return {_MODE_FLAGS[a.partition("=")[0]] for a in args if a.partition("=")[0] in _MODE_FLAGS}
+
+
+def _multirun(args: list[str]) -> bool:
+  return any(a in ("-m", "--multirun") for a in args)
+
+
+def _submission_problem(launcher: dict) -> str | None:
+  """Whether the launcher can start the jobs from here: SLURM reachable, the partition known."""
+  if launchers.plugin_name(launcher) != "SlurmLauncher":
+    return None
+  from runner.parallel import slurm  # lazily, as every library module here
+  problem = slurm.submission_problem(launcher.get("partition"))
+  if problem:
+    return (f"hydra/launcher=slurm submits the sweep's jobs with sbatch, but {problem}. Run the "
+            "command where SLURM is reachable (a cluster's login node), or run the jobs on this "
+            "machine: hydra/launcher=parallel (several at a time) or no launcher (one after "
+            "another). docs/cluster.md shows both.")
   return None
 
 
@@ -425,10 +515,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vmoe {sub}: error: {problem}", file=sys.stderr)
     return 2
   os.environ["VMOE_STAGE"] = sub  # what hydra/launcher=parallel starts in each job
+  modes = _modes(rest)
+  if len(modes) > 1 and modes != {"--multirun", "--cfg"}:
+    print(f"vmoe {sub}: error: {' and '.join(sorted(modes))} each choose what the command does "
+          "(run a sweep, show the config, show Hydra's information, shell completion); give one "
+          "of them (--multirun with --cfg job shows every job's config).", file=sys.stderr)
+    return 2
+  if modes == {"--multirun", "--cfg"}:
+    return _show_sweep(sub, rest)
   if any(a.replace(" ", "") == "hydra/sweeper=optuna" for a in rest) and not any(
       a.startswith("hydra.sweeper.direction") for a in rest):
     rest = rest + ["hydra.sweeper.direction=maximize"]  # each stage returns its main metric
-  sys.argv = [f"vmoe {sub}"] + rest
+  sys.argv = [f"vmoe {sub}"] + _overrides_first(rest)
   hydra.main(config_path=str(conf_dir()), config_name=sub, version_base=None)(_job(sub))()
   if any(a in ("-h", "--help") for a in rest):
     print(_registered_names())

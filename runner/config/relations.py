@@ -101,10 +101,44 @@ def moe_layers_exist(model: ModelConfig):
             "model.moe.layers=[] for a dense ViT).")
 
 
+# The model.moe keys a dense ViT (no MoE layer) may hold, or that a relation of their own checks
+# there (ensemble_needs_experts).
+_DENSE_KEYS = ("layers", "ensemble_size", "ensemble_variant")
+
+
+@relation
+def dense_model_has_no_router(model: ModelConfig):
+  """A dense ViT (model.moe.layers=[]) reads no router and no MoE key: one that leaves its
+  default is a mistake (a router chosen for a model that has none trains a plain ViT)."""
+  try:
+    if derived.moe_layers(model):
+      return None
+  except ValueError:
+    return None  # moe_layers_exist reports it
+  router, moe = RouterConfig(), MoeConfig()
+  given = [f"model.router.{f.name}={_show(getattr(model.router, f.name))}"
+           for f in dataclasses.fields(RouterConfig)
+           if getattr(model.router, f.name) != getattr(router, f.name)]
+  given += [f"model.moe.{f.name}={_show(getattr(model.moe, f.name))}"
+            for f in dataclasses.fields(MoeConfig)
+            if f.name not in _DENSE_KEYS and getattr(model.moe, f.name) != getattr(moe, f.name)]
+  if given:
+    return (f"{', '.join(given)} means nothing for a dense ViT (model.moe.layers=[], as "
+            f"model={model.name or 'vit_*'} has): it has no MoE layer and no router. Drop "
+            f"{'it' if len(given) == 1 else 'them'}, or choose a V-MoE (model=vmoe_tiny, "
+            "model=vmoe_s32_last2_e8, ...) or add MoE layers (model.moe.layers=every2 "
+            "model.moe.num_experts=8).")
+
+
 @relation
 def router_options_apply(model: ModelConfig):
   """A key of model.router (or model.moe.dispatcher) that the chosen router does not read is an
   error unless it keeps its default: a value that would change nothing is a mistake."""
+  try:
+    if not derived.moe_layers(model):
+      return None  # a dense ViT: dense_model_has_no_router
+  except ValueError:
+    return None
   family = derived.router_family(model)
   defaults = RouterConfig()
   if not family.capacity_at_inference and model.router.eval_capacity_ratio is not None:

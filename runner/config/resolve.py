@@ -20,8 +20,9 @@ from omegaconf.errors import (InterpolationResolutionError, MissingMandatoryValu
 
 from runner.config.schema import (DataConfig, EnsembleMember, EnsembleRun, EvalRun,
                                   FewshotMember, FewshotRun, InitConfig, Loss, ModelConfig,
-                                  Objective, ObjectiveConfig, RunFields, TextConfig, TrainConfig,
-                                  TrainTask)
+                                  Objective, ObjectiveConfig, RouterConfig, RunFields, TextConfig,
+                                  TrainConfig, TrainTask)
+from runner.config import registries
 from runner.config.validate import validate
 from runner.errors import ConfigError
 
@@ -94,14 +95,28 @@ def _prune_none(tree):
   return tree
 
 
-def model_overrides(given: dict | None) -> dict:
+def model_overrides(given: dict | None, stored: dict | None = None) -> dict:
   """Given `model.*` keys (None = unchanged). At inference the capacity ratio that matters is
-  `eval_capacity_ratio`, so a given `router.capacity_ratio` sets it too unless it is given."""
+  `eval_capacity_ratio`, so a given `router.capacity_ratio` sets it too unless it is given --
+  for routers whose capacity may change at inference only: for the others (Soft MoE, whose
+  slots are parameters) the key keeps the meaning it has in training, so the keys that trained
+  a model evaluate it too."""
   changes = _prune_none(dict(given or {}))
   router = changes.get("router") or {}
-  if "capacity_ratio" in router and "eval_capacity_ratio" not in router:
+  router_type = router.get("type") or ((stored or {}).get("router") or {}).get("type")
+  if ("capacity_ratio" in router and "eval_capacity_ratio" not in router
+      and _capacity_at_inference(router_type)):
     router["eval_capacity_ratio"] = router["capacity_ratio"]
   return changes
+
+
+def _capacity_at_inference(router_type: str | None) -> bool:
+  if router_type is None:
+    router_type = RouterConfig().type
+  try:
+    return registries.ROUTERS.get(str(router_type)).capacity_at_inference
+  except ConfigError:
+    return True  # an unknown router is reported by the schema's check
 
 
 # A later stage may change how a checkpoint runs (router k, capacity, BPR, dtype), not what it is.
@@ -121,17 +136,38 @@ def _keeps_the_ensemble(stored: dict, model: dict) -> None:
           "init.repartition_experts=true), or drop the override.")
 
 
+# Router keys that size a Soft MoE's parameters (its slots), where the capacity does not change
+# at inference.
+_SLOT_KEYS = ("capacity_ratio", "slots_per_expert")
+
+
+def _keeps_the_slots(stored: dict, model: dict) -> None:
+  stored_router, given_router = stored.get("router") or {}, model.get("router") or {}
+  router_type = given_router.get("type") or stored_router.get("type")
+  if not stored_router or _capacity_at_inference(router_type):
+    return
+  for key in _SLOT_KEYS:
+    given, kept = given_router.get(key), stored_router.get(key)
+    if given is not None and str(given) != str(kept):
+      raise ConfigError(
+          f"model.router.{key}={given} differs from the checkpoint's {kept}: for "
+          f"model.router.type={router_type} it sets the slots, parameters fixed when the model "
+          "is trained, so a later stage cannot change it. Drop the override (the keys that "
+          "trained the model may be repeated), or train with the new value.")
+
+
 def stored_model_and_data(stored: dict, model: dict | None = None,
                           data: dict | None = None) -> tuple[ModelConfig, DataConfig]:
   """The checkpoint's model and data configs with the given (unresolved) overrides on top."""
   _keeps_the_ensemble(stored.get("model") or {}, _prune_none(dict(model or {})))
+  _keeps_the_slots(stored.get("model") or {}, _prune_none(dict(model or {})))
   base = OmegaConf.create({"model": OmegaConf.structured(ModelConfig),
                            "data": OmegaConf.structured(DataConfig)})
   try:
     merged = OmegaConf.merge(
         base, {"model": _known(ModelConfig, stored.get("model")),
                "data": _known(DataConfig, stored.get("data"))},
-        {"model": model_overrides(model), "data": _prune_none(dict(data or {}))})
+        {"model": model_overrides(model, stored.get("model")), "data": _prune_none(dict(data or {}))})
   except OmegaConfBaseException as e:
     key = getattr(e, "full_key", None) or "the stored config"
     raise ConfigError(f"bad value for {key}: {str(e).splitlines()[0]}") from None

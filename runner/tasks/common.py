@@ -81,5 +81,6 @@ def check_params_fit(path: str, step: int, params, model, image_shape, command: 
     shown = "; ".join(problems[:4]) + more
     raise checkpoint.CheckpointError(
         f"checkpoint {path} (step {step}) does not fit its model with the given model.* keys "
-        f"({shown}). In vmoe {command}, model.* may change inference settings (model.router.*, "
-        "model.dtype), not the architecture.")
+        f"({shown}). In vmoe {command}, model.* may change inference settings (the router's k, "
+        "capacity and priority, model.dtype), not the architecture (sizes, experts, a Soft "
+        "MoE's slots).")

@@ -58,6 +58,15 @@ def test_a_sweep_runs_as_slurm_jobs_each_with_its_workdir(slurm, tmp_path):
   assert not slurm.drained()  # nothing left queued or running
 
 
+def test_an_unknown_partition_is_refused_before_anything_is_submitted(slurm, tmp_path):
+  code, out = vmoe("pretrain", "--multirun", "hydra/launcher=slurm",
+                   "hydra.launcher.partition=gpu-nope", f"workdir={tmp_path / 'sweep'}", *TINY,
+                   env=slurm.env)
+  assert code == 2 and "Traceback" not in out, out[-3000:]
+  assert "SLURM has no partition 'gpu-nope'" in out and "its partitions:" in out
+  assert not (tmp_path / "sweep").exists() and not slurm.jobs()
+
+
 def test_a_two_task_job_trains_through_jax_distributed_from_slurm(slurm, tmp_path):
   """tasks_per_node=2: both processes join jax.distributed from SLURM's environment (no
   distributed.* keys), one batch split over 2 devices; the losses match one process's reading

@@ -137,7 +137,33 @@ TRAINING_CASES = [
      ["optim.lr=interval(0.1,fast)", "cannot parse"]),
     (["--multirun", "hydra/sweeper=optuna", "optim.lr=tag(log,interval(-1,0.1))"],
      ["optim.lr=-1.0", "must be > 0"]),
+    (["--multirun", "hydra/launcher=slurm", "hydra.launcher.nodes=0"],
+     ["hydra.launcher.nodes=0 must be >= 1", "tasks_per_node >= 1", "timeout_min >= 1"]),
+    (["--multirun", "hydra/launcher=slurm", "hydra.launcher.timeout_min=0"],
+     ["hydra.launcher.timeout_min=0 must be >= 1"]),
+    (["--multirun", "hydra/launcher=slurm", "hydra.launcher.mem_gb=-4"],
+     ["hydra.launcher.mem_gb=-4 must be > 0"]),
+    (["--multirun", "hydra/launcher=parallel", "hydra.launcher.jobs=0", "seed=0,1"],
+     ["hydra.launcher.jobs=0 must be >= 1"]),
+    (["--multirun", "hydra.sweeper.max_batch_size=0", "seed=0,1"],
+     ["hydra.sweeper.max_batch_size=0 must be >= 1"]),
+    (["--multirun", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=0",
+      "optim.lr=interval(0.001,0.1)"], ["hydra.sweeper.n_trials=0 must be >= 1", "n_jobs >= 1"]),
+    (["--multirun", "hydra/sweeper=optuna", "hydra.sweeper.direction=up",
+      "optim.lr=interval(0.001,0.1)"], ["hydra.sweeper.direction=up", "minimize or maximize"]),
+    # Hydra's modes: one at a time (a sweep's --cfg job shows every job: test_end_to_end.py)
+    (["--multirun", "--info"], ["--info and --multirun", "give one of them"]),
+    (["--multirun", "seed=0,1", "--cfg", "hydra"], ["--cfg hydra with --multirun",
+                                                    "--cfg job"]),
     (["data.num_shards=3"], ["data.num_shards=3", "data.batch_size=16"]),
+    # a dense ViT has no router and no MoE key
+    (["model=vit_tiny", "model.router.type=soft"],
+     ["model.router.type=soft means nothing for a dense ViT", "model=vmoe_tiny"]),
+    (["model=vit_tiny", "model.moe.num_experts=8"],
+     ["model.moe.num_experts=8 means nothing for a dense ViT", "model.moe.layers=every2"]),
+    (["model.moe.layers=[]", "model.router.k=1", "model.moe.group_size=4"],
+     ["model.router.k=1, model.moe.num_experts=8, model.moe.group_size=4 means nothing for a "
+      "dense ViT"]),
     # several problems are reported together
     (["train.steps=-5", "optim.lr=-0.1"], ["2 problems", "train.steps=-5", "optim.lr=-0.1"]),
     # composition: unknown names and keys, types
@@ -159,6 +185,16 @@ def test_training_config_value(args, expected, run_cli, tmp_path):
   workdir = tmp_path / "w"
   _fails_clearly(run_cli("pretrain", f"workdir={workdir}", *TRAIN, *args), *expected)
   assert not workdir.exists()  # validated before Hydra created anything
+
+
+def test_slurm_launcher_without_slurm_submits_nothing(run_cli, tmp_path, monkeypatch):
+  monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # no sbatch, no sinfo
+  workdir = tmp_path / "sweep"
+  _fails_clearly(run_cli("pretrain", "--multirun", "hydra/launcher=slurm", f"workdir={workdir}",
+                         *TRAIN, "seed=0,1"),
+                 "hydra/launcher=slurm submits", "sbatch and sinfo are not on this machine's PATH",
+                 "hydra/launcher=parallel")
+  assert not workdir.exists()
 
 
 def test_finetune_config_value(run_cli, tmp_path):
@@ -418,22 +454,30 @@ def test_eval_config_value(args, expected, runs, run_cli, tmp_path):
     (["eval.capacity_sweep=[0.5]"], ["eval.capacity_sweep=[0.5] means nothing for "
                                      "model.router.type=soft",
                                      "model.router.type=token_choice|experts_choice"]),
-    (["model.router.capacity_ratio=0.5"], ["model.router.eval_capacity_ratio=0.5",
-                                           "means nothing for model.router.type=soft",
+    (["model.router.capacity_ratio=0.5"], ["model.router.capacity_ratio=0.5 differs from the "
+                                           "checkpoint's 1.0", "model.router.type=soft",
                                            "fixed when the model is trained"]),
+    (["model.router.eval_capacity_ratio=0.5"], ["model.router.eval_capacity_ratio=0.5",
+                                                "means nothing for model.router.type=soft",
+                                                "fixed when the model is trained"]),
     (["model.router.batch_priority=true"], ["model.router.batch_priority=true means nothing for "
                                             "model.router.type=soft"]),
+    (["model=softmoe_tiny", *TINY_MODEL], None),  # the keys that trained it evaluate it
 ])
 def test_eval_of_a_soft_moe(args, expected, runs, run_cli, tmp_path):
   workdir = tmp_path / "w"
-  _fails_clearly(run_cli("eval", f"workdir={workdir}", f"init.checkpoint={runs['soft']}", *LOGS,
-                         *args), *expected)
+  result = run_cli("eval", f"workdir={workdir}", f"init.checkpoint={runs['soft']}", *LOGS, *args)
+  if expected is None:
+    assert result[0] == 0, result[2]
+    return
+  _fails_clearly(result, *expected)
   assert not workdir.exists()
 
 
 @pytest.mark.parametrize("args, expected", [
     (["eval.capacity_sweep=[0.5]"], ["eval.capacity_sweep=[0.5] needs a V-MoE checkpoint"]),
-    (["model.router.k=1"], None),  # inference settings of a ViT: nothing to route, still fine
+    (["model.router.k=1"], ["model.router.k=1 means nothing for a dense ViT",
+                            "model.moe.layers=[]"]),  # as in training: the same keys, one meaning
     (["eval.routing_analysis=true"], ["eval.routing_analysis=true looks at what routers decide",
                                       "vit_tiny has no MoE layers",
                                       "analyse a V-MoE, experts-choice or Soft MoE checkpoint"]),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -123,7 +124,8 @@ def test_vit_to_vmoe_upcycling_needs_dense_to_experts(tmp_path, run_cli):
 
 
 def test_multirun_gives_each_job_its_own_workdir(tmp_path, run_cli):
-  code, _, err = run_cli("pretrain", "--multirun", f"workdir={tmp_path}", "model=vit_tiny",
+  # Overrides on both sides of the flag, as users type them (Hydra's parser takes them before).
+  code, _, err = run_cli("pretrain", f"workdir={tmp_path}", "--multirun", "model=vit_tiny",
                          *TINY_MODEL, *QUIET, "train.steps=1", "data.batch_size=16",
                          "optim.lr=1e-3,3e-3")
   assert code == 0, err
@@ -133,6 +135,23 @@ def test_multirun_gives_each_job_its_own_workdir(tmp_path, run_cli):
   for j in ("0", "1"):
     assert (tmp_path / j / "summary.json").exists()
     assert (tmp_path / j / "checkpoints" / "1").exists()
+
+
+def test_a_sweeps_cfg_job_shows_every_job_and_runs_none(tmp_path, run_cli):
+  code, out, err = run_cli("pretrain", "--multirun", f"workdir={tmp_path / 'sweep'}",
+                           "optim.lr=1e-3,3e-3", "--cfg", "job", "seed=0,1", "train.steps=7")
+  assert code == 0, err
+  headers = [line for line in out.splitlines() if line.startswith("# job ")]
+  assert headers == ["# job 0 of 4: optim.lr=0.001 seed=0", "# job 1 of 4: optim.lr=0.001 seed=1",
+                     "# job 2 of 4: optim.lr=0.003 seed=0", "# job 3 of 4: optim.lr=0.003 seed=1"]
+  configs = [yaml.safe_load(part) for part in re.split(r"^# job .*$", out, flags=re.M)[1:]]
+  assert [(c["optim"]["lr"], c["seed"], c["train"]["steps"]) for c in configs] == [
+      (1e-3, 0, 7), (1e-3, 1, 7), (3e-3, 0, 7), (3e-3, 1, 7)]
+  code, out, err = run_cli("pretrain", "--multirun", "hydra/sweeper=optuna", "--cfg", "job",
+                           "optim.lr=tag(log,interval(1e-4,1e-1))")
+  assert code == 0, err
+  assert out.startswith("# hydra/sweeper=optuna searches: optim.lr=tag(log,interval(1e-4,1e-1))")
+  assert not (tmp_path / "sweep").exists()
 
 
 @pytest.mark.slow  # sweeps compose in test_config_compose; a multirun's workdirs just above
