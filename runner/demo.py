@@ -104,7 +104,8 @@ def measurements() -> str:
        f"{ev['compute/params_active']:,} of {ev['compute/params_total']:,} parameters active, "
        f"{ev['compute/images_per_s']:.0f} images/s"),
       ("capacity sweep, prec@1 vanilla / BPR", sweep),
-      ("routing analysis (the fine-tuned V-MoE, uci_digits test)", routing(ev)),
+      ("routing analysis (the fine-tuned V-MoE, uci_digits test; U: routed assignments)",
+       routing(ev)),
       ("few-shot (pretrained, uci_digits)", few),
       ("ensemble of the pBE's 2 members and the V-MoE (3 members)",
        f"ECE {ens[f'{ds}/ece']:.4f} vs {ev[f'{ds}/ece']:.4f} for the V-MoE alone; members' "
