@@ -38,7 +38,7 @@ from runner.models.contrastive import normalize
 from runner.train import contrastive
 
 EMBED = 128  # objective.embedding_dim's default: the width both towers are projected to
-CHUNK = 8  # objectives.contrastive_pairs' default chunk of MC samples
+CHUNK = 8  # the chunk of MC samples the step rows were measured with (training's default is 1)
 MB = 2**20
 
 

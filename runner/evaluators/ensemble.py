@@ -1,10 +1,12 @@
 """Ensemble metrics from member predictions, accumulated batch by batch.
 
 Every kind of ensemble (a partitioned batch ensemble's internal members, a deep ensemble's separate
-models, MC-dropout samples) ends as member logits (B, M, C) per batch. `combine_logits` turns them
-into "logits" of the ensemble's mean probability p̄ = (1/M) Σ_m p_m, so the single-model code
-(NLL, Brier, ECE, OOD scores) works on the ensemble unchanged. `EnsembleStats` adds what only an
-ensemble has: per-member metrics and pairwise diversity (Allingham et al. 2022, spec section 4).
+models, MC-dropout samples) ends as member logits (B, M, C) per batch.
+`runner.models.ensemble.combine_logits` turns them into "logits" of the ensemble's mean
+probability p̄ = (1/M) Σ_m p_m, so the single-model code (NLL, Brier, ECE, OOD scores) works on
+the ensemble unchanged. `EnsembleStats` adds what only an
+ensemble has: per-member metrics and pairwise diversity (the KL between members that Allingham et
+al. 2022 report, with the disagreement measures of ensemble evaluations).
 Only running sums are kept, so memory stays flat in the split size.
 """
 from __future__ import annotations
@@ -12,12 +14,11 @@ from __future__ import annotations
 import numpy as np
 
 from runner.evaluators.calibration import CalibrationAccumulator
-from runner.models.ensemble import combine_logits  # noqa: F401  (the prediction these metrics describe)
 
 # Floor for probabilities under a log (as predictions.py): a member that puts exactly 0 on a class
 # then costs -log(1e-12) ~ 27.6 nats instead of inf.
 _EPS = 1e-12
-# Added to the ensemble error before dividing by it (spec section 4).
+# Added to the ensemble error before dividing by it (the normalised disagreement).
 _DISAGREEMENT_EPS = 1e-7
 
 
@@ -26,7 +27,7 @@ class EnsembleStats:
 
   Per member: prec@1 (the top class counts when it is any true label), NLL and ECE, as
   `PredictionStats` defines them for a single model (softmax: -Σ_c y_c log p_c with y normalised to
-  a distribution; sigmoid: sum over classes of binary cross-entropy). Diversity (spec section 4):
+  a distribution; sigmoid: sum over classes of binary cross-entropy). Diversity,
   averaged over unordered pairs i < j and over test points, of KL(p_i ‖ p_j) (softmax: Σ_c
   p_i log(p_i / p_j); sigmoid: sum over classes of the Bernoulli KLs), cosine similarity of the
   probability vectors, disagreement 1[argmax p_i ≠ argmax p_j], and disagreement / (ensemble error

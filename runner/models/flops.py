@@ -10,7 +10,7 @@ are counted at their padded capacity (every buffer slot is computed, filled or n
 bookkeeping, softmax, normalisation and activations are not counted. A training step costs three
 forward passes (forward, and two matmuls per matmul in the backward pass).
 
-Partitioned batch ensembles (E³, `model.moe.ensemble_size` M > 1; spec ensembles-e3.md §1.10).
+Partitioned batch ensembles (E³, `model.moe.ensemble_size` M > 1; the efficient-ensembles paper, Section 4 and Appendix D; Table 11 its FLOPs).
 A routing group is routed as one or several blocks, each a router family's routing of some
 tokens among some experts, costed by the family as a group of its own (token-choice: capacity
 expert_capacity(tokens, experts, k, C), router 2·tokens·D·experts):

@@ -1,7 +1,7 @@
 """`make study-ensembles`: the efficient-ensembles paper's comparison on the embedded data.
 
 Stages, each a real `vmoe` command run in this process (rerunning resumes finished ones):
-1. `vmoe pretrain` the upstream V-MoE (the demo's: vmoe_tiny, K=2, 8 experts, MNIST-5k);
+1. `vmoe pretrain` the upstream V-MoE (vmoe_tiny, K=2, 8 experts, MNIST-5k at 32 px, 220 steps);
 2. `vmoe finetune -cd sweeps -cn ensembles`: V-MoE K=1 and K=2, pBE (K=1, M=2), only tiling and
    only partitioning, four seeds each, on the UCI digits;
 3. `vmoe eval` of every run; `vmoe ensemble` of the down-DE pairs (K=1 seeds 0+1, 2+3) and of

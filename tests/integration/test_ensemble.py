@@ -3,7 +3,7 @@ E³), `vmoe eval` of it, deep ensembles (down-DE), mixed ensembles and MC-dropou
 `vmoe ensemble`, few-shot of a pBE, and re-partitioning a pBE.
 
 Every number `vmoe ensemble` writes for a dataset is recomputed here with NumPy from the member
-probabilities it saves in predictions.npz (the E³ spec, section 4).
+probabilities it saves in predictions.npz (the summary keys docs/ensembles.md lists).
 """
 from __future__ import annotations
 

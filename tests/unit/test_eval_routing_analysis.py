@@ -1,9 +1,12 @@
-"""Routing analysis (runner/evaluators/routing_analysis.py, specs/routing-analysis.md): the spec's
-checks on synthetic gates, the dependence scores against scikit-learn and SciPy, every matrix and
-scalar the `Hook` accumulates against a NumPy recomputation from the per-token routing records of
-tiny token-choice, experts-choice, Soft MoE and partitioned-ensemble models (padded rows
-included), the dropped-patch maps against the routing the model itself does at that capacity,
-and memory that does not grow with the number of batches.
+"""Routing analysis (runner/evaluators/routing_analysis.py: the routing analysis of "Scaling
+Vision with Sparse Mixture of Experts", Riquelme et al. 2021; docs/routing-analysis.md): synthetic
+gates whose answers are known in closed form (U = 1 when the expert is a function of the class,
+U = 0 when every token has the same gates, TOP-1 >= TOP-2 and >= 1/E, a warning when H(E) = 0),
+the dependence scores against scikit-learn and SciPy, every matrix and scalar the `Hook`
+accumulates against a NumPy recomputation from the per-token routing records of tiny
+token-choice, experts-choice, Soft MoE and partitioned-ensemble models (padded rows included),
+the dropped-patch maps against the routing the model itself does at that capacity, and memory
+that does not grow with the number of batches.
 
 Each tiny model (2 blocks, both MoE, 8 experts, 16 px images of 4 px patches) is compiled once
 per capacity setting and shared by the tests (`_step`).
@@ -45,7 +48,7 @@ LAYERS = ("layer_0", "layer_1")
 EDGES = np.linspace(0.0, 1.0, 51)  # bins of 0.02
 
 
-# --- synthetic gates: the spec's checks ----------------------------------------------------------
+# --- synthetic gates with known answers ----------------------------------------------------------
 
 def _info(experts: int, tokens: int, *, k: int = 2, class_token: bool = False,
           family: str = "token_choice", members: int = 1) -> ra.LayerInfo:

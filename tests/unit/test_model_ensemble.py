@@ -1,7 +1,12 @@
 """Partitioned batch ensembles (pBE / E³, Allingham et al.): the partitioned router, the tiled
 model and its members, the training loss, and loading a V-MoE into a pBE.
 
-Spec: shared/specs/ensembles-e3.md §1, §6 (test vectors 5, 6, 7, 9 and properties (a)-(h)).
+The router vector below is the E=4, M=2, K=1 example of google-research/vmoe's
+vmoe/nn/ensemble_routing_test.py (test_expert_partitioning_in_forward_deterministic), with its
+gates and importance losses hand-computed; the determinism and noise test is adapted from the
+same file. The model properties (M = 1 is a
+V-MoE, each member is the V-MoE of its partition, tiling only, the loss and the prediction,
+loading a V-MoE checkpoint) are those of the paper's pBE and its ablations.
 
 Models are tiny (8x8x3 images, patch 4 -> 4 tokens + class token, hidden 16, 2 blocks, MoE on
 block 1). Parameters are random draws of the model's shapes (abstract_params + NumPy), not the
@@ -107,15 +112,15 @@ def _rbg(seed):
   return jax.random.key(seed, impl="rbg")  # compiles much faster than threefry on CPU
 
 
-# --- the partitioned router: spec §6 item 5 ---------------------------------------------------
+# --- the partitioned router: the reference test's E=4, M=2, K=1 example --------------------------
 
 # x: member 0's token [0, 1, 2] in block 0, member 1's token [3, 4, 5] in block 1 (one group).
 X5 = jnp.asarray([[[0.0, 1.0, 2.0]], [[3.0, 4.0, 5.0]]], jnp.float32)
 W5 = jnp.asarray([[1, 1, -1, -1], [-1, 1, -1, -1], [-1, -1, -1, 1]], jnp.float32)  # (D, E)
 
 
-def test_partitioned_router_spec_vector_deterministic():
-  """Gates, choices and importance losses of the spec's E=4, M=2, K=1 example, at eval."""
+def test_partitioned_router_reference_example_deterministic():
+  """Gates, choices and importance losses of the E=4, M=2, K=1 example (hand-computed), at eval."""
   variables = {"params": {"dense": {"kernel": W5}}}
 
   def route(k):
@@ -151,11 +156,11 @@ def test_partitioned_router_spec_vector_deterministic():
     assert (load > 0).tolist() == ([False, True, False, True] if k == 1 else [True] * 4)
 
 
-def test_partitioned_router_spec_vector_global_experts_with_and_without_noise():
+def test_partitioned_router_reference_example_global_experts_with_and_without_noise():
   """The MoE block (one image whose 2 member copies are the 2 rows, 1 token) reports global
   expert ids: [1, 3] at eval. With noise, member 0 stays in {0, 1} and member 1 in {2, 3}: at
-  σ = 0.5 as in the reference test, and with the router kernel scaled down 40x (as σ = 20) so
-  that the noise really flips choices."""
+  σ = 0.5 as in google-research/vmoe's ensemble_routing_test.py, and with the router kernel
+  scaled down 40x (as σ = 20) so that the noise really flips choices."""
   module = MoeMlpBlock(num_experts=4, mlp_dim=2, group_size=1, ensemble_size=2,
                        router=dict(k=1, capacity_ratio=4.0, noise_std=1.0))
   rng = np.random.default_rng(0)
@@ -187,7 +192,7 @@ def test_partitioned_router_spec_vector_global_experts_with_and_without_noise():
       assert set(picked[:, 0]) == {0, 1} and set(picked[:, 1]) == {2, 3}
 
 
-# --- router determinism and noise: spec §6 item 6 (adapted) -----------------------------------
+# --- router determinism and noise (adapted from the reference ensemble_routing_test.py) ----------
 
 @pytest.mark.parametrize("groups,members", [(1, 1), (1, 2), (2, 1), (2, 2)])
 def test_partitioned_router_determinism_and_metric_shapes(groups, members):
@@ -221,9 +226,10 @@ def test_partitioned_router_determinism_and_metric_shapes(groups, members):
 
 
 def test_partition_noise_std_is_noise_std_over_experts_per_partition():
-  """σ = noise_std / (E/M) (pitfall 3): with both partitions' columns equal, the partitioned
-  router draws the same noise (same module path, same logits shape) as a V-MoE router of E/M
-  experts, so gates and load loss agree exactly; σ = noise_std / E would change both."""
+  """σ = noise_std / (E/M), as in google-research/vmoe's ensemble router (a V-MoE router of E/M
+  experts per member): with both partitions' columns equal, the partitioned router draws the
+  same noise (same module path, same logits shape) as a V-MoE router of E/M experts, so gates
+  and load loss agree exactly; σ = noise_std / E would change both."""
   a = jnp.asarray(np.random.default_rng(3).normal(size=(3, 2)), jnp.float32)
   x = jnp.asarray(np.random.default_rng(4).normal(size=(4, 6, 3)), jnp.float32)
   pbe = NoisyTopKRouter(num_experts=4, k=1, partitions=2, noise_std=1.0)
@@ -244,7 +250,7 @@ def test_partition_noise_std_is_noise_std_over_experts_per_partition():
   assert not np.allclose(plan_eval.combine_weights, plan_p.combine_weights)
 
 
-# --- (a) M = 1 is a V-MoE ---------------------------------------------------------------------
+# --- M = 1 is a V-MoE ----------------------------------------------------------------------------
 
 def _shrunk(name):
   c = model_config(name)
@@ -284,7 +290,7 @@ def test_ensemble_size_one_is_the_vmoe_bit_for_bit():
   np.testing.assert_array_equal(np.asarray(x_vmoe["pre_logits"]), np.asarray(x_ens["pre_logits"]))
 
 
-# --- (b) + group layout (§6 item 7): each member is the V-MoE of its partition ----------------
+# --- each member is the V-MoE of its partition, with the same routing groups ---------------------
 
 @pytest.mark.parametrize("experts,k,eval_capacity,batch_priority", [
     (4, 1, 4.0, False), (8, 2, 4.0, False),
@@ -325,7 +331,7 @@ def test_each_member_is_the_vmoe_of_its_partition(experts, k, eval_capacity, bat
                              atol=1e-6)
 
 
-# --- (d) selected experts stay in the member's partition --------------------------------------
+# --- selected experts stay in the member's partition ---------------------------------------------
 
 @pytest.mark.parametrize("variant", ["pbe", "partition_only"])
 def test_selected_experts_lie_in_the_partition_in_training(variant):
@@ -360,7 +366,7 @@ def test_selected_experts_lie_in_the_partition_in_training(variant):
   assert np.all((routed == chosen) | (routed == -1)) and (routed >= 0).any()
 
 
-# --- (e) tiling only: identical members at eval ------------------------------------------------
+# --- tiling only: identical members at eval ------------------------------------------------------
 
 def test_tiling_only_members_are_identical_at_eval_and_pbe_members_differ():
   kw = dict(experts=4, k=1, variant="tiling_only")
@@ -382,7 +388,7 @@ def test_tiling_only_members_are_identical_at_eval_and_pbe_members_differ():
   assert float(np.mean(np.sum(np.exp(lp[:, 0]) * (lp[:, 0] - lp[:, 1]), -1))) > 1e-4
 
 
-# --- (g) train loss: mean of member CEs; eval: mean of member probabilities --------------------
+# --- train loss: mean of member CEs; eval: mean of member probabilities --------------------------
 
 def test_train_loss_is_the_mean_member_cross_entropy():
   kw = dict(experts=8, k=2, noise=8.0)  # as in the partition test above: its forward is reused
@@ -445,7 +451,7 @@ def test_eval_logits_are_the_log_mean_probability():
                              np.asarray(jax.nn.sigmoid(z)).mean(1), atol=1e-6)
 
 
-# --- (h) a V-MoE checkpoint loads into a pBE ---------------------------------------------------
+# --- a V-MoE checkpoint loads into a pBE ---------------------------------------------------------
 
 def test_vmoe_params_load_into_a_pbe_with_only_the_head_reinitialised():
   vmoe = build_model(config(experts=4, members=1, k=1), 10)  # upstream: 10 classes
@@ -473,21 +479,21 @@ def test_vmoe_params_load_into_a_pbe_with_only_the_head_reinitialised():
   assert np.abs(pre[:, 0] - pre[:, 1]).max() > 1e-3
 
 
-# --- spec §6 item 9: shapes ---------------------------------------------------------------------
+# --- shapes of every variant, and the config checks ----------------------------------------------
 
-def _spec9(members, layers=(1,), variant="pbe"):
+def _small_ensemble(members, layers=(1,), variant="pbe"):
   return from_dict(ModelConfig, dict(
-      name="spec9", image_size=4, patch_size=2, hidden_size=8, num_layers=2, mlp_dim=16,
+      name="small_ensemble", image_size=4, patch_size=2, hidden_size=8, num_layers=2, mlp_dim=16,
       num_heads=2, classifier="gap",
       moe=dict(layers=list(layers), num_experts=4, group_size=4, ensemble_size=members,
                ensemble_variant=variant),
       router=dict(k=1, capacity_ratio=2.0)))
 
 
-def test_spec_model_shapes():
+def test_ensemble_model_shapes():
   shapes = {}
   for members, variant in ((1, "pbe"), (2, "pbe"), (2, "tiling_only"), (2, "partition_only")):
-    model = build_model(_spec9(members, variant=variant), 4)
+    model = build_model(_small_ensemble(members, variant=variant), 4)
     params, _ = abstract_params(model, (4, 4, 3))
     shapes[members, variant] = {n: v.shape for n, v in transfer.flatten(params).items()}
     images = jax.ShapeDtypeStruct((16, 4, 4, 3), jnp.float32)
@@ -507,12 +513,12 @@ def test_spec_model_shapes():
     assert tree == shapes[1, "pbe"], key
   assert shapes[2, "pbe"]["block_1/moe/router/dense/kernel"] == (8, 4)
   # An ensemble without MoE layers, E % M != 0 or k > E/M is rejected by the config checks.
-  assert relations.ensemble_needs_experts(_spec9(2, layers=())) is not None
-  assert relations.ensemble_needs_experts(_spec9(3)) is not None
-  assert relations.ensemble_needs_experts(_spec9(2)) is None
-  too_many = dataclasses.replace(_spec9(2), router=dataclasses.replace(_spec9(2).router, k=3))
+  assert relations.ensemble_needs_experts(_small_ensemble(2, layers=())) is not None
+  assert relations.ensemble_needs_experts(_small_ensemble(3)) is not None
+  assert relations.ensemble_needs_experts(_small_ensemble(2)) is None
+  too_many = dataclasses.replace(_small_ensemble(2), router=dataclasses.replace(_small_ensemble(2).router, k=3))
   assert relations.k_at_most_experts(too_many) is not None
-  assert relations.k_at_most_experts(_spec9(2, variant="tiling_only")) is None
+  assert relations.k_at_most_experts(_small_ensemble(2, variant="tiling_only")) is None
 
 
 # --- tiling happens right before the first MoE block ------------------------------------------

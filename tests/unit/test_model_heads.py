@@ -1,11 +1,13 @@
-"""Heteroscedastic classifier heads (runner/models/heads.py): HET and HET-XL.
+"""Heteroscedastic classifier heads (runner/models/heads.py): HET and HET-XL of "Massively Scaling
+Heteroscedastic Classifiers" (Collier et al.).
 
-Checked against the heteroscedastic-heads spec: its golden values G1-G6
-with injected draws (§5, from het_golden.py, re-created here from the formulas), the invariants of
-§5 (normalisation, τ bounds, the no-noise limit, HET-XL linearity, the noise covariance, a sigmoid
-quadrature case, parameter counts), the numerically stable log-mean, the model's plumbing
-(learned τ trained by the optimiser, float32 head under bfloat16, noise keys, fine-tuning from a
-linear head, FLOPs) and the label-noise data variant.
+Checked against golden values G1-G6 (the expected probabilities and logits written out below, for
+fixed weights and fixed stand-ins for the Gaussian draws), invariants of the heads
+(normalisation, τ bounds, the no-noise limit, HET-XL as HET with its noise sent through the
+classifier, the noise covariance, a sigmoid case against Gauss-Hermite quadrature), the parameter
+counts of the paper's Table 3, the numerically stable log-mean, the model's plumbing (learned τ
+trained by the optimiser, float32 head under bfloat16, noise keys, fine-tuning from a linear
+head, FLOPs) and the label-noise data variant.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from runner.train import optimizers, schedules
 from runner.train.state import TrainState, abstract_params, count_params
 from runner.train.step import make_train_step
 
-# --- golden values (spec §5) -------------------------------------------------------------------
+# --- golden values: fixed weights and draws, the expected probabilities written out --------------
 
 B, D, K, R, S = 4, 2, 3, 2, 3
 
@@ -48,7 +50,7 @@ ZETA = (1.2 * np.sin(0.5 + np.arange(B * S))).reshape(B, S, 1)  # stands in for 
 
 
 def golden_weights(q: int, pe: bool, d: int = D, k: int = K, r: int = R) -> dict:
-  """The spec's parameters; q = K (HET) or D (HET-XL)."""
+  """The golden values' parameters (cosine fills); q = K (HET) or D (HET-XL)."""
   w = {"loc_layer": (fill((d, k), 1.0, 0.0), fill((k,), 0.5, 1.0)),
        "diag_layer": (fill((d, q), 0.5, 2.0), fill((q,), 0.3, 3.0))}
   if pe:
@@ -135,7 +137,7 @@ def test_chunking_changes_neither_the_value_nor_the_gradient():
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, err_msg=c)
 
 
-# --- invariants (spec §5) ------------------------------------------------------------------------
+# --- invariants ----------------------------------------------------------------------------------
 
 KINDS = [(latent, pe) for latent in (False, True) for pe in (False, True)]
 
@@ -205,7 +207,7 @@ def test_temperature_stays_in_its_bounds_and_starts_at_the_midpoint():
 def test_initialisation_keeps_the_low_rank_part_alive():
   """The mean classifier starts as the linear head (zero kernel, head_bias_init bias); the noise
   layers start lecun-normal, because zero-initialising both parameter-efficient scale layers
-  gives both exactly zero gradient (spec §5 item 9)."""
+  gives both exactly zero gradient (checked below)."""
   head = _head(True, True, head_bias_init=-2.0)
   params = nn.meta.unbox(head.init({"params": jax.random.key(0)}, _features(),
                                    train=False)["params"])
@@ -214,7 +216,7 @@ def test_initialisation_keeps_the_low_rank_part_alive():
   for name in ("diag_layer", "scale_layer_homoscedastic", "scale_layer_heteroscedastic"):
     kernel = np.asarray(params[name]["kernel"])
     assert 0.3 < kernel.std() * np.sqrt(kernel.shape[0]) < 2.0, name  # lecun normal
-  # The dead start the spec warns about: both PE scale layers zero -> zero gradient to both.
+  # The dead start that initialisation avoids: both PE scale layers zero -> zero gradient to both.
   w = golden_weights(D, True)
   for name in ("scale_layer_homoscedastic", "scale_layer_heteroscedastic"):
     w[name] = jax.tree.map(jnp.zeros_like, w[name])
@@ -253,7 +255,8 @@ def test_no_noise_limit_is_the_deterministic_classifier(latent, pe):
 
 @pytest.mark.parametrize("pe", [False, True])
 def test_het_xl_is_het_with_logit_noise_through_the_classifier(pe):
-  """With the same draws, HET-XL's p̄ equals the mean of σ((μ + ε'W)/τ) (spec §5 item 4)."""
+  """With the same draws, HET-XL's p̄ equals the mean of σ((μ + ε'W)/τ): HET whose logit noise
+  is the pre-logit noise ε' sent through the classifier W."""
   rng = np.random.default_rng(1)
   d, k, r, n, s, tau = 5, 7, 3, 4, 32, 1.3
   x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
@@ -282,7 +285,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("latent", [True, False], ids=["het_xl", "het"])
 def test_noise_covariance(latent):
   """S = 2e5 Gaussian draws: cov(ε') = diag(v) JᵀJ diag(v) + d dᵀ (PE, b_J = 0), V Vᵀ + d dᵀ
-  (full), within 1%; the PE noise mean is b_J ∘ v (spec §5 item 5)."""
+  (full), within 1%; the PE noise mean is b_J ∘ v."""
   q = D if latent else K
   s = 200_000
   key_z, key_zeta = jax.random.split(jax.random.key(11))
@@ -304,7 +307,7 @@ def test_noise_covariance(latent):
   got = _cov(eps)
   assert np.all(_rel(got, want) < 0.01), _rel(got, want)
   assert np.all(np.abs(eps.mean(1)) < 5 * np.sqrt(np.diagonal(want, axis1=1, axis2=2) / s))
-  if latent:  # the spec's example, row 0, and its logit-space image W^T Σ' W
+  if latent:  # golden weights, row 0 (values written below), and its logit-space image W^T Σ' W
     np.testing.assert_allclose(want[0], [[1.0584, .6362], [.6362, .7113]], atol=1e-4)
     kernel = w["loc_layer"]["kernel"]
     np.testing.assert_allclose(kernel.T @ want[0] @ kernel,
@@ -333,8 +336,8 @@ def test_noise_covariance(latent):
 
 
 def test_sigmoid_quadrature_case():
-  """Spec §5 item 6: K = 1, no low-rank part, τ = 0.5: p̄ = E[sigmoid((μ + σ z)/τ)] by
-  Gauss-Hermite quadrature; MC with S = 1e5 within 2e-3; τ → 0 gives Φ(μ/σ)."""
+  """A case with a quadrature answer: K = 1, no low-rank part, τ = 0.5: p̄ = E[sigmoid((μ + σ z)/τ)]
+  by Gauss-Hermite quadrature; MC with S = 1e5 within 2e-3; τ → 0 gives Φ(μ/σ)."""
   x = jnp.asarray([[-2.0], [-0.5], [0.0], [1.0], [2.5]], jnp.float32)
   w = {"loc_layer": {"kernel": jnp.array([[0.8]]), "bias": jnp.array([0.3])},
        "diag_layer": {"kernel": jnp.array([[0.5]]), "bias": jnp.array([0.2])},
@@ -368,7 +371,7 @@ def test_sigmoid_quadrature_case():
                              atol=1e-4)
 
 
-# --- parameter counts (spec §2, paper Table 3) ---------------------------------------------------
+# --- parameter counts (the paper's Table 3) ------------------------------------------------------
 
 def _head_params(num_classes, width, **head):
   """Parameter count of a head on (1, width) features, from shapes only (nothing allocated)."""
