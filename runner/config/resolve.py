@@ -104,8 +104,9 @@ def model_overrides(given: dict | None, stored: dict | None = None) -> dict:
   changes = _prune_none(dict(given or {}))
   router = changes.get("router") or {}
   router_type = router.get("type") or ((stored or {}).get("router") or {}).get("type")
-  if ("capacity_ratio" in router and "eval_capacity_ratio" not in router
-      and _capacity_at_inference(router_type)):
+  layers = (changes.get("moe") or {}).get("layers", ((stored or {}).get("moe") or {}).get("layers"))
+  if ("capacity_ratio" in router and "eval_capacity_ratio" not in router and layers
+      and _capacity_at_inference(router_type)):  # a dense ViT has no capacity to set
     router["eval_capacity_ratio"] = router["capacity_ratio"]
   return changes
 
