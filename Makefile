@@ -12,7 +12,7 @@ comma := ,
 JEMALLOC := $(firstword $(wildcard $(VENV)/lib/libjemalloc.so.2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2))
 WITH_JEMALLOC := $(if $(JEMALLOC),LD_PRELOAD=$(abspath $(JEMALLOC)) MALLOC_CONF=oversize_threshold:0$(comma)dirty_decay_ms:60000$(comma)muzzy_decay_ms:60000 VMOE_ALLOCATOR=jemalloc,)
 
-.PHONY: install demo test test-full test-cluster bench study-ensembles study-heads study-routers study-contrastive clean
+.PHONY: install browser demo test test-full test-cluster bench study-ensembles study-heads study-routers study-contrastive clean
 
 install: $(STAMP)
 
@@ -27,16 +27,24 @@ $(STAMP): pyproject.toml constraints.txt
 	  rm -rf jemalloc-pkg libjemalloc2_*.deb
 	touch $(STAMP)
 
+# Headless Chromium for the report pages' browser test (tests/integration/test_report_browser.py):
+# Debian's package, installed as root with apt when missing; elsewhere that test skips, saying why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 \
+	  && apt-get install -y -q chromium >/dev/null 2>&1)) && echo "chromium: installed"; } \
+	  || echo "chromium not installed here: the report's browser test skips"
+
 # Pretrain a V-MoE on embedded MNIST, fine-tune it on embedded UCI digits, evaluate, print a table.
 demo: install
 	$(WITH_JEMALLOC) $(BIN)/python -m runner.demo
 
 # Fast suite: every subcommand end to end on tiny configs (slow tests are in test-full), and the
 # import contracts of pyproject.toml (lint-imports, tests/unit/test_import_contracts.py).
-test: install
+test: install browser
 	$(WITH_JEMALLOC) $(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadgroup
 
-test-full: install
+test-full: install browser
 	$(WITH_JEMALLOC) $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 # Sweeps, multi-process jobs, preemption and searches on a real single-node SLURM started here

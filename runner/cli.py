@@ -39,9 +39,10 @@ SUBCOMMANDS = {
     "eval": "evaluate a checkpoint: accuracy, NLL, calibration, OOD, corruptions, PGD, GFLOPs",
     "ensemble": "evaluate checkpoints as one ensemble (deep, partitioned, MC-dropout): + diversity",
     "summarize": "one table (Markdown, CSV, plots) of a sweep's jobs: overrides and final metrics",
+    "report": "one offline HTML page of a run or a sweep: curves, expert load, metrics, pictures",
 }
 # Subcommands that are not Hydra stages: plain arguments.
-TOOLS = {"summarize": "runner.summarize"}
+TOOLS = {"summarize": "runner.summarize", "report": "runner.report.command"}
 USAGE = """usage: vmoe <subcommand> [overrides ...] [--multirun] [--cfg job] [--help]
 
 Sparse Vision Mixture-of-Experts experiments in JAX.

@@ -214,6 +214,13 @@ class Evaluator:
   def run(self) -> Result:
     raise NotImplementedError
 
+  @classmethod
+  def report_section(cls, summary: dict, workdir: pathlib.Path) -> tuple[str, str] | None:
+    """A section of its own on the run's `vmoe report` page: (title, HTML body) from the run's
+    summary.json and workdir, or None (this default: the page's tables and pictures show what
+    it wrote). The body is inserted as it is: escape what it reads (html.escape)."""
+    return None
+
 
 def _origin(cls) -> str:
   return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)}"

@@ -1,0 +1,80 @@
+"""`vmoe report PATH... [--out FILE]`: write the HTML page of each run or sweep named.
+
+A run's workdir (summary.json or metrics.jsonl in it) gets <run>/report.html; a sweep's folder
+(job folders below it, each with its summary.json) gets <sweep>/report.html and each job its
+own page. Every path is checked before anything is written, so a mistake writes nothing: it is
+one paragraph on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from runner.report import run_page, sweep_page, workdir
+
+WHAT_IS_VALID = ("Give a run's workdir (a folder holding summary.json or metrics.jsonl, e.g. "
+                 "runs/up after `vmoe pretrain workdir=runs/up`) or a sweep's folder (numbered job "
+                 "folders, each a workdir with its summary.json, as `--multirun` writes them).")
+
+
+class NotReportable(ValueError):
+  """A path that is neither a run nor a sweep; the message is the paragraph to print."""
+
+
+def kind(path: pathlib.Path) -> str:
+  """"run" or "sweep", or NotReportable saying what the path is instead."""
+  if not path.exists():
+    raise NotReportable(f"{path} does not exist. {WHAT_IS_VALID}")
+  if not path.is_dir():
+    raise NotReportable(f"{path} is a file, not a folder. {WHAT_IS_VALID}")
+  if workdir.is_run(path):
+    return "run"
+  if sweep_page.is_sweep(path):
+    return "sweep"
+  if any(child.is_dir() and workdir.is_run(child) for child in path.iterdir()):
+    raise NotReportable(f"{path} holds job folders but none has finished (no summary.json "
+                        "below it); `vmoe report <job folder>` shows a running job. "
+                        + WHAT_IS_VALID)
+  what = "an empty folder" if not any(path.iterdir()) else "a folder with no run and no sweep in it"
+  raise NotReportable(f"{path} is {what}. {WHAT_IS_VALID}")
+
+
+def report(paths: list[str], out: str | None = None) -> list[pathlib.Path]:
+  """Writes the page of every path (run or sweep); returns the pages written."""
+  folders = [pathlib.Path(p) for p in paths]
+  if out and len(folders) != 1:
+    raise NotReportable(f"--out names one page, and {len(folders)} paths were given; give "
+                        "one path with --out, or leave --out out to write each page into its "
+                        "folder.")
+  kinds = [kind(folder) for folder in folders]  # all checked before anything is written
+  written: list[pathlib.Path] = []
+  for folder, what in zip(folders, kinds):
+    if what == "run":
+      written.append(run_page.write_run_page(folder, out))
+    else:
+      written += sweep_page.write_sweep_page(folder, out)
+  return written
+
+
+def main(argv: list[str]) -> int:
+  parser = argparse.ArgumentParser(
+      prog="vmoe report", description="One self-contained offline HTML page per run or sweep: "
+      "<run>/report.html, or <sweep>/report.html and a page per job (docs/report.md).")
+  parser.add_argument("paths", nargs="+", metavar="PATH", help="a run's workdir or a sweep's "
+                      "folder")
+  parser.add_argument("--out", metavar="FILE", help="where to write the page (one PATH only; "
+                      "default: PATH/report.html)")
+  args = parser.parse_args(argv)
+  try:
+    pages = report(args.paths, args.out)
+  except NotReportable as e:
+    print(f"vmoe report: error: {e}", file=sys.stderr)
+    return 2
+  except OSError as e:
+    print(f"vmoe report: error: cannot write the page: {e.strerror or e} ({e.filename}).",
+          file=sys.stderr)
+    return 1
+  for page in pages:
+    print(page)
+  return 0

@@ -1,0 +1,106 @@
+"""A run's metrics.jsonl as curves, and the rule that keeps long ones small.
+
+Each logged key becomes a curve over the steps that logged it: scalars (train/loss, val/prec@1,
+moe/layer_1/fraction_dropped_tokens) as one value per step, lists (moe/layer_1/expert_load, one
+value per expert) as a steps x entries matrix. A page draws at most MAX_POINTS points per curve:
+a longer one is shown as the means of buckets of consecutive logged steps (the step of a point
+is its bucket's mean step), and the page says so. Means keep the trend and the level; a spike
+within a bucket is smoothed, which is why the page names the bucket size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+
+import numpy as np
+
+MAX_POINTS = 2000
+
+
+@dataclasses.dataclass
+class Curve:
+  steps: np.ndarray  # (n,)
+  values: np.ndarray  # (n,) for a scalar, (n, entries) for a list
+  bucket: int = 1  # logged steps per point (1: every logged step is shown)
+
+  def __len__(self) -> int:
+    return len(self.steps)
+
+
+@dataclasses.dataclass
+class Curves:
+  """Every curve of a run, by its key; `logged` counts the records read, `unreadable` the
+  lines that were not JSON (the last line of a live run may be half written)."""
+  scalars: dict[str, Curve]
+  lists: dict[str, Curve]
+  logged: int = 0
+  unreadable: int = 0
+  last_step: int | None = None
+
+
+def read(path: pathlib.Path) -> Curves:
+  """The curves of a metrics.jsonl (empty ones when the file is missing)."""
+  scalars: dict[str, tuple[list, list]] = {}
+  lists: dict[str, tuple[list, list]] = {}
+  logged = unreadable = 0
+  last = None
+  if path.exists():
+    with open(path) as lines:
+      for line in lines:
+        if not line.strip():
+          continue
+        try:
+          record = json.loads(line)
+          step = int(record["step"])
+        except (ValueError, KeyError, TypeError):
+          unreadable += 1
+          continue
+        logged += 1
+        last = step if last is None else max(last, step)
+        for key, value in record.items():
+          if key == "step":
+            continue
+          if _number(value):
+            if math.isfinite(value):
+              scalars.setdefault(key, ([], []))
+              scalars[key][0].append(step)
+              scalars[key][1].append(float(value))
+          elif isinstance(value, list) and value and all(_number(v) for v in value):
+            lists.setdefault(key, ([], []))
+            lists[key][0].append(step)
+            lists[key][1].append(value)
+  return Curves({k: Curve(np.asarray(s, float), np.asarray(v, float))
+                 for k, (s, v) in scalars.items()},
+                {k: _matrix(s, v) for k, (s, v) in lists.items()}, logged, unreadable, last)
+
+
+def _number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _matrix(steps: list, rows: list[list]) -> Curve:
+  """The rows of the most common length (a resumed run may have changed the expert count;
+  the page shows the longest consistent record rather than mixing shapes)."""
+  lengths = [len(r) for r in rows]
+  width = max(set(lengths), key=lengths.count)
+  keep = [i for i, n in enumerate(lengths) if n == width]
+  return Curve(np.asarray([steps[i] for i in keep], float),
+               np.asarray([[float(x) if math.isfinite(x) else np.nan for x in rows[i]]
+                           for i in keep], float))
+
+
+def downsample(curve: Curve, max_points: int = MAX_POINTS) -> Curve:
+  """At most `max_points` points: the means of buckets of ceil(n / max_points) consecutive
+  points (steps and values alike); a short curve is returned as it is."""
+  n = len(curve)
+  if n <= max_points:
+    return curve
+  size = math.ceil(n / max_points)
+  starts = np.arange(0, n, size)
+  counts = np.diff(np.append(starts, n))
+  steps = np.add.reduceat(curve.steps, starts) / counts
+  values = np.add.reduceat(curve.values, starts, axis=0)
+  values = values / (counts if curve.values.ndim == 1 else counts[:, None])
+  return Curve(steps, values, bucket=size * curve.bucket)

@@ -1,0 +1,286 @@
+"""One run's page: what ran, its curves, the routers' expert load, final metrics, pictures.
+
+`write_run_page(workdir)` is what other code calls (`vmoe report` now, each stage as it ends
+later): it reads the workdir once, draws a handful of SVG charts and writes
+<workdir>/report.html in one replace, so a reader never opens a half-written page. It takes
+about a second on a small run.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import tempfile
+
+import numpy as np
+
+from runner.report import curves as curves_lib
+from runner.report import evaluator_sections, final_metrics, liveness, markup, plots, workdir
+from runner.report.markup import Raw, esc
+
+PAGE = "report.html"
+# Pictures are inlined while they fit this budget (and each under MAX_PICTURE), so a page stays
+# well under 10 MB however many an evaluator wrote; the others are named, not inlined.
+PICTURE_BUDGET = 4_000_000
+MAX_PICTURE = 3_000_000
+_LAYER = re.compile(r"(?:(.+)/)?moe/layer_(\d+)/(.+)")
+# Training scalars drawn together: (title, keys, y label).
+_TRAIN_CHARTS = (("Loss", ("train/loss", "val/loss"), "loss"),
+                 ("Precision@1", ("train/prec@1", "val/prec@1"), "prec@1"),
+                 ("Learning rate", ("train/lr",), "learning rate"),
+                 ("Images per second", ("train/images_per_s",), "images/s"))
+_DRAWN_ELSEWHERE = {"train/aux_loss", "train/cls_loss"}  # the MoE losses' chart, the loss chart
+
+
+def write_run_page(path: str | pathlib.Path, out: str | pathlib.Path | None = None, *,
+                   live: bool | None = None) -> pathlib.Path:
+  """Writes the page of the run in `path` (to <path>/report.html, or `out`); returns its path.
+  `live`: whether to show the "in progress" banner; None asks the workdir's lock (a lock this
+  process holds does not count: a stage writing its own page has finished its work)."""
+  path = pathlib.Path(path)
+  target = pathlib.Path(out) if out else path / PAGE
+  run = workdir.read(path)
+  if live is None:
+    live = liveness.held_by_another_process(path)
+  document = build(run, target.parent, live)
+  write_atomically(target, document)
+  return target
+
+
+def write_atomically(target: pathlib.Path, text: str) -> None:
+  target.parent.mkdir(parents=True, exist_ok=True)
+  fd, temporary = tempfile.mkstemp(prefix=".report-", suffix=".tmp", dir=target.parent)
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
+      file.write(text)
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, target)
+  except BaseException:
+    if os.path.exists(temporary):
+      os.unlink(temporary)
+    raise
+
+
+def build(run: workdir.Run, page_dir: pathlib.Path, live: bool) -> str:
+  problem = evaluator_sections.load_plugins(run.config)
+  scalars = run.curves.scalars
+  sections = [("run", "Run", _what_ran(run, page_dir)),
+              ("config", "Configuration", _configuration(run)),
+              ("training", "Training curves", _training(run)),
+              ("validation", "Validation curves", _validation(scalars)),
+              ("routing", "Expert load and dropped tokens", _routing(run.curves)),
+              ("metrics", "Final metrics", final_metrics.tables(run.summary)
+               if run.summary else markup.note("No summary.json yet: the stage has not "
+                                               "finished (or it stopped before the end).")),
+              ("pictures", "Pictures", _pictures(run.pictures)),
+              ("checkpoints", "Checkpoints", _checkpoints(run))]
+  sections += evaluator_sections.sections(run.summary, run.path)
+  if problem:
+    sections.append(("plugins", "Plug-in sections", markup.note(problem)))
+  banner = None
+  if live:
+    who = (f" (pid {run.holder.pid} on {run.holder.host}, started {run.holder.started})"
+           if run.holder else "")
+    banner = (f"In progress: a vmoe process is still running in this workdir{who}. This page "
+              "shows what it had written when the page was made; run `vmoe report "
+              f"{run.path}` again to refresh it.")
+  title = f"vmoe {run.stage or 'run'}: {run.path.name or run.path}"
+  return markup.page(title, str(run.path.resolve()), sections, banner=banner)
+
+
+def _what_ran(run: workdir.Run, page_dir: pathlib.Path) -> str:
+  rows = [[what, value] for what, value in run.facts]
+  for origin in run.origins:
+    if origin.run is not None:
+      href = os.path.relpath(origin.run / PAGE, page_dir)
+      rows.append(["started from", Raw(f"{esc(origin.text)} ({markup.link(href, 'its report')})")])
+    else:
+      rows.append(["started from", origin.text])
+  if (run.path.parent / "multirun.yaml").is_file():  # a job of a sweep
+    href = os.path.relpath(run.path.parent / PAGE, page_dir)
+    rows.append(["part of the sweep", markup.link(href, f"{run.path.parent.name} (its report)")])
+  if not rows:
+    return markup.note("The workdir records nothing of how it ran (no .vmoe.lock, no "
+                       "config.yaml).")
+  return markup.table(None, rows, numeric=False)
+
+
+def _configuration(run: workdir.Run) -> str:
+  parts = []
+  if run.overrides:
+    parts.append("<h3>Command-line overrides</h3>"
+                 + markup.table(["key", "value"], [o.partition("=")[::2] for o in run.overrides],
+                                numeric=False))
+    parts.append(markup.note("These are the run's differences from the stage's defaults "
+                             "(conf/<stage>.yaml); the resolved config below has every key."))
+  else:
+    parts.append(markup.note("No overrides recorded (.hydra/overrides.yaml): the stage's "
+                             "defaults, or a workdir not written by Hydra."))
+  if run.config_text:
+    parts.append(f"<details><summary>Resolved config (config.yaml)</summary>"
+                 f"<pre>{esc(run.config_text)}</pre></details>")
+  return "\n".join(parts)
+
+
+def _downsampling_note(drawn: list[curves_lib.Curve], logged: int,
+                       what: str = "records in metrics.jsonl") -> str:
+  buckets = max((c.bucket for c in drawn), default=1)
+  if buckets == 1:
+    return markup.note(f"{logged} {what}; every one is drawn.")
+  return markup.note(
+      f"{logged} {what}: curves longer than {curves_lib.MAX_POINTS:,} points are drawn "
+      f"as the means of buckets of up to {buckets} consecutive logged steps (at most "
+      f"{curves_lib.MAX_POINTS:,} points per curve), which smooths spikes shorter than a "
+      "bucket; summary.json and metrics.jsonl hold the exact values.")
+
+
+def _series(scalars: dict, keys, drawn: list) -> list:
+  """(key, steps, values) of each key logged at two steps or more (validation: at one or
+  more, drawn as markers beside training's curve), downsampled; `drawn` collects the curves."""
+  series = []
+  for key in keys:
+    if key in scalars and len(scalars[key]) >= (1 if key.startswith("val/") else 2):
+      curve = curves_lib.downsample(scalars[key])
+      drawn.append(curve)
+      series.append((key, curve.steps, curve.values))
+  return series
+
+
+def _training(run: workdir.Run) -> str:
+  scalars, drawn, charts = run.curves.scalars, [], []
+  train = [k for k in scalars if k.startswith("train/") and len(scalars[k]) >= 2]
+  if not train:
+    return markup.note("Nothing was logged over training steps (an eval, few-shot or ensemble "
+                       "stage logs its metrics once).")
+  shown = set(_DRAWN_ELSEWHERE)
+  for title, keys, ylabel in _TRAIN_CHARTS:
+    series = _series(scalars, keys, drawn)
+    if any(k.startswith("train/") for k, _, _ in series):
+      charts.append(markup.figure(plots.lines(title, series, ylabel)))
+    shown.update(keys)
+  if "train/cls_loss" in scalars and "train/aux_loss" in scalars:
+    series = _series(scalars, ("train/cls_loss", "train/aux_loss"), drawn)
+    charts.append(markup.figure(plots.lines("Classification and auxiliary loss", series,
+                                            "loss", log=True)))
+  for key in train:
+    if key not in shown:
+      charts.append(markup.figure(plots.lines(key, _series(scalars, (key,), drawn))))
+  charts += _per_layer_charts(scalars, drawn, lambda name: name.endswith("loss"),
+                              "auxiliary losses per MoE layer")
+  # Anything else logged over training (a plug-in's, a newer stage's): a chart each.
+  for key in scalars:
+    if (len(scalars[key]) >= 2 and not key.startswith(("train/", "val/", "test/"))
+        and not _LAYER.fullmatch(key)):
+      charts.append(markup.figure(plots.lines(key, _series(scalars, (key,), drawn))))
+  return _downsampling_note(drawn, run.curves.logged) + _grid(charts)
+
+
+def _per_layer_charts(scalars: dict, drawn: list, wanted, what: str, prefix: str = "") -> list:
+  """One chart per per-layer name the predicate accepts (a line per layer)."""
+  names: dict[str, list[str]] = {}
+  for key in scalars:
+    match = _LAYER.fullmatch(key)
+    if match and (match[1] or "") == prefix and wanted(match[3]) and len(scalars[key]) >= 2:
+      names.setdefault(match[3], []).append(key)
+  charts = []
+  for name, keys in names.items():
+    keys.sort(key=lambda k: int(_LAYER.fullmatch(k)[2]))
+    series = []
+    for key in keys:
+      curve = curves_lib.downsample(scalars[key])
+      drawn.append(curve)
+      series.append((f"layer {_LAYER.fullmatch(key)[2]}", curve.steps, curve.values))
+    title = f"{prefix + '/' if prefix else ''}moe/layer_*/{name}"
+    charts.append(markup.figure(plots.lines(title, series, name), what))
+  return charts
+
+
+def _validation(scalars: dict) -> str:
+  keys = [k for k in scalars if k.startswith("val/") and "/moe/" not in k
+          and len(scalars[k]) >= 2]
+  if not keys:
+    return markup.note("Fewer than two validation points were logged (eval.every_steps sets how "
+                       "often training evaluates); the final ones are under Final metrics.")
+  drawn: list = []
+  charts = [markup.figure(plots.lines(k, _series(scalars, (k,), drawn))) for k in keys]
+  return _downsampling_note(drawn, max(len(scalars[k]) for k in keys),
+                            "validation points") + _grid(charts)
+
+
+def _routing(curves: curves_lib.Curves) -> str:
+  parts, drawn = [], []
+  maps = sorted((k for k in curves.lists if _LAYER.fullmatch(k) and len(curves.lists[k]) >= 1),
+                key=lambda k: (_LAYER.fullmatch(k)[1] or "", int(_LAYER.fullmatch(k)[2])))
+  for key in maps:
+    curve = curves_lib.downsample(curves.lists[key])
+    drawn.append(curve)
+    fraction = bool(np.nanmin(curve.values) >= 0 and np.nanmax(curve.values) <= 1)
+    image = plots.heatmap(key, curve.steps, curve.values, _LAYER.fullmatch(key)[3], fraction)
+    parts.append(markup.figure(image, f"{key}: logged steps x experts"))
+    if fraction:
+      parts.append(_dead_or_saturated(curves.lists[key]))
+  dropped = _per_layer_charts(curves.scalars, drawn, lambda n: n.startswith("fraction_dropped"),
+                              "over training")
+  dropped += _per_layer_charts(curves.scalars, drawn, lambda n: n.startswith("fraction_dropped"),
+                               "during training's validation", prefix="val")
+  dropped += _per_layer_charts(  # what a router family logs of its own (Soft MoE's weights)
+      curves.scalars, drawn,
+      lambda n: not n.endswith("loss") and not n.startswith("fraction_dropped"), "per MoE layer")
+  if not parts and not dropped:
+    return markup.note("No MoE layer logged its expert load or dropped tokens over training "
+                       "(a dense ViT, or a stage that does not train).")
+  intro = markup.note(
+      "One heat map per MoE layer: the fraction of each expert's buffer slots filled at each "
+      f"logged step. Black: about 0 (a dead expert, below {plots.DEAD}); red: about 1 (a "
+      f"saturated expert, above {plots.SATURATED}, which drops tokens once its buffer is full).")
+  return intro + _downsampling_note(drawn, curves.logged) + "".join(parts) + _grid(dropped)
+
+
+def _dead_or_saturated(curve: curves_lib.Curve) -> str:
+  """The experts dead or saturated at the last logged step, and how often each was."""
+  last = curve.values[-1]
+  dead = [str(i) for i, v in enumerate(last) if v < plots.DEAD]
+  full = [str(i) for i, v in enumerate(last) if v > plots.SATURATED]
+  often_dead = np.mean(curve.values < plots.DEAD, axis=0)
+  often_full = np.mean(curve.values > plots.SATURATED, axis=0)
+  text = (f"At the last logged step ({int(curve.steps[-1])}): dead experts "
+          f"{', '.join(dead) or 'none'}; saturated experts {', '.join(full) or 'none'}. "
+          f"Over all {len(curve)} logged steps: ")
+  text += (f"expert {int(often_dead.argmax())} was dead most often ({often_dead.max():.0%} of "
+           "them); " if often_dead.max() > 0 else "no expert was ever dead; ")
+  text += (f"expert {int(often_full.argmax())} was saturated most often ({often_full.max():.0%})."
+           if often_full.max() > 0 else "no expert was ever saturated.")
+  return markup.note(text)
+
+
+def _pictures(pictures: list[pathlib.Path]) -> str:
+  if not pictures:
+    return markup.note("No pictures in the workdir (the evaluators write them: reliability "
+                       "diagrams, capacity sweeps, routing analysis).")
+  budget, shown, skipped = PICTURE_BUDGET, [], []
+  for picture in pictures:
+    size = picture.stat().st_size
+    if size > MAX_PICTURE or size > budget:
+      skipped.append(f"{picture.name} ({size / 1e6:.1f} MB)")
+      continue
+    budget -= size
+    uri = markup.data_uri(picture.read_bytes(), "image/png")
+    shown.append(markup.figure(f'<img src="{uri}" alt="{esc(picture.name)}" loading="lazy">',
+                               picture.name))
+  text = _grid(shown)
+  if skipped:
+    text += markup.note("Not inlined, to keep the page small (open them in the workdir): "
+                        + ", ".join(skipped))
+  return text
+
+
+def _checkpoints(run: workdir.Run) -> str:
+  if not run.checkpoints:
+    return markup.note("No checkpoint kept in the workdir (checkpoints/<step>/).")
+  rows = [[c.step, "complete" if c.complete else "incomplete (no commit marker)",
+           f"{c.size / 1e6:.1f} MB"] for c in run.checkpoints]
+  return markup.table(["step", "state", "size"], rows)
+
+
+def _grid(items: list[str]) -> str:
+  return f'<div class="grid">{"".join(items)}</div>' if items else ""
