@@ -473,7 +473,10 @@ def _job(sub: str):
       typed = config_layer.load(sub, cfg, HydraConfig.get().runtime.output_dir, check=False,
                                 checkpoints=weights)
       _sweep_identity(typed)
-      return run_task(sub, typed, devices_checked=_devices_checked)
+      metric = run_task(sub, typed, devices_checked=_devices_checked)
+      if typed.logger.report:
+        _write_report(typed.workdir)
+      return metric
     except VmoeError as e:
       if cfg.get("debug"):
         raise
@@ -486,6 +489,19 @@ def _job(sub: str):
             file=sys.stderr)
       sys.exit(130)
   return job
+
+
+def _write_report(workdir: str) -> None:
+  """The run's `vmoe report` page, refreshed as the stage ends (one writer per job)."""
+  import jax  # lazily, as every library module here; the task has started it already
+  if jax.process_index():
+    return
+  from runner import report  # lazily: matplotlib, only once a stage has run
+  try:
+    report.write_run_page(workdir, live=False)
+  except Exception as e:  # noqa: BLE001 (the stage's results are written: a page is extra)
+    print(f"vmoe: warning: the run's report.html was not written ({type(e).__name__}: {e}); "
+          f"`vmoe report {workdir}` tries again.", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

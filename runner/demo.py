@@ -1,8 +1,9 @@
 """`make demo`: pretrain -> fine-tune -> eval on the embedded offline data, then a results table.
 
 Runs the real `vmoe` subcommands one after another in this process (so the XLA cache and imports
-are shared) and prints a Markdown table of what they measured. Rerunning resumes finished stages
-from their checkpoints, so it reprints the same table in seconds. Extra arguments are passed to
+are shared), prints a Markdown table of what they measured and writes the chain's `vmoe report`
+pages (runs/demo/report.html). Rerunning resumes finished stages from their checkpoints, so it
+reprints the same table in seconds. Extra arguments are passed to
 every stage (e.g. `python -m runner.demo logger.wandb.mode=disabled`).
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pathlib
 import sys
 import time
 
-from runner import cli
+from runner import cli, report
 
 ROOT = pathlib.Path("runs/demo")
 # The demo's budget (5 minutes from a cold start on 2 CPU cores): MNIST at its own 28 px (7 x 7
@@ -144,9 +145,13 @@ def main(extra: list[str]) -> int:
       print(f"demo: stage {name} failed (exit {code})", file=sys.stderr)
       return int(code) if isinstance(code, int) else 1
     seconds[name] = time.perf_counter() - start
-  report = table(seconds)
-  (ROOT / "results.md").write_text(report + "\n")
-  print("\n" + report + f"\n\n(also in {ROOT / 'results.md'}; total {sum(seconds.values()):.0f} s)")
+  results = table(seconds)
+  (ROOT / "results.md").write_text(results + "\n")
+  start = time.perf_counter()
+  page = report.write_chain_page(ROOT, runs=[ROOT / name for name, _, _ in STAGES])[-1]
+  print("\n" + results + f"\n\n(also in {ROOT / 'results.md'}; total "
+        f"{sum(seconds.values()):.0f} s)\nOne page for the whole chain, each stage's page linked "
+        f"from it (vmoe report, {time.perf_counter() - start:.0f} s): {page}")
   return 0
 
 

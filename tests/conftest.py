@@ -58,7 +58,7 @@ absl.logging.get_absl_handler().python_handler.stream = sys.__stderr__
 TINY_MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.mlp_dim=64",
               "model.num_heads=2", "model.image_size=16"]
 # Options every test run of the CLI needs: no W&B, no progress bar, small batches and runs.
-QUIET = ["logger.wandb.mode=disabled", "logger.progress=false"]
+QUIET = ["logger.wandb.mode=disabled", "logger.progress=false", "logger.report=false"]
 
 
 @pytest.fixture(scope="session")

@@ -486,6 +486,7 @@ class WandbConfig:
 class LoggerConfig:
   wandb: WandbConfig = field(default_factory=WandbConfig)
   progress: bool = True
+  report: bool = True  # write <workdir>/report.html when the stage ends (`vmoe report`)
 
 
 @dataclass

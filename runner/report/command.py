@@ -11,11 +11,12 @@ import argparse
 import pathlib
 import sys
 
-from runner.report import run_page, sweep_page, workdir
+from runner.report import chain_page, run_page, sweep_page, workdir
 
 WHAT_IS_VALID = ("Give a run's workdir (a folder holding summary.json or metrics.jsonl, e.g. "
-                 "runs/up after `vmoe pretrain workdir=runs/up`) or a sweep's folder (numbered job "
-                 "folders, each a workdir with its summary.json, as `--multirun` writes them).")
+                 "runs/up after `vmoe pretrain workdir=runs/up`), a folder of such runs (a chain "
+                 "of stages, e.g. runs/demo) or a sweep's folder (numbered job folders, each a "
+                 "workdir with its summary.json, as `--multirun` writes them).")
 
 
 class NotReportable(ValueError):
@@ -23,13 +24,16 @@ class NotReportable(ValueError):
 
 
 def kind(path: pathlib.Path) -> str:
-  """"run" or "sweep", or NotReportable saying what the path is instead."""
+  """"run", "chain" (runs below, named) or "sweep" (numbered jobs below), or NotReportable
+  saying what the path is instead."""
   if not path.exists():
     raise NotReportable(f"{path} does not exist. {WHAT_IS_VALID}")
   if not path.is_dir():
     raise NotReportable(f"{path} is a file, not a folder. {WHAT_IS_VALID}")
   if workdir.is_run(path):
     return "run"
+  if chain_page.is_chain(path):
+    return "chain"
   if sweep_page.is_sweep(path):
     return "sweep"
   if any(child.is_dir() and workdir.is_run(child) for child in path.iterdir()):
@@ -52,6 +56,8 @@ def report(paths: list[str], out: str | None = None) -> list[pathlib.Path]:
   for folder, what in zip(folders, kinds):
     if what == "run":
       written.append(run_page.write_run_page(folder, out))
+    elif what == "chain":
+      written += chain_page.write_chain_page(folder, out)
     else:
       written += sweep_page.write_sweep_page(folder, out)
   return written

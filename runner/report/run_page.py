@@ -111,7 +111,7 @@ def _configuration(run: workdir.Run) -> str:
     parts.append("<h3>Command-line overrides</h3>"
                  + markup.table(["key", "value"], [o.partition("=")[::2] for o in run.overrides],
                                 numeric=False))
-    parts.append(markup.note("These are the run's differences from the stage's defaults "
+    parts.append(markup.note("What the command line set on top of the stage's config "
                              "(conf/<stage>.yaml); the resolved config below has every key."))
   else:
     parts.append(markup.note("No overrides recorded (.hydra/overrides.yaml): the stage's "

@@ -135,6 +135,7 @@ def test_multirun_gives_each_job_its_own_workdir(tmp_path, run_cli):
   for j in ("0", "1"):
     assert (tmp_path / j / "summary.json").exists()
     assert (tmp_path / j / "checkpoints" / "1").exists()
+    assert not (tmp_path / j / "report.html").exists()  # QUIET: logger.report=false
 
 
 def test_a_sweeps_cfg_job_shows_every_job_and_runs_none(tmp_path, run_cli):
@@ -172,3 +173,6 @@ def test_wandb_offline_run_is_written_in_the_workdir(tmp_path, run_cli):
   assert code == 0, err
   runs = list((tmp_path / "wandb").glob("offline-run-*"))
   assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+  # logger.report (default true): the stage ends by writing its vmoe report page, not in progress.
+  page = (tmp_path / "report.html").read_text()
+  assert "vmoe pretrain:" in page and "Training curves" in page and "In progress" not in page

@@ -218,10 +218,16 @@ def test_model_overrides_on_the_stored_model():
                    router={"k": 2, "capacity_ratio": 1.05, "eval_capacity_ratio": None})
   given = {"name": None, "hidden_size": None, "moe": {"layers": None, "num_experts": None},
            "router": {"k": 1, "capacity_ratio": 0.5, "eval_capacity_ratio": None}}
-  # None means "unchanged"; a given capacity_ratio is also the inference one.
-  assert model_overrides(given) == {"router": {"k": 1, "capacity_ratio": 0.5,
-                                               "eval_capacity_ratio": 0.5}}
+  # None means "unchanged"; a given capacity_ratio is also the inference one (the stored model
+  # has MoE layers and a token-choice router, whose capacity may change at inference) ...
+  assert model_overrides(given, stored["model"]) == {
+      "router": {"k": 1, "capacity_ratio": 0.5, "eval_capacity_ratio": 0.5}}
   assert model_overrides(None) == {}
+  # ... but not for Soft MoE (its slots are parameters) nor for a dense ViT (no capacity).
+  soft = {**stored["model"], "router": {**stored["model"]["router"], "type": "soft"}}
+  dense = {**stored["model"], "moe": {**stored["model"]["moe"], "layers": []}}
+  for other in (soft, dense):
+    assert model_overrides(given, other) == {"router": {"k": 1, "capacity_ratio": 0.5}}
   model, data = stored_model_and_data(stored, given)
   assert model.router == RouterConfig(k=1, capacity_ratio=0.5, eval_capacity_ratio=0.5)
   assert model.hidden_size == 32 and model.moe == MoeConfig(layers=[1], num_experts=8)

@@ -251,6 +251,32 @@ def test_sweep_page_lists_every_job_marks_the_best_and_links_their_pages(tmp_pat
   assert ("a", "href", "../report.html") in _Page((root / "0" / "report.html").read_text()).urls
 
 
+def test_a_chain_of_stages_lists_them_in_the_order_they_ran_linked(tmp_path, run_cli):
+  """A folder of named runs (the demo's runs/demo): a row per stage, after the stage it started
+  from even when the clock says otherwise, each linking its page and its origin's."""
+  root = tmp_path / "demo"
+  up = make_run(root / "pretrain", summary={"val/prec@1": 0.73, "step": 12})
+  down = make_run(root / "finetune", stage="finetune", summary={"val/prec@1": 0.78, "step": 12},
+                  config={"init": {"checkpoint": str(up)}})
+  ev = make_run(root / "eval", stage="eval", summary={"uci_digits/prec@1": 0.77},
+                config={"init": {"checkpoint": str(down)}})
+  for run, started in ((up, "12:00:00"), (down, "11:00:00"), (ev, "10:00:00")):  # a wrong clock
+    text = (run / LOCK_FILE).read_text().replace("10:00:00", started)
+    (run / LOCK_FILE).write_text(text)
+  code, out, err = run_cli("report", str(root))
+  assert code == 0, err
+  assert out.split() == [str(up / "report.html"), str(down / "report.html"),
+                         str(ev / "report.html"), str(root / "report.html")]
+  text = (root / "report.html").read_text()
+  page = assert_offline(text)
+  assert page.sections == ["stages"]
+  links = [url for tag, name, url in page.urls if tag == "a" and url.endswith("report.html")]
+  assert links == ["pretrain/report.html", "finetune/report.html", "pretrain/report.html",
+                   "eval/report.html", "finetune/report.html"]
+  for metric in ("0.7300", "0.7800", "0.7700"):
+    assert f'<td class="num">{metric}</td>' in text
+
+
 @pytest.mark.parametrize("what", ["missing", "file", "empty", "neither", "one bad of two"])
 def test_bad_paths_exit_2_with_one_paragraph_and_write_nothing(tmp_path, run_cli, what):
   good = make_run(tmp_path / "good")
