@@ -138,7 +138,8 @@ def main(extra: list[str]) -> int:
     print(f"\n=== vmoe {sub} {' '.join(overrides + extra)}", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
-      code = cli.main([sub] + overrides + extra)
+      # The chain's page writes every stage's page once at the end (not each stage, then again).
+      code = cli.main([sub] + overrides + ["logger.report=false"] + extra)
     except SystemExit as e:
       code = e.code
     if code:
