@@ -42,7 +42,7 @@ SUBCOMMANDS = {
     "report": "one offline HTML page of a run or a sweep: curves, expert load, metrics, pictures",
 }
 # Subcommands that are not Hydra stages: plain arguments.
-TOOLS = {"summarize": "runner.summarize", "report": "runner.report.command"}
+TOOLS = {"summarize": "runner.report.summarize_command", "report": "runner.report.command"}
 USAGE = """usage: vmoe <subcommand> [overrides ...] [--multirun] [--cfg job] [--help]
 
 Sparse Vision Mixture-of-Experts experiments in JAX.

@@ -210,7 +210,7 @@ def summarize(root: str | pathlib.Path, metrics: list[str] | None = None,
   return text
 
 
-def main(argv: list[str]) -> int:
+def arguments() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="vmoe summarize", description=__doc__.split("\n")[0])
   parser.add_argument("directory", help="a multirun folder (or any folder of runs)")
   parser.add_argument("--metrics", default="", help="comma-separated summary keys (default: "
@@ -218,7 +218,13 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--aggregate", default="seed", help="comma-separated swept keys to "
                       "average over (mean ± std); empty: none")
   parser.add_argument("--no-plots", action="store_true")
-  args = parser.parse_args(argv)
+  parser.add_argument("--no-report", action="store_true", help="do not refresh the sweep's "
+                      "report.html (vmoe report)")
+  return parser
+
+
+def main(argv: list[str]) -> int:
+  args = arguments().parse_args(argv)
   root = pathlib.Path(args.directory)
   if not root.is_dir():
     print(f"vmoe summarize: error: {root} is not a directory; give the folder of a sweep "

@@ -47,16 +47,21 @@ def test_the_table_averages_seeds_per_swept_value(sweep, run_cli):
   assert rows[0][0] == "optim.lr" and [r[0] for r in rows[1:]] == ["0.001", "0.01"]
   assert (root / "summary_optim.lr.png").stat().st_size > 1000
   assert (root / "summary_seed.png").exists()
+  # The sweep's vmoe report page is refreshed too, with each job's page linked.
+  assert f"(the sweep's page, each job's linked: {root / 'report.html'})" in out
+  page = (root / "report.html").read_text()
+  assert all(f'href="{job}/report.html"' in page for job in range(4))
+  assert all((root / str(job) / "report.html").exists() for job in range(4))
 
 
 def test_metrics_and_no_aggregation_on_request(sweep, run_cli):
   root, _ = sweep
   code, _, err = run_cli("summarize", str(root), "--metrics", "test/nll", "--aggregate", "",
-                         "--no-plots")
+                         "--no-plots", "--no-report")
   assert code == 0, err
   lines = (root / "summary.md").read_text().splitlines()
   assert lines[0] == "| optim.lr | seed | test/nll | n |" and len(lines) == 2 + 4
-  assert not list(root.glob("*.png"))
+  assert not list(root.glob("*.png")) and not list(root.rglob("report.html"))
 
 
 def test_a_folder_without_jobs_is_a_clear_error(tmp_path, run_cli):
