@@ -383,16 +383,16 @@ def _show_sweep(sub: str, args: list[str]) -> int:
   config_dir = flags.get("-cd") or flags.get("--config-dir")
   config_name = flags.get("-cn") or flags.get("--config-name") or sub
   choices = _hydra_choices(config_dir, config_name, overrides)
+  study = _study_params(choices)
+  fixed, axes = _sweep_axes(overrides, study)
   if launchers.plugin_name(choices["plugins"]["sweeper"]) != "BasicSweeper":
-    fixed = _sweep_axes(overrides, _study_params(choices))[0]
     searched = [ov.input_line for ov in OverridesParser.create().parse_overrides(overrides)
                 if ov.is_sweep_override() and not ov.key_or_group.startswith("hydra")]
-    searched += [f"{k}={v}" for k, v in _study_params(choices).items()]
+    searched += [f"{k}={v}" for k, v in study.items()]
     print(f"# hydra/sweeper={choices['sweeper']} searches: {' '.join(searched)}")
     print(OmegaConf.to_yaml(_compose(config_dir, config_name, fixed)))
     return 0
-  fixed, axes = _sweep_axes(overrides, _study_params(choices))
-  total = _job_count(overrides, _study_params(choices))
+  total = _job_count(overrides, study)
   for number, values in enumerate(itertools.islice(itertools.product(*axes), MAX_SHOWN_JOBS)):
     print(f"# job {number} of {total}: {' '.join(values) or '(no swept key)'}")
     print(OmegaConf.to_yaml(_compose(config_dir, config_name, fixed + list(values))))
@@ -413,7 +413,7 @@ def _modes(args: list[str]) -> set[str]:
 
 
 def _multirun(args: list[str]) -> bool:
-  return any(a in ("-m", "--multirun") for a in args)
+  return "--multirun" in _modes(args)
 
 
 def _submission_problem(launcher: dict) -> str | None:

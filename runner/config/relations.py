@@ -106,15 +106,20 @@ def moe_layers_exist(model: ModelConfig):
 _DENSE_KEYS = ("layers", "ensemble_size", "ensemble_variant")
 
 
+def _moe_layers(model: ModelConfig) -> tuple[int, ...] | None:
+  """The MoE blocks, or None for an invalid model.moe.layers (moe_layers_exist reports it)."""
+  try:
+    return derived.moe_layers(model)
+  except ValueError:
+    return None
+
+
 @relation
 def dense_model_has_no_router(model: ModelConfig):
   """A dense ViT (model.moe.layers=[]) reads no router and no MoE key: one that leaves its
   default is a mistake (a router chosen for a model that has none trains a plain ViT)."""
-  try:
-    if derived.moe_layers(model):
-      return None
-  except ValueError:
-    return None  # moe_layers_exist reports it
+  if _moe_layers(model) != ():
+    return None  # a V-MoE, or invalid layers
   router, moe = RouterConfig(), MoeConfig()
   given = [f"model.router.{f.name}={_show(getattr(model.router, f.name))}"
            for f in dataclasses.fields(RouterConfig)
@@ -134,11 +139,8 @@ def dense_model_has_no_router(model: ModelConfig):
 def router_options_apply(model: ModelConfig):
   """A key of model.router (or model.moe.dispatcher) that the chosen router does not read is an
   error unless it keeps its default: a value that would change nothing is a mistake."""
-  try:
-    if not derived.moe_layers(model):
-      return None  # a dense ViT: dense_model_has_no_router
-  except ValueError:
-    return None
+  if not _moe_layers(model):
+    return None  # a dense ViT (dense_model_has_no_router) or invalid layers
   family = derived.router_family(model)
   defaults = RouterConfig()
   if not family.capacity_at_inference and model.router.eval_capacity_ratio is not None:
