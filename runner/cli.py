@@ -502,6 +502,11 @@ def _write_report(workdir: str) -> None:
   except Exception as e:  # noqa: BLE001 (the stage's results are written: a page is extra)
     print(f"vmoe: warning: the run's report.html was not written ({type(e).__name__}: {e}); "
           f"`vmoe report {workdir}` tries again.", file=sys.stderr)
+  try:
+    report.publish_to_wandb(workdir)  # the page's heat maps and tables, when W&B is on
+  except Exception as e:  # noqa: BLE001 (as the page: extra, never the stage's failure)
+    print(f"vmoe: warning: the run's heat maps and tables did not reach W&B "
+          f"({type(e).__name__}: {e}).", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,3 +65,27 @@ class WorkdirLock:
     if self.file is not None:
       self.file.close()  # closing the last descriptor of the file releases the lock
       self.file = None
+
+
+def is_held(workdir: str | os.PathLike) -> bool:
+  """True while some process holds the workdir's lock (this one included).
+
+  Asking with WorkdirLock itself would rewrite the file's record of the holder, so this probes the
+  same lock shared and non-blocking and lets go at once; the file is not changed. A vmoe process
+  starting in that microsecond would find the workdir in use and say so.
+  """
+  try:
+    fd = os.open(pathlib.Path(workdir) / LOCK_FILE, os.O_RDONLY)
+  except OSError:
+    return False  # never locked
+  try:
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+  except BlockingIOError:
+    return True
+  except OSError:  # a filesystem without flock: no lock to tell a live run by
+    return False
+  else:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+  finally:
+    os.close(fd)

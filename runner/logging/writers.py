@@ -80,10 +80,11 @@ class MetricWriter:
         latest = {k: v for k, v in record.items() if k.startswith(prefix)}
     return latest
 
-  def log_image(self, step: int, key: str, path: str) -> None:
+  def log_image(self, step: int | None, key: str, path: str) -> None:
+    """`step` None: W&B's next step (a resumed run takes no step it has passed)."""
     if self.run is not None:
       import wandb  # lazily: slow to import, and only a live W&B run needs it
-      self.run.log({key: wandb.Image(path)}, step=int(step))
+      self.run.log({key: wandb.Image(path)}, **({} if step is None else {"step": int(step)}))
 
   def log_table(self, key: str, columns: list[str], rows: list) -> None:
     if self.run is not None:

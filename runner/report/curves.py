@@ -13,10 +13,13 @@ import dataclasses
 import json
 import math
 import pathlib
+import re
 
 import numpy as np
 
 MAX_POINTS = 2000
+# A per-layer key: [<prefix>/]moe/layer_<i>/<name>.
+LAYER = re.compile(r"(?:(.+)/)?moe/layer_(\d+)/(.+)")
 
 
 @dataclasses.dataclass
@@ -104,3 +107,26 @@ def downsample(curve: Curve, max_points: int = MAX_POINTS) -> Curve:
   values = np.add.reduceat(curve.values, starts, axis=0)
   values = values / (counts if curve.values.ndim == 1 else counts[:, None])
   return Curve(steps, values, bucket=size * curve.bucket)
+
+
+@dataclasses.dataclass
+class LoadMap:
+  """One MoE layer's list-valued curve (its expert load) as drawn: downsampled, and whether its
+  values are fractions in [0, 1] (then dead and saturated experts are marked)."""
+  key: str
+  name: str  # what the values are (expert_load)
+  logged: Curve  # every logged step
+  drawn: Curve  # at most MAX_POINTS
+  fraction: bool
+
+
+def load_maps(curves: Curves) -> list[LoadMap]:
+  """The per-layer lists of a run (the experts' load), layer by layer."""
+  keys = sorted((k for k in curves.lists if LAYER.fullmatch(k)),
+                key=lambda k: (LAYER.fullmatch(k)[1] or "", int(LAYER.fullmatch(k)[2])))
+  maps = []
+  for key in keys:
+    drawn = downsample(curves.lists[key])
+    fraction = bool(np.nanmin(drawn.values) >= 0 and np.nanmax(drawn.values) <= 1)
+    maps.append(LoadMap(key, LAYER.fullmatch(key)[3], curves.lists[key], drawn, fraction))
+  return maps

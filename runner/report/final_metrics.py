@@ -33,6 +33,16 @@ def tables(summary: dict) -> str:
   return "\n".join(parts)
 
 
+def rows(summary: dict) -> list[list]:
+  """summary.json as (section, metric, value) rows, the values as the page shows them (W&B's
+  table of the same numbers)."""
+  out = []
+  for key, value in summary.items():
+    section, slash, rest = str(key).partition("/")
+    out.append([section if slash else "", rest if slash else section, fmt(value)])
+  return out
+
+
 def _table(values: dict) -> str:
   per = {}
   plain = {}

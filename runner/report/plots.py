@@ -75,6 +75,12 @@ def lines(title: str, series: list[tuple[str, np.ndarray, np.ndarray]], ylabel: 
 
 def heatmap(title: str, steps: np.ndarray, matrix: np.ndarray, label: str,
             fraction: bool = True) -> str:
+  """Steps (x) by entries (y, one per expert) as SVG; see `heatmap_figure`."""
+  return svg(heatmap_figure(title, steps, matrix, label, fraction))
+
+
+def heatmap_figure(title: str, steps: np.ndarray, matrix: np.ndarray, label: str,
+                   fraction: bool = True):
   """Steps (x) by entries (y, one per expert); for fractions in [0, 1] the colours stop short
   of both ends, so a dead expert (< DEAD) shows black and a saturated one (> SATURATED) red."""
   import matplotlib
@@ -98,7 +104,12 @@ def heatmap(title: str, steps: np.ndarray, matrix: np.ndarray, label: str,
   if matrix.shape[1] <= 16:
     axes.set_yticks(range(matrix.shape[1]))
   axes.tick_params(labelsize=7)
-  return svg(figure)
+  return figure
+
+
+def png(figure, path) -> None:
+  """The figure as a PNG file (for W&B, which shows images, not inline SVG)."""
+  figure.savefig(path, format="png", dpi=100)
 
 
 def scatter(title: str, xs: list[str], ys: list[float], xlabel: str, ylabel: str,

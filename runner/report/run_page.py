@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
 import tempfile
 
 import numpy as np
@@ -23,7 +22,7 @@ PAGE = "report.html"
 # well under 10 MB however many an evaluator wrote; the others are named, not inlined.
 PICTURE_BUDGET = 4_000_000
 MAX_PICTURE = 3_000_000
-_LAYER = re.compile(r"(?:(.+)/)?moe/layer_(\d+)/(.+)")
+_LAYER = curves_lib.LAYER
 # Training scalars drawn together: (title, keys, y label).
 _TRAIN_CHARTS = (("Loss", ("train/loss", "val/loss"), "loss"),
                  ("Precision@1", ("train/prec@1", "val/prec@1"), "prec@1"),
@@ -209,16 +208,12 @@ def _validation(scalars: dict) -> str:
 
 def _routing(curves: curves_lib.Curves) -> str:
   parts, drawn = [], []
-  maps = sorted((k for k in curves.lists if _LAYER.fullmatch(k) and len(curves.lists[k]) >= 1),
-                key=lambda k: (_LAYER.fullmatch(k)[1] or "", int(_LAYER.fullmatch(k)[2])))
-  for key in maps:
-    curve = curves_lib.downsample(curves.lists[key])
-    drawn.append(curve)
-    fraction = bool(np.nanmin(curve.values) >= 0 and np.nanmax(curve.values) <= 1)
-    image = plots.heatmap(key, curve.steps, curve.values, _LAYER.fullmatch(key)[3], fraction)
-    parts.append(markup.figure(image, f"{key}: logged steps x experts"))
-    if fraction:
-      parts.append(_dead_or_saturated(curves.lists[key]))
+  for load in curves_lib.load_maps(curves):
+    drawn.append(load.drawn)
+    image = plots.heatmap(load.key, load.drawn.steps, load.drawn.values, load.name, load.fraction)
+    parts.append(markup.figure(image, f"{load.key}: logged steps x experts"))
+    if load.fraction:
+      parts.append(_dead_or_saturated(load.logged))
   dropped = _per_layer_charts(curves.scalars, drawn, lambda n: n.startswith("fraction_dropped"),
                               "over training")
   dropped += _per_layer_charts(curves.scalars, drawn, lambda n: n.startswith("fraction_dropped"),

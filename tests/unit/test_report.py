@@ -365,3 +365,34 @@ def test_an_evaluator_adds_its_own_section(tmp_path, monkeypatch):
   monkeypatch.setattr(evaluator, "report_section", classmethod(broken))
   text = run_page.write_run_page(run).read_text()
   assert "report_section failed: RuntimeError: boom" in text
+
+
+def test_a_stage_with_wandb_gets_the_pages_heat_maps_and_tables(tmp_path, monkeypatch):
+  """The heat map of each MoE layer as a W&B image and the final metrics and checkpoints as W&B
+  tables, in the run's own (resumed, offline) W&B run; nothing without W&B."""
+  import wandb
+
+  from runner.report import wandb_media
+  monkeypatch.delenv("WANDB_MODE", raising=False)  # conftest disables W&B for other tests
+  for var in ("HOME", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR"):
+    monkeypatch.setenv(var, str(tmp_path / var.lower()))
+  wandb.teardown()
+  try:
+    off = make_run(tmp_path / "off", config={"logger": {"wandb": {"mode": "disabled"}}})
+    assert wandb_media.publish(off) == []
+    run = make_run(tmp_path / "up", config={"seed": 0, "logger": {"wandb": {"mode": "offline"}}})
+    (run / "wandb_run_id").write_text("abc123")
+    logged = wandb_media.publish(run)
+  finally:
+    wandb.teardown()
+  assert logged == ["moe/layer_1/expert_load_map", "moe/layer_3/expert_load_map",
+                    "report/final_metrics", "report/checkpoints"]
+  files = next((run / "wandb").glob("offline-run-*-abc123")) / "files" / "media"
+  for layer in (1, 3):
+    image = next((files / "images" / "moe" / f"layer_{layer}").glob("expert_load_map_*.png"))
+    assert image.read_bytes()[:4] == b"\x89PNG"
+  table = json.loads(next((files / "table" / "report").glob("final_metrics_*.table.json"))
+                     .read_text())
+  assert table["columns"] == ["section", "metric", "value"]
+  assert ["val", "prec@1", "0.4200"] in table["data"]
+  assert not list(run.glob("*expert_load*.png"))  # the page's pictures stay the evaluators'

@@ -1,0 +1,56 @@
+"""The run page's pictures in the run's W&B run, so that online and offline users see the same.
+
+W&B already has the curves (every logged scalar) and the evaluators' pictures (each stage logs
+them); what only the page had are the expert-load heat maps and the tables. When a stage ends,
+its W&B run (the id in <workdir>/wandb_run_id) is resumed and gets, after its last step:
+- `moe/layer_<i>/expert_load_map`: each MoE layer's heat map as an image, the page's picture;
+- `report/final_metrics`: summary.json as a table (section, metric, value);
+- `report/checkpoints`: the checkpoints kept (step, state, MB).
+Nothing happens for a run without W&B (logger.wandb.mode=disabled, or no run id).
+"""
+from __future__ import annotations
+
+import pathlib
+import tempfile
+
+from runner.config import from_dict
+from runner.config.schema import WandbConfig, WandbMode
+from runner.logging import MetricWriter
+from runner.report import curves as curves_lib
+from runner.report import final_metrics, plots, workdir
+
+
+def publish(path: str | pathlib.Path) -> list[str]:
+  """Logs the pictures and tables of the run in `path` to its W&B run; returns the keys logged
+  (none without W&B)."""
+  path = pathlib.Path(path)
+  run = workdir.read(path)
+  settings = ((run.config.get("logger") or {}).get("wandb")) or {}
+  wandb = from_dict(WandbConfig, settings)
+  if wandb.mode == WandbMode.disabled or not (path / "wandb_run_id").is_file():
+    return []
+  writer = MetricWriter(str(path), run_config=run.config, wandb=wandb,
+                        job_type=run.stage or "train")
+  logged = []
+  try:
+    with tempfile.TemporaryDirectory() as tmp:  # not in the workdir: the page would show it twice
+      for load in curves_lib.load_maps(run.curves):
+        figure = plots.heatmap_figure(load.key, load.drawn.steps, load.drawn.values, load.name,
+                                      load.fraction)
+        image = pathlib.Path(tmp) / f"{len(logged)}.png"
+        plots.png(figure, image)
+        key = f"{load.key}_map"
+        writer.log_image(None, key, str(image))  # W&B's next step: a resumed run's
+        logged.append(key)
+    if run.summary:
+      writer.log_table("report/final_metrics", ["section", "metric", "value"],
+                       final_metrics.rows(run.summary))
+      logged.append("report/final_metrics")
+    if run.checkpoints:
+      writer.log_table("report/checkpoints", ["step", "state", "MB"],
+                       [[c.step, "complete" if c.complete else "incomplete",
+                         round(c.size / 1e6, 1)] for c in run.checkpoints])
+      logged.append("report/checkpoints")
+  finally:
+    writer.close()
+  return logged
