@@ -12,7 +12,7 @@ comma := ,
 JEMALLOC := $(firstword $(wildcard $(VENV)/lib/libjemalloc.so.2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2))
 WITH_JEMALLOC := $(if $(JEMALLOC),LD_PRELOAD=$(abspath $(JEMALLOC)) MALLOC_CONF=oversize_threshold:0$(comma)dirty_decay_ms:60000$(comma)muzzy_decay_ms:60000 VMOE_ALLOCATOR=jemalloc,)
 
-.PHONY: install browser demo test test-full test-cluster bench study-ensembles study-heads study-routers study-contrastive clean
+.PHONY: install browser demo test test-full test-cluster test-export bench study-ensembles study-heads study-routers study-contrastive clean
 
 install: $(STAMP)
 
@@ -51,6 +51,14 @@ test-full: install browser
 # (installed with apt when missing; needs root, else the tests say why and skip).
 test-cluster: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/cluster
+
+# What `vmoe export` writes, run in PyTorch (CPU build) and compared with `vmoe eval` (docs/export.md).
+test-export: install $(VENV)/.installed-torch
+	$(WITH_JEMALLOC) $(BIN)/python -m pytest -q -p no:cacheprovider tests/export
+
+$(VENV)/.installed-torch: $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[torch]'
+	touch $@
 
 # The efficient-ensembles paper's comparison on the embedded data (docs/ensembles.md).
 study-ensembles: install

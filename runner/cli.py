@@ -38,6 +38,7 @@ SUBCOMMANDS = {
     "fewshot": "linear few-shot accuracy of frozen features (ridge on pre-logits, 1-25 shots)",
     "eval": "evaluate a checkpoint: accuracy, NLL, calibration, OOD, corruptions, PGD, GFLOPs",
     "ensemble": "evaluate checkpoints as one ensemble (deep, partitioned, MC-dropout): + diversity",
+    "export": "a checkpoint as safetensors + a plain PyTorch model with the same probabilities",
     "summarize": "one table (Markdown, CSV, plots) of a sweep's jobs: overrides and final metrics",
     "report": "one offline HTML page of a run or a sweep: curves, expert load, metrics, pictures",
 }
@@ -474,7 +475,7 @@ def _job(sub: str):
                                 checkpoints=weights)
       _sweep_identity(typed)
       metric = run_task(sub, typed, devices_checked=_devices_checked)
-      if typed.logger.report:
+      if typed.logger.report and sub not in _NO_PAGE:
         _write_report(typed.workdir)
       return metric
     except VmoeError as e:
@@ -489,6 +490,10 @@ def _job(sub: str):
             file=sys.stderr)
       sys.exit(130)
   return job
+
+
+# Stages whose folder gets no report page: an export's is a model folder (its README.md is the card).
+_NO_PAGE = ("export",)
 
 
 def _write_report(workdir: str) -> None:

@@ -14,7 +14,7 @@ import zipfile
 
 import numpy as np
 
-from runner import checkpoint
+from runner import checkpoint, workdir_lock
 from runner.checkpoint import CheckpointError
 from runner.interop import mapping, vmoe_format
 from runner.models import transfer
@@ -38,6 +38,33 @@ def check(path: str) -> None:
   """Fails (CheckpointError) unless `path` is one of our checkpoints or a released one."""
   if released_kind(path) is None:
     checkpoint.locate(path)
+
+
+def run_folder(path: str) -> pathlib.Path | None:
+  """The workdir of the run whose checkpoint `path` names (the workdir, its checkpoints/ folder
+  or a step folder); None for a released checkpoint."""
+  if released_kind(path) is not None:
+    return None
+  directory, _ = checkpoint.locate(path)
+  return directory.parent if directory.name == "checkpoints" else directory
+
+
+def unfinished(path: str) -> str | None:
+  """Why the run at `path` has no final checkpoint to take: it is still being written (a vmoe
+  process holds its workdir), or its stage stopped before the end (no summary.json). A step
+  folder named explicitly is taken as it is; so is a released checkpoint."""
+  folder = run_folder(path)
+  if folder is None:
+    return None
+  if workdir_lock.is_held(folder):
+    return (f"the run in {folder} is still being written (a vmoe process holds it); wait for it "
+            "to finish")
+  named_step = pathlib.Path(path).expanduser().name.isdigit()
+  if not named_step and not (folder / "summary.json").exists():
+    return (f"the run in {folder} did not finish (it has no summary.json): resume it by rerunning "
+            "its command, or name one of its step folders (<workdir>/checkpoints/<step>) to take "
+            "that checkpoint as it is")
+  return None
 
 
 def stored_config(path: str) -> dict | None:

@@ -15,7 +15,8 @@ train.aux_loss_weight (0.01: Switch's alpha), so the z-loss's weight in the tota
 0.01 * z_loss_weight (ST-MoE uses 0.001: z_loss_weight=0.1, the default).
 
 A router family is three things (docs/extending.md): its keys (a dataclass), a Flax module that
-returns a dispatch plan and its metrics, and a `RouterFamily` that answers the rest of vmoe.
+returns a dispatch plan and its metrics, and a `RouterFamily` that answers the rest of vmoe;
+here also its router in PyTorch (`torch_routing`), so that `vmoe export` can write its models.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 
 from runner.config.checks import at_least, key, positive
 from runner.models.moe import routing
-from runner.models.moe.routers import RouterFamily, register
+from runner.models.moe.routers import RouterFamily, TorchRouting, register
 
 
 @dataclasses.dataclass
@@ -75,6 +76,24 @@ class SwitchRouter(nn.Module):
     return plan, metrics
 
 
+# The router at inference in PyTorch, which `vmoe export` appends to the exported modeling_vmoe.py:
+# it uses that file's names (torch, nn, F, expert_capacity, plan_top_k) and imports nothing.
+TORCH_SOURCE = '''
+class SwitchRouter(nn.Module):
+  """Top-1 of softmax(x W) in float32; round(N * C / E) slots per expert, in token order."""
+
+  def __init__(self, config: dict, dim: int, num_experts: int):
+    super().__init__()
+    self.config = config
+    self.dense = nn.Linear(dim, num_experts, bias=False)
+
+  def forward(self, x, first: int, count: int):
+    gates = torch.softmax(F.linear(x.float(), self.dense.weight[first:first + count]), dim=-1)
+    capacity = expert_capacity(x.shape[1], count, 1, self.config["capacity_ratio"])
+    return plan_top_k(gates, 1, capacity)
+'''
+
+
 @register
 class Switch(RouterFamily):
   name = "switch"
@@ -98,3 +117,13 @@ class Switch(RouterFamily):
   @classmethod
   def experts_per_token(cls, router, tokens: int, experts: int, capacity: int) -> float:
     return 1.0
+
+  @classmethod
+  def torch_routing(cls, router, *, tokens: int, experts: int) -> TorchRouting:
+    """The PyTorch router above at the inference capacity ratio; its `dense/kernel` becomes the
+    `nn.Linear` named `dense` (TorchRouting's default mapping)."""
+    ratio = router.capacity_ratio
+    if router.eval_capacity_ratio is not None:
+      ratio = router.eval_capacity_ratio
+    return TorchRouting(config={"capacity_ratio": float(ratio)}, source=TORCH_SOURCE,
+                        class_name="SwitchRouter")

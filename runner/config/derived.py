@@ -55,6 +55,17 @@ def predictions_per_image(model: ModelConfig) -> int:
   return ensemble_size(model)
 
 
+def tokens_per_image(model: ModelConfig) -> int:
+  """Patches, plus the class token of a `token` classifier."""
+  classifier = str(getattr(model.classifier, "value", model.classifier))
+  return (model.image_size // model.patch_size) ** 2 + (classifier == "token")
+
+
+def tokens_per_group(model: ModelConfig) -> int:
+  """Tokens of a full routing group (`model.moe.group_size` images)."""
+  return model.moe.group_size * tokens_per_image(model)
+
+
 def experts_per_router(model: ModelConfig) -> int:
   """The experts one routing decision chooses among: E, or E / M for a partitioned ensemble."""
   experts, m = num_experts(model), ensemble_size(model)

@@ -43,6 +43,11 @@ def _parse_call(text: str) -> tuple[str, list, dict]:
   return node.func.id, args, kwargs
 
 
+def steps(spec: str) -> list[tuple[str, list, dict]]:
+  """(op name, arguments, keyword arguments) of each part of `spec`, in order; names unchecked."""
+  return [_parse_call(part) for part in filter(None, (p.strip() for p in spec.split("|")))]
+
+
 def build(spec: str) -> list:
   """The op of each part of `spec`, in order, from its registered factory; errors name the op and
   the valid ones."""

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import pathlib
 import typing
 from typing import Callable
 
 from runner.config import derived, registries
 from runner.config.schema import (AdversarialProtocol, ContrastiveLoss, DataConfig,
                                   DistributedConfig, EnsembleRun, EnsembleVariant, EvalConfig,
-                                  EvalRun, EvalSuiteConfig, FewshotConfig, FewshotRun, HeadConfig,
+                                  EvalRun, EvalSuiteConfig, ExportRun, FewshotConfig, FewshotRun, HeadConfig,
                                   HeadType, ModelConfig, MoeConfig, Objective, ObjectiveConfig,
                                   RouterConfig, RunFields, TextConfig, TokenizerKind, TrainConfig,
                                   TrainTask)
@@ -572,6 +573,70 @@ def ensemble_members_agree(run: EnsembleRun):
 
 
 # --- multi-host start-up -----------------------------------------------------------------------
+
+# --- vmoe export -------------------------------------------------------------------------------
+
+# What an export folder holds (runner/export, runner/tasks/export.py) besides Hydra's record of
+# the command (.hydra/, a .log) and the workdir lock (.vmoe.lock, runner/workdir_lock.py): a
+# rerun may replace these, nothing else.
+EXPORT_FILES = ("model.safetensors", "config.json", "modeling_vmoe.py", "README.md",
+                "summary.json")
+_EXPORT_BOOKKEEPING = (".hydra", ".vmoe.lock")
+
+
+@relation
+def export_a_finished_classifier(run: ExportRun, checkpoints):
+  """An export takes a classifier whose run has ended (or a step folder, or a released
+  checkpoint); `checkpoints` (runner.weights) says whether the run is finished."""
+  if run.objective.name == Objective.contrastive:
+    return (f"init.checkpoint={run.init.checkpoint} is a contrastive run (an image and a text "
+            "tower): vmoe export writes classifiers; fine-tune its image tower into one (vmoe "
+            "finetune init.checkpoint=<the run> init.tower=image) and export that.")
+  if run.init.tower is not None:
+    return (f"init.tower={_show(run.init.tower)} means nothing in vmoe export, which writes a "
+            "classifier whole; drop it.")
+  try:
+    return checkpoints.unfinished(run.init.checkpoint)
+  except UserError as e:  # no checkpoint there: said in the words of the checkpoint's reader
+    return str(e)
+
+
+@relation
+def export_folder_holds_no_other_files(run: ExportRun):
+  """workdir= receives the export: it must be new, empty, or a former export of vmoe (which a
+  rerun replaces), never a run's folder or anything else a user keeps there."""
+  folder = pathlib.Path(run.workdir).expanduser() if run.workdir else None
+  if folder is None or not folder.is_dir():
+    return None
+  others = sorted(p.name for p in folder.iterdir()
+                  if p.name not in EXPORT_FILES + _EXPORT_BOOKKEEPING and p.suffix != ".log")
+  if others:
+    shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+    return (f"workdir={run.workdir} holds files that are not an export of vmoe ({shown}); vmoe "
+            f"export writes {', '.join(EXPORT_FILES)} into a new or empty folder (or replaces "
+            "a former export): choose another workdir=<folder>.")
+  return None
+
+
+def unexportable(model: ModelConfig) -> str | None:
+  """What of `model` vmoe export cannot write, or None: a router family says how it routes in
+  PyTorch (`RouterFamily.torch_routing`); the exporter refuses a family that does not."""
+  if not derived.num_experts(model):
+    return None
+  family = derived.router_family(model)
+  if family.torch_routing(model.router, tokens=derived.tokens_per_group(model),
+                          experts=model.moe.num_experts) is None:
+    return (f"model.router.type={family.name} does not say how it routes in PyTorch, so vmoe "
+            "export cannot write this model; its family defines RouterFamily.torch_routing "
+            "for that (docs/extending.md), as the built-in token_choice, experts_choice and "
+            "soft do.")
+  return None
+
+
+@relation
+def exporter_expresses_the_router(model: ModelConfig, run: ExportRun):
+  return unexportable(model)
+
 
 @relation
 def coordinator_knows_the_processes(distributed: DistributedConfig):

@@ -19,7 +19,7 @@ from omegaconf.errors import (InterpolationResolutionError, MissingMandatoryValu
                               OmegaConfBaseException)
 
 from runner.config.schema import (DataConfig, EnsembleMember, EnsembleRun, EvalRun,
-                                  FewshotMember, FewshotRun, InitConfig, Loss, ModelConfig,
+                                  ExportRun, FewshotMember, FewshotRun, InitConfig, Loss, ModelConfig,
                                   Objective, ObjectiveConfig, RouterConfig, RunFields, TextConfig,
                                   TrainConfig, TrainTask)
 from runner.config import registries
@@ -207,6 +207,14 @@ def eval_run(cfg: DictConfig, workdir: str, stored: dict) -> EvalRun:
                  **_sections(cfg, workdir, "init", "eval"))
 
 
+def export_run(cfg: DictConfig, workdir: str, stored: dict) -> ExportRun:
+  given = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
+  model, data = stored_model_and_data(stored, given.get("model"), given.get("data"))
+  objective = from_dict(ObjectiveConfig, _known(ObjectiveConfig, stored.get("objective")))
+  return ExportRun(model=model, data=data, loss=stored_loss(stored), objective=objective,
+                   **_sections(cfg, workdir, "init"))
+
+
 def checkpoint_paths(value, command: str = "fewshot") -> list[str]:
   """init.checkpoint as a list of paths: one workdir, or a list of them."""
   paths = [value] if isinstance(value, str) else list(value or [])
@@ -253,7 +261,8 @@ def released_config(path: str, cfg: DictConfig, task: str,
   """
   given = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
   model, data = _prune_none(given.get("model") or {}), _prune_none(given.get("data") or {})
-  needs_data = task != "fewshot"
+  # Few-shot reads its own datasets; an export needs only the preprocessing, the default one.
+  needs_data = task not in ("fewshot", "export")
   missing = [k for k, v in (("model", model), ("data", data if needs_data else {"name": 1}))
              if not v.get("name")]
   if missing:
@@ -264,9 +273,9 @@ def released_config(path: str, cfg: DictConfig, task: str,
         f"{example}: the model whose parameters these are"
         + (", and the dataset its head predicts)." if needs_data else ")."))
   if not needs_data:
-    datasets = given.get("fewshot", {}).get("datasets") or ["released"]
-    data = {"name": str(datasets[0]).split(":")[0],
-            "pp": f"decode(3)|resize({model.get('image_size', 224)})|value_range(-1,1)"}
+    datasets = (given.get("fewshot") or {}).get("datasets") or [data.get("name") or "released"]
+    data = {"pp": f"decode(3)|resize({model.get('image_size', 224)})|value_range(-1,1)",
+            **data, "name": str(datasets[0]).split(":")[0]}
   return {"model": model, "data": data, "stage": "released"}
 
 
@@ -288,11 +297,13 @@ def load(task: str, cfg: DictConfig, workdir: str | None = None, *, check: bool 
   checked = validate if check else (lambda config: config)
   if task in ("pretrain", "finetune"):
     return checked(train_task(cfg, workdir))
-  if task == "eval":
+  if task in ("eval", "export"):
     path = cfg.init.checkpoint
     if not path:
-      raise ConfigError("vmoe eval needs init.checkpoint=<workdir of a pretrain/finetune run>.")
-    return checked(eval_run(cfg, workdir, _stored(path, cfg, task, checkpoints)))
+      raise ConfigError(f"vmoe {task} needs init.checkpoint=<workdir of a pretrain/finetune run, "
+                        "or a released checkpoint with its model= keys>.")
+    make = eval_run if task == "eval" else export_run
+    return checked(make(cfg, workdir, _stored(path, cfg, task, checkpoints)))
   if task in ("fewshot", "ensemble"):
     paths = checkpoint_paths(OmegaConf.to_container(cfg.init, resolve=True)["checkpoint"], task)
     stored = {p: _stored(p, cfg, task, checkpoints) for p in paths}

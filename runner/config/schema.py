@@ -607,8 +607,17 @@ class EnsembleTask(RunFields):
   ensemble: EnsembleConfig = field(default_factory=EnsembleConfig)
 
 
+@dataclass
+class ExportTask(RunFields):
+  """export: the model and its preprocessing come from the checkpoint; model.* keys set here
+  change how it runs at inference (k, capacity, Batch Prioritized Routing), as in eval."""
+  init: InitConfig = field(default_factory=InitConfig)
+  model: ModelOverrides = field(default_factory=ModelOverrides)
+  data: DataOverrides = field(default_factory=DataOverrides)
+
+
 TASK_SCHEMAS = {"pretrain": TrainTask, "finetune": TrainTask, "fewshot": FewshotTask,
-                "eval": EvalTask, "ensemble": EnsembleTask}
+                "eval": EvalTask, "ensemble": EnsembleTask, "export": ExportTask}
 
 
 # What a later stage runs: the checkpoint's stored model and data with the command line on top.
@@ -623,6 +632,17 @@ class EvalRun(RunFields):
   # A contrastive checkpoint's (from its stored config): evaluated zero-shot.
   objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
   text: TextConfig = field(default_factory=TextConfig)
+
+
+@dataclass
+class ExportRun(RunFields):
+  """vmoe export, resolved: the model as it runs at inference, the preprocessing its inputs
+  need (data.pp), and the loss that says whether it predicts with a softmax or sigmoids."""
+  init: InitConfig = MISSING
+  model: ModelConfig = MISSING
+  data: DataConfig = MISSING
+  loss: Loss = MISSING
+  objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
 
 @dataclass

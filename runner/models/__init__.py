@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from runner.config.derived import moe_layer_indices
+from runner.config.derived import moe_layer_indices, tokens_per_group, tokens_per_image
 from runner.config.schema import HeadType, ModelConfig
 from runner.models.catalog import UnknownModelError, model_config
 from runner.models.moe import routers
@@ -18,16 +18,6 @@ def _name(option) -> str:
 def is_moe(config: ModelConfig) -> bool:
   return bool(config.moe.num_experts) and bool(moe_layer_indices(config.moe.layers or [],
                                                                  config.num_layers))
-
-
-def tokens_per_image(config: ModelConfig) -> int:
-  """Patches, plus the class token of a `token` classifier."""
-  return (config.image_size // config.patch_size) ** 2 + (_name(config.classifier) == "token")
-
-
-def tokens_per_group(config: ModelConfig) -> int:
-  """Tokens of a full routing group (`model.moe.group_size` images)."""
-  return config.moe.group_size * tokens_per_image(config)
 
 
 def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") -> VisionTransformer:

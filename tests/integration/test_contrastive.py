@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import QUIET, TINY_MODEL
+from conftest import QUIET, TINY_MODEL, fails_clearly
 
 pytestmark = pytest.mark.xdist_group("contrastive")
 
@@ -146,6 +146,13 @@ def test_summarize_tabulates_a_contrastive_run(det, tmp_path, run_cli):
   assert "Traceback" not in err
   table = (tmp_path / "runs" / "summary.md").read_text()
   assert f"{_summary(det)['val/zero_shot_prec@1']:.4f}" in table, table
+
+
+def test_export_refuses_a_contrastive_run(det, tmp_path, run_cli):
+  """vmoe export writes classifiers: it names the way to one, and writes nothing."""
+  fails_clearly(run_cli("export", f"init.checkpoint={det}", f"workdir={tmp_path / 'out'}", *QUIET),
+                "contrastive run", "init.tower=image")
+  assert not (tmp_path / "out").exists()
 
 
 # --- LiT ------------------------------------------------------------------------------------------

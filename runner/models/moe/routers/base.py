@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Protocol
+from typing import Mapping, Protocol
 
 import jax
 
@@ -33,6 +33,33 @@ class Plan(Protocol):
     """(G, S, E) bool: the experts a token chose (`routed=False`), or the experts that process
     it after capacity (`routed=True`). Asked only of a `discrete` family's plan; None for a
     router without discrete choices (soft)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchRouting:
+  """How a family routes in PyTorch: what `vmoe export` (runner/export) writes for its routers.
+
+  - `config`: the router's entries in the exported config.json (JSON values: its inference
+    settings, e.g. the capacity ratio in force at inference); the exporter adds `type`, the
+    family's name.
+  - `source`: the PyTorch source of the router class (and any helper it needs), which the
+    exporter appends to the exported modeling_vmoe.py. It imports nothing: it uses that file's
+    names (torch, nn, F, math, and the routing helpers `expert_capacity`, `top_k`, `SlotPlan`,
+    `plan_top_k`; runner/export/modeling_vmoe.py). A family keeps it in a file next to its
+    module, `<module>_torch.py`, that nothing imports.
+  - `class_name`: the router class in `source`. `router = Class(config, dim, num_experts)` is
+    an `nn.Module`; `router(x, first, count)` routes (G, S, D) groups among experts
+    [first, first + count) with those experts' router columns and returns a plan with
+    `dispatch(x) -> (count, G, C, D)` buffers and `combine(y) -> (G, S, D)` tokens.
+  - `parameters`: {name under the layer's `router/` in the Flax parameters: (name in the torch
+    module's state dict, axes to transpose the array by, or None)}; the default maps a (D, E)
+    gate kernel `dense/kernel` onto an `nn.Linear` named `dense` ((E, D) weight).
+  """
+  config: Mapping[str, typing.Any]
+  source: str
+  class_name: str
+  parameters: Mapping[str, tuple[str, tuple[int, ...] | None]] = dataclasses.field(
+      default_factory=lambda: {"dense/kernel": ("dense.weight", (1, 0))})
 
 
 class RouterFamily:
@@ -66,6 +93,10 @@ class RouterFamily:
     routing change compares in the reference code.
   - `sown_records(plan)` ({}): extra per-token arrays, sown under their names (Soft MoE: its
     dispatch and combine weights).
+
+  Export (runner/export, `vmoe export`): `torch_routing(router, tokens=, experts=)` (None): a
+  `TorchRouting`, the family's router in PyTorch (its source, its config.json entries, how its
+  parameters map); a family that gives none is refused by vmoe export.
 
   Fine-tuning across families: `router_parameters` (("dense/kernel",)), the names of the router's
   parameters; a released checkpoint's routers initialise this family's when their names match.
@@ -126,6 +157,14 @@ class RouterFamily:
     (images, tokens, N)."""
     del plan
     return {}
+
+  @classmethod
+  def torch_routing(cls, router, *, tokens: int, experts: int) -> TorchRouting | None:
+    """How this family's routers run in PyTorch at inference, for `vmoe export`; `tokens` are
+    those of a full routing group, `experts` the layer's. None: this family does not say how it
+    routes in PyTorch, and vmoe export refuses a model that uses it."""
+    del router, tokens, experts
+    return None
 
   @classmethod
   def dropped_at_capacity(cls, router, weights: jax.Array, capacity: int

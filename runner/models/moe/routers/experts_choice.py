@@ -18,6 +18,7 @@ tokens that at least one expert processes, and its complement as `fraction_dropp
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from typing import Optional
 
 import jax
@@ -26,7 +27,7 @@ import flax.linen as nn
 
 from runner.config.schema import CapacityRounding
 from runner.models.moe import routing
-from runner.models.moe.routers.base import RouterFamily, register
+from runner.models.moe.routers.base import RouterFamily, TorchRouting, register
 from runner.models.moe.routers.token_choice import SHARED_KEYS
 
 
@@ -181,6 +182,20 @@ class ExpertsChoice(RouterFamily):
   @classmethod
   def experts_per_token(cls, router, tokens: int, experts: int, capacity: int) -> float:
     return experts * capacity / tokens
+
+  @classmethod
+  def torch_routing(cls, router, *, tokens: int, experts: int) -> TorchRouting:
+    """experts_choice_torch.py at the inference capacity ratio (eval_capacity_ratio when set)."""
+    del tokens, experts
+    ratio = router.capacity_ratio
+    if router.eval_capacity_ratio is not None:
+      ratio = router.eval_capacity_ratio
+    return TorchRouting(
+        config=dict(capacity_ratio=float(ratio),
+                    capacity_rounding=str(getattr(router.capacity_rounding, "value",
+                                                  router.capacity_rounding))),
+        source=pathlib.Path(__file__).with_name("experts_choice_torch.py").read_text(),
+        class_name="ExpertsChoiceRouter")
 
   @classmethod
   def dropped_at_capacity(cls, router, weights: jax.Array, capacity: int

@@ -23,6 +23,7 @@ as the reference reports.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from typing import Optional
 
 import jax
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from runner.config.checks import at_least, key
-from runner.models.moe.routers.base import RouterFamily, register
+from runner.models.moe.routers.base import RouterFamily, TorchRouting, register
 from runner.models.moe.routers.token_choice import SHARED_KEYS
 
 
@@ -166,6 +167,14 @@ class Soft(RouterFamily):
   @classmethod
   def experts_per_token(cls, router, tokens: int, experts: int, capacity: int) -> float:
     return float(experts)
+
+  @classmethod
+  def torch_routing(cls, router, *, tokens: int, experts: int) -> TorchRouting:
+    """soft_torch.py with the layer's P slots per expert; `mu` and `scale` keep their layouts."""
+    return TorchRouting(
+        config=dict(slots_per_expert=cls.slots(router, tokens, experts)),
+        source=pathlib.Path(__file__).with_name("soft_torch.py").read_text(),
+        class_name="SoftRouter", parameters={"mu": ("mu", None), "scale": ("scale", None)})
 
   @classmethod
   def sown_records(cls, plan: SoftPlan) -> dict[str, jax.Array]:

@@ -9,6 +9,7 @@ code names this router `NoisyTopExpertsPerItemRouter` (vmoe/nn/routing.py).
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from typing import Optional
 
 import jax
@@ -18,7 +19,7 @@ import flax.linen as nn
 from runner.config.checks import at_least, key, positive
 from runner.config.schema import CapacityRounding, Priority
 from runner.models.moe import routing
-from runner.models.moe.routers.base import RouterFamily, register
+from runner.models.moe.routers.base import RouterFamily, TorchRouting, register
 
 # Keys other families read too, with the same type, default and hint in each.
 SHARED_KEYS = {
@@ -161,6 +162,17 @@ class TokenChoice(RouterFamily):
     if routed:
       return jnp.where(plan.combine_weights > 0, plan.experts, -1)
     return plan.experts
+
+  @classmethod
+  def torch_routing(cls, router, *, tokens: int, experts: int) -> TorchRouting:
+    """token_choice_torch.py at the inference capacity ratio (eval_capacity_ratio when set)."""
+    del tokens, experts
+    return TorchRouting(
+        config=dict(k=int(router.k), capacity_ratio=float(_ratio(router, train=False)),
+                    capacity_rounding=_name(router.capacity_rounding),
+                    batch_priority=bool(router.batch_priority), priority=_name(router.priority)),
+        source=pathlib.Path(__file__).with_name("token_choice_torch.py").read_text(),
+        class_name="TokenChoiceRouter")
 
   @classmethod
   def dropped_at_capacity(cls, router, weights: jax.Array, capacity: int

@@ -1,0 +1,84 @@
+"""config.json of an export: what the PyTorch module needs to rebuild a model config's model at
+inference, and what the exporter cannot express.
+
+The router families answer for their routers (`RouterFamily.torch_routing`); they are looked up
+in the registry, which the families fill when they are imported (as the CLI imports them).
+"""
+from __future__ import annotations
+
+import typing
+
+from runner.config import derived, relations
+from runner.config.schema import HeadType, ModelConfig
+
+if typing.TYPE_CHECKING:
+  from runner.models.moe.routers.base import TorchRouting
+
+LAYER_NORM_EPS = 1e-6  # Flax's LayerNorm default, which every norm of the model uses
+OUTPUTS = ("softmax", "sigmoid")
+CHANNELS = 3  # what vmoe's preprocessing decodes; files.write_model reads it off the weights
+
+
+def _name(option) -> str:
+  """An enum option of the schema (or its plain string) as a string."""
+  return str(getattr(option, "value", option))
+
+
+def torch_routing(model: ModelConfig) -> TorchRouting | None:
+  """The router family's `TorchRouting` for this model's MoE layers (None: the family gives
+  none)."""
+  family = derived.router_family(model)
+  return family.torch_routing(model.router, tokens=derived.tokens_per_group(model),
+                              experts=model.moe.num_experts)
+
+
+def unsupported(model: ModelConfig) -> str | None:
+  """One sentence saying what of `model` the exporter cannot express, or None (the check vmoe
+  export runs before anything, runner/config/relations.py)."""
+  return relations.unexportable(model)
+
+
+def _head(model: ModelConfig) -> dict:
+  h = model.head
+  if h.type == HeadType.det:
+    return {"type": "det"}
+  return {"type": _name(h.type), "num_factors": int(h.num_factors),
+          "parameter_efficient": bool(h.parameter_efficient),
+          "mc_samples": int(h.eval_mc_samples),
+          "temperature": None if h.temperature is None else float(h.temperature),
+          "temperature_bounds": [float(b) for b in h.temperature_bounds],
+          "mc_chunk_size": None if h.mc_chunk_size is None else int(h.mc_chunk_size),
+          "share_samples_across_batch": bool(h.share_samples_across_batch)}
+
+
+def _moe(model: ModelConfig) -> dict | None:
+  if not derived.num_experts(model):
+    return None
+  routing = torch_routing(model)
+  if routing is None:
+    raise ValueError(unsupported(model))
+  return {"layers": list(derived.moe_layers(model)), "num_experts": int(model.moe.num_experts),
+          "group_size": int(model.moe.group_size),
+          "ensemble_size": int(model.moe.ensemble_size),
+          "ensemble_variant": _name(model.moe.ensemble_variant),
+          "router": {"type": derived.router_family(model).name, **routing.config}}
+
+
+def config_json(model: ModelConfig, num_classes: int, output: str) -> dict:
+  """The architecture and inference settings of `model` with a head of `num_classes` whose
+  probabilities are a softmax or sigmoids (`output`), as the exported module reads them."""
+  if output not in OUTPUTS:
+    raise ValueError(f"unknown output {output!r}; valid: {OUTPUTS}")
+  return {
+      "model_type": "vmoe",
+      "image_size": int(model.image_size), "patch_size": int(model.patch_size),
+      "num_channels": CHANNELS, "hidden_size": int(model.hidden_size),
+      "mlp_dim": int(model.mlp_dim), "num_layers": int(model.num_layers),
+      "num_heads": int(model.num_heads), "classifier": _name(model.classifier),
+      "representation_size": (int(model.representation_size) if model.representation_size
+                              else None),
+      "attention_qk_norm": bool(model.attention_qk_norm), "layer_norm_eps": LAYER_NORM_EPS,
+      "num_classes": int(num_classes), "output": output,
+      "moe": _moe(model),
+      "head": _head(model),
+  }

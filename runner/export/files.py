@@ -1,0 +1,58 @@
+"""Writes an export folder: model.safetensors, config.json and modeling_vmoe.py."""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Mapping
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from runner.config import derived
+from runner.config.schema import ModelConfig
+from runner.export import architecture, layout
+
+TEMPLATE = pathlib.Path(__file__).with_name("modeling_vmoe.py")
+MARKER = "# ---- router families (added by vmoe export) ----"
+
+
+def modeling_source(model: ModelConfig) -> str:
+  """The template of modeling_vmoe.py with the model's router family appended at its marker
+  line, and registered in ROUTERS under the family's name."""
+  template = TEMPLATE.read_text()
+  if template.count(MARKER) != 1:
+    raise RuntimeError(f"{TEMPLATE} must hold the line {MARKER!r} once")
+  if not derived.num_experts(model):
+    return template
+  routing = architecture.torch_routing(model)
+  if routing is None:
+    raise ValueError(architecture.unsupported(model))
+  name = derived.router_family(model).name
+  family = (f"{MARKER}\n\n{routing.source.strip()}\n\n\n"
+            f"ROUTERS[{json.dumps(name)}] = {routing.class_name}")
+  return template.replace(MARKER, family)
+
+
+def write_model(directory, *, params: Mapping, model: ModelConfig, num_classes: int, output: str,
+                extra_config: dict | None = None) -> dict:
+  """Writes `params` (the Flax parameter tree of `model` with a head of `num_classes`) as a
+  PyTorch model folder in `directory`; returns the config.json it wrote (`extra_config` merged
+  in, e.g. the preprocessing and where the weights came from)."""
+  problem = architecture.unsupported(model)
+  if problem:
+    raise ValueError(problem)
+  tensors = layout.torch_state_dict(params, model)
+  config = architecture.config_json(model, num_classes, output)
+  config["num_channels"] = int(tensors["embedding.weight"].shape[1])
+  head = tensors.get("head.weight", tensors.get("head.loc_layer.weight"))
+  if head is not None and head.shape[0] != num_classes:
+    raise ValueError(f"the parameters' head predicts {head.shape[0]} classes, not {num_classes}")
+  config.update(extra_config or {})
+  directory = pathlib.Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()},
+            str(directory / "model.safetensors"), metadata={"format": "pt"})
+  (directory / "model.safetensors").chmod(0o644)  # safetensors writes it private to its owner
+  (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+  (directory / "modeling_vmoe.py").write_text(modeling_source(model))
+  return config

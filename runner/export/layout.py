@@ -1,0 +1,177 @@
+"""The Flax parameters of a vmoe model under the exported PyTorch module's names and layouts.
+
+Every Flax parameter is mapped exactly once, by an explicit rule, or the conversion fails naming
+the parameters it could not place: a converter that skips what it does not know (an MoE layer's
+experts, say) would write a model that loads and runs, and is wrong.
+
+Layouts: `nn.Linear` weights are (out, in), the transpose of a Flax kernel; the patch embedding
+is an `nn.Conv2d` weight (out, in, kh, kw); the experts' weights are stacked (E, out, in); a
+router's parameters are placed as its family's `TorchRouting.parameters` say. numpy only.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Mapping
+
+import numpy as np
+
+from runner.config import derived
+from runner.config.schema import ModelConfig
+from runner.export import architecture
+
+Rule = tuple[str, Callable[[np.ndarray], np.ndarray]]
+
+
+class LayoutError(ValueError):
+  """The parameters do not map one to one onto the exported module's."""
+
+
+def flatten(params: Mapping) -> dict[str, np.ndarray]:
+  """A nested parameter tree -> {"block_1/moe/experts/fc1_kernel": array} (as
+  runner.models.transfer.flatten names them)."""
+  flat = {}
+  for key, value in params.items():
+    if isinstance(value, Mapping):
+      flat.update({f"{key}/{name}": v for name, v in flatten(value).items()})
+    else:  # an array, or a Flax init's boxed (logically partitioned) array
+      flat[str(key)] = np.asarray(value.unbox() if hasattr(value, "unbox") else value)
+  return flat
+
+
+def _same(a):
+  return a
+
+
+def _transpose(a):  # a Dense kernel (in, out) -> an nn.Linear weight (out, in)
+  return a.T
+
+
+def _heads_in(a):  # a (D, H, hd) projection kernel -> (H * hd, D)
+  return a.reshape(a.shape[0], -1).T
+
+
+def _heads_out(a):  # an (H, hd, D) output kernel -> (D, H * hd)
+  return a.reshape(-1, a.shape[-1]).T
+
+
+def _flat(a):  # (3, H, hd) or (H, hd) biases -> one vector
+  return a.reshape(-1)
+
+
+def _qkv(a):  # the fused (D, 3, H, hd) kernel -> (3 * H * hd, D)
+  return a.reshape(a.shape[0], -1).T
+
+
+def _conv(a):  # the (p, p, C, D) patch embedding -> an nn.Conv2d weight (D, C, p, p)
+  return a.transpose(3, 2, 0, 1)
+
+
+def _experts(a):  # stacked (E, in, out) kernels -> (E, out, in)
+  return a.transpose(0, 2, 1)
+
+
+def _linear(flax_name: str, torch_name: str) -> dict[str, Rule]:
+  return {f"{flax_name}/kernel": (f"{torch_name}.weight", _transpose),
+          f"{flax_name}/bias": (f"{torch_name}.bias", _same)}
+
+
+def _norm(flax_name: str, torch_name: str, bias: bool = True) -> dict[str, Rule]:
+  rules = {f"{flax_name}/scale": (f"{torch_name}.weight", _same)}
+  if bias:
+    rules[f"{flax_name}/bias"] = (f"{torch_name}.bias", _same)
+  return rules
+
+
+# Rules of the parameters inside one encoder block (the names after `block_<i>/`).
+_BLOCK: dict[str, Rule] = {
+    **_norm("norm1", "norm1"), **_norm("norm2", "norm2"),
+    "attention/qkv_kernel": ("attention.qkv.weight", _qkv),
+    "attention/qkv_bias": ("attention.qkv.bias", _flat),
+    "attention/out_kernel": ("attention.out.weight", _heads_out),
+    "attention/out_bias": ("attention.out.bias", _same),
+    **_norm("attention/query_ln", "attention.query_ln", bias=False),
+    **_norm("attention/key_ln", "attention.key_ln", bias=False),
+    **_linear("mlp/fc1", "mlp.fc1"), **_linear("mlp/fc2", "mlp.fc2"),
+    "moe/experts/fc1_kernel": ("moe.experts.fc1_weight", _experts),
+    "moe/experts/fc1_bias": ("moe.experts.fc1_bias", _same),
+    "moe/experts/fc2_kernel": ("moe.experts.fc2_weight", _experts),
+    "moe/experts/fc2_bias": ("moe.experts.fc2_bias", _same),
+}
+
+# Rules of the parameters outside the blocks.
+_TOP: dict[str, Rule] = {
+    "embedding_kernel": ("embedding.weight", _conv),
+    "embedding_bias": ("embedding.bias", _same),
+    "cls": ("cls", _same),
+    "pos_embedding": ("pos_embedding", _same),
+    **_norm("encoder_norm", "encoder_norm"),
+    "map_head/probe": ("map_head.probe", _same),
+    **{f"map_head/attention/{p}/kernel": (f"map_head.attention.{p}.weight", _heads_in)
+       for p in ("query", "key", "value")},
+    **{f"map_head/attention/{p}/bias": (f"map_head.attention.{p}.bias", _flat)
+       for p in ("query", "key", "value")},
+    "map_head/attention/out/kernel": ("map_head.attention.out.weight", _heads_out),
+    "map_head/attention/out/bias": ("map_head.attention.out.bias", _same),
+    **_norm("map_head/attention/query_ln", "map_head.attention.query_ln", bias=False),
+    **_norm("map_head/attention/key_ln", "map_head.attention.key_ln", bias=False),
+    **_norm("map_head/norm", "map_head.norm"),
+    **_linear("map_head/mlp/fc1", "map_head.mlp.fc1"),
+    **_linear("map_head/mlp/fc2", "map_head.mlp.fc2"),
+    **_linear("pre_logits", "pre_logits"),
+    **_linear("head", "head"),  # a linear head
+    **{k: v for layer in ("loc_layer", "diag_layer", "scale_layer", "scale_layer_homoscedastic",
+                          "scale_layer_heteroscedastic")
+       for k, v in _linear(f"head/{layer}", f"head.{layer}").items()},  # a heteroscedastic head
+    "head/pre_sigmoid_temperature": ("head.pre_sigmoid_temperature", _same),
+}
+
+_IN_BLOCK = re.compile(r"block_(\d+)/(.+)")
+_ROUTER = "moe/router/"
+
+
+def _router_rules(model: ModelConfig) -> dict[str, Rule]:
+  """The router family's parameters (under a block's `moe/router/`)."""
+  routing = architecture.torch_routing(model) if derived.num_experts(model) else None
+  if routing is None:
+    return {}
+  rules = {}
+  for flax_name, (torch_name, axes) in routing.parameters.items():
+    transform = _same if axes is None else (lambda a, axes=tuple(axes): a.transpose(axes))
+    rules[_ROUTER + flax_name] = (f"moe.router.{torch_name}", transform)
+  return rules
+
+
+def torch_state_dict(params: Mapping, model: ModelConfig) -> dict[str, np.ndarray]:
+  """{PyTorch parameter name: float32 C-contiguous array} for the Flax parameter tree `params`
+  of `model`. Raises LayoutError naming every parameter that no rule places, or that two
+  parameters would land on the same name."""
+  block_rules = {**_BLOCK, **_router_rules(model)}
+  out: dict[str, np.ndarray] = {}
+  source: dict[str, str] = {}
+  unmapped, twice = [], []
+  for name, value in flatten(params).items():
+    match = _IN_BLOCK.fullmatch(name)
+    rule = block_rules.get(match[2]) if match else _TOP.get(name)
+    if rule is None:
+      unmapped.append(name)
+      continue
+    target, transform = rule
+    if match:
+      target = f"blocks.{int(match[1])}.{target}"
+    if target in out:
+      twice.append(f"{source[target]} and {name} -> {target}")
+      continue
+    out[target] = np.ascontiguousarray(transform(np.asarray(value)), dtype=np.float32)
+    source[target] = name
+  problems = []
+  if unmapped:
+    routers = [n for n in unmapped if f"/{_ROUTER}" in n]
+    hint = (" (router parameters are placed by the family's TorchRouting.parameters)"
+            if routers else "")
+    problems.append(f"no place in the PyTorch module for {len(unmapped)} Flax parameter(s): "
+                    f"{', '.join(unmapped)}{hint}")
+  if twice:
+    problems.append(f"Flax parameters mapped onto the same PyTorch name: {'; '.join(twice)}")
+  if problems:
+    raise LayoutError("cannot export these parameters: " + ". ".join(problems) + ".")
+  return out

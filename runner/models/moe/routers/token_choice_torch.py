@@ -1,0 +1,26 @@
+# Token-choice routing (V-MoE, Riquelme et al. 2021) at inference, in PyTorch:
+# vmoe's token_choice_torch.py, which `vmoe export` copies into modeling_vmoe.py; it uses
+# that file's names and imports nothing. The Flax router it mirrors: token_choice.py.
+
+
+class TokenChoiceRouter(nn.Module):
+  """Each token picks its TOP-k experts by gates softmax(x W) (float32, no noise at inference);
+  an expert keeps at most `capacity` assignments per routing group, placed as `plan_top_k` says
+  (Algorithm 1, or Batch Prioritized Routing), and drops the rest.
+
+  config: k, capacity_ratio (the one in force at inference), capacity_rounding, batch_priority,
+  priority ("max" or "sum").
+  """
+
+  def __init__(self, config: dict, dim: int, num_experts: int):
+    super().__init__()
+    self.config = config
+    self.dense = nn.Linear(dim, num_experts, bias=False)  # one column per expert
+
+  def forward(self, x: torch.Tensor, first: int, count: int) -> SlotPlan:
+    c = self.config
+    logits = F.linear(x.float(), self.dense.weight[first:first + count].float())
+    gates = torch.softmax(logits, dim=-1)  # over the `count` experts routed among
+    capacity = expert_capacity(x.shape[1], count, c["k"], c["capacity_ratio"],
+                               c["capacity_rounding"])
+    return plan_top_k(gates, c["k"], capacity, c["batch_priority"], c["priority"])
