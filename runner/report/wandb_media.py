@@ -10,6 +10,7 @@ Nothing happens for a run without W&B (logger.wandb.mode=disabled, or no run id)
 """
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import tempfile
 
@@ -29,6 +30,11 @@ def publish(path: str | pathlib.Path) -> list[str]:
   wandb = from_dict(WandbConfig, settings)
   if wandb.mode == WandbMode.disabled or not (path / "wandb_run_id").is_file():
     return []
+  run_id = (path / "wandb_run_id").read_text().strip()
+  if wandb.mode == WandbMode.online and list((path / "wandb").glob(f"offline-run-*-{run_id}")):
+    # The stage could not reach the server and logged offline: so do its pictures, at once,
+    # rather than probing the server again.
+    wandb = dataclasses.replace(wandb, mode=WandbMode.offline)
   writer = MetricWriter(str(path), run_config=run.config, wandb=wandb,
                         job_type=run.stage or "train")
   logged = []

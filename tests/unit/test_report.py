@@ -367,7 +367,7 @@ def test_an_evaluator_adds_its_own_section(tmp_path, monkeypatch):
   assert "report_section failed: RuntimeError: boom" in text
 
 
-def test_a_stage_with_wandb_gets_the_pages_heat_maps_and_tables(tmp_path, monkeypatch):
+def test_a_stage_with_wandb_gets_the_pages_heat_maps_and_tables(tmp_path, monkeypatch, capfd):
   """The heat map of each MoE layer as a W&B image and the final metrics and checkpoints as W&B
   tables, in the run's own (resumed, offline) W&B run; nothing without W&B."""
   import wandb
@@ -383,6 +383,15 @@ def test_a_stage_with_wandb_gets_the_pages_heat_maps_and_tables(tmp_path, monkey
     run = make_run(tmp_path / "up", config={"seed": 0, "logger": {"wandb": {"mode": "offline"}}})
     (run / "wandb_run_id").write_text("abc123")
     logged = wandb_media.publish(run)
+    # An online stage that fell back to offline (no key, no server) logs its pictures offline
+    # too, without trying the server again (which would warn again).
+    fell_back = make_run(tmp_path / "fell_back",
+                         config={"seed": 0, "logger": {"wandb": {"mode": "online"}}})
+    (fell_back / "wandb_run_id").write_text("def456")
+    (fell_back / "wandb" / "offline-run-20261126_100000-def456").mkdir(parents=True)
+    capfd.readouterr()
+    assert "report/final_metrics" in wandb_media.publish(fell_back)
+    assert "warning" not in capfd.readouterr().err.lower()
   finally:
     wandb.teardown()
   assert logged == ["moe/layer_1/expert_load_map", "moe/layer_3/expert_load_map",
