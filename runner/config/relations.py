@@ -102,9 +102,11 @@ def moe_layers_exist(model: ModelConfig):
             "model.moe.layers=[] for a dense ViT).")
 
 
-# The model.moe keys a dense ViT (no MoE layer) may hold, or that a relation of their own checks
-# there (ensemble_needs_experts).
-_DENSE_KEYS = ("layers", "ensemble_size", "ensemble_variant")
+# The model.moe keys a dense ViT (no MoE layer) may hold: its (empty) layers, the ensemble keys
+# (a relation of their own checks them there, ensemble_needs_experts), and expert dropout, which
+# the fine-tuning recipe (conf/finetune.yaml) sets for every model and a ViT, with no expert to
+# drop, ignores.
+_DENSE_KEYS = ("layers", "ensemble_size", "ensemble_variant", "expert_dropout")
 
 
 def _moe_layers(model: ModelConfig) -> tuple[int, ...] | None:

@@ -51,6 +51,19 @@ def _error(task, devices=None) -> str:
   return str(e.value)
 
 
+@pytest.mark.parametrize("stage,overrides", [
+    ("pretrain", ["model=vit_tiny"]), ("finetune", ["model=vit_tiny"]),
+    ("finetune", ["experiment=router_vit"]), ("finetune", ["model=vit_s32"]),
+    ("pretrain", ["experiment=router_vit"]), ("finetune", ["experiment=head_det"])])
+def test_a_stage_recipe_is_valid_for_a_dense_vit(stage, overrides):
+  """The fine-tuning recipe's expert dropout (conf/finetune.yaml) is no error on a ViT, which
+  has no expert to drop: the stage's own defaults are not the user's mistakes."""
+  with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+    cfg = compose(stage, overrides + ["init.checkpoint=runs/x"] * (stage == "finetune"))
+  config = train_task(cfg, "/tmp/w")
+  assert validate(config) is config
+
+
 def test_the_default_config_is_valid(default_task):
   assert default_task.model.moe.num_experts == 8 and default_task.model.moe.group_size == 8
   assert default_task.data.batch_size == 128
