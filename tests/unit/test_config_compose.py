@@ -7,12 +7,13 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import runner.config_store  # noqa: F401  (registers the schemas and model names with Hydra)
-from runner.config import conf_dir
+from runner.config import conf_dir, validate
+from runner.config.resolve import train_task
 from runner.models import catalog
 
 CONF = conf_dir()
 SWEEPS = CONF.parent / "sweeps"
-PRIMARY = ["pretrain", "finetune", "fewshot", "eval", "ensemble"]
+PRIMARY = ["pretrain", "finetune", "fewshot", "eval", "ensemble", "export"]
 GROUPS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
           for group in ("data", "optim", "schedule", "experiment", "sharding", "objective")}
 # Hydra's own groups: the shared settings and the launchers' options.
@@ -44,7 +45,7 @@ def test_every_stage_shares_the_hydra_settings():
   """conf/hydra/env/vmoe.yaml: a run writes into its workdir, a sweep's jobs into numbered
   folders of it; no primary config repeats a hydra: block."""
   for name in PRIMARY:
-    overrides = ["init.checkpoint=runs/x"] if name in ("eval", "ensemble") else []
+    overrides = ["init.checkpoint=runs/x"] if name in ("eval", "ensemble", "export") else []
     hydra = _compose(name, overrides + ["workdir=runs/w"], with_hydra=True).hydra
     sweep = OmegaConf.to_container(hydra.sweep, resolve=False)
     assert (hydra.run.dir, sweep["dir"], sweep["subdir"]) == (
@@ -62,7 +63,7 @@ def test_launchers_compose(launcher):
 
 @pytest.mark.parametrize("name", PRIMARY)
 def test_primary_configs_compose_and_resolve(name):
-  overrides = ["init.checkpoint=runs/x"] if name in ("eval", "ensemble") else []
+  overrides = ["init.checkpoint=runs/x"] if name in ("eval", "ensemble", "export") else []
   config = _resolved(_compose(name, overrides))
   assert set(config) >= {"seed", "workdir", "debug", "logger"}
 
@@ -104,7 +105,10 @@ def test_sweep_studies_compose_as_multirun(study):
     if key not in GROUPS:  # a config group (experiment=...) is not a key of the config
       assert OmegaConf.select(cfg, key, default="missing") != "missing", key  # None: "unchanged"
     for value in str(values).split(","):
-      _resolved(_compose(study, extra + [f"{key}={value}"], config_dir=SWEEPS, extra_dir=CONF))
+      job = _compose(study, extra + [f"{key}={value}"], config_dir=SWEEPS, extra_dir=CONF)
+      _resolved(job)
+      if "init" not in job or not job.init.checkpoint:  # a stage that reads no checkpoint
+        validate(train_task(job, "/tmp/w"))  # each job's values are valid, relations included
 
 
 def test_sweeps_readme_lists_every_study():
