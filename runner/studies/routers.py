@@ -7,7 +7,8 @@ skips finished ones):
    experts-choice and Soft MoE, vmoe_tiny-shaped with a GAP head, on MNIST-5k, seeds 0 and 1;
 2. `vmoe fewshot` of every pretrained run on the UCI digits (1, 5, 10, 25 shots);
 3. `vmoe finetune` of every run on the UCI digits (the same router family), then `vmoe eval`;
-4. a Markdown table (mean ± standard deviation over the seeds) in results.md.
+4. a Markdown table (mean ± standard deviation over the seeds) in results.md, and the upstream
+   sweep's `vmoe report` page (pretrain/report.html, shown in docs/routers.md).
 Extra arguments go to every stage (e.g. `logger.wandb.mode=disabled`).
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import pathlib
 import sys
 
-from runner import summarize
+from runner import report, summarize
 from runner.studies import driver
 from runner.summarize import Column
 
@@ -81,7 +82,10 @@ def table() -> str:
 
 
 def main(extra: list[str]) -> int:
-  return driver.main(ROOT, stages, table, extra)
+  code = driver.main(ROOT, stages, table, extra)
+  page = report.write_sweep_page(ROOT / "pretrain")[-1]
+  print(f"The upstream sweep's page: {page}")
+  return code
 
 
 if __name__ == "__main__":
