@@ -3,9 +3,9 @@
 Only what the files say is shown. A workdir records the stage, host, start and command line of
 the last process that held it (.vmoe.lock, runner/workdir_lock.py), the command-line overrides
 (.hydra/overrides.yaml), the resolved config (config.yaml), the final metrics (summary.json,
-whose file time is when the stage finished), the curves (metrics.jsonl), the evaluators'
-pictures, the checkpoints kept and, when W&B wrote its metadata, the git commit and devices.
-vmoe itself records no git commit and no device list, so a page shows them only from W&B.
+whose file time is when the stage finished), what it ran on (environment.json: the vmoe commit,
+package versions, devices, Python; for a run of an older vmoe, W&B's metadata when it wrote
+some), the curves (metrics.jsonl), the evaluators' pictures and the checkpoints kept.
 """
 from __future__ import annotations
 
@@ -196,7 +196,20 @@ def _facts(run: Run) -> list[tuple[str, str]]:
   if run.curves.last_step is not None:
     of = f" of {steps}" if isinstance(steps, int) and run.stage in ("pretrain", "finetune") else ""
     facts.append(("last logged step", f"{run.curves.last_step}{of}"))
-  facts += _wandb_facts(run.path)
+  environment = _json(run.path / "environment.json")  # runner/tasks/environment.py
+  facts += _environment_facts(environment)
+  facts += _wandb_facts(run.path, known=bool(environment))
+  return facts
+
+
+def _environment_facts(environment: dict) -> list[tuple[str, str]]:
+  """What the run ran on, as the stage recorded it in environment.json."""
+  facts = [(what, str(environment[key])) for key, what in (
+      ("git_commit", "vmoe git commit"), ("devices", "devices"), ("processes", "processes"),
+      ("python", "Python")) if environment.get(key) is not None]
+  packages = environment.get("packages")
+  if isinstance(packages, dict) and packages:
+    facts.append(("packages", ", ".join(f"{k} {v}" for k, v in packages.items())))
   return facts
 
 
@@ -206,13 +219,16 @@ def _duration(seconds: float) -> str:
   return f"{hours} h {minutes:02d} min {secs:02d} s" if hours else f"{minutes} min {secs:02d} s"
 
 
-def _wandb_facts(path: pathlib.Path) -> list[tuple[str, str]]:
+def _wandb_facts(path: pathlib.Path, known: bool = False) -> list[tuple[str, str]]:
   """The W&B run folder, and from its wandb-metadata.json (when W&B wrote one) the git commit
-  and the devices."""
+  and the devices, unless the run recorded them itself (`known`: a run of an older vmoe did
+  not)."""
   runs = sorted((path / "wandb").glob("*run-*"))
   if not runs:
     return []
   facts = [("W&B run", runs[-1].name)]
+  if known:
+    return facts
   meta = _json(runs[-1] / "files" / "wandb-metadata.json")
   git = meta.get("git") if isinstance(meta.get("git"), dict) else {}
   if git.get("commit"):

@@ -1,5 +1,5 @@
 """Steps every task takes: join the job, check the config against the devices, open data, write the
-config next to the results."""
+config (and what it ran on) next to the results."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +12,7 @@ from runner import checkpoint, data, parallel
 from runner.config import as_dict, derived, validate
 from runner.config.schema import DataConfig, ModelConfig
 from runner.models import transfer
+from runner.tasks import environment
 from runner.train import state as state_lib
 
 
@@ -40,6 +41,7 @@ def write_config(config, workdir: str) -> None:
   path = pathlib.Path(workdir)
   path.mkdir(parents=True, exist_ok=True)
   (path / "config.yaml").write_text(yaml.safe_dump(as_dict(config), sort_keys=False))
+  environment.write(path)
 
 
 def open_data(d: DataConfig) -> tuple[DataConfig, data.Source]:

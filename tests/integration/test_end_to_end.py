@@ -5,6 +5,7 @@ import json
 import pathlib
 import re
 
+import jax
 import numpy as np
 import pytest
 import yaml
@@ -46,6 +47,9 @@ def test_pretrain_writes_metrics_summary_config_and_checkpoints(pretrained):
     assert key in summary
   config = yaml.safe_load((pretrained / "config.yaml").read_text())
   assert config["model"]["name"] == "vmoe_tiny" and config["data"]["name"] == "mnist5k"
+  ran_on = json.loads((pretrained / "environment.json").read_text())  # what it ran on
+  assert ran_on["packages"]["jax"] == jax.__version__ and ran_on["processes"] == 1
+  assert ran_on["devices"].startswith(f"{jax.device_count()} x ")
   steps = sorted(int(p.name) for p in (pretrained / "checkpoints").iterdir() if p.name.isdigit())
   assert steps == [2, 4]
   for item in ("params", "opt_state", "meta", "config"):

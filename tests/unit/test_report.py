@@ -82,6 +82,9 @@ def make_run(folder: pathlib.Path, *, steps: int = 12, layers=(1, 3), experts: i
   (folder / "config.yaml").write_text(yaml.safe_dump(config or {"seed": 0, "plugins": []}))
   (folder / "reliability_mnist5k.png").write_bytes(_png())
   (folder / "routing_classes.png").write_bytes(_png())
+  (folder / "environment.json").write_text(json.dumps({
+      "git_commit": "0123abc +changes", "packages": {"jax": "0.10.2", "flax": "0.12.8"},
+      "devices": "1 x cpu (cpu)", "processes": 1, "host": "lab", "python": "3.12.3"}))
   (folder / "checkpoints" / str(steps)).mkdir(parents=True, exist_ok=True)
   (folder / "checkpoints" / str(steps) / "commit_success.txt").write_text("done")
   (folder / LOCK_FILE).write_text(f"pid 1 on host lab, started 2026-11-26 10:00:00: vmoe {stage} "
@@ -157,6 +160,9 @@ def test_run_page_has_every_section_and_a_heat_map_per_moe_layer(tmp_path):
   # What ran: the stage, the command line, the host, the overrides; strings from files escaped.
   assert "vmoe pretrain: up" in text and "<td>lab</td>" in text and "<td>optim.lr</td>" in text
   assert "<b>x&y</b>" not in text and "&lt;b&gt;x&amp;y&lt;/b&gt;" in text
+  # What it ran on (environment.json): the commit, the packages, the devices.
+  for fact in ("<td>0123abc +changes</td>", "jax 0.10.2, flax 0.12.8", "<td>1 x cpu (cpu)</td>"):
+    assert fact in text, fact
   # The pictures inline, the checkpoint listed, the per-layer summary as a column per layer.
   assert text.count('src="data:image/png;base64,') == 2
   assert "reliability_mnist5k.png" in text and "complete" in text

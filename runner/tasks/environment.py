@@ -1,0 +1,55 @@
+"""What a run ran on, written next to its config (environment.json): the vmoe commit, the
+versions of the libraries that decide its numbers, the devices, the host and Python. A run's
+report page shows it (runner/report/workdir.py); without it a number cannot be traced back."""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import pathlib
+import platform
+import socket
+import subprocess
+
+import jax
+
+FILE = "environment.json"
+# The libraries whose versions change what a run computes or how fast.
+PACKAGES = ("vmoe", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy",
+            "tensorflow-cpu", "tensorflow", "tensorflow-datasets")
+
+
+def _version(package: str) -> str | None:
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def _git_commit() -> str | None:
+  """The commit of the checkout vmoe runs from ("+changes" when its files differ from it), or
+  None outside a git checkout."""
+  root = pathlib.Path(__file__).resolve().parents[2]
+  if not (root / ".git").exists():
+    return None
+  try:
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                            text=True, timeout=5, check=True).stdout.strip()
+    changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return commit + (" +changes" if changed else "")
+
+
+def describe() -> dict:
+  devices = jax.devices()
+  kinds = sorted({d.device_kind for d in devices})
+  return {"git_commit": _git_commit(),
+          "packages": {p: v for p in PACKAGES if (v := _version(p)) is not None},
+          "devices": f"{len(devices)} x {', '.join(kinds)} ({jax.default_backend()})",
+          "processes": jax.process_count(), "host": socket.gethostname(),
+          "python": platform.python_version(), "platform": platform.platform()}
+
+
+def write(workdir: str | pathlib.Path) -> None:
+  (pathlib.Path(workdir) / FILE).write_text(json.dumps(describe(), indent=1) + "\n")
