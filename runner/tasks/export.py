@@ -15,6 +15,7 @@ import pathlib
 
 import jax
 import numpy as np
+from safetensors import safe_open
 
 from runner import weights
 from runner.config import derived
@@ -74,7 +75,7 @@ def _check(out: pathlib.Path, model, params, config: ExportRun, channels: int,
     return {"checked": False, "reason": "PyTorch is not installed where vmoe ran "
             "(pip install 'vmoe[torch]' adds it)"}
   group = config.model.moe.group_size if derived.num_experts(config.model) else 1
-  count = max(group, (CHECK_IMAGES // group) * group) if group <= CHECK_IMAGES else group
+  count = group * max(1, CHECK_IMAGES // group)
   pp = card.preprocessing_entry(config.data.pp, config.model.image_size, channels)
   images = parity.check_images(config.model.image_size, channels, tuple(pp["input_range"]), count,
                                seed=config.seed)
@@ -98,9 +99,5 @@ def _read_json(path: pathlib.Path) -> dict:
 
 
 def _tensor_count(out: pathlib.Path) -> int:
-  header = (out / "model.safetensors").read_bytes()[:8]
-  size = int.from_bytes(header, "little")
-  with open(out / "model.safetensors", "rb") as f:
-    f.seek(8)
-    names = json.loads(f.read(size))
-  return len([n for n in names if n != "__metadata__"])
+  with safe_open(str(out / "model.safetensors"), framework="numpy") as tensors:
+    return len(list(tensors.keys()))
