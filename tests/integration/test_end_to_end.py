@@ -175,8 +175,13 @@ def test_wandb_offline_run_is_written_in_the_workdir(tmp_path, run_cli):
                          "logger.progress=false", "logger.wandb.mode=offline", "train.steps=1",
                          "data.batch_size=16")
   assert code == 0, err
-  runs = list((tmp_path / "wandb").glob("offline-run-*"))
-  assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+  # One W&B run: the stage's, then the same run resumed for the page's tables (an offline
+  # resume is a folder of its own, with the same run id; `wandb sync` joins them).
+  runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+  run_id = (tmp_path / "wandb_run_id").read_text().strip()
+  assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs), runs
+  assert all(any(r.glob("*.wandb")) for r in runs)
+  assert any((runs[-1] / "files" / "media" / "table" / "report").glob("final_metrics_*.json"))
   # logger.report (default true): the stage ends by writing its vmoe report page, not in progress.
   page = (tmp_path / "report.html").read_text()
   assert "vmoe pretrain:" in page and "Training curves" in page and "In progress" not in page
