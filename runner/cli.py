@@ -502,13 +502,15 @@ def _write_report(workdir: str) -> None:
   if jax.process_index():
     return
   from runner import report  # lazily: matplotlib, only once a stage has run
+  run = None  # the workdir, read once for the page and for W&B
   try:
-    report.write_run_page(workdir, live=False)
+    run = report.read_run(workdir)
+    report.write_run_page(workdir, live=False, run=run)
   except Exception as e:  # noqa: BLE001 (the stage's results are written: a page is extra)
     print(f"vmoe: warning: the run's report.html was not written ({type(e).__name__}: {e}); "
           f"`vmoe report {workdir}` tries again.", file=sys.stderr)
   try:
-    report.publish_to_wandb(workdir)  # the page's heat maps and tables, when W&B is on
+    report.publish_to_wandb(workdir, run=run)  # the page's heat maps and tables, when W&B is on
   except Exception as e:  # noqa: BLE001 (as the page: extra, never the stage's failure)
     print(f"vmoe: warning: the run's heat maps and tables did not reach W&B "
           f"({type(e).__name__}: {e}).", file=sys.stderr)

@@ -17,7 +17,8 @@ import numpy as np
 
 TOLERANCE = 1e-4  # the largest difference of a probability allowed in float32
 
-# Run with: python -c SCRIPT <export folder> <images.npy> <probabilities.npy>.
+# Run with: python -c SCRIPT <export folder> <batches.npy> <probabilities.npy>; the batches are
+# (n, B, C, H, W), each fed to the model as one batch (its routing groups are the batch's).
 SCRIPT = """
 import importlib.util, pathlib, sys
 import numpy, torch
@@ -27,9 +28,9 @@ modeling = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(modeling)
 model = modeling.load(folder)
 with torch.no_grad():
-  probs = model.predict_proba(torch.from_numpy(numpy.load(images)))
-assert "jax" not in sys.modules, "the exported model imported JAX"
-numpy.save(out, probs.numpy())
+  probs = [model.predict_proba(torch.from_numpy(batch)).numpy() for batch in numpy.load(images)]
+assert "jax" not in sys.modules and "flax" not in sys.modules, "the exported model imported JAX"
+numpy.save(out, numpy.stack(probs))
 """
 
 
@@ -38,15 +39,18 @@ def torch_installed() -> bool:
 
 
 def torch_probabilities(folder: str | pathlib.Path, images: np.ndarray) -> np.ndarray:
-  """The exported model's `predict_proba` of float32 NCHW `images`, in a process without JAX."""
+  """The exported model's `predict_proba` of float32 NCHW `images`, in a process without JAX:
+  one batch (B, C, H, W) -> (B, classes), or batches (n, B, C, H, W) -> (n, B, classes)."""
+  batches = images[None] if images.ndim == 4 else images
   with tempfile.TemporaryDirectory() as tmp:
     inputs, outputs = pathlib.Path(tmp) / "images.npy", pathlib.Path(tmp) / "probs.npy"
-    np.save(inputs, np.ascontiguousarray(images, np.float32))
+    np.save(inputs, np.ascontiguousarray(batches, np.float32))
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(folder), str(inputs), str(outputs)],
                           capture_output=True, text=True, check=False)
     if done.returncode:
       raise RuntimeError(f"the exported model failed in PyTorch:\n{done.stderr[-4000:]}")
-    return np.load(outputs)
+    probs = np.load(outputs)
+  return probs[0] if images.ndim == 4 else probs
 
 
 def check_images(image_size: int, channels: int, input_range: tuple[float, float], count: int,

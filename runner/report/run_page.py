@@ -32,13 +32,14 @@ _DRAWN_ELSEWHERE = {"train/aux_loss", "train/cls_loss"}  # the MoE losses' chart
 
 
 def write_run_page(path: str | pathlib.Path, out: str | pathlib.Path | None = None, *,
-                   live: bool | None = None) -> pathlib.Path:
+                   live: bool | None = None, run: workdir.Run | None = None) -> pathlib.Path:
   """Writes the page of the run in `path` (to <path>/report.html, or `out`); returns its path.
   `live`: whether to show the "in progress" banner; None asks the workdir's lock (a lock this
-  process holds does not count: a stage writing its own page has finished its work)."""
+  process holds does not count: a stage writing its own page has finished its work). `run`:
+  the workdir as the caller read it already (`workdir.read(path)`)."""
   path = pathlib.Path(path)
   target = pathlib.Path(out) if out else path / PAGE
-  run = workdir.read(path)
+  run = run or workdir.read(path)
   if live is None:
     live = liveness.held_by_another_process(path)
   document = build(run, target.parent, live)

@@ -21,14 +21,16 @@ from runner.report import curves as curves_lib
 from runner.report import final_metrics, plots, workdir
 
 
-def publish(path: str | pathlib.Path) -> list[str]:
+def publish(path: str | pathlib.Path, run: workdir.Run | None = None) -> list[str]:
   """Logs the pictures and tables of the run in `path` to its W&B run; returns the keys logged
-  (none without W&B)."""
+  (none without W&B). `run`: the workdir as the caller read it already."""
   path = pathlib.Path(path)
-  run = workdir.read(path)
+  if not (path / "wandb_run_id").is_file():
+    return []  # W&B never ran here: nothing to read
+  run = run or workdir.read(path)
   settings = ((run.config.get("logger") or {}).get("wandb")) or {}
   wandb = from_dict(WandbConfig, settings)
-  if wandb.mode == WandbMode.disabled or not (path / "wandb_run_id").is_file():
+  if wandb.mode == WandbMode.disabled:
     return []
   run_id = (path / "wandb_run_id").read_text().strip()
   if wandb.mode == WandbMode.online and list((path / "wandb").glob(f"offline-run-*-{run_id}")):

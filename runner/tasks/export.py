@@ -43,11 +43,11 @@ def run(config: ExportRun, placement: Placement) -> dict:
   out.mkdir(parents=True, exist_ok=True)
   source = {"checkpoint": str(path), "step": step,
             "stage": (stored or {}).get("stage", "released"), "model": config.model.name}
-  extra = {"name": config.model.name, "source": source,
-           "preprocessing": card.preprocessing_entry(config.data.pp, size, channels)}
+  pp = card.preprocessing_entry(config.data.pp, size, channels)
+  extra = {"name": config.model.name, "source": source, "preprocessing": pp}
   exported = files.write_model(out, params=params, model=config.model, num_classes=num_classes,
                                output=output, extra_config=extra)
-  check = _check(out, model, params, config, channels, output)
+  check = _check(out, model, params, config, pp, output)
   summary = {"checkpoint_step": step, "export/tensors": _tensor_count(out),
              "export/parameters": int(sum(np.size(v) for v in jax.tree.leaves(params))),
              "export/checked": bool(check.get("checked"))}
@@ -69,15 +69,15 @@ def run(config: ExportRun, placement: Placement) -> dict:
   return summary
 
 
-def _check(out: pathlib.Path, model, params, config: ExportRun, channels: int,
-           output: str) -> dict:
+def _check(out: pathlib.Path, model, params, config: ExportRun, pp: dict, output: str) -> dict:
+  """Random images over the inputs' range (`pp`: config.json's preprocessing) through vmoe and
+  through the folder's PyTorch model."""
   if not parity.torch_installed():
     return {"checked": False, "reason": "PyTorch is not installed where vmoe ran "
             "(pip install 'vmoe[torch]' adds it)"}
   group = config.model.moe.group_size if derived.num_experts(config.model) else 1
   count = group * max(1, CHECK_IMAGES // group)
-  pp = card.preprocessing_entry(config.data.pp, config.model.image_size, channels)
-  images = parity.check_images(config.model.image_size, channels, tuple(pp["input_range"]), count,
+  images = parity.check_images(pp["image_size"], pp["channels"], tuple(pp["input_range"]), count,
                                seed=config.seed)
   logits, _ = model.apply({"params": params}, images, train=False)
   logits = np.asarray(logits, np.float64)

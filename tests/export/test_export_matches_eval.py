@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,6 +19,7 @@ pytest.importorskip("torch")
 from conftest import QUIET, TINY_MODEL, plugin_lab, vmoe_in  # noqa: E402
 from formats import vmoe_writer  # noqa: E402
 from formats.reference_tree import Dims, reference_tree  # noqa: E402
+from runner.export import parity  # noqa: E402
 
 TOLERANCE = 1e-4
 TRAIN = [*QUIET, "train.steps=30", "data.batch_size=16", "eval.every_steps=0",
@@ -40,23 +39,6 @@ CASES = {
     "experts_choice": (["model=ecmoe_tiny", "model.moe.layers=[1]"], []),
     "soft": (["model=softmoe_tiny", "model.moe.layers=[1]"], []),
 }
-
-# Runs the exported model on every batch of images.npy (batches, B, C, H, W) in a process of
-# its own, as a user would, and fails if JAX was imported.
-TORCH_SCRIPT = """
-import importlib.util, pathlib, sys
-import numpy, torch
-folder, images, out = sys.argv[1:4]
-spec = importlib.util.spec_from_file_location("modeling_vmoe", pathlib.Path(folder) / "modeling_vmoe.py")
-modeling = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(modeling)
-model = modeling.load(folder)
-with torch.no_grad():
-  probs = [model.predict_proba(torch.from_numpy(batch)).numpy() for batch in numpy.load(images)]
-assert "jax" not in sys.modules and "flax" not in sys.modules
-numpy.save(out, numpy.stack(probs))
-"""
-
 
 def _cli(*args: str) -> None:
   from runner import cli
@@ -101,22 +83,15 @@ def _eval_batches(eval_dir: pathlib.Path, dataset: str) -> tuple[np.ndarray, np.
   return np.stack(images).astype(np.float32), np.concatenate(masks).astype(bool)
 
 
-def _torch_probs(folder: pathlib.Path, images: np.ndarray, tmp: pathlib.Path) -> np.ndarray:
-  np.save(tmp / "images.npy", images)
-  done = subprocess.run([sys.executable, "-c", TORCH_SCRIPT, str(folder), str(tmp / "images.npy"),
-                         str(tmp / "probs.npy")], capture_output=True, text=True)
-  assert done.returncode == 0, done.stderr[-3000:]
-  probs = np.load(tmp / "probs.npy")
-  return probs.reshape(-1, probs.shape[-1])
-
-
-def _same_probabilities(folder: pathlib.Path, eval_dir: pathlib.Path, tmp: pathlib.Path) -> dict:
+def _same_probabilities(folder: pathlib.Path, eval_dir: pathlib.Path) -> dict:
   """Asserts the exported model gives the eval's probabilities; returns the eval's summary."""
   summary = json.loads((eval_dir / "summary.json").read_text())
   dataset = next(k.split("/")[0] for k in summary if k.endswith("/prec@1"))
   ours = np.load(eval_dir / "predictions.npz")[f"{dataset}/probs"]
   images, real = _eval_batches(eval_dir, dataset)
-  theirs = _torch_probs(folder, images, tmp)[real]
+  # In a process of its own that never imports JAX, as a user's would (it fails if JAX was).
+  probs = parity.torch_probabilities(folder, images)
+  theirs = probs.reshape(-1, probs.shape[-1])[real]
   assert theirs.shape == ours.shape
   print(f"\n{folder.parent.name}: {len(ours)} images, prec@1 {summary[f'{dataset}/prec@1']:.3f}, "
         f"max |p_torch - p_vmoe| = {np.abs(theirs - ours).max():.2e}")  # docs/export.md's table
@@ -135,7 +110,7 @@ def test_exported_model_gives_vmoe_evals_probabilities(runs, case, tmp_path):
   assert exported["export/checked"] and exported["export/max_abs_diff"] <= TOLERANCE
 
   _cli("eval", f"init.checkpoint={checkpoint}", f"workdir={eval_dir}", *keys, *EVAL)
-  summary = _same_probabilities(folder, eval_dir, tmp_path)
+  summary = _same_probabilities(folder, eval_dir)
   if DROPPING[0] in keys:  # the inference capacity really dropped tokens
     dropped = [v for k, v in summary.items() if "dropped" in k and isinstance(v, float)]
     assert dropped and max(dropped) > 0, {k: v for k, v in summary.items() if "drop" in k}
@@ -157,5 +132,5 @@ def test_a_plugin_router_exports_as_it_routes(tmp_path_factory, tmp_path):
     code, _, err = vmoe_in(lab, *args)
     assert code == 0, err[-3000:]
   assert "class SwitchRouter" in (folder / "modeling_vmoe.py").read_text()
-  summary = _same_probabilities(folder, eval_dir, tmp_path)
+  summary = _same_probabilities(folder, eval_dir)
   assert summary["mnist5k/moe/layer_1/fraction_dropped_tokens"] > 0

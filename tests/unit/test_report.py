@@ -385,6 +385,7 @@ def test_a_stage_with_wandb_gets_the_pages_heat_maps_and_tables(tmp_path, monkey
   wandb.teardown()
   try:
     off = make_run(tmp_path / "off", config={"logger": {"wandb": {"mode": "disabled"}}})
+    (off / "wandb_run_id").write_text("old123")  # W&B on in an earlier attempt, off now
     assert wandb_media.publish(off) == []
     run = make_run(tmp_path / "up", config={"seed": 0, "logger": {"wandb": {"mode": "offline"}}})
     (run / "wandb_run_id").write_text("abc123")
