@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
 import logging
 import os
+import pathlib
 import re
 import sys
 
@@ -23,7 +25,8 @@ from hydra.core.override_parser.types import IntervalSweep
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
-from runner import config as config_layer, plugins
+from hydra_plugins.vmoe_launchers import sweep_table
+from runner import config as config_layer, plugins, refused_workdir
 from runner.config import conf_dir, launchers, registries
 from runner.errors import UserError, VmoeError
 
@@ -131,8 +134,8 @@ _PLUGIN_CONFIGS = {"submitit_slurm": "hydra-submitit-launcher",
                    "optuna": "hydra-optuna-sweeper"}
 
 # Validating each job of a sweep before any runs costs one composition each; beyond this many
-# jobs only the first values of each swept key are checked up front (every job is checked anyway
-# when it starts).
+# jobs, a covering set of jobs is checked up front, which holds every value of each swept key at
+# least once (every job is checked anyway when it starts).
 MAX_CHECKED_JOBS = 64
 MAX_SHOWN_JOBS = 64  # `--multirun --cfg job` prints this many jobs' configs at most
 
@@ -185,11 +188,16 @@ def _job_count(overrides: list[str], study: dict) -> int:
 
 
 def _jobs(overrides: list[str], study: dict) -> list[list[str]]:
-  """The overrides of every job of the sweep (just one job without a sweep)."""
+  """The overrides of the jobs to check before the sweep runs: every job (just one without a
+  sweep), or beyond MAX_CHECKED_JOBS, jobs of the sweep that take every value of each swept key:
+  job i takes value i mod n of each key of n values (as many jobs as the longest key has values)."""
   fixed, axes = _sweep_axes(overrides, study)
   jobs = itertools.islice(itertools.product(*axes), MAX_CHECKED_JOBS + 1)
   combos = [fixed + list(c) for c in jobs]
-  return combos if len(combos) <= MAX_CHECKED_JOBS else [fixed + [a[0] for a in axes]]
+  if len(combos) <= MAX_CHECKED_JOBS:
+    return combos
+  return [fixed + [axis[i % len(axis)] for axis in axes]
+          for i in range(max(len(axis) for axis in axes))]
 
 
 def _register_requested_models(overrides: list[str]) -> None:
@@ -372,8 +380,8 @@ def _overrides_first(args: list[str]) -> list[str]:
 
 def _show_sweep(sub: str, args: list[str]) -> int:
   """`--multirun ... --cfg job`: each job's composed config, as `--cfg job` shows one run's
-  (Hydra itself refuses the pair). A search (hydra/sweeper=optuna) shows its fixed config and the
-  ranges searched."""
+  (Hydra itself refuses the pair), with the job's own folder as its workdir. A search
+  (hydra/sweeper=optuna) shows its fixed config and the ranges searched."""
   flags, overrides, _ = _split_args(args)
   what = flags.get("--cfg") or flags.get("-c")
   if what != "job":
@@ -394,9 +402,19 @@ def _show_sweep(sub: str, args: list[str]) -> int:
     print(OmegaConf.to_yaml(_compose(config_dir, config_name, fixed)))
     return 0
   total = _job_count(overrides, study)
+  previous = HydraConfig.instance().cfg
   for number, values in enumerate(itertools.islice(itertools.product(*axes), MAX_SHOWN_JOBS)):
+    # The job writes into the sweep's dir / subdir (conf/hydra/env/vmoe.yaml), not `workdir`;
+    # subdir's ${hydra.job.num} and ${hydra:...} resolve against the job's Hydra config.
+    job = _compose(config_dir, config_name, fixed + list(values), with_hydra=True)
+    with open_dict(job):
+      job.hydra.job.num = number
+      HydraConfig.instance().set_config(job)
+      job.workdir = os.path.join(str(job.hydra.sweep.dir), str(job.hydra.sweep.subdir))
+      del job["hydra"]
     print(f"# job {number} of {total}: {' '.join(values) or '(no swept key)'}")
-    print(OmegaConf.to_yaml(_compose(config_dir, config_name, fixed + list(values))))
+    print(OmegaConf.to_yaml(job))
+  HydraConfig.instance().cfg = previous
   if total > MAX_SHOWN_JOBS:
     print(f"# ... and {total - MAX_SHOWN_JOBS} more jobs")
   return 0
@@ -432,9 +450,10 @@ def _submission_problem(launcher: dict) -> str | None:
 
 
 def _quiet_library_noise() -> None:
-  """Orbax/TensorStore report a failed read by absl ERROR lines and, from their callback threads,
-  "Event loop is closed" tracebacks after the error has reached us: the one-paragraph message
-  says it all, so both are dropped (debug=true keeps them)."""
+  """Orbax/TensorStore report a failed read by absl ERROR lines and, after the error has reached
+  us, "Event loop is closed" tracebacks from their callback threads and one "Exception ignored"
+  traceback per array whose concurrent read was abandoned (dozens for a damaged checkpoint): the
+  one-paragraph message says it all, so these are dropped (debug=true keeps them)."""
   logging.getLogger("absl").setLevel(logging.CRITICAL)
   default = sys.unraisablehook
   if getattr(default, "vmoe_quiet", False):
@@ -444,26 +463,51 @@ def _quiet_library_noise() -> None:
     if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
         unraisable.exc_value):
       return
+    if _abandoned_checkpoint_read(unraisable.object):
+      return
     default(unraisable)
   hook.vmoe_quiet = True
   sys.unraisablehook = hook
 
 
+def _abandoned_checkpoint_read(obj) -> bool:
+  """A coroutine of the checkpoint library (Orbax) that Python collects unfinished: a read the
+  library abandoned when another read of the same checkpoint failed."""
+  code = getattr(obj, "cr_code", None)
+  return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+# hydra/launcher=parallel starts each job as a `vmoe` process of its own, a plain run to Hydra;
+# this variable tells the job its sweep: {"sweep_dir": ..., "overrides": [the job's overrides]}.
+SWEEP_JOB_VARIABLE = "VMOE_SWEEP_JOB"
+
+
 def _sweep_identity(typed) -> None:
   """A sweep's job: its W&B run joins the sweep's group (logger.wandb.group, else the sweep's
-  folder) and records the overrides that make the job."""
+  folder) and records the overrides that make the job, whichever launcher started it."""
   hydra = HydraConfig.get()
-  if hydra.mode != RunMode.MULTIRUN:
+  if hydra.mode == RunMode.MULTIRUN:  # the basic launcher, or SLURM's (Hydra's run_job there)
+    sweep_dir, overrides = str(hydra.sweep.dir), list(hydra.overrides.task)
+  elif os.environ.get(SWEEP_JOB_VARIABLE):
+    job = json.loads(os.environ[SWEEP_JOB_VARIABLE])
+    sweep_dir, overrides = job["sweep_dir"], job["overrides"]
+  else:
     return
   wandb = typed.logger.wandb
-  wandb.group = wandb.group or str(hydra.sweep.dir)
-  wandb.overrides = list(hydra.overrides.task)
+  wandb.group = wandb.group or sweep_dir
+  wandb.overrides = overrides
 
 
-def _job(sub: str):
+def _job(sub: str, existed: pathlib.Path | None = None):
+  """The Hydra task function of stage `sub`; `existed`: the deepest folder of the workdir's path
+  that existed before Hydra created it (what a refused run removes stops there)."""
   def job(cfg):
     from runner import weights
     from runner.tasks import run_task
+    hydra_config = HydraConfig.get()
+    workdir = hydra_config.runtime.output_dir
+    new_workdir = (hydra_config.mode == RunMode.RUN
+                   and refused_workdir.is_new(workdir, hydra_config.job.name))
     try:
       # A job in a process of its own (a launcher's: SLURM, the parallel one) registers the
       # built-ins and loads the plug-ins it was composed with before its config is typed.
@@ -479,6 +523,8 @@ def _job(sub: str):
         _write_report(typed.workdir)
       return metric
     except VmoeError as e:
+      if isinstance(e, UserError) and new_workdir:
+        refused_workdir.remove(workdir, existed)  # nothing a later run could take for one
       if cfg.get("debug"):
         raise
       print(f"vmoe {sub}: error: {e}", file=sys.stderr)
@@ -532,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
   _quiet_environment()
   try:  # before the schemas reach Hydra: a plug-in adds names and keys to them
     plugins.load(plugins.requested(_split_args(rest)[1]))
+    rest = _with_recorded_plugins(sub, rest)
   except UserError as e:
     print(f"vmoe {sub}: error: {e}", file=sys.stderr)
     return 2
@@ -556,10 +603,70 @@ def main(argv: list[str] | None = None) -> int:
       a.startswith("hydra.sweeper.direction") for a in rest):
     rest = rest + ["hydra.sweeper.direction=maximize"]  # each stage returns its main metric
   sys.argv = [f"vmoe {sub}"] + _overrides_first(rest)
-  hydra.main(config_path=str(conf_dir()), config_name=sub, version_base=None)(_job(sub))()
-  if any(a in ("-h", "--help") for a in rest):
-    print(_registered_names())
+  shows_help = any(a in ("-h", "--help") for a in rest)
+  existed = None if modes or _split_args(rest)[2] else _workdir_existed(sub, rest)
+  try:
+    hydra.main(config_path=str(conf_dir()), config_name=sub, version_base=None)(
+        _job(sub, existed))()
+  finally:  # Hydra exits as soon as it has printed its help, or a sweep's job has failed
+    sweep_table.print_stopped_sweep()  # a sweep that a failed job stopped: its table all the same
+    if shows_help:
+      print(_registered_names())
   return 0
+
+
+def _with_recorded_plugins(sub: str, args: list[str]) -> list[str]:
+  """A stage started from runs trained with plug-ins loads them too, and records them as its own
+  `plugins=` (so a job in a process of its own, and the next stage, load them): their router
+  families, models and evaluators are what those checkpoints need. Said in one line."""
+  from runner import weights  # lazily, as every library module here
+  overrides = _split_args(args)[1]
+  given = plugins.requested(overrides)
+  recorded = {}  # module -> the first run that recorded it
+  for path in _init_checkpoints(overrides):
+    try:
+      stored = weights.stored_config(path) or {}
+    except UserError:
+      continue  # the checkpoint's own check says what is wrong with it
+    for name in stored.get("plugins") or []:
+      if str(name) not in given:
+        recorded.setdefault(str(name), path)
+  if not recorded:
+    return args
+  runs = ", ".join(sorted(set(recorded.values())))
+  try:
+    plugins.load(list(recorded))
+  except plugins.PluginError as e:
+    raise plugins.PluginError(
+        f"init.checkpoint={runs} was trained with plugins=[{','.join(recorded)}], which vmoe "
+        f"{sub} loads to read it, and they cannot be loaded here: {e}") from None
+  print(f"vmoe {sub}: loading the plug-ins {runs} was trained with: "
+        f"plugins=[{','.join(recorded)}]", file=sys.stderr)
+  given_as = [a for a in args if a.partition("=")[0].lstrip("+~") == "plugins"]
+  if any("],[" in a.replace(" ", "") for a in given_as):
+    return args  # a sweep over plug-in lists: each job's list stands as given
+  names = ",".join(given + list(recorded))
+  kept = [a for a in args if a not in given_as]
+  return kept + [f"plugins=[{names}]"]
+
+
+def _init_checkpoints(overrides: list[str]) -> list[str]:
+  """The paths `init.checkpoint=` names: one, or a list (ensemble, few-shot)."""
+  for override in overrides:
+    key, eq, value = override.partition("=")
+    if eq and key.lstrip("+~") == "init.checkpoint":
+      items = re.split(r"[,\[\]]+", value)
+      return [item.strip().strip("'\"") for item in items if item.strip() not in ("", "null")]
+  return []
+
+
+def _workdir_existed(sub: str, args: list[str]) -> pathlib.Path:
+  """The deepest folder of the run's workdir path that exists before Hydra creates the workdir."""
+  flags, overrides, _ = _split_args(args)
+  composed = _compose(flags.get("-cd") or flags.get("--config-dir"),
+                      flags.get("-cn") or flags.get("--config-name") or sub,
+                      _sweep_axes(overrides, {})[0])
+  return refused_workdir.nearest_existing(str(composed.workdir))
 
 
 def _register_builtins() -> None:

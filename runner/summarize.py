@@ -49,14 +49,19 @@ def find_jobs(root: str | pathlib.Path) -> list[Job]:
   jobs = []
   for summary in sorted(root.rglob("summary.json"), key=lambda p: _natural(p.parent)):
     folder = summary.parent
-    overrides = {}
-    path = folder / ".hydra" / "overrides.yaml"
-    if path.exists():
-      for line in yaml.safe_load(path.read_text()) or []:
-        key, _, value = str(line).partition("=")
-        overrides[key.lstrip("+~")] = value
-    jobs.append(Job(folder, overrides, json.loads(summary.read_text())))
+    jobs.append(Job(folder, read_overrides(folder), json.loads(summary.read_text())))
   return jobs
+
+
+def read_overrides(folder: pathlib.Path) -> dict:
+  """A job folder's overrides (.hydra/overrides.yaml): key -> value, as typed."""
+  overrides = {}
+  path = folder / ".hydra" / "overrides.yaml"
+  if path.exists():
+    for line in yaml.safe_load(path.read_text()) or []:
+      key, _, value = str(line).partition("=")
+      overrides[key.lstrip("+~")] = value
+  return overrides
 
 
 def _natural(path: pathlib.Path):

@@ -98,9 +98,11 @@ def fails_clearly(result, *expected) -> str:
 
 
 def nothing_like_a_run(workdir: pathlib.Path) -> None:
-  """No artefact a resume could take for a run."""
+  """Nothing a resume could take for a run: a refused command removes the workdir it created,
+  and empties one that was an empty folder before (runner/refused_workdir.py)."""
   for artefact in ("checkpoints", "wandb", "summary.json", "metrics.jsonl"):
     assert not (workdir / artefact).exists(), artefact
+  assert not workdir.exists() or not any(workdir.iterdir()), sorted(workdir.iterdir())
 
 
 EXAMPLE_PLUGINS = pathlib.Path(__file__).resolve().parents[1] / "examples" / "plugins"

@@ -1,1 +1,3 @@
-"""vmoe's Hydra launchers (found by Hydra's plugin discovery in the hydra_plugins namespace)."""
+"""vmoe's Hydra plug-ins (the hydra_plugins namespace): the `parallel` launcher, which
+Hydra's plug-in discovery finds, and the table a sweep prints when it ends (a callback that
+conf/hydra/env/vmoe.yaml names)."""

@@ -3,8 +3,11 @@
 Each job is a fresh `vmoe <stage>` process with the job's overrides and its own workdir (the
 folder Hydra would give it: the sweep dir and subdir), so no accelerator state is shared or
 forked. With several GPUs, the jobs split them (CUDA_VISIBLE_DEVICES); otherwise each job is
-pinned to its share of the CPU cores (sched_setaffinity). A job's return value, what the
-optuna sweeper optimises, is its stage's main metric read from its summary.json.
+pinned to its share of the CPU cores, which it does itself as it starts (pinned_job.py), so that
+this multi-threaded process is never forked. To Hydra the job is a plain run: the launcher tells it
+that it is a job of the sweep (runner.cli.SWEEP_JOB_VARIABLE), so that its W&B run joins the
+sweep's group as a job of the basic launcher does. A job's return value, what the optuna sweeper
+optimises, is its stage's main metric read from its summary.json.
 """
 
 import dataclasses
@@ -23,6 +26,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra.plugins.launcher import Launcher
 from omegaconf import OmegaConf, open_dict
+
+from hydra_plugins.vmoe_launchers.pinned_job import CPUS_VARIABLE
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +95,7 @@ class ParallelLauncher(Launcher):
     return [{"env": {}, "cpus": None} for _ in range(self.jobs)]
 
   def _job_dir(self, overrides: Sequence[str], num: int):
-    """The job's config (as a sweep job) and its output folder: sweep dir / subdir."""
+    """The job's config (as a sweep job), the sweep's folder and the job's: sweep dir / subdir."""
     sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config,
                                                                       list(overrides))
     with open_dict(sweep_config.hydra.job):
@@ -98,29 +103,42 @@ class ParallelLauncher(Launcher):
     previous = HydraConfig.instance().cfg
     HydraConfig.instance().set_config(sweep_config)  # for ${hydra:...} in the subdir
     try:
-      directory = pathlib.Path(str(sweep_config.hydra.sweep.dir)) / str(
-          OmegaConf.select(sweep_config, "hydra.sweep.subdir"))
+      sweep_dir = str(sweep_config.hydra.sweep.dir)
+      subdir = str(OmegaConf.select(sweep_config, "hydra.sweep.subdir"))
+      directory = pathlib.Path(sweep_dir) / subdir
     finally:
       if previous is not None:
         HydraConfig.instance().set_config(previous)
-    return sweep_config, directory
+    return sweep_config, sweep_dir, directory
 
   def _command(self, overrides: Sequence[str], workdir: pathlib.Path) -> list[str]:
-    """`vmoe <stage>` with the sweep's config source and this job's overrides and workdir."""
+    """`vmoe <stage>` (pinned_job.py) with the sweep's config source and this job's overrides
+    and workdir."""
     stage = os.environ.get("VMOE_STAGE")
     if not stage:
       raise RuntimeError("hydra/launcher=parallel runs vmoe stages: start it with the vmoe CLI")
     runtime = self.config.hydra.runtime
     primary = next((s.path for s in runtime.config_sources if s.provider == "main"), None)
-    command = [sys.executable, "-m", "runner.cli", stage]
+    command = [sys.executable, "-m", "hydra_plugins.vmoe_launchers.pinned_job", stage]
     if primary and primary.startswith("file://"):
       command += ["-cd", primary[len("file://"):]]
     command += ["-cn", str(self.config.hydra.job.config_name)]
     return command + list(overrides) + [f"workdir={workdir}"]
 
+  @staticmethod
+  def _start(command: list[str], slot: dict, environment: dict, logfile) -> subprocess.Popen:
+    """The job's process, spawned: no preexec_fn, which would fork this multi-threaded process;
+    the job pins itself to the slot's cores."""
+    env = {**os.environ, **slot["env"], **environment}
+    env.pop(CPUS_VARIABLE, None)
+    if slot["cpus"]:
+      env[CPUS_VARIABLE] = ",".join(str(cpu) for cpu in sorted(slot["cpus"]))
+    return subprocess.Popen(command, stdout=logfile, stderr=subprocess.STDOUT, env=env)
+
   def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
              ) -> Sequence[JobReturn]:
     # lazily: Hydra imports this plug-in at every start, and runner.tasks brings the library
+    from runner.cli import SWEEP_JOB_VARIABLE
     from runner.tasks import main_metric
     slots = self._slots()
     pending = list(enumerate(job_overrides, start=initial_job_idx))
@@ -132,14 +150,13 @@ class ParallelLauncher(Launcher):
       while pending and free:
         slot = free.pop(0)
         num, overrides = pending.pop(0)
-        sweep_config, workdir = self._job_dir(overrides, num)
+        sweep_config, sweep_dir, workdir = self._job_dir(overrides, num)
         workdir.mkdir(parents=True, exist_ok=True)
         logfile = open(workdir / "launcher.log", "w")
         cpus = slots[slot]["cpus"]
-        process = subprocess.Popen(
-            self._command(overrides, workdir), stdout=logfile, stderr=subprocess.STDOUT,
-            env={**os.environ, **slots[slot]["env"]},
-            preexec_fn=(lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None)
+        identity = json.dumps({"sweep_dir": sweep_dir, "overrides": list(overrides)})
+        process = self._start(self._command(overrides, workdir), slots[slot],
+                              {SWEEP_JOB_VARIABLE: identity}, logfile)
         log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))} -> {workdir}"
                  + (f" (cpus {sorted(cpus)})" if cpus else "")
                  + (f" (gpus {slots[slot]['env']['CUDA_VISIBLE_DEVICES']})"

@@ -22,8 +22,8 @@ from runner.config.schema import (AdversarialProtocol, ContrastiveLoss, DataConf
                                   DistributedConfig, EnsembleRun, EnsembleVariant, EvalConfig,
                                   EvalRun, EvalSuiteConfig, ExportRun, FewshotConfig, FewshotRun, HeadConfig,
                                   HeadType, ModelConfig, MoeConfig, Objective, ObjectiveConfig,
-                                  RouterConfig, RunFields, TextConfig, TokenizerKind, TrainConfig,
-                                  TrainTask)
+                                  OptimConfig, RouterConfig, RunFields, ScheduleConfig, TextConfig,
+                                  TokenizerKind, TrainConfig, TrainTask)
 from runner.config.mesh import mesh_shape
 from runner.errors import ConfigError, UserError
 
@@ -320,6 +320,53 @@ def contrastive_measurements_in_training(objective: ObjectiveConfig, eval: EvalC
 def duration_given(train: TrainConfig):
   if train.steps is None and train.epochs is None:
     return "set the training duration: train.steps=<n> or train.epochs=<x>."
+  if train.steps is not None and train.epochs is not None:
+    return (f"train.epochs={train.epochs:g} would be ignored: train.steps={train.steps} (each "
+            "stage's recipe sets it) decides the run's length when both are set; add "
+            f"train.steps=null to train for {train.epochs:g} epochs, or drop train.epochs.")
+
+
+def warmup_problem(schedule: ScheduleConfig, optim: OptimConfig, steps: int,
+                   length: str) -> str | None:
+  """A warm-up as long as the run never reaches optim.lr and never decays: the run would not be
+  the schedule asked for. `length` says where the run's steps come from (`train.steps=20`)."""
+  warmup = schedule.warmup_steps
+  if warmup and warmup >= steps:
+    last = optim.lr * steps / warmup
+    return (f"schedule.warmup_steps={warmup} is not shorter than the run ({length}): the "
+            f"learning rate would rise for the whole run, to {last:.3g} at its last step, never "
+            f"reaching optim.lr={optim.lr:g} nor decaying (schedule={schedule.name}); give a "
+            "warm-up shorter than the run, e.g. "
+            + (f"schedule.warmup_steps={steps // 5} (a fifth of it) or " if steps >= 5 else "")
+            + "schedule.warmup_steps=0.")
+  cooldown = schedule.cooldown_steps if schedule.name == "rsqrt" else 0
+  if cooldown and warmup + cooldown > steps:
+    return (f"schedule.warmup_steps={warmup} and schedule.cooldown_steps={cooldown} take "
+            f"{warmup + cooldown} steps, more than the run ({length}): rsqrt's cooldown would "
+            "start before its warm-up ends; shorten them to warmup_steps + cooldown_steps <= "
+            f"{steps}.")
+  return None
+
+
+def warmup_warning(schedule: ScheduleConfig, steps: int, length: str) -> str | None:
+  """A warm-up longer than half the run still peaks and decays, but it is most of the run: said
+  once as the stage starts, since shrinking train.steps alone keeps the recipe's warm-up."""
+  warmup = schedule.warmup_steps
+  if warmup and 2 * warmup > steps:
+    left = steps - warmup
+    return (f"schedule.warmup_steps={warmup} is {warmup / steps:.0%} of the run ({length}), "
+            f"leaving {left} step{'s' if left > 1 else ''} of schedule={schedule.name} after "
+            "it; set schedule.warmup_steps to change that.")
+  return None
+
+
+@relation
+def warmup_fits_the_run(schedule: ScheduleConfig, optim: OptimConfig, train: TrainConfig):
+  """With train.steps given; a run of train.epochs is checked once its split size is known
+  (runner/tasks/fit.py)."""
+  if train.steps is None:
+    return None
+  return warmup_problem(schedule, optim, train.steps, f"train.steps={train.steps}")
 
 
 @relation

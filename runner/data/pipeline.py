@@ -190,9 +190,9 @@ def _shard_stream(source: Source, split: str, pp: str, batch_size: int, *, seed:
   else:
     raw = source.read(split, shard, shards)
   num = source.num_examples(split) // shards
-  if num < batch_size:
-    raise ValueError(f"split {split!r} of {source.name!r} has {num} examples per shard, fewer "
-                     f"than one batch of {batch_size}")
+  if num < batch_size:  # the training task checks this first, naming the keys (tasks/fit.py)
+    raise DataError(f"split {split!r} of {source.name!r} has {num} examples per shard, fewer "
+                    f"than one batch of {batch_size}")
   if num <= _CACHE_MAX_EXAMPLES:
     raw = raw.cache()
   buffer = min(shuffle_buffer, num)

@@ -76,6 +76,20 @@ class MahalanobisFit:
     self.means = np.full((self.num_classes, self.dim), np.nan)
     self.means[seen] = centred_means + self.shift
 
+  def unreliable(self) -> str | None:
+    """Why the fitted covariance cannot be trusted, or None: the pooled within-class covariance
+    of N examples of C classes has rank at most N - C, so with N - C below the feature width it
+    is singular, and its pseudo-inverse measures distance only along the few directions the
+    training features span."""
+    seen = int((self.class_counts > 0).sum())
+    examples = int(self.class_counts.sum())
+    if examples - seen >= self.dim:
+      return None
+    return (f"the Mahalanobis score's covariance of {self.dim}-dimensional pre-logits was "
+            f"fitted on {examples} training images of {seen} classes: it is singular (rank at "
+            f"most {examples - seen} < {self.dim}), so that score cannot be trusted; fit it on "
+            f"more than {self.dim + seen} training images (many times more for a stable one)")
+
   def score(self, features: np.ndarray) -> np.ndarray:
     """-min_c (x - mu_c)^T Sigma^-1 (x - mu_c) over the classes seen in training; (N,)."""
     if self.precision is None:

@@ -20,10 +20,13 @@ class Evaluator(suite_lib.Evaluator):
     fit = predictions.fit_mahalanobis(s.step, s.params,
                                       s.batches(in_dist, in_dist.config.split), num_classes,
                                       put=s.placement.put)
+    result = suite_lib.Result()
+    result.summary[f"{in_dist.name}/mahalanobis_fit_examples"] = int(fit.class_counts.sum())
+    if fit.unreliable():
+      s.warn(fit.unreliable())
     stats = predictions.PredictionStats(loss_name=s.loss_name, scores=True, mahalanobis=fit)
     s.evaluate(s.batches(in_dist), stats, f"OOD scores of {in_dist.name}/{in_dist.split}")
     in_scores = stats.score_arrays()
-    result = suite_lib.Result()
     if keep:
       result.arrays.update({f"{in_dist.name}/score_{k}": v for k, v in in_scores.items()})
     for ood in s.ood:

@@ -90,6 +90,7 @@ class Suite:
     self.readers: dict[str, Reader] = {}  # evaluator name -> its reader of every main pass
     self.read: set[str] = set()  # the datasets whose main pass the readers have seen
     self.shared: dict = {}  # what an evaluator leaves for later ones (e.g. the pass's speed)
+    self.warned: set[str] = set()
 
   @property
   def in_distribution(self) -> Dataset:
@@ -98,6 +99,13 @@ class Suite:
   def say(self, text: str) -> None:
     if self.verbose:
       print(text, file=sys.stderr, flush=True)
+
+  def warn(self, text: str) -> None:
+    """What a measurement's reader must know, said once even when the suite runs quietly (the
+    evaluations of training)."""
+    if jax.process_index() == 0 and text not in self.warned:
+      self.warned.add(text)
+      print(f"warning: {text}.", file=sys.stderr, flush=True)
 
   def batches(self, dataset: Dataset, split: str | None = None, pp: str | None = None):
     return data.eval_batches(dataset.source, split or dataset.split, pp or dataset.config.pp,

@@ -12,7 +12,7 @@ from runner.errors import ConfigError
 from runner.models import build_model, transfer
 from runner.models.moe import routers
 from runner.parallel import Placement
-from runner.tasks import common, contrastive, dataset_specs, fewshot_data
+from runner.tasks import common, contrastive, dataset_specs, fewshot_data, fit
 from runner.train import state as state_lib
 from runner.loop import train_and_evaluate
 
@@ -102,6 +102,8 @@ def run_training(config: TrainTask, placement: Placement, stage: str) -> dict:
   if config.init.checkpoint and not resuming:
     weights.check(config.init.checkpoint)  # a wrong path fails before the data is read
   data_config, source = common.open_data(config.data)
+  fit.check_batch_fits_the_split(config, data_config.split, source)
+  fit.check_schedule_fits_the_run(config, data_config.split, source)
   config = dataclasses.replace(config, data=data_config)
   fewshot = None
   if derived.fewshot_in_training(config.fewshot):  # every dataset checked before any compute

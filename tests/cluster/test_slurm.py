@@ -44,7 +44,8 @@ def _params(workdir: pathlib.Path):
 def test_a_sweep_runs_as_slurm_jobs_each_with_its_workdir(slurm, tmp_path):
   code, out = vmoe("pretrain", "--multirun", "hydra/launcher=slurm", "seed=0,1",
                    "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10",
-                   f"workdir={tmp_path / 'sweep'}", *TINY, "train.steps=3", env=slurm.env)
+                   f"workdir={tmp_path / 'sweep'}", *TINY, "train.steps=3",
+                   "schedule.warmup_steps=0", env=slurm.env)
   assert code == 0, out[-3000:]
   for job in (0, 1):
     workdir = tmp_path / "sweep" / str(job)
@@ -71,7 +72,8 @@ def test_a_two_task_job_trains_through_jax_distributed_from_slurm(slurm, tmp_pat
   """tasks_per_node=2: both processes join jax.distributed from SLURM's environment (no
   distributed.* keys), one batch split over 2 devices; the losses match one process's reading
   the data in the same 2 shards (data.num_shards=2: the batches of a 2-process job)."""
-  args = [*TINY, "train.steps=4", "train.log_every_steps=1", "checkpoint.every_steps=0",
+  args = [*TINY, "train.steps=4", "schedule.warmup_steps=0", "train.log_every_steps=1",
+          "checkpoint.every_steps=0",
           "data.num_shards=2"]
   code, out = vmoe("pretrain", f"workdir={tmp_path / 'one'}", *args)
   assert code == 0, out[-3000:]
@@ -123,7 +125,8 @@ STEPS = 1000
 
 
 def test_scancel_term_checkpoints_and_the_requeued_job_resumes_exactly(slurm, tmp_path):
-  args = [*TINY, f"train.steps={STEPS}", "train.log_every_steps=1", "checkpoint.every_steps=0",
+  args = [*TINY, f"train.steps={STEPS}", "schedule.warmup_steps=0", "train.log_every_steps=1",
+          "checkpoint.every_steps=0",
           "eval.every_steps=0"]
   code, out = vmoe("pretrain", f"workdir={tmp_path / 'straight'}", *args)
   assert code == 0, out[-3000:]
@@ -169,7 +172,8 @@ def jax_leaves(tree):
 
 def test_the_parallel_launcher_runs_jobs_at_once_on_this_machine(tmp_path):
   code, out = vmoe("pretrain", "--multirun", "hydra/launcher=parallel", "hydra.launcher.jobs=2",
-                   "seed=0,1", f"workdir={tmp_path / 'sweep'}", *TINY, "train.steps=20")
+                   "seed=0,1", f"workdir={tmp_path / 'sweep'}", *TINY, "train.steps=20",
+                   "schedule.warmup_steps=0")
   assert code == 0, out[-3000:]
   spans = []
   for job in (0, 1):
@@ -185,7 +189,8 @@ def test_the_parallel_launcher_runs_jobs_at_once_on_this_machine(tmp_path):
 def test_an_optuna_search_records_its_best_trial(tmp_path):
   code, out = vmoe("pretrain", "--multirun", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4",
                    "'optim.lr=tag(log,interval(1e-4,1e-1))'".strip("'"),
-                   f"workdir={tmp_path / 'search'}", *TINY, "train.steps=3")
+                   f"workdir={tmp_path / 'search'}", *TINY, "train.steps=3",
+                   "schedule.warmup_steps=0")
   assert code == 0, out[-3000:]
   results = yaml.safe_load((tmp_path / "search" / "optimization_results.yaml").read_text())
   assert set(results["best_params"]) == {"optim.lr"}
@@ -199,7 +204,7 @@ def test_a_plugin_router_sweeps_on_slurm_and_in_parallel(slurm, tmp_path):
   """A router family from a user's module (examples/plugins/switch_router.py): each job, in a
   process of its own, loads the plug-in it was composed with."""
   plugin = ["plugins=[examples.plugins.switch_router]", "model.router.type=switch",
-            "model.router.z_loss_weight=0.0,0.1", *TINY, "train.steps=2"]
+            "model.router.z_loss_weight=0.0,0.1", *TINY, "train.steps=2", "schedule.warmup_steps=0"]
   for launcher, extra in (("slurm", ["hydra.launcher.cpus_per_task=1",
                                      "hydra.launcher.timeout_min=10"]),
                           ("parallel", ["hydra.launcher.jobs=2"])):

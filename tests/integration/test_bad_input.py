@@ -24,7 +24,7 @@ pytestmark = pytest.mark.xdist_group("bad_input")
 
 # W&B offline (not disabled), so that "no W&B run was started" is a real check.
 LOGS = ["logger.wandb.mode=offline", "logger.progress=false"]
-TRAIN = [*TINY_MODEL, *LOGS, "train.steps=1", "data.batch_size=16"]
+TRAIN = [*TINY_MODEL, *LOGS, "train.steps=1", "schedule.warmup_steps=0", "data.batch_size=16"]
 
 
 # --- config values, pretrain / finetune --------------------------------------------------------
@@ -99,6 +99,16 @@ TRAINING_CASES = [
       "eval.routing.layers=[]"]),
     (["eval.routing_analysis=true", "eval.routing.capacities=[0]"],
      ["eval.routing.capacities=[0.0]", "must be > 0"]),
+    # the schedule against the run's length (train.steps given: checked with the config)
+    (["train.steps=20", "schedule.warmup_steps=20"],
+     ["schedule.warmup_steps=20 is not shorter than the run (train.steps=20)",
+      "never reaching optim.lr=0.003", "schedule.warmup_steps=4 (a fifth of it)"]),
+    (["train.steps=20", "schedule.warmup_steps=50"], ["to 0.0012 at its last step"]),
+    (["schedule=rsqrt", "train.steps=100", "schedule.warmup_steps=10",
+      "schedule.cooldown_steps=95"],
+     ["schedule.warmup_steps=10 and schedule.cooldown_steps=95 take 105 steps", "<= 100"]),
+    (["train.epochs=2"], ["train.epochs=2 would be ignored", "train.steps=1",
+                          "add train.steps=null"]),
     # router families: unknown names, bad slot counts, options that mean nothing for the router
     (["model.router.type=hash"], ["model.router.type='hash'", "token_choice", "experts_choice",
                                   "soft"]),
@@ -300,10 +310,45 @@ def test_broken_caption_file_is_listed_before_compute(run_cli, tmp_path):
     (["data.split=val"], ["no split 'val'", "train (4000 examples)"]),
     (["fewshot.every_steps=1", "fewshot.datasets=[lfw_faces]", "fewshot.shots=[50]"],
      ["'lfw_faces'", "50 shots"]),
+    # the run's length from train.epochs is known once the split is: 0.01 x 4,000 / 16 = 3 steps
+    (["train.steps=null", "train.epochs=0.01", "schedule.warmup_steps=5"],
+     ["schedule.warmup_steps=5 is not shorter than the run (train.epochs=0.01 = 3 steps of "
+      "data.batch_size=16 over 4000 examples)"]),
 ])
 def test_training_data(args, expected, run_cli, tmp_path):
   _fails_clearly(run_cli("pretrain", f"workdir={tmp_path}", *TRAIN, *args), *expected)
   _nothing_like_a_run(tmp_path)
+
+
+@pytest.fixture
+def small_folder(tmp_path) -> pathlib.Path:
+  """A first try on one's own images: 3 classes of 8 training and 4 test images."""
+  root = tmp_path / "my_images"
+  for split, count in (("train", 8), ("test", 4)):
+    for cls in ("cat", "dog", "fox"):
+      for i in range(count):
+        _png(root / split / cls / f"{i}.png")
+  return root
+
+
+@pytest.mark.parametrize("args, expected", [
+    # 24 training images, 2 held out for validation: 22 to train on, in batches of 8 images'
+    # routing groups (TINY_MODEL's V-MoE)
+    (["data.batch_size=128"],
+     ["data.batch_size=128 is larger than the training data", "split 'train[:22]'",
+      "2 of the 24 examples of 'train' are held out for validation, data.holdout_fraction=0.1",
+      "has 22 examples", "Use data.batch_size=16 or less",
+      "the pretrain recipe's default is 128, finetune's 64"]),
+    (["data.batch_size=32", "data.num_shards=2"],
+     ["data.batch_size=32", "data.num_shards=2 shards of 11 examples, each giving 16 images",
+      "Use data.batch_size=16 or less"]),
+])
+def test_a_dataset_smaller_than_a_batch_writes_nothing(args, expected, small_folder, run_cli,
+                                                       tmp_path):
+  workdir = tmp_path / "runs" / "first"
+  _fails_clearly(run_cli("pretrain", f"workdir={workdir}", *TRAIN, "data=image_folder",
+                         f"data.root={small_folder}", *args), *expected)
+  assert not (tmp_path / "runs").exists()  # the workdir and the folder Hydra made for it
 
 
 # --- checkpoints -------------------------------------------------------------------------------
@@ -315,11 +360,12 @@ def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("runs")
   quiet = ["logger.wandb.mode=disabled", "logger.progress=false"]
   assert cli.main(["pretrain", f"workdir={root / 'vmoe'}", *TINY_MODEL, *quiet, "train.steps=2",
+                   "schedule.warmup_steps=0",
                    "checkpoint.every_steps=1", "data.batch_size=16"]) == 0
   assert cli.main(["pretrain", f"workdir={root / 'vit'}", "model=vit_tiny", *TINY_MODEL, *quiet,
-                   "train.steps=1", "data.batch_size=16"]) == 0
+                   "train.steps=1", "schedule.warmup_steps=0", "data.batch_size=16"]) == 0
   assert cli.main(["pretrain", f"workdir={root / 'soft'}", "model=softmoe_tiny", *TINY_MODEL,
-                   *quiet, "train.steps=1", "data.batch_size=16"]) == 0
+                   *quiet, "train.steps=1", "schedule.warmup_steps=0", "data.batch_size=16"]) == 0
   damaged = {
       "corrupt_params": lambda d: _garbage(d / "checkpoints/2/params/_METADATA"),
       "corrupt_config": lambda d: _garbage(d / "checkpoints/2/config/metadata"),
@@ -391,6 +437,7 @@ def test_resume_with_no_readable_checkpoint_refuses_and_moves_nothing(runs, run_
   shutil.copytree(runs["all_corrupt"], workdir)
   before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
   _fails_clearly(run_cli("pretrain", f"workdir={workdir}", *TINY_MODEL, *LOGS, "train.steps=2",
+                         "schedule.warmup_steps=0",
                          "checkpoint.every_steps=1", "data.batch_size=16"),
                  "no checkpoint in", "step 2:", "step 1:", "does not start from scratch",
                  "mv ")
@@ -535,6 +582,27 @@ def test_fewshot_data(args, expected, runs, run_cli, tmp_path):
   _nothing_like_a_run(tmp_path)
 
 
+def test_a_damaged_checkpoint_ends_in_the_paragraph_alone(tmp_path):
+  """When one array of a checkpoint cannot be read, Orbax abandons the concurrent reads of the
+  others, and Python reports each abandoned coroutine as it collects it (dozens of tracebacks
+  after the message, for arrays of vmoe_tiny's width). The stages say the paragraph alone."""
+  from runner import cli
+  run = tmp_path / "run"
+  assert cli.main(["pretrain", f"workdir={run}", "model.num_layers=2", "model.image_size=16",
+                   *LOGS, "logger.wandb.mode=disabled", "train.steps=1",
+                   "schedule.warmup_steps=0", "data.batch_size=16"]) == 0
+  for chunk in (run / "checkpoints" / "1" / "params").glob("ocdbt.process_*/d/*"):
+    chunk.unlink()
+  for sub in ("eval", "export"):
+    proc = subprocess.run([sys.executable, "-m", "runner.cli", sub, f"init.checkpoint={run}",
+                           f"workdir={tmp_path / sub}", "logger.wandb.mode=disabled"],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[:3000]
+    assert f"checkpoint {run}/checkpoints/1 cannot be read" in proc.stderr
+    assert not (tmp_path / sub).exists()
+
+
 # --- the installed entry point -----------------------------------------------------------------
 
 def test_console_script_exit_code_and_message():
@@ -553,6 +621,9 @@ def test_help_lists_subcommands_and_config(run_cli):
     assert f"  {sub} " in out
   code, out, _ = run_cli("pretrain", "--help")
   assert code == 0 and "model: " in out and "vmoe_tiny" in out and "optim: " in out
+  names = out.split("== Registered names (built-in and from plugins=[...]) ==")[1]
+  assert "model.router.type: token_choice, experts_choice, soft" in names
+  assert "schedule.name: constant, linear, cosine, rsqrt" in names
   code, out, _ = run_cli("pretrain", "--cfg", "job", "model=vit_s32")
   assert code == 0
   assert "hidden_size: 512" in out and "patch_size: 32" in out and "num_layers: 8" in out
@@ -589,6 +660,7 @@ def ensemble_runs(runs, tmp_path_factory):
   from runner import cli
   root = tmp_path_factory.mktemp("ensemble_runs")
   quiet = ["logger.wandb.mode=disabled", "logger.progress=false", "train.steps=1",
+           "schedule.warmup_steps=0",
            "data.batch_size=16"]
   assert cli.main(["pretrain", f"workdir={root / 'pbe8'}", "model=vmoe_tiny_k1_m2", *TINY_MODEL,
                    "model.image_size=8", *quiet]) == 0
@@ -690,6 +762,7 @@ def het_run(tmp_path_factory):
   root = tmp_path_factory.mktemp("het_run")
   assert cli.main(["pretrain", f"workdir={root / 'het_xl'}", *TINY_MODEL,
                    "logger.wandb.mode=disabled", "logger.progress=false", "train.steps=1",
+                   "schedule.warmup_steps=0",
                    "data.batch_size=16",
                    "model.head.type=het_xl", "model.head.train_mc_samples=4",
                    "model.head.eval_mc_samples=4"]) == 0

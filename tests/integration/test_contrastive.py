@@ -32,7 +32,8 @@ SMALL_EVAL = ['data.eval_split="validation[:64]"', 'data.test_split="test[:64]"'
 CONTRASTIVE = ["objective=contrastive", *TINY_MODEL, *QUIET, *TEXT, *SMALL_EVAL,
                "data.batch_size=16", "train.log_every_steps=1"]
 # LiT with a HET-XL head, from the upstream run: checkpoints at 2, 4, 6, 8, all kept.
-LIT = [*CONTRASTIVE, "model.head.type=het_xl", "train.steps=8", "checkpoint.every_steps=2",
+LIT = [*CONTRASTIVE, "model.head.type=het_xl", "train.steps=8", "schedule.warmup_steps=0",
+       "checkpoint.every_steps=2",
        "checkpoint.keep=4"]
 TIMINGS = ("images_per_s",)  # measured, not computed: they differ between two runs
 
@@ -82,14 +83,15 @@ def root(tmp_path_factory) -> pathlib.Path:
 def upstream(root) -> pathlib.Path:
   """An image model's run: the tiny V-MoE classifier, 2 steps on MNIST."""
   _main("pretrain", f"workdir={root / 'up'}", *TINY_MODEL, *QUIET, *SMALL_EVAL,
-        "data.batch_size=16", "train.steps=2")
+        "data.batch_size=16", "train.steps=2", "schedule.warmup_steps=0")
   return root / "up"
 
 
 @pytest.fixture(scope="module")
 def det(root) -> pathlib.Path:
   """Two towers from scratch on the embedded captioned digits (the default data), 4 steps."""
-  _main("pretrain", f"workdir={root / 'det'}", *CONTRASTIVE, "train.steps=4")
+  _main("pretrain", f"workdir={root / 'det'}", *CONTRASTIVE, "train.steps=4",
+        "schedule.warmup_steps=0")
   return root / "det"
 
 
@@ -245,7 +247,8 @@ def test_a_killed_lit_run_resumes_to_the_uninterrupted_one(lit, upstream, tmp_pa
 
 def test_bfloat16_trains_with_finite_losses(det, root):
   workdir = root / "bf16"
-  _main("pretrain", f"workdir={workdir}", *CONTRASTIVE, "model.dtype=bfloat16", "train.steps=2")
+  _main("pretrain", f"workdir={workdir}", *CONTRASTIVE, "model.dtype=bfloat16", "train.steps=2",
+        "schedule.warmup_steps=0")
   records, summary = _records(workdir), _summary(workdir)
   losses = [records[s]["train/loss"] for s in (1, 2)]
   assert all(_finite(x) for x in losses)
@@ -264,7 +267,7 @@ def test_sigmoid_loss_with_a_trained_tokenizer_that_a_resumed_run_reuses(root, r
   workdir = root / "sigmoid"
   args = ["pretrain", f"workdir={workdir}", *CONTRASTIVE, "objective.loss=sigmoid",
           "text.tokenizer.kind=train", "text.tokenizer.vocab_size=64"]
-  code, _, err = run_cli(*args, "train.steps=2")
+  code, _, err = run_cli(*args, "train.steps=2", "schedule.warmup_steps=0")
   assert code == 0, err
   model_file = workdir / "tokenizer.model"
   assert model_file.is_file()
@@ -284,7 +287,7 @@ def test_sigmoid_loss_with_a_trained_tokenizer_that_a_resumed_run_reuses(root, r
   def no_training(*_args, **_kwargs):
     raise AssertionError("a resumed run trained a new tokenizer")
   monkeypatch.setattr(tokenizers, "train_sentencepiece", no_training)
-  code, _, err = run_cli(*args, "train.steps=4")
+  code, _, err = run_cli(*args, "train.steps=4", "schedule.warmup_steps=0")
   assert code == 0, err
   assert model_file.read_bytes() == before
   assert sorted(_records(workdir)) == [1, 2, 3, 4] and _params(workdir)[1] == 4

@@ -24,6 +24,7 @@ def test_two_processes_train_together(tmp_path):
   port = _free_port()
   env = dict(os.environ, XLA_FLAGS=FAST_COMPILE)  # one CPU device each
   common = ["pretrain", f"workdir={tmp_path}", *TINY_MODEL, *QUIET, "train.steps=3",
+            "schedule.warmup_steps=0",
             "train.log_every_steps=1", "checkpoint.every_steps=2", "data.batch_size=32",
             f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2"]
   procs = [subprocess.Popen([sys.executable, "-m", "runner.cli", *common,

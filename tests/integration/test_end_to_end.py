@@ -25,6 +25,7 @@ def pretrained(tmp_path_factory):
   from runner import cli
   workdir = tmp_path_factory.mktemp("up") / "run"
   code = cli.main(["pretrain", f"workdir={workdir}", *TINY_MODEL, *QUIET, "train.steps=4",
+                   "schedule.warmup_steps=0",
                    "train.log_every_steps=2", "eval.every_steps=2", "checkpoint.every_steps=2",
                    "data.batch_size=16"])
   assert code == 0
@@ -60,7 +61,7 @@ def test_rerun_of_a_finished_run_resumes_without_training(pretrained, run_cli):
   before = (pretrained / "metrics.jsonl").read_text()
   summary = json.loads((pretrained / "summary.json").read_text())
   code, _, err = run_cli("pretrain", f"workdir={pretrained}", *TINY_MODEL, *QUIET,
-                         "train.steps=4", "data.batch_size=16")
+                         "train.steps=4", "schedule.warmup_steps=0", "data.batch_size=16")
   assert code == 0, err
   after = _lines(pretrained / "metrics.jsonl")[len(before.splitlines()):]
   assert all("train/loss" not in r for r in after)  # no step was trained again
@@ -74,8 +75,12 @@ def test_rerun_of_a_finished_run_resumes_without_training(pretrained, run_cli):
 def test_finetune_from_pretrain_then_eval(pretrained, tmp_path, run_cli):
   down = tmp_path / "down"
   code, _, err = run_cli("finetune", f"workdir={down}", f"init.checkpoint={pretrained}",
-                         *TINY_MODEL, *QUIET, "train.steps=3", "data.batch_size=16")
+                         *TINY_MODEL, *QUIET, "train.steps=3", "schedule.warmup_steps=2",
+                         "data.batch_size=16")
   assert code == 0, err
+  # A warm-up that is most of the run still peaks and decays: said in one line, as it starts.
+  assert ("warning: schedule.warmup_steps=2 is 67% of the run (train.steps=3), leaving 1 step "
+          "of schedule=cosine after it") in err
   summary = json.loads((down / "summary.json").read_text())
   assert summary["step"] == 3 and "val/prec@1" in summary
   assert yaml.safe_load((down / "config.yaml").read_text())["data"]["name"] == "uci_digits"
@@ -104,6 +109,7 @@ def test_finetune_at_a_new_resolution_resizes_position_embeddings(pretrained, tm
   tiny = [o for o in TINY_MODEL if not o.startswith("model.image_size")]
   code, _, err = run_cli("finetune", f"workdir={tmp_path}", f"init.checkpoint={pretrained}",
                          *tiny, "model.image_size=24", *QUIET, "train.steps=1",
+                         "schedule.warmup_steps=0",
                          "data.batch_size=16")
   assert code == 0, err
   from runner import checkpoint
@@ -113,10 +119,11 @@ def test_finetune_at_a_new_resolution_resizes_position_embeddings(pretrained, tm
 
 def test_vit_to_vmoe_upcycling_needs_dense_to_experts(tmp_path, run_cli):
   dense = tmp_path / "dense"
-  tiny_vit = ["model=vit_tiny", *TINY_MODEL, *QUIET, "data.batch_size=16"]
-  code, _, err = run_cli("pretrain", f"workdir={dense}", *tiny_vit, "train.steps=1")
+  short = ["data.batch_size=16", "train.steps=1", "schedule.warmup_steps=0"]
+  tiny_vit = ["model=vit_tiny", *TINY_MODEL, *QUIET, *short]
+  code, _, err = run_cli("pretrain", f"workdir={dense}", *tiny_vit)
   assert code == 0, err
-  tiny_moe = [*TINY_MODEL, *QUIET, "data.batch_size=16", "train.steps=1"]
+  tiny_moe = [*TINY_MODEL, *QUIET, *short]
   code, _, err = run_cli("finetune", f"workdir={tmp_path / 'no'}", f"init.checkpoint={dense}",
                          *tiny_moe)
   assert code == 2
@@ -130,7 +137,8 @@ def test_vit_to_vmoe_upcycling_needs_dense_to_experts(tmp_path, run_cli):
 def test_multirun_gives_each_job_its_own_workdir(tmp_path, run_cli):
   # Overrides on both sides of the flag, as users type them (Hydra's parser takes them before).
   code, _, err = run_cli("pretrain", f"workdir={tmp_path}", "--multirun", "model=vit_tiny",
-                         *TINY_MODEL, *QUIET, "train.steps=1", "data.batch_size=16",
+                         *TINY_MODEL, *QUIET, "train.steps=1", "schedule.warmup_steps=0",
+                         "data.batch_size=16",
                          "optim.lr=1e-3,3e-3")
   assert code == 0, err
   lrs = sorted(yaml.safe_load((tmp_path / j / "config.yaml").read_text())["optim"]["lr"]
@@ -144,7 +152,8 @@ def test_multirun_gives_each_job_its_own_workdir(tmp_path, run_cli):
 
 def test_a_sweeps_cfg_job_shows_every_job_and_runs_none(tmp_path, run_cli):
   code, out, err = run_cli("pretrain", "--multirun", f"workdir={tmp_path / 'sweep'}",
-                           "optim.lr=1e-3,3e-3", "--cfg", "job", "seed=0,1", "train.steps=7")
+                           "optim.lr=1e-3,3e-3", "--cfg", "job", "seed=0,1", "train.steps=7",
+                           "schedule.warmup_steps=0")
   assert code == 0, err
   headers = [line for line in out.splitlines() if line.startswith("# job ")]
   assert headers == ["# job 0 of 4: optim.lr=0.001 seed=0", "# job 1 of 4: optim.lr=0.001 seed=1",
@@ -163,6 +172,7 @@ def test_a_sweeps_cfg_job_shows_every_job_and_runs_none(tmp_path, run_cli):
 def test_finetune_lr_study_from_sweeps(pretrained, tmp_path, run_cli):
   code, _, err = run_cli("finetune", "-cd", "sweeps", "-cn", "finetune_lr", f"workdir={tmp_path}",
                          f"init.checkpoint={pretrained}", *TINY_MODEL, *QUIET, "train.steps=1",
+                         "schedule.warmup_steps=0",
                          "data.batch_size=16")
   assert code == 0, err
   lrs = sorted(yaml.safe_load((tmp_path / str(j) / "config.yaml").read_text())["optim"]["lr"]
@@ -173,6 +183,7 @@ def test_finetune_lr_study_from_sweeps(pretrained, tmp_path, run_cli):
 def test_wandb_offline_run_is_written_in_the_workdir(tmp_path, run_cli):
   code, _, err = run_cli("pretrain", f"workdir={tmp_path}", "model=vit_tiny", *TINY_MODEL,
                          "logger.progress=false", "logger.wandb.mode=offline", "train.steps=1",
+                         "schedule.warmup_steps=0",
                          "data.batch_size=16")
   assert code == 0, err
   # One W&B run: the stage's, then the same run resumed for the page's tables (an offline

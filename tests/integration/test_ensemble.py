@@ -389,7 +389,8 @@ def test_fewshot_of_a_pbe_probes_its_joint_features(pbe, run_cli, tmp_path, monk
 def test_pbe_refuses_another_ensemble_size_unless_repartitioned(pbe, run_cli, tmp_path):
   bad = tmp_path / "m4"
   code, out, err = run_cli("finetune", f"workdir={bad}", f"init.checkpoint={pbe}", *TRAIN,
-                           "train.steps=1", "model.moe.ensemble_size=4", "model.router.k=1")
+                           "train.steps=1", "schedule.warmup_steps=0", "model.moe.ensemble_size=4",
+                           "model.router.k=1")
   assert code == 2, (code, out, err)
   assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
   assert "init.repartition_experts" in err and "model.moe.ensemble_size=4" in err
@@ -397,7 +398,8 @@ def test_pbe_refuses_another_ensemble_size_unless_repartitioned(pbe, run_cli, tm
 
   good = tmp_path / "m4_repartitioned"
   code, _, err = run_cli("finetune", f"workdir={good}", f"init.checkpoint={pbe}", *TRAIN,
-                         "train.steps=1", "model.moe.ensemble_size=4", "model.router.k=1",
+                         "train.steps=1", "schedule.warmup_steps=0", "model.moe.ensemble_size=4",
+                         "model.router.k=1",
                          "init.repartition_experts=true")
   assert code == 0, err
   config = yaml.safe_load((good / "config.yaml").read_text())

@@ -17,7 +17,8 @@ from conftest import QUIET, TINY_MODEL, fails_clearly
 
 pytestmark = pytest.mark.xdist_group("export")
 
-SHORT = [*QUIET, "train.steps=2", "data.batch_size=16", "eval.every_steps=0",
+SHORT = [*QUIET, "train.steps=2", "schedule.warmup_steps=0", "data.batch_size=16",
+         "eval.every_steps=0",
          "checkpoint.every_steps=0", "model.moe.layers=[1]"]
 
 

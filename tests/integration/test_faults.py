@@ -63,7 +63,8 @@ def test_a_second_process_on_a_live_workdir_is_refused(run_cli, tmp_path):
     proc.wait()
   # A killed run leaves no stuck lock: the same workdir resumes (here: just its final evaluation).
   last = _steps(tmp_path)[-1]
-  code, _, err = run_cli("pretrain", f"workdir={tmp_path}", *FAST, f"train.steps={last}")
+  code, _, err = run_cli("pretrain", f"workdir={tmp_path}", *FAST, f"train.steps={last}",
+                         "schedule.warmup_steps=0")
   assert code == 0, err
 
 
@@ -77,6 +78,7 @@ def test_a_checkpoint_that_cannot_be_saved_stops_the_run(run_cli, tmp_path, monk
     return original(self, step, *args, **kwargs)
   monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full_on_the_second_save)
   code, _, err = run_cli("pretrain", f"workdir={tmp_path}", *FAST, "train.steps=20",
+                         "schedule.warmup_steps=0",
                          "checkpoint.every_steps=5")
   assert code == 1, err
   assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
@@ -99,6 +101,7 @@ def test_wandb_online_without_a_server_falls_back_to_offline(run_cli, tmp_path, 
   monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
   start = time.time()
   code, _, err = run_cli("pretrain", f"workdir={tmp_path}", *TINY_MODEL, "train.steps=2",
+                         "schedule.warmup_steps=0",
                          "data.batch_size=16", "logger.progress=false", "logger.wandb.mode=online")
   assert code == 0, err
   warnings = [line for line in err.splitlines() if "warning" in line.lower()]

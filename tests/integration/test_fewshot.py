@@ -19,7 +19,8 @@ def _lines(path: pathlib.Path) -> list[dict]:
 
 
 # A ViT pretrained with few-shot evaluation every 2 of its 4 steps; also the second extractor.
-VIT_FEWSHOT = ["model=vit_tiny", *TINY_MODEL, *FAST, "train.steps=4", "data.batch_size=16",
+VIT_FEWSHOT = ["model=vit_tiny", *TINY_MODEL, *FAST, "train.steps=4", "schedule.warmup_steps=0",
+               "data.batch_size=16",
                "fewshot.every_steps=2", "fewshot.datasets=[uci_digits]"]
 
 
@@ -28,6 +29,7 @@ def vmoe_run(tmp_path_factory):
   from runner import cli
   workdir = tmp_path_factory.mktemp("fs_vmoe") / "run"
   assert cli.main(["pretrain", f"workdir={workdir}", *TINY_MODEL, *QUIET, "train.steps=2",
+                   "schedule.warmup_steps=0",
                    "data.batch_size=16"]) == 0
   return workdir
 
@@ -125,6 +127,7 @@ def test_pretrain_with_fewshot_every_steps(vit_run, run_cli):
 
 def test_training_with_impossible_shots_fails_before_training(tmp_path, run_cli):
   _fails_clearly(run_cli("pretrain", f"workdir={tmp_path}", *TINY_MODEL, *QUIET, "train.steps=1",
+                         "schedule.warmup_steps=0",
                          "data.batch_size=16", "fewshot.every_steps=1",
                          "fewshot.datasets=[lfw_faces]", "fewshot.shots=[50]"),
                  "'lfw_faces'", "50 shots")

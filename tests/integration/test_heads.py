@@ -52,7 +52,8 @@ def root(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def det(root) -> pathlib.Path:
   """A tiny V-MoE with a linear head, pretrained 4 steps on MNIST."""
-  _main("pretrain", f"workdir={root / 'det'}", *TRAIN, "train.steps=4", "optim.lr=0.01")
+  _main("pretrain", f"workdir={root / 'det'}", *TRAIN, "train.steps=4", "schedule.warmup_steps=0",
+        "optim.lr=0.01")
   return root / "det"
 
 
@@ -60,7 +61,8 @@ def det(root) -> pathlib.Path:
 def het_xl(root) -> pathlib.Path:
   """The same with a HET-XL head and a learned τ (logged every 2 steps)."""
   _main("pretrain", f"workdir={root / 'het_xl'}", "model=vmoe_tiny", *TRAIN, *SAMPLES,
-        "model.head.type=het_xl", "train.steps=4", "train.log_every_steps=2", "optim.lr=0.01")
+        "model.head.type=het_xl", "train.steps=4", "schedule.warmup_steps=0",
+        "train.log_every_steps=2", "optim.lr=0.01")
   return root / "het_xl"
 
 
@@ -150,7 +152,8 @@ def test_finetune_het_from_a_linear_head(finetuned, det):
 def test_a_partitioned_batch_ensemble_with_a_het_xl_head(det, root, run_cli):
   pbe = root / "pbe_het_xl"
   code, _, err = run_cli("finetune", f"workdir={pbe}", f"init.checkpoint={det}", "model=vmoe_tiny_m2",
-                         *TRAIN, *SAMPLES, "model.head.type=het_xl", "train.steps=2")
+                         *TRAIN, *SAMPLES, "model.head.type=het_xl", "train.steps=2",
+                         "schedule.warmup_steps=0")
   assert code == 0, err
   assert "train/temperature" in _summary(pbe)
   code, _, err = run_cli("eval", f"init.checkpoint={pbe}", f"workdir={root / 'pbe_ev'}", *QUIET)
@@ -176,7 +179,7 @@ def test_an_ensemble_of_het_runs(finetuned, root, run_cli):
 
 def test_training_with_label_noise(tmp_path, run_cli):
   code, _, err = run_cli("pretrain", f"workdir={tmp_path}", *TRAIN, "data.label_noise=0.3",
-                         "train.steps=2")
+                         "train.steps=2", "schedule.warmup_steps=0")
   assert code == 0, err
   assert yaml.safe_load((tmp_path / "config.yaml").read_text())["data"]["label_noise"] == 0.3
   assert np.isfinite(_summary(tmp_path)["train/loss"])

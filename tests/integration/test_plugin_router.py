@@ -27,7 +27,8 @@ from conftest import QUIET, TINY_MODEL, fails_clearly, nothing_like_a_run, plugi
 pytestmark = pytest.mark.xdist_group("plugin_router")
 
 SWITCH = ["plugins=[switch_router]", "model=vmoe_tiny", "model.router.type=switch"]
-SHORT = [*TINY_MODEL, *QUIET, "train.steps=3", "data.batch_size=16", "eval.every_steps=0",
+SHORT = [*TINY_MODEL, *QUIET, "train.steps=3", "schedule.warmup_steps=0", "data.batch_size=16",
+         "eval.every_steps=0",
          "checkpoint.every_steps=0", "model.moe.layers=[1]"]
 Z_LOSS_WEIGHT = 0.2  # not the family's default (0.1): the recorded value is the one given
 EXPERTS = 8  # vmoe_tiny's
@@ -171,10 +172,17 @@ def test_switch_router_metrics_match_numpy(lab, tmp_path):
 
 
 def test_eval_measures_the_plugin_router(lab, pretrained):
-  workdir = _run(lab, "eval", "plugins=[switch_router]", f"init.checkpoint={pretrained}",
-                 f"workdir={lab / 'eval'}", *QUIET, "eval.capacity_sweep=[1.0,0.5]",
-                 "eval.adversarial.epsilons=[0.01]", "eval.adversarial.steps=2",
-                 "eval.adversarial.max_examples=16", "eval.routing_analysis=true")
+  """Without plugins=: the stage loads the plug-ins its checkpoint's run recorded, says so, and
+  records them as its own."""
+  workdir = lab / "eval"
+  code, _, err = vmoe_in(lab, "eval", f"init.checkpoint={pretrained}",
+                         f"workdir={workdir}", *QUIET, "eval.capacity_sweep=[1.0,0.5]",
+                         "eval.adversarial.epsilons=[0.01]", "eval.adversarial.steps=2",
+                         "eval.adversarial.max_examples=16", "eval.routing_analysis=true")
+  assert code == 0, err[-3000:]
+  assert (f"vmoe eval: loading the plug-ins {pretrained} was trained with: "
+          "plugins=[switch_router]") in err
+  assert _config(workdir)["plugins"] == ["switch_router"]
   s = _summary(workdir)
   assert 0 <= s["mnist5k/prec@1"] <= 1
   # FLOPs and active parameters ask the family: one expert per token.
@@ -207,7 +215,8 @@ def test_finetune_carries_the_router_over(lab, pretrained):
   router's gate kernel and the experts start from the checkpoint's (one step moves them little;
   a fresh gate kernel would differ by its init scale, ~0.2)."""
   workdir = _run(lab, "finetune", f"workdir={lab / 'down'}", f"init.checkpoint={pretrained}",
-                 *SWITCH, *SHORT, "train.steps=1", "model.router.capacity_ratio=2.0",
+                 *SWITCH, *SHORT, "train.steps=1", "schedule.warmup_steps=0",
+                 "model.router.capacity_ratio=2.0",
                  "model.router.z_loss_weight=0.0")
   assert _summary(workdir)["step"] == 1
   router = _config(workdir)["model"]["router"]
@@ -221,6 +230,16 @@ def test_finetune_carries_the_router_over(lab, pretrained):
   assert after.shape == before.shape and np.abs(after - before).max() < 0.05
   assert np.abs(np.asarray(tuned["experts"]["fc1_kernel"])
                 - np.asarray(start["experts"]["fc1_kernel"])).max() < 0.05
+
+
+def test_a_stage_that_cannot_load_its_checkpoints_plugins_names_them(pretrained, tmp_path):
+  """Run from a folder where the plug-in's module is not importable."""
+  workdir = tmp_path / "w"
+  fails_clearly(vmoe_in(tmp_path, "eval", f"init.checkpoint={pretrained}", f"workdir={workdir}",
+                        *QUIET),
+                f"init.checkpoint={pretrained} was trained with plugins=[switch_router]",
+                "cannot be loaded here", "no module named 'switch_router'")
+  assert not workdir.exists()
 
 
 @pytest.mark.slow  # make test-cluster runs a plug-in's sweep on SLURM and the parallel launcher

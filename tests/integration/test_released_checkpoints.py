@@ -20,7 +20,7 @@ DIMS = Dims(hidden=32, layers=2, mlp=64, heads=2, patch=4, image=16, classes=10)
 EXPERTS = 8  # vmoe_tiny's, on block 1 of 2 (every2)
 EVAL = [*QUIET, "data=uci_digits", "eval.corruptions=[]", "eval.ood_datasets=[]",
         "eval.capacity_sweep=[]"]
-FINETUNE = [*QUIET, "train.steps=2", "data.batch_size=16"]
+FINETUNE = [*QUIET, "train.steps=2", "schedule.warmup_steps=0", "data.batch_size=16"]
 
 
 def _summary(workdir: pathlib.Path) -> dict:

@@ -14,7 +14,8 @@ import pytest
 
 from conftest import QUIET, TINY_MODEL
 
-ARGS = ["pretrain", *TINY_MODEL, *QUIET, "train.steps=40", "checkpoint.every_steps=10",
+ARGS = ["pretrain", *TINY_MODEL, *QUIET, "train.steps=40", "schedule.warmup_steps=0",
+        "checkpoint.every_steps=10",
         "train.log_every_steps=10", "eval.every_steps=0", "data.batch_size=16",
         # Random augmentation: the resumed data stream must replay the same crops and flips.
         'data.pp_train="decode(3)|resize(20)|random_crop(16)|flip_lr|value_range(-1,1)"']

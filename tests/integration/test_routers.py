@@ -14,7 +14,8 @@ from conftest import QUIET, TINY_MODEL
 
 pytestmark = pytest.mark.xdist_group("routers")
 
-SHORT = [*QUIET, "train.steps=3", "data.batch_size=16", "eval.every_steps=0",
+SHORT = [*QUIET, "train.steps=3", "schedule.warmup_steps=0", "data.batch_size=16",
+         "eval.every_steps=0",
          "checkpoint.every_steps=0", "model.moe.layers=[1]"]
 
 
@@ -73,7 +74,7 @@ def test_finetune_keeps_the_experts_and_starts_a_new_router(upstream, tmp_path, 
   down = tmp_path / "down"
   code, _, err = run_cli("finetune", f"model={name}", f"workdir={down}",
                          f"init.checkpoint={runs[origin]}", *TINY_MODEL, *SHORT, *extra,
-                         "train.steps=1")
+                         "train.steps=1", "schedule.warmup_steps=0")
   assert code == 0, err
   assert _summary(down)["step"] == 1
   if origin == "ecmoe_tiny":

@@ -17,7 +17,8 @@ from conftest import QUIET, TINY_MODEL
 pytestmark = pytest.mark.xdist_group("routing_analysis")
 
 # Two MoE layers (blocks 0 and 1), 16 px images of 4 px patches: 16 patches.
-SHORT = [*QUIET, "train.steps=2", "data.batch_size=16", "eval.every_steps=0",
+SHORT = [*QUIET, "train.steps=2", "schedule.warmup_steps=0", "data.batch_size=16",
+         "eval.every_steps=0",
          "checkpoint.every_steps=0", "model.moe.layers=[0,1]"]
 # 90 test images in batches of 16: the last one has 6 padded rows.
 EVAL = [*QUIET, "eval.routing_analysis=true", "eval.save_predictions=true",
@@ -61,7 +62,8 @@ def upstream(tmp_path_factory):
   runs = {}
   for name in (*FAMILIES, "vmoe_tiny_k1_m2"):
     runs[name] = root / name
-    extra = (["train.steps=4", "eval.every_steps=2", "eval.routing_analysis=true"]
+    extra = (["train.steps=4", "schedule.warmup_steps=0", "eval.every_steps=2",
+             "eval.routing_analysis=true"]
              if name == "vmoe_tiny" else [])
     assert cli.main(["pretrain", f"model={name}", f"workdir={runs[name]}", *TINY_MODEL, *SHORT,
                      *extra]) == 0

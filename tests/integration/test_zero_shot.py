@@ -29,7 +29,8 @@ def contrastive_run(tmp_path_factory):
   from runner import cli
   workdir = tmp_path_factory.mktemp("zs") / "run"
   assert cli.main(["pretrain", "objective=contrastive", f"workdir={workdir}", *TINY_MODEL, *TEXT,
-                   *QUIET, "train.steps=6", "data.batch_size=32", "eval.every_steps=0"]) == 0
+                   *QUIET, "train.steps=6", "schedule.warmup_steps=0", "data.batch_size=32",
+                   "eval.every_steps=0"]) == 0
   return workdir
 
 
@@ -153,6 +154,7 @@ def finetuned(contrastive_run, tmp_path_factory):
   workdir = tmp_path_factory.mktemp("zs_ft") / "run"
   assert cli.main(["finetune", f"init.checkpoint={contrastive_run}", "init.tower=image",
                    f"workdir={workdir}", *TINY_MODEL, *QUIET, "train.steps=1",
+                   "schedule.warmup_steps=0",
                    "data.batch_size=16", "optim.lr=1e-9", "eval.every_steps=0"]) == 0
   return workdir
 
@@ -236,7 +238,7 @@ def test_bad_tower_input(sub, args, expected, contrastive_run, finetuned, run_cl
   workdir = tmp_path / "w"
   args = [a.replace("{contrastive}", str(contrastive_run)).replace("{classifier}", str(finetuned))
           for a in args]
-  extra = [*TINY_MODEL, "train.steps=1", "data.batch_size=16"] if sub in ("pretrain",
+  extra = [*TINY_MODEL, "train.steps=1", "schedule.warmup_steps=0", "data.batch_size=16"] if sub in ("pretrain",
                                                                           "finetune") else []
   _fails_clearly(run_cli(sub, f"workdir={workdir}", *LOGS, *extra, *args), *expected)
   assert not workdir.exists()  # validated before Hydra created anything

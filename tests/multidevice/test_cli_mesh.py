@@ -10,7 +10,7 @@ from conftest import QUIET, TINY_MODEL
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8,
                                 reason="needs 8 devices (run via test_multidevice.py)")
-FAST = [*TINY_MODEL, *QUIET, "train.steps=2", "data.batch_size=64"]
+FAST = [*TINY_MODEL, *QUIET, "train.steps=2", "schedule.warmup_steps=0", "data.batch_size=64"]
 
 
 def test_expert_parallel_pretrain_then_finetune_on_one_expert_axis(run_cli, tmp_path):

@@ -134,6 +134,7 @@ def test_cli_contrastive_pretrain_expert_parallel_then_zero_shot_eval(run_cli, t
   run = tmp_path / "run"
   code, _, err = run_cli("pretrain", f"workdir={run}", "objective=contrastive", *TINY_MODEL,
                          *QUIET, *TEXT, "model.head.type=het_xl", "sharding=ep", "train.steps=2",
+                         "schedule.warmup_steps=0",
                          "train.log_every_steps=1", "data.batch_size=64",
                          'data.eval_split="validation[:64]"', "data.test_split=null")
   assert code == 0, err

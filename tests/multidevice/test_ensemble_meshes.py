@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() != 8,
 MODEL = "vmoe_tiny_k1_m2"
 
 
-FAST = [*TINY_MODEL, *QUIET, "train.steps=2", "data.batch_size=64"]
+FAST = [*TINY_MODEL, *QUIET, "train.steps=2", "schedule.warmup_steps=0", "data.batch_size=64"]
 
 
 def test_pbe_cli_pretrain_expert_parallel_then_evaluate(run_cli, tmp_path):

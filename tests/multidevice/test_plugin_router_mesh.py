@@ -30,7 +30,8 @@ pytestmark = pytest.mark.skipif(jax.device_count() != 8,
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples/plugins/switch_router.py"
 # 64 images: 8 per device, one routing group of 8 images each, as on one device.
 TRAIN = ["plugins=[switch_router]", "model=vmoe_tiny", "model.router.type=switch", *TINY_MODEL,
-         *QUIET, "train.steps=3", "train.log_every_steps=1", "data.batch_size=64",
+         *QUIET, "train.steps=3", "schedule.warmup_steps=0", "train.log_every_steps=1",
+         "data.batch_size=64",
          "eval.every_steps=0", "checkpoint.every_steps=0"]
 EIGHT = "--xla_force_host_platform_device_count=8"
 

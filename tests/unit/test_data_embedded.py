@@ -149,9 +149,14 @@ def test_preparation_is_deterministic(prepared, tmp_path):
       np.testing.assert_array_equal(labels, session[split][1])
 
 
-def test_open_source_prepares_once_then_reuses(tmp_path):
+def test_open_source_prepares_once_then_reuses(tmp_path, capfd):
   data_dir = str(tmp_path)
   source = data.open_source("uci_digits", data_dir=data_dir)
+  # Embedded data is never downloaded: one true line instead of TFDS's "Downloading and preparing"
+  out, err = capfd.readouterr()
+  assert "ownload" not in out.replace("nothing is downloaded", "") + err
+  assert out.strip() == (f"Preparing the embedded dataset uci_digits in {source.builder.data_dir} "
+                         "(from an installed package; nothing is downloaded).")
   info_file = os.path.join(source.builder.data_dir, "dataset_info.json")
   assert os.path.exists(info_file)
   assert source.builder.data_dir.startswith(data_dir)

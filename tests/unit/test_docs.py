@@ -237,3 +237,21 @@ def _check_tool(cli, sub, args, where, monkeypatch, tmp_path):
   except SystemExit as e:  # argparse rejects the arguments
     code = e.code
   assert code == 0, f"{where}\nexits with {code}"
+
+
+def test_the_recipes_numbers_that_pages_and_messages_state():
+  """docs/howto.md's first try, and the message of a batch larger than the training split
+  (runner/tasks/fit.py), state each stage's recipe (conf/<stage>.yaml): its batch, its steps and
+  its warm-up."""
+  import runner.config_store  # noqa: F401  (the schemas, as the CLI registers them)
+  from runner import cli
+  from runner.tasks import fit
+  up, down = (cli._compose(None, sub, []) for sub in ("pretrain", "finetune"))
+  howto = " ".join((ROOT / "docs" / "howto.md").read_text().split())
+  assert (f"pretrain's recipe takes {up.data.batch_size} images per step, finetune's "
+          f"{down.data.batch_size}") in howto
+  assert (f"pretrain's recipe warms the learning rate up for {up.schedule.warmup_steps} steps "
+          f"of its {up.train.steps}, finetune's for {down.schedule.warmup_steps} of "
+          f"{down.train.steps}") in howto
+  assert fit.RECIPE_BATCHES == (f"the pretrain recipe's default is {up.data.batch_size}, "
+                                f"finetune's {down.data.batch_size}")

@@ -226,3 +226,20 @@ def test_mahalanobis_points_far_from_both_clusters_score_lower():
   far_scores = fit.score(far)
   assert far_scores.max() < train_scores.min()
   assert detection_metrics(train_scores, far_scores)["auroc"] == 1.0
+
+
+def test_a_covariance_from_fewer_examples_than_dimensions_is_said_to_be_untrustworthy():
+  rng = np.random.default_rng(0)
+  dim, classes = 16, 3
+  few = MahalanobisFit(classes, dim)
+  few.update(rng.normal(size=(12, dim)), np.arange(12) % classes)
+  few.finalize()
+  # The pooled within-class scatter of 12 examples of 3 classes has rank 9 < 16: singular.
+  assert np.linalg.matrix_rank(np.linalg.pinv(few.precision)) == 12 - classes
+  assert "singular (rank at most 9 < 16)" in few.unreliable()
+  assert "more than 19 training images" in few.unreliable()
+  enough = MahalanobisFit(classes, dim)
+  enough.update(rng.normal(size=(19, dim)), np.arange(19) % classes)
+  enough.finalize()
+  assert np.linalg.matrix_rank(np.linalg.pinv(enough.precision)) == dim
+  assert enough.unreliable() is None
