@@ -57,6 +57,15 @@ def model_card(config: dict, *, source: dict, summary: dict, parity: dict) -> st
   if moe and moe.get("ensemble_size", 1) > 1:
     kind += f", a partitioned batch ensemble of {moe['ensemble_size']} members"
   pp = config["preprocessing"]
+  size, mode = pp["image_size"], "L" if pp["channels"] == 1 else "RGB"
+  if moe and moe["group_size"] > 1:
+    batches = (f"Any batch size works. The MoE layers route groups of {moe['group_size']} "
+               "consecutive images of the batch together, so a prediction can depend on the "
+               "other images of its group: a batch smaller than a group is one group, and a "
+               "short last group is completed with zero images, as `vmoe eval` pads its last "
+               "batch (their rows are not returned).")
+  else:
+    batches = "Any batch size works; each image's prediction is its own."
   if parity.get("checked"):
     checked = (f"Checked when exported: on {parity['images']} random images the PyTorch model's "
                f"probabilities differed from vmoe's by at most {parity['max_abs_diff']:.2e}.")
@@ -71,15 +80,26 @@ def model_card(config: dict, *, source: dict, summary: dict, parity: dict) -> st
       "```", json.dumps(source, indent=1), "```", "",
       "## Load it in PyTorch", "",
       "```python",
-      "import importlib.util, torch",
+      "import importlib.util",
+      "import numpy as np, torch",
+      "from PIL import Image",
       "spec = importlib.util.spec_from_file_location('modeling_vmoe', 'modeling_vmoe.py')",
       "modeling = importlib.util.module_from_spec(spec); spec.loader.exec_module(modeling)",
       "model = modeling.load('.')  # eval mode",
-      f"probs = model.predict_proba({_affine('pixels', pp['scale'], pp['offset'])})",
+      "paths = ['first.jpg', 'second.png', 'third.jpg']  # your images, as many as you like",
+      f"images = [Image.open(p).convert('{mode}').resize(({size}, {size}), Image.BILINEAR) "
+      "for p in paths]",
+      "pixels = torch.from_numpy(np.stack([np.atleast_3d(np.asarray(im, np.float32)) "
+      "for im in images]))",
+      "pixels = pixels.permute(0, 3, 1, 2)  # (batch, channels, height, width)",
+      "with torch.no_grad():",
+      f"  probs = model.predict_proba({_affine('pixels', pp['scale'], pp['offset'])})"
+      "  # (len(paths), classes)",
       "```", "",
-      f"`pixels`: float32 (batch, {pp['channels']}, {pp['image_size']}, {pp['image_size']}), "
-      f"values in {pp['pixel_range']} after `{pp['spec']}` (vmoe's preprocessing); inputs "
-      f"then lie in {pp['input_range']}.", "",
+      f"`pixels`: float32 (batch, {pp['channels']}, {size}, {size}), values in "
+      f"{pp['pixel_range']}; inputs then lie in {pp['input_range']}. vmoe preprocesses with "
+      f"`{pp['spec']}`, which the PIL resize above only approximates: where predictions must "
+      "equal vmoe's, preprocess as that spec does.", "", batches, "",
       "## Parity", "", checked, "",
       "## Metrics of the source run", "", *_metrics(summary), "",
       "## What is and is not here", "",

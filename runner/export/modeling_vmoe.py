@@ -4,7 +4,7 @@
     spec = importlib.util.spec_from_file_location("modeling_vmoe", "<folder>/modeling_vmoe.py")
     modeling = importlib.util.module_from_spec(spec); spec.loader.exec_module(modeling)
     model = modeling.load("<folder>")           # eval mode, weights from model.safetensors
-    probs = model.predict_proba(images)          # (B, C, H, W) float32 -> (B, classes)
+    probs = model.predict_proba(images)          # (B, C, H, W) float32, any B -> (B, classes)
 
 `images` are already mapped as config.json's `preprocessing` says. The folder holds this file,
 config.json (the architecture and the inference settings) and model.safetensors (the weights,
@@ -18,8 +18,9 @@ matter for that, each as vmoe makes them:
 - attention and routing computed in float32;
 - a mixture-of-experts layer routes *groups* of images together: the tokens of `group_size`
   consecutive images of the batch compete for the same expert slots, so a prediction can depend
-  on the other images of its group, and the batch size must be a multiple of the group size
-  (or smaller than it), as in vmoe;
+  on the other images of its group. Any batch size works: a batch smaller than a group is one
+  group, as vmoe routes it; a longer one whose last group is short has that group completed
+  with zero images, as `vmoe eval` pads its last batch, and their rows dropped from the output;
 - a partitioned batch ensemble returns its members' mean probability (as logits);
 - a heteroscedastic head (HET, HET-XL) returns the log of a Monte-Carlo mean probability. Its
   Gaussian draws come from `torch.Generator().manual_seed(seed)`: JAX's random numbers cannot be
@@ -224,7 +225,8 @@ class MoeMlp(nn.Module):
   """A sparse mixture-of-experts MLP (V-MoE): route, dispatch, run the experts, combine.
 
   The tokens of `group_size` consecutive images (of fewer, when the batch is smaller) form one
-  routing group; a group's tokens are concatenated image by image. A partitioned batch
+  routing group; a group's tokens are concatenated image by image. The batch must fill whole
+  groups: `VisionTransformer.representation` pads it so with zero images. A partitioned batch
   ensemble of M members (`ensemble_size`) splits the E experts into M partitions of E/M:
   - "pbe": each image's row is repeated M times (row b*M + m is member m's copy of image b,
     done by the model before its first MoE layer); member m's copies in a group are routed
@@ -256,8 +258,9 @@ class MoeMlp(nn.Module):
     images = rows // m if tiled else rows
     group = min(self.group_size, images)
     if images % group or (tiled and rows % m):
-      raise ValueError(f"batch size {images} is not a multiple of the routing group size "
-                       f"{group} images")
+      raise ValueError(f"{images} images do not fill routing groups of {group} images: pad the "
+                       f"batch with zero images to a multiple of {group}, as "
+                       "VisionTransformer.representation does")
     groups = images // group
     if m == 1 or self.variant == "tiling_only":
       return self.route(x.reshape(groups, -1, dim), 0, self.num_experts).reshape(x.shape)
@@ -447,6 +450,7 @@ class VisionTransformer(nn.Module):
     tiled = moe and moe["ensemble_size"] > 1 and moe["ensemble_variant"] != "partition_only"
     self.tiles = moe["ensemble_size"] if tiled else 1
     self.first_moe = min(moe_layers) if moe_layers else None
+    self.group_size = moe["group_size"] if moe_layers else None
     self.encoder_norm = nn.LayerNorm(d, eps=config["layer_norm_eps"])
     if self.classifier == "map":
       self.map_head = MapHead(d, config["num_heads"], config["mlp_dim"],
@@ -459,13 +463,25 @@ class VisionTransformer(nn.Module):
     else:
       self.head = HeteroscedasticHead(width, config["num_classes"], head, self.output)
 
+  def padded_to_whole_groups(self, images: torch.Tensor) -> torch.Tensor:
+    """`images` and the zero images that complete a short last routing group, since routing
+    depends on every token of a group: `vmoe eval` pads its last batch with zero images, so
+    its short last group is completed with those. A batch smaller than a group stays one
+    group, as vmoe routes it."""
+    count, group = images.shape[0], self.group_size
+    if group is None or count <= group or count % group == 0:
+      return images
+    return torch.cat([images, images.new_zeros(group - count % group, *images.shape[1:])])
+
   def representation(self, images: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) images -> (B * M, width): what the classifier reads, one row per image (per
-    member of a tiled ensemble, image-major: row b * M + m)."""
+    """(B, C, H, W) images, any B -> (B * M, width): what the classifier reads, one row per image
+    (per member of a tiled ensemble, image-major: row b * M + m)."""
     size, channels = self.config["image_size"], self.config["num_channels"]
     if images.ndim != 4 or tuple(images.shape[1:]) != (channels, size, size):
       raise ValueError(f"images must be (batch, {channels}, {size}, {size}); got "
                        f"{tuple(images.shape)}")
+    rows = images.shape[0] * self.tiles  # the padding's rows come after them, and are dropped
+    images = self.padded_to_whole_groups(images)
     x = self.embedding(images).flatten(2).transpose(1, 2)  # (B, patches, D), row-major patches
     x = x + self.pos_embedding
     if self.classifier == "token":  # the class token has no position embedding
@@ -474,7 +490,7 @@ class VisionTransformer(nn.Module):
       if self.tiles > 1 and i == self.first_moe:
         x = x.repeat_interleave(self.tiles, dim=0)
       x = block(x)
-    x = self.encoder_norm(x)
+    x = self.encoder_norm(x[:rows])
     if self.classifier == "token":
       x = x[:, 0]
     elif self.classifier == "gap":
@@ -488,8 +504,8 @@ class VisionTransformer(nn.Module):
     return x
 
   def forward(self, images: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """(B, C, H, W) float32 images -> (B, classes) logits, as vmoe's at inference. `seed`: the
-    Monte-Carlo draws of a heteroscedastic head (unused otherwise)."""
+    """(B, C, H, W) float32 images, any B -> (B, classes) logits, as vmoe's at inference.
+    `seed`: the Monte-Carlo draws of a heteroscedastic head (unused otherwise)."""
     x = self.representation(images)
     if isinstance(self.head, HeteroscedasticHead):
       logits = self.head(x, seed=seed)

@@ -3,7 +3,7 @@
 PyTorch runs in a child process of its own that never imports JAX, as a user's would, so the
 check covers what users load: the folder's own `modeling_vmoe.py` and `model.safetensors`, not
 this package's copy. Without PyTorch in this environment the check is skipped, and the summary
-says so (`pip install 'vmoe[torch]'` adds it).
+says so (`pip install -e '.[torch]'` in the vmoe checkout adds it).
 """
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def _check(out: pathlib.Path, model, params, config: ExportRun, pp: dict, output
   through the folder's PyTorch model."""
   if not parity.torch_installed():
     return {"checked": False, "reason": "PyTorch is not installed where vmoe ran "
-            "(pip install 'vmoe[torch]' adds it)"}
+            "(pip install -e '.[torch]' in the vmoe checkout adds it)"}
   group = config.model.moe.group_size if derived.num_experts(config.model) else 1
   count = group * max(1, CHECK_IMAGES // group)
   images = parity.check_images(pp["image_size"], pp["channels"], tuple(pp["input_range"]), count,

@@ -7,7 +7,9 @@ with `files.write_model`, imports the written modeling_vmoe.py from the folder, 
 GAP, MAP with qk-norm, pre-logits), token-choice V-MoEs at an inference capacity that drops
 assignments (vanilla routing, Batch Prioritized Routing by max and by sum, the reference's
 capacity rounding, one routing group or several), experts-choice, Soft MoE, partitioned batch
-ensembles (pbe, tiling_only, partition_only; at the first block too), sigmoid outputs.
+ensembles (pbe, tiling_only, partition_only; at the first block too), sigmoid outputs; and
+batches of any size (12 and 3 images), whose short last routing group the exported model
+completes with zero images as `vmoe eval` completes its last batch.
 
 Heteroscedastic heads sample noise, and JAX's draws cannot be reproduced in PyTorch: the same
 draws injected into both (`heads.het_logits` and the head's `mean_logits`) must agree to 1e-4,
@@ -18,7 +20,8 @@ Also: every tensor of model.safetensors reaches the output (a gradient for each)
 refuses a parameter it cannot place or would place twice, a router family without
 `torch_routing` is refused, a plug-in family exports through its own `TorchRouting`, and the
 written modeling file imports only torch, safetensors and the standard library (while no module
-of vmoe imports torch). `make test-export` runs this module (it needs PyTorch).
+of vmoe imports torch), and the loading snippets of the model card and docs/export.md run as
+written. `make test-export` runs this module (it needs PyTorch).
 """
 from __future__ import annotations
 
@@ -28,12 +31,18 @@ import importlib.util
 import json
 import math
 import pathlib
+import re
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
+
+from PIL import Image  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -43,7 +52,7 @@ from runner.config import registries  # noqa: E402
 from runner.config.schema import (  # noqa: E402
     CapacityRounding, Classifier, EnsembleVariant, HeadConfig, HeadType, ModelConfig, MoeConfig,
     Priority, RouterConfig)
-from runner.export import architecture, files, layout  # noqa: E402
+from runner.export import architecture, card, files, layout  # noqa: E402
 from runner.models import build_model, heads  # noqa: E402
 from runner.models.moe import routing  # noqa: E402
 from runner.models.moe.routers import RouterFamily  # noqa: E402
@@ -268,10 +277,53 @@ def test_routing_groups_change_the_predictions(export):
   assert np.abs(swapped[0] - e.probs[0]).max() > 10 * TOLERANCE  # image 0, grouped with image 2
 
 
-def test_a_batch_that_splits_a_routing_group_is_refused(export):
-  model = export("token_choice_vanilla").torch_model()
-  with pytest.raises(ValueError, match="not a multiple of the routing group size 2 images"):
-    model(nchw(images(batch=3)))
+# --- any batch size: a short last routing group is completed as vmoe eval completes it --------
+
+EVAL_BATCH = 16  # a `vmoe eval` batch, a multiple of every case's routing group
+MOE_CASES = [name for name, (keys, _) in CASES.items() if "moe" in keys]
+
+
+def vmoe_eval_probabilities(e: Exported, x: np.ndarray) -> np.ndarray:
+  """What vmoe computes for the batch `x`: a batch smaller than a routing group is one group (as
+  vmoe's model routes it); a longer one is routed as `vmoe eval` routes its last batch, completed
+  with zero images to EVAL_BATCH (runner/data/pipeline.py `_pad_batch`) and cut into groups of
+  `group_size`, and the zero images' rows are dropped."""
+  if len(x) >= e.config.moe.group_size:
+    x = np.concatenate([x, np.zeros((EVAL_BATCH - len(x), *x.shape[1:]), x.dtype)])
+  logits, _ = e.model.apply({"params": e.params}, x, train=False)
+  return probabilities(logits, e.output)
+
+
+@pytest.mark.parametrize("batch", [12, 3])
+@pytest.mark.parametrize("name", MOE_CASES)
+def test_any_batch_size_gives_vmoe_evals_probabilities(export, name, batch):
+  """In groups of 2, 3 images leave a short last group (12 do not); in groups of 8
+  (token_choice_one_group), 12 images leave one and 3 are fewer than a group."""
+  e = export(name)
+  x = images(seed=1, batch=batch)
+  with torch.no_grad():
+    ours = e.torch_model().predict_proba(nchw(x)).numpy()
+  assert ours.shape == (batch, CLASSES)
+  np.testing.assert_allclose(ours, vmoe_eval_probabilities(e, x)[:batch], atol=TOLERANCE,
+                             rtol=0)
+
+
+def test_a_short_last_group_is_completed_with_zero_images(export):
+  """The last of 3 images (groups of 2) shares its group with a zero image, as in vmoe eval's
+  last batch; routed alone, or with a copy of itself, it would get other probabilities (with
+  Batch Prioritized Routing and GAP, every token of the group counts), so the test above sees
+  which padding the model uses."""
+  e = export("token_choice_bpr")
+  x = images(seed=1, batch=3)
+  model = e.torch_model()
+  with torch.no_grad():
+    last = model.predict_proba(nchw(x))[2:].numpy()
+    alone = model.predict_proba(nchw(x[2:])).numpy()
+    with_a_copy = model.predict_proba(nchw(x[[2, 2]]))[:1].numpy()
+  with_zeros = vmoe_eval_probabilities(e, np.concatenate([x[2:], np.zeros_like(x[2:])]))[:1]
+  np.testing.assert_allclose(last, with_zeros, atol=TOLERANCE, rtol=0)
+  assert np.abs(last - alone).max() > 10 * TOLERANCE
+  assert np.abs(last - with_a_copy).max() > 10 * TOLERANCE
 
 
 def test_images_of_the_wrong_shape_are_refused(export):
@@ -516,6 +568,41 @@ def test_extra_config_is_merged(tmp_path, export):
   assert written["name"] == "tiny" and written["source"] == {"a": 1}
   with pytest.raises(ValueError, match="predicts 5 classes, not 6"):
     files.write_model(tmp_path, params=e.params, model=e.config, num_classes=6, output="softmax")
+
+
+def _loading_snippet(where: str, folder: pathlib.Path) -> str:
+  """The Python block that loads an export: the card's (written for `folder`), or
+  docs/export.md's with its folder pointed at `folder`."""
+  if where == "card":
+    text = card.model_card(json.loads((folder / "config.json").read_text()), source={},
+                           summary={}, parity={"checked": False, "reason": "a test"})
+  else:
+    text = (ROOT / "docs" / "export.md").read_text()
+    text = text[text.index("## Loading it"):]
+  snippet = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+  return snippet.replace('"runs/down_torch"', repr(str(folder)))
+
+
+@pytest.mark.parametrize("where", ["card", "docs"])
+def test_the_loading_snippet_runs_as_written(export, where, tmp_path):
+  """The snippet, run as written in a process of its own in the export folder, next to three
+  images of a user's (of other sizes than the model's): it defines everything it uses, and any
+  batch size works (3 images in routing groups of 2)."""
+  folder = tmp_path / "export"
+  shutil.copytree(export("token_choice_vanilla").folder, folder)
+  (folder / "config.json").write_text(json.dumps({
+      **json.loads((folder / "config.json").read_text()),
+      "preprocessing": card.preprocessing_entry("decode(3)|resize(16)|value_range(-1,1)", 16, 3)}))
+  snippet = _loading_snippet(where, folder)
+  paths = ast.literal_eval(re.search(r"^paths = (\[.*?\])", snippet, re.M).group(1))
+  rng = np.random.default_rng(0)
+  for i, path in enumerate(paths):
+    Image.fromarray(rng.integers(0, 256, (20 + 9 * i, 24, 3), dtype=np.uint8)).save(
+        folder / path)
+  done = subprocess.run([sys.executable, "-c", snippet + "\nprint(list(probs.shape))"],
+                        cwd=folder, capture_output=True, text=True, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.strip() == str([len(paths), CLASSES])
 
 
 STDLIB = {"__future__", "fractions", "json", "math", "pathlib"}
