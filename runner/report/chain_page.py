@@ -29,16 +29,25 @@ def write_chain_page(path: str | pathlib.Path, out: str | pathlib.Path | None = 
                      runs: list[pathlib.Path] | None = None) -> list[pathlib.Path]:
   """Writes each stage's page, then the chain's (<path>/report.html, or `out`); returns the
   pages written, the chain's last. `runs`: the stages in their order (default: every run
-  folder below `path`, in the order they started)."""
+  folder below `path`, in the order they started). PathTaken, writing nothing, where any page's
+  path holds anything but a page vmoe wrote."""
   path = pathlib.Path(path)
+  run_page.check_replaceable(pages(path, out, runs=runs), out)
   stages = [workdir.read(run) for run in (runs if runs is not None else runs_in(path))]
   if runs is None:
     stages = _in_order(stages)
   written = [run_page.write_run_page(stage.path) for stage in stages]
-  target = pathlib.Path(out) if out else path / run_page.PAGE
+  target = run_page.page_path(path, out)
   run_page.write_atomically(target, build(path, stages, target.parent))
   written.append(target)
   return written
+
+
+def pages(path: str | pathlib.Path, out: str | pathlib.Path | None = None, *,
+          runs: list[pathlib.Path] | None = None) -> list[pathlib.Path]:
+  """The pages write_chain_page writes: each stage's, then the chain's."""
+  stages = runs if runs is not None else runs_in(pathlib.Path(path))
+  return [run_page.page_path(stage) for stage in stages] + [run_page.page_path(path, out)]
 
 
 def _in_order(stages: list[workdir.Run]) -> list[workdir.Run]:

@@ -3,7 +3,8 @@
 A run's workdir (summary.json or metrics.jsonl in it) gets <run>/report.html; a sweep's folder
 (job folders below it, each with its summary.json) gets <sweep>/report.html and each job its
 own page. Every path is checked before anything is written, so a mistake writes nothing: it is
-one paragraph on stderr and exit code 2.
+one paragraph on stderr and exit code 2. So is a page's path (--out FILE, or a report.html)
+that holds anything but a page vmoe wrote: a page replaces only an earlier page.
 """
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def kind(path: pathlib.Path) -> str:
   raise NotReportable(f"{path} is {what}. {WHAT_IS_VALID}")
 
 
+# The pages each kind of path gets written, in the order they are written.
+_PAGES = {"run": lambda folder, out: [run_page.page_path(folder, out)],
+          "chain": chain_page.pages, "sweep": sweep_page.pages}
+
+
 def report(paths: list[str], out: str | None = None) -> list[pathlib.Path]:
   """Writes the page of every path (run or sweep); returns the pages written."""
   folders = [pathlib.Path(p) for p in paths]
@@ -52,6 +58,8 @@ def report(paths: list[str], out: str | None = None) -> list[pathlib.Path]:
                         "one path with --out, or leave --out out to write each page into its "
                         "folder.")
   kinds = [kind(folder) for folder in folders]  # all checked before anything is written
+  for folder, what in zip(folders, kinds):
+    run_page.check_replaceable(_PAGES[what](folder, out), out)
   written: list[pathlib.Path] = []
   for folder, what in zip(folders, kinds):
     if what == "run":
@@ -69,12 +77,13 @@ def main(argv: list[str]) -> int:
       "<run>/report.html, or <sweep>/report.html and a page per job (docs/report.md).")
   parser.add_argument("paths", nargs="+", metavar="PATH", help="a run's workdir or a sweep's "
                       "folder")
-  parser.add_argument("--out", metavar="FILE", help="where to write the page (one PATH only; "
-                      "default: PATH/report.html)")
+  parser.add_argument("--out", metavar="FILE", help="where to write the page: a new file or "
+                      "an earlier page, never any other file (one PATH only; default: "
+                      "PATH/report.html)")
   args = parser.parse_args(argv)
   try:
     pages = report(args.paths, args.out)
-  except NotReportable as e:
+  except (NotReportable, run_page.PathTaken) as e:
     print(f"vmoe report: error: {e}", file=sys.stderr)
     return 2
   except OSError as e:

@@ -5,12 +5,16 @@ script, no font, no image from elsewhere), pictures are `data:` URIs or inline S
 only links are anchors and relative links to other report.html pages. Every string read from a
 run's files goes through `esc`; only HTML this package builds (and an evaluator's section) is
 inserted as it is, marked `Raw`.
+
+Every page names its writer in its head (GENERATOR), so that a page replaces only a page vmoe
+wrote (`is_report_page`), never a file that happens to sit where a page goes.
 """
 from __future__ import annotations
 
 import base64
 import hashlib
 import html
+import pathlib
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;color:#1b1f24;
@@ -68,6 +72,23 @@ document.querySelectorAll("table.sortable th").forEach(function (th, col) {
   });
 });
 """
+
+
+# What identifies a page vmoe report wrote: this tag, among the first bytes of the file. Pages
+# written before it was added are known by their opening, the same since the first page.
+GENERATOR = '<meta name="generator" content="vmoe report">'
+_OPENING_BEFORE_GENERATOR = (
+    '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
+    '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; img-src data:; '
+    "style-src 'unsafe-inline'; script-src ")
+_HEAD_BYTES = 1024
+
+
+def is_report_page(path: pathlib.Path) -> bool:
+  """Whether `path` is a file that `page` wrote (an OSError if it cannot be read)."""
+  with open(path, "rb") as file:
+    head = file.read(_HEAD_BYTES).decode("utf-8", errors="replace")
+  return GENERATOR in head or head.startswith(_OPENING_BEFORE_GENERATOR)
 
 
 class Raw(str):
@@ -143,7 +164,7 @@ def page(title: str, subtitle: str, sections: list[tuple[str, str, str]],
   tail = f"<script>{SORT_SCRIPT}</script>" if script else ""
   return (
       "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n"
-      f'<meta http-equiv="Content-Security-Policy" content="{policy}">\n'
+      f'<meta http-equiv="Content-Security-Policy" content="{policy}">\n{GENERATOR}\n'
       '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
       f"<title>{esc(title)}</title>\n<style>{CSS}</style></head>\n<body>\n"
       f"<header><h1>{esc(title)}</h1><p>{esc(subtitle)}</p><nav>{toc}</nav></header>\n"

@@ -3,7 +3,8 @@
 `write_run_page(workdir)` is what other code calls (`vmoe report` now, each stage as it ends
 later): it reads the workdir once, draws a handful of SVG charts and writes
 <workdir>/report.html in one replace, so a reader never opens a half-written page. It takes
-about a second on a small run.
+about a second on a small run. A page replaces only a page vmoe wrote (`check_replaceable`):
+anything else where a page goes (a run's config.yaml named by --out, a folder) is left as it is.
 """
 from __future__ import annotations
 
@@ -28,7 +29,52 @@ _TRAIN_CHARTS = (("Loss", ("train/loss", "val/loss"), "loss"),
                  ("Precision@1", ("train/prec@1", "val/prec@1"), "prec@1"),
                  ("Learning rate", ("train/lr",), "learning rate"),
                  ("Images per second", ("train/images_per_s",), "images/s"))
+_TRAINING_STAGES = ("pretrain", "finetune")
 _DRAWN_ELSEWHERE = {"train/aux_loss", "train/cls_loss"}  # the MoE losses' chart, the loss chart
+
+
+class PathTaken(ValueError):
+  """Where a page goes there is something else than a page vmoe wrote; the message is the
+  paragraph to print."""
+
+
+def page_path(path: str | pathlib.Path, out: str | pathlib.Path | None = None) -> pathlib.Path:
+  """Where the page of the run, chain or sweep in `path` goes: `out`, else <path>/report.html."""
+  return pathlib.Path(out) if out else pathlib.Path(path) / PAGE
+
+
+def check_replaceable(pages: list[pathlib.Path], out: str | pathlib.Path | None = None) -> None:
+  """Raises PathTaken for the first of `pages` that exists and is not a page vmoe wrote (its
+  marker, markup.GENERATOR): replacing it would destroy it. `out`: the path --out named, told
+  apart in the message (another --out path is the way out there)."""
+  where = ("each run's, chain's and sweep's page is report.html in its folder, and vmoe "
+           "replaces only its own pages there")
+  for page in pages:
+    named = out is not None and page == pathlib.Path(out)
+    if page.is_dir():
+      if named:
+        raise PathTaken(
+            f"--out {page} is a folder, and --out names the page's file: give it a path that "
+            f"does not exist yet (e.g. {page / PAGE}) or that of a page vmoe report wrote, or "
+            "leave --out out to write the page into the folder given as PATH "
+            "(PATH/report.html). Nothing was written.")
+      raise PathTaken(f"{page} is a folder where vmoe writes a page; {where}, so nothing was "
+                      "written. Move or remove that folder, then run the command again.")
+    if not page.exists():
+      continue
+    try:
+      if markup.is_report_page(page):
+        continue
+      why = f"is a file vmoe report did not write (it has no {markup.GENERATOR} near its start)"
+    except OSError as e:
+      why = f"cannot be read ({e.strerror or e}) to check that vmoe report wrote it"
+    if named:
+      raise PathTaken(
+          f"--out {page} {why}, and --out replaces only a page vmoe report wrote, so nothing "
+          "was written. Give --out a path that does not exist yet (or that of an earlier "
+          "report page), or remove that file first if it can go.")
+    raise PathTaken(f"{page} {why}; {where}, so nothing was written. Move or remove that "
+                    "file, then run the command again.")
 
 
 def write_run_page(path: str | pathlib.Path, out: str | pathlib.Path | None = None, *,
@@ -36,9 +82,11 @@ def write_run_page(path: str | pathlib.Path, out: str | pathlib.Path | None = No
   """Writes the page of the run in `path` (to <path>/report.html, or `out`); returns its path.
   `live`: whether to show the "in progress" banner; None asks the workdir's lock (a lock this
   process holds does not count: a stage writing its own page has finished its work). `run`:
-  the workdir as the caller read it already (`workdir.read(path)`)."""
+  the workdir as the caller read it already (`workdir.read(path)`). PathTaken, writing nothing,
+  where the page's path holds anything but a page vmoe wrote."""
   path = pathlib.Path(path)
-  target = pathlib.Path(out) if out else path / PAGE
+  target = page_path(path, out)
+  check_replaceable([target], out)
   run = run or workdir.read(path)
   if live is None:
     live = liveness.held_by_another_process(path)
@@ -150,8 +198,7 @@ def _training(run: workdir.Run) -> str:
   scalars, drawn, charts = run.curves.scalars, [], []
   train = [k for k in scalars if k.startswith("train/") and len(scalars[k]) >= 2]
   if not train:
-    return markup.note("Nothing was logged over training steps (an eval, few-shot or ensemble "
-                       "stage logs its metrics once).")
+    return _too_few_training_points(run)
   shown = set(_DRAWN_ELSEWHERE)
   for title, keys, ylabel in _TRAIN_CHARTS:
     series = _series(scalars, keys, drawn)
@@ -173,6 +220,42 @@ def _training(run: workdir.Run) -> str:
         and not _LAYER.fullmatch(key)):
       charts.append(markup.figure(plots.lines(key, _series(scalars, (key,), drawn))))
   return _downsampling_note(drawn, run.curves.logged) + _grid(charts)
+
+
+def _too_few_training_points(run: workdir.Run) -> str:
+  """The training section of a run with no training curve: a stage that trains but logged once
+  or never (train.steps within one train.log_every_steps) shows its one point and how to get
+  curves; only a stage that does not train says it logs once."""
+  scalars = run.curves.scalars
+  logged = {k: c for k, c in scalars.items() if len(c) == 1 and (
+      k.startswith("train/") or (_LAYER.fullmatch(k) and not _LAYER.fullmatch(k)[1]))}
+  train = run.config.get("train")
+  trains = (run.stage in _TRAINING_STAGES or isinstance(train, dict)
+            or any(k.startswith("train/") for k in logged))
+  if not trains:
+    return markup.note("Nothing was logged over training steps (an eval, few-shot or ensemble "
+                       "stage logs its metrics once).")
+  train = train if isinstance(train, dict) else {}
+  steps, every = train.get("steps"), train.get("log_every_steps")
+  known = isinstance(steps, int) and isinstance(every, int) and steps > 0
+  setting = f" (train.log_every_steps={every} over train.steps={steps})" if known else ""
+  smaller = max(1, steps // 10) if known else 0
+  advice = (f"For curves, train with a smaller train.log_every_steps (e.g. "
+            f"train.log_every_steps={smaller}: {steps // smaller} points)."
+            if known and smaller < every else
+            "For curves, train with a smaller train.log_every_steps (or more train.steps).")
+  if not logged:
+    return markup.note(
+        f"No training step was logged{setting}: training logs its metrics every "
+        "train.log_every_steps steps and at its last step, and metrics.jsonl has no training "
+        f"record (the run stopped, or has not yet come to it). {advice}")
+  points = sorted({int(step) for curve in logged.values() for step in curve.steps})
+  when = f"at step {points[0]}" if len(points) == 1 else f"at steps {', '.join(map(str, points))}"
+  rows = [[key, int(curve.steps[0]), final_metrics.fmt(float(curve.values[0]))]
+          for key, curve in logged.items()]
+  return (markup.note(f"Training logged once, {when}{setting}: a single point per metric and "
+                      f"no curve to draw; its values are below. {advice}")
+          + markup.table(["metric", "step", "value"], rows))
 
 
 def _per_layer_charts(scalars: dict, drawn: list, wanted, what: str, prefix: str = "") -> list:

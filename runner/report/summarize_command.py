@@ -1,12 +1,14 @@
 """`vmoe summarize`: the sweep's table (runner.summarize), then its `vmoe report` page refreshed,
-so that the page of a finished sweep is there without asking (`--no-report` skips it)."""
+so that the page of a finished sweep is there without asking (`--no-report` skips it). As
+`vmoe report`, it replaces only pages vmoe wrote: a report.html of anything else is left alone,
+and the table is printed all the same."""
 from __future__ import annotations
 
 import pathlib
 import sys
 
 from runner import summarize
-from runner.report import sweep_page
+from runner.report import run_page, sweep_page
 
 
 def main(argv: list[str]) -> int:
@@ -16,6 +18,9 @@ def main(argv: list[str]) -> int:
     return code
   try:
     page = sweep_page.write_sweep_page(args.directory)[-1]
+  except run_page.PathTaken as e:  # a page replaces only a page: trying again would not help
+    print(f"vmoe summarize: warning: the sweep's pages were not written: {e}", file=sys.stderr)
+    return code
   except Exception as e:  # noqa: BLE001 (the table is written: a page is extra)
     print(f"vmoe summarize: warning: the sweep's report.html was not written "
           f"({type(e).__name__}: {e}); `vmoe report {args.directory}` tries again.",

@@ -73,14 +73,31 @@ def _score(job: summarize.Job) -> float | None:
 def write_sweep_page(path: str | pathlib.Path, out: str | pathlib.Path | None = None
                      ) -> list[pathlib.Path]:
   """Writes every job's page, then the sweep's (<sweep>/report.html, or `out`); returns the
-  paths written, the sweep's last."""
+  paths written, the sweep's last. PathTaken, writing nothing, where any page's path holds
+  anything but a page vmoe wrote."""
   sweep = read(path)
-  written = [run_page.write_run_page(job.path) for job in sweep.jobs]
-  written += [run_page.write_run_page(folder) for folder in sweep.unfinished]
-  target = pathlib.Path(out) if out else sweep.path / run_page.PAGE
+  run_page.check_replaceable(_pages(sweep, out), out)
+  written = [run_page.write_run_page(folder) for folder in _job_folders(sweep)]
+  target = run_page.page_path(sweep.path, out)
   run_page.write_atomically(target, build(sweep, target.parent))
   written.append(target)
   return written
+
+
+def pages(path: str | pathlib.Path, out: str | pathlib.Path | None = None
+          ) -> list[pathlib.Path]:
+  """The pages write_sweep_page writes: each job's, then the sweep's."""
+  return _pages(read(path), out)
+
+
+def _pages(sweep: Sweep, out: str | pathlib.Path | None) -> list[pathlib.Path]:
+  return ([run_page.page_path(folder) for folder in _job_folders(sweep)]
+          + [run_page.page_path(sweep.path, out)])
+
+
+def _job_folders(sweep: Sweep) -> list[pathlib.Path]:
+  """The finished jobs, then the unfinished ones: each gets its page."""
+  return [job.path for job in sweep.jobs] + sweep.unfinished
 
 
 def _job_link(folder: pathlib.Path, sweep: Sweep, page_dir: pathlib.Path) -> Raw:

@@ -5,7 +5,8 @@ formats the stages write (metrics.jsonl, summary.json, .hydra/overrides.yaml, co
 What a page promises: every section, every MoE layer's expert-load heat map, nothing fetched
 from anywhere (every src/href a data: URI, an anchor or a relative report.html link), a bounded
 size however long the run, the strings of the files escaped; a sweep's page lists every job
-and marks the best; bad paths write nothing; a live run's page says it is in progress.
+and marks the best; bad paths write nothing; a page replaces only a page vmoe wrote; a live
+run's page says it is in progress; a short training run's page shows its one logged point.
 """
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ import zlib
 import numpy as np
 import pytest
 import yaml
+from conftest import fails_clearly
 
 from runner import summarize
 from runner.evaluators import suite
-from runner.report import curves, run_page, sweep_page
+from runner.report import curves, markup, run_page, sweep_page
 from runner.workdir_lock import LOCK_FILE, WorkdirLock
 
 RUN_SECTIONS = {"run", "config", "training", "validation", "routing", "metrics", "pictures",
@@ -315,6 +317,112 @@ def test_the_command_prints_each_page_it_writes(tmp_path, run_cli):
   assert code == 0 and out.strip() == str(tmp_path / "page.html")
   code, _, err = run_cli("report", str(run), str(run), "--out", str(tmp_path / "x.html"))
   assert code == 2 and "--out names one page" in err
+
+
+def _training_section(text: str) -> str:
+  return text.split('<section id="training">')[1].split("</section>")[0]
+
+
+def test_a_short_training_run_shows_its_one_logged_point_and_how_to_get_curves(tmp_path):
+  """train.steps=20 with train.log_every_steps=20: the stage logs training once, at its last
+  step (runner/loop.py), and the page says so rather than calling it a stage that does not
+  train."""
+  run = make_run(tmp_path / "short", steps=20,
+                 config={"seed": 0, "train": {"steps": 20, "log_every_steps": 20}})
+  last = (run / "metrics.jsonl").read_text().splitlines()[-1]  # the record of step 20
+  (run / "metrics.jsonl").write_text(last + "\n")
+  section = _training_section(run_page.write_run_page(run).read_text())
+  assert "Nothing was logged over training steps" not in section
+  assert ("Training logged once, at step 20 (train.log_every_steps=20 over train.steps=20)"
+          in section)
+  assert "e.g. train.log_every_steps=2: 10 points" in section
+  loss = json.loads(last)["train/loss"]
+  assert f'<tr><td>train/loss</td><td class="num">20</td><td class="num">{loss:.4f}</td></tr>' \
+      in section
+  assert "<td>moe/layer_3/load_loss</td>" in section and "<td>val/loss</td>" not in section
+  # Still before its first logging step (fewer steps done than one log interval): none yet.
+  (run / "metrics.jsonl").write_text("")
+  (run / "summary.json").unlink()
+  (run / "config.yaml").write_text(yaml.safe_dump({"train": {"steps": 10,
+                                                              "log_every_steps": 20}}))
+  section = _training_section(run_page.write_run_page(run).read_text())
+  assert "Nothing was logged over training steps" not in section
+  assert "No training step was logged (train.log_every_steps=20 over train.steps=10)" in section
+  # A stage that does not train logs its metrics once, as the page says.
+  ev = make_run(tmp_path / "eval", stage="eval", summary={"uci_digits/prec@1": 0.77})
+  (ev / "metrics.jsonl").write_text(json.dumps({"step": 0, "uci_digits/prec@1": 0.77}) + "\n")
+  section = _training_section(run_page.write_run_page(ev).read_text())
+  assert "Nothing was logged over training steps (an eval, few-shot or ensemble" in section
+
+
+def _no_page_but(root: pathlib.Path, *kept: pathlib.Path) -> None:
+  assert sorted(root.rglob("report.html")) == sorted(kept)
+
+
+def test_out_replaces_an_earlier_page_and_nothing_else(tmp_path, run_cli):
+  run = make_run(tmp_path / "up")
+  config = (run / "config.yaml").read_text()
+  err = fails_clearly(run_cli("report", str(run), "--out", str(run / "config.yaml")),
+                      f"--out {run / 'config.yaml'} is a file vmoe report did not write",
+                      "Give --out a path that does not exist yet", "remove that file")
+  assert (run / "config.yaml").read_text() == config
+  fails_clearly(run_cli("report", str(run), "--out", str(tmp_path)),
+                f"--out {tmp_path} is a folder", "names the page's file",
+                str(tmp_path / "report.html"), "leave --out out")
+  _no_page_but(tmp_path)
+  assert not list(tmp_path.rglob(".report-*"))  # no temporary file left either
+  # A page vmoe wrote is replaced, and so is one written before pages carried the marker.
+  page = tmp_path / "pages" / "up.html"
+  assert run_cli("report", str(run), "--out", str(page))[0] == 0
+  assert markup.GENERATOR in page.read_text()
+  page.write_text(page.read_text().replace(markup.GENERATOR + "\n", "").replace("val/", "old/"))
+  code, out, err = run_cli("report", str(run), "--out", str(page))
+  assert code == 0 and out.strip() == str(page), err
+  assert "val/" in page.read_text()
+
+
+def test_a_page_in_its_folder_replaces_only_a_page(tmp_path, run_cli):
+  """A run's, a sweep job's and a chain's own report.html that vmoe did not write stop the
+  command before it writes anything, for every path given."""
+  other = make_run(tmp_path / "other")
+  run = make_run(tmp_path / "up")
+  (run / "report.html").write_text("<html>my notes</html>")
+  fails_clearly(run_cli("report", str(other), str(run)),
+                f"{run / 'report.html'} is a file vmoe report did not write",
+                "Move or remove that file")
+  assert (run / "report.html").read_text() == "<html>my notes</html>"
+  _no_page_but(tmp_path, run / "report.html")
+  (run / "report.html").unlink()
+  (run / "report.html").mkdir()
+  fails_clearly(run_cli("report", str(run)), f"{run / 'report.html'} is a folder")
+  sweep = tmp_path / "sweep"
+  for num in range(2):
+    make_run(sweep / str(num), summary={"val/prec@1": 0.5 + num})
+  (sweep / "1" / "report.html").write_text("job 1's notes")
+  fails_clearly(run_cli("report", str(sweep)), f"{sweep / '1' / 'report.html'} is a file")
+  _no_page_but(sweep, sweep / "1" / "report.html")
+  (sweep / "1" / "report.html").unlink()
+  assert run_cli("report", str(sweep))[0] == 0  # and again over the pages it wrote
+  assert run_cli("report", str(sweep))[0] == 0
+  chain = tmp_path / "demo"
+  make_run(chain / "pretrain")
+  (chain / "report.html").write_text("the demo's notes")
+  fails_clearly(run_cli("report", str(chain)), f"{chain / 'report.html'} is a file")
+  _no_page_but(chain, chain / "report.html")
+
+
+def test_summarize_leaves_a_report_html_it_did_not_write(tmp_path, run_cli):
+  """The table as ever; the sweep's pages not written, a warning naming the file."""
+  for num in range(2):
+    make_run(tmp_path / str(num), summary={"val/prec@1": 0.5 + 0.1 * num, "val/nll": 1.0})
+  (tmp_path / "report.html").write_text("notes")
+  code, out, err = run_cli("summarize", str(tmp_path), "--no-plots")
+  assert code == 0, err
+  assert (tmp_path / "summary.md").read_text() in out
+  assert err.startswith("vmoe summarize: warning: the sweep's pages were not written: "
+                        f"{tmp_path / 'report.html'} is a file vmoe report did not write")
+  assert (tmp_path / "report.html").read_text() == "notes"
+  _no_page_but(tmp_path, tmp_path / "report.html")
 
 
 def _hold_lock(workdir: pathlib.Path) -> subprocess.Popen:
