@@ -12,9 +12,14 @@ comma := ,
 JEMALLOC := $(firstword $(wildcard $(VENV)/lib/libjemalloc.so.2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2))
 WITH_JEMALLOC := $(if $(JEMALLOC),LD_PRELOAD=$(abspath $(JEMALLOC)) MALLOC_CONF=oversize_threshold:0$(comma)dirty_decay_ms:60000$(comma)muzzy_decay_ms:60000 VMOE_ALLOCATOR=jemalloc,)
 
-.PHONY: install browser demo test test-full test-cluster test-export bench study-ensembles study-heads study-routers study-contrastive clean
+.PHONY: install browser demo test test-full test-cluster test-export test-install bench bench-gpu study-ensembles study-heads study-routers study-contrastive clean
 
-install: $(STAMP)
+# JAX's CUDA build at constraints.txt's versions, into the same environment: make install GPU=cuda12
+# (or GPU=cuda13, for a driver of CUDA 13). Empty: the CPU build only.
+GPU ?=
+GPU_BUILDS := cuda12 cuda13
+
+install: $(STAMP) $(if $(GPU),$(VENV)/.installed-$(GPU))
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +31,13 @@ $(STAMP): pyproject.toml constraints.txt
 	  || echo "jemalloc not available here: CPU training runs, but slower (see docs/speed.md)"; \
 	  rm -rf jemalloc-pkg libjemalloc2_*.deb
 	touch $(STAMP)
+
+$(VENV)/.installed-%: $(STAMP)
+	@case " $(GPU_BUILDS) " in *" $* "*) ;; *) echo "GPU=$* is not one of JAX's CUDA builds;" \
+	  "use GPU=cuda12 or GPU=cuda13 (docs/scaling.md)"; exit 2;; esac
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt "jax[$*]"
+	$(BIN)/python -c "import jax; print('JAX', jax.__version__, 'sees', jax.devices())"
+	touch $@
 
 # Headless Chromium for the report pages' browser test (tests/integration/test_report_browser.py):
 # Debian's package, installed as root with apt when missing; elsewhere that test skips, saying why.
@@ -56,6 +68,11 @@ test-cluster: install
 test-export: install $(VENV)/.installed-torch
 	$(WITH_JEMALLOC) $(BIN)/python -m pytest -q -p no:cacheprovider tests/export
 
+# The CUDA builds `make install GPU=...` installs resolve at constraints.txt's versions (pip's
+# resolver on the registry's metadata; nothing of CUDA is downloaded).
+test-install: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/install
+
 $(VENV)/.installed-torch: $(STAMP)
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[torch]'
 	touch $@
@@ -78,6 +95,13 @@ study-contrastive: install
 
 bench: install
 	$(WITH_JEMALLOC) $(BIN)/python -m benchmarks.run_all
+
+# V-MoE-S/32 and -B/16 train steps on one GPU, within 8 minutes (benchmarks/README.md). It needs
+# only jax, flax, optax and numpy, so it runs on a CUDA JAX image without `install` (TensorFlow):
+# .venv's python if there is one, else python3. `make bench-gpu ARGS=--small`: the CPU smoke run.
+bench-gpu:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" \
+	  $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m benchmarks.gpu $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs outputs multirun

@@ -17,10 +17,10 @@ import numpy as np
 
 from benchmarks import harness
 from benchmarks.train_step import PRESETS, model_configs
-from runner.evaluators.classification import make_eval_step
 from runner.models import build_model
 from runner.models.flops import forward_flops_per_image
 from runner.train import state as state_lib
+from runner.train.step import make_eval_step
 
 
 def main(argv=None) -> dict:

@@ -65,8 +65,8 @@ def interleaved_median_ms(fns: dict, *, rounds: int = 5, steps: int = 4) -> dict
           for name, v in interleaved_rounds_ms(fns, rounds=rounds, steps=steps).items()}
 
 
-def write(name: str, record: dict) -> pathlib.Path:
-  RESULTS.mkdir(parents=True, exist_ok=True)
-  path = RESULTS / f"{name}.json"
+def write(name: str, record: dict, results: pathlib.Path = RESULTS) -> pathlib.Path:
+  results.mkdir(parents=True, exist_ok=True)
+  path = results / f"{name}.json"
   path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
   return path

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +26,10 @@ import numpy as np
 
 from benchmarks import harness
 from runner.config.schema import Classifier, DType, ModelConfig, MoeConfig, RouterConfig
-from runner.evaluators.classification import make_eval_step
 from runner.models import build_model
 from runner.models.flops import train_flops_per_image, forward_flops_per_image
 from runner.train import optimizers, schedules, state as state_lib
-from runner.train.step import make_train_step
+from runner.train.step import make_eval_step, make_train_step
 
 # fp32, Adam, token classifier, learned position embeddings, routing groups of 8 images,
 # capacity ratio 1.05, k=2, no dropout.
@@ -40,6 +41,10 @@ PRESETS = {
     # The papers' smallest models, for accelerators (batch 256 as in the issue).
     "s32": dict(image_size=224, patch_size=32, hidden_size=512, num_layers=8, mlp_dim=2048,
                 num_heads=8, num_classes=1000, batch_size=256, num_experts=32, moe_layers=[5, 7]),
+    # V-MoE-B/16 with experts on every second block (vmoe_b16_every2).
+    "b16": dict(image_size=224, patch_size=16, hidden_size=768, num_layers=12, mlp_dim=3072,
+                num_heads=12, num_classes=1000, batch_size=256, num_experts=32,
+                moe_layers=[1, 3, 5, 7, 9, 11]),
 }
 
 
@@ -61,9 +66,8 @@ def model_configs(preset: dict, dtype: str) -> dict[str, ModelConfig]:
 SPARSE = ("vmoe", "experts_choice", "soft")  # compared with "dense"
 
 
-def compiled_train_step(model, shape: tuple, batch_size: int, classes: int):
-  """(compiled Adam train step, its initial state, a synthetic batch): what every train-step
-  benchmark times."""
+def jitted_train_step(model, shape: tuple, batch_size: int, classes: int):
+  """(jitted Adam train step, its initial state, a synthetic batch), not compiled yet."""
   params, _ = state_lib.init_params(model, shape, seed=0)
   schedule = schedules.make_schedule("linear", 1e-3, 10_000, 100)
   tx = optimizers.make_optimizer("adam", schedule, params, grad_clip_norm=1.0)
@@ -74,28 +78,74 @@ def compiled_train_step(model, shape: tuple, batch_size: int, classes: int):
            "labels": jax.nn.one_hot(rng.integers(0, classes, batch_size), classes)}
   step = jax.jit(make_train_step(model, tx, schedule, loss="softmax_xent", aux_loss_weight=0.01),
                  donate_argnums=0)
+  return step, state, batch
+
+
+def compiled_train_step(model, shape: tuple, batch_size: int, classes: int):
+  """(compiled Adam train step, its initial state, a synthetic batch): what every train-step
+  benchmark times."""
+  step, state, batch = jitted_train_step(model, shape, batch_size, classes)
   return step.lower(state, batch).compile(), state, batch
+
+
+@dataclasses.dataclass
+class TrainStep:
+  """A compiled train step ready to time, with what its compilation cost."""
+  compiled: Callable
+  state: state_lib.TrainState
+  batch: dict
+  model: object
+  compile_s: float  # lowering + compilation
+  xla_flops: float  # XLA's cost analysis, per step
+  num_params: int
+
+  def run(self) -> jax.Array:
+    """One step on the same batch: the state is donated to it and replaced by its result."""
+    self.state, metrics = self.compiled(self.state, self.batch)
+    return metrics["train/loss"]
+
+
+def prepare_train_step(config: ModelConfig, preset: dict) -> TrainStep:
+  """The train step of `config` at the preset's image size, batch and classes, compiled and
+  warmed up."""
+  batch_size, classes = preset["batch_size"], preset["num_classes"]
+  model = build_model(config, classes)
+  shape = (preset["image_size"], preset["image_size"], 3)
+  step, state, batch = jitted_train_step(model, shape, batch_size, classes)
+  start = time.perf_counter()
+  compiled = step.lower(state, batch).compile()
+  compile_s = time.perf_counter() - start
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  prepared = TrainStep(compiled=compiled, state=state, batch=batch, model=model,
+                       compile_s=compile_s,
+                       xla_flops=float((cost or {}).get("flops", float("nan"))),
+                       num_params=sum(x.size for x in jax.tree.leaves(state.params)))
+  for _ in range(2):  # warm up
+    jax.block_until_ready(prepared.run())
+  return prepared
 
 
 def _prepare(config: ModelConfig, preset: dict):
   """Jitted train and eval steps with their inputs, as zero-argument callables."""
-  batch_size, classes = preset["batch_size"], preset["num_classes"]
-  model = build_model(config, classes)
-  shape = (preset["image_size"], preset["image_size"], 3)
-  compiled, state, batch = compiled_train_step(model, shape, batch_size, classes)
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  box = {"state": state}
+  train = prepare_train_step(config, preset)
+  eval_batch = dict(train.batch, _mask=jnp.ones((preset["batch_size"],), bool))
+  eval_step = jax.jit(make_eval_step(train.model))
+  evaluate = lambda: eval_step(train.state.params, eval_batch)["count"]
+  jax.block_until_ready(evaluate())  # compile, warm up
+  return train.run, evaluate, train.xla_flops
 
-  def train():
-    box["state"], metrics = compiled(box["state"], batch)
-    return metrics["train/loss"]
-  eval_batch = dict(batch, _mask=jnp.ones((batch_size,), bool))
-  eval_step = jax.jit(make_eval_step(model))
-  evaluate = lambda: eval_step(box["state"].params, eval_batch)["count"]
-  for fn in (train, train, evaluate):  # compile, warm up
-    jax.block_until_ready(fn())
-  return train, evaluate, float(cost.get("flops", float("nan")))
+
+def overhead(sparse_rounds: list, dense_rounds: list, sparse: dict, dense: dict) -> dict:
+  """A sparse model against its dense twin, from the step times of rounds in which the two
+  alternated and their analytic and XLA train FLOPs: (time ratio) / (analytic FLOP ratio), the
+  median of the per-round ratios, robust to drifts of the machine's speed."""
+  round_ratios = [m / d for m, d in zip(sparse_rounds, dense_rounds)]
+  flop_ratio = sparse["analytic_train_flops"] / dense["analytic_train_flops"]
+  return dict(time_ratio=statistics.median(round_ratios), analytic_flop_ratio=flop_ratio,
+              xla_flop_ratio=sparse["xla_train_flops"] / dense["xla_train_flops"],
+              overhead=statistics.median(r / flop_ratio for r in round_ratios),
+              overhead_per_round=[r / flop_ratio for r in round_ratios])
 
 
 def measure(name: str, preset: dict, dtype: str, peak_gflops: float, rounds: int,
@@ -121,14 +171,7 @@ def measure(name: str, preset: dict, dtype: str, peak_gflops: float, rounds: int
         "mfu": flops / (train_ms[kind] / 1e3) / (peak_gflops * 1e9),
     }
   for kind in families:
-    round_ratios = [m / d for m, d in zip(train_rounds[kind], train_rounds["dense"])]
-    flop_ratio = out[kind]["analytic_train_flops"] / out["dense"]["analytic_train_flops"]
-    out[kind].update(
-        time_ratio=statistics.median(round_ratios),  # robust to drifts of the machine's speed
-        analytic_flop_ratio=flop_ratio,
-        xla_flop_ratio=out[kind]["xla_train_flops"] / out["dense"]["xla_train_flops"],
-        overhead=statistics.median(r / flop_ratio for r in round_ratios),
-        overhead_per_round=[r / flop_ratio for r in round_ratios])
+    out[kind].update(overhead(train_rounds[kind], train_rounds["dense"], out[kind], out["dense"]))
   if "vmoe" in families:  # token-choice, under the names earlier records used
     vmoe = out["vmoe"]
     out.update(time_ratio=vmoe["time_ratio"], analytic_flop_ratio=vmoe["analytic_flop_ratio"],

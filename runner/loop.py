@@ -29,12 +29,12 @@ from runner.config import as_dict, derived
 from runner.config.schema import TrainTask
 from runner.errors import Interrupted, RunError
 from runner.evaluators import EVALUATORS, suite as suite_lib
-from runner.evaluators.classification import ClassificationEvaluator, make_eval_step
+from runner.evaluators.classification import ClassificationEvaluator
 from runner.evaluators.fewshot import FewshotEvaluator, make_feature_fn
 from runner.logging import MetricWriter, Progress
 from runner.parallel import Placement, preemption, replicated
 from runner.train import optimizers, schedules, state as state_lib
-from runner.train.step import make_train_step
+from runner.train.step import make_eval_step, make_train_step
 
 
 class Diverged(RunError):

@@ -13,8 +13,22 @@ from __future__ import annotations
 
 import pathlib
 
-from runner.config.resolve import as_dict, from_dict, load
 from runner.config.validate import validate
+
+# What `resolve` gives needs OmegaConf. Python runs this file before any module of the package,
+# runner.config.schema included, which the models and the train step import; so these names are
+# imported on first use, and the compute path runs where OmegaConf is not installed (a CUDA JAX
+# image: benchmarks/gpu.py, tests/unit/test_compute_path_imports.py).
+_RESOLVE_NAMES = ("as_dict", "from_dict", "load")
+
+
+def __getattr__(name: str):
+  if name not in _RESOLVE_NAMES:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  from runner.config import resolve  # OmegaConf: see _RESOLVE_NAMES
+  value = getattr(resolve, name)
+  globals()[name] = value
+  return value
 
 
 def conf_dir() -> pathlib.Path:

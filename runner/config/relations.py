@@ -230,6 +230,51 @@ def het_xl_noise_fits_the_pre_logits(model: ModelConfig):
             f"model.head.latent_dim={width} or null.")
 
 
+def cudnn_attention_problem(dtype: str, head_dim: int, *, dropout: bool, tokens: int = 0,
+                            masked: bool = False, platform: str | None = None,
+                            capability: tuple[int, int] | None = None) -> str | None:
+  """Why model.attention=cudnn cannot run an attention layer: cuDNN's fused kernel
+  (`jax.nn.dot_product_attention(implementation="cudnn")`) as JAX 0.10 and cuDNN accept it; None
+  where it can. Stated once for the config (before launch, `platform` None: not known yet) and for
+  the model, which decides `auto` and refuses `cudnn` when traced, where its device is known
+  (runner/models/vit.py).
+
+  `platform`: "cuda" for an NVIDIA GPU of compute `capability` (major, minor), else the JAX
+  platform ("cpu", "tpu", "rocm"). `dropout`: attention dropout is on, which the fused call has
+  not. `masked` (a padding mask, the text tower's): cuDNN takes it as a bias, whose gradient needs
+  an even number of `tokens`."""
+  widest = 256 if capability is None or capability >= (9, 0) else 128
+  if dtype not in ("bfloat16", "float16"):
+    why = f"it takes bfloat16 or float16 inputs, and model.dtype={dtype}"
+  elif dropout:
+    why = ("jax.nn.dot_product_attention has no attention dropout, and "
+           "model.attention_dropout_rate > 0")
+  elif head_dim % 8 or head_dim > widest:
+    why = (f"its head dimension must be a multiple of 8 of at most {widest}, and "
+           f"model.hidden_size / model.num_heads = {head_dim}")
+  elif masked and tokens % 2:
+    why = f"a masked attention needs an even number of tokens, not {tokens}"
+  elif platform is not None and platform != "cuda":
+    why = f"it needs an NVIDIA GPU, and this process computes on {platform}"
+  elif capability is not None and capability < (8, 0):
+    why = (f"it needs compute capability 8.0 (Ampere) or newer, and this GPU has "
+           f"{capability[0]}.{capability[1]}")
+  else:
+    return None
+  return (f"model.attention=cudnn asks for cuDNN's fused attention, but {why}: use "
+          "model.attention=auto (the fused kernel where it can run, XLA elsewhere) or xla.")
+
+
+@relation
+def cudnn_attention_applies(model: ModelConfig):
+  """The device itself is checked when the model is traced (runner/models/vit.py): relations
+  know the device count, not the platform."""
+  if _show(model.attention) != "cudnn" or model.hidden_size % model.num_heads:
+    return None  # heads_split_the_width reports the latter
+  return cudnn_attention_problem(_show(model.dtype), model.hidden_size // model.num_heads,
+                                 dropout=model.attention_dropout_rate > 0)
+
+
 # --- data --------------------------------------------------------------------------------------
 
 @relation

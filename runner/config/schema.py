@@ -7,7 +7,8 @@ hint)` adds what a type cannot say (steps >= 1, a probability in [0, 1]); relati
 runner/config/validate.py, once, before any compute. Config keys are the constructor argument
 names of the library objects they configure.
 
-This module imports no Hydra and no library code at import time: the library may use these types.
+This module imports no Hydra, no OmegaConf and no library code at import time: the library, and
+the compute path on an accelerator image without them, may use these types.
 """
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from omegaconf import MISSING
-
 from runner.config import preprocessing, registries, sections
 from runner.config.checks import (Check, Choice, Items, Range, Rule, at_least, key, matches, positive,
                                   probability, rate)
 from runner.config.mesh import MESH_AXES, RULES
+
+# A mandatory key with no value: OmegaConf's own marker (omegaconf.MISSING is this string), kept
+# here so that the models and the train step, which use these types, import without OmegaConf.
+MISSING = "???"
 
 
 class Loss(str, enum.Enum):
@@ -115,6 +118,12 @@ class DType(str, enum.Enum):
   float32 = "float32"
   bfloat16 = "bfloat16"
   float16 = "float16"
+
+
+class Attention(str, enum.Enum):
+  auto = "auto"
+  xla = "xla"
+  cudnn = "cudnn"
 
 
 def _corruption_names() -> list[str]:
@@ -243,8 +252,13 @@ class ModelConfig:
   dropout_rate: float = key(0.0, rate())
   attention_dropout_rate: float = key(0.0, rate())
   attention_qk_norm: bool = False  # LayerNorm on queries and keys (the Soft MoE paper's ViTs)
+  attention: Attention = key(Attention.auto, hint="auto: cuDNN's fused kernel where the GPU, "
+                             "dtype and shapes allow it, else XLA; xla; cudnn: the fused kernel "
+                             "or an error (docs/models.md#attention)")
   head_bias_init: float = 0.0
-  dtype: DType = DType.float32  # compute dtype; parameters, the router and the head stay float32
+  # The compute dtype; parameters, the routers, the head and the loss stay float32
+  # (docs/models.md#precision).
+  dtype: DType = DType.float32
   moe: MoeConfig = field(default_factory=MoeConfig)
   router: RouterConfig = field(default_factory=RouterConfig)
   head: HeadConfig = field(default_factory=HeadConfig)

@@ -1,47 +1,26 @@
-"""Classification on a split: the training loop's jitted sums (precision@1, NLL, the training
-loss), and the `vmoe eval` evaluator (prec@1, NLL, Brier, ECE; members and diversity for an
-ensemble)."""
+"""Classification on a split: the training loop's evaluator, which folds the sums of the eval step
+(runner/train/step.py: precision@1, NLL, the training loss) into means, and the `vmoe eval`
+evaluator (prec@1, NLL, Brier, ECE; members and diversity for an ensemble)."""
 from __future__ import annotations
 
 import re
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from runner.evaluators import suite as suite_lib
 from runner.evaluators.calibration import plot_reliability_diagram
 from runner.evaluators.ensemble import EnsembleStats
 from runner.evaluators.predictions import PredictionStats, probabilities
-from runner.train.losses import LOSSES, precision_at_1, softmax_xent
-
-
-def make_eval_step(model, loss_name: str = "softmax_xent"):
-  """(params, batch) -> sums over the real (unpadded) examples of the batch."""
-  loss_fn = LOSSES[loss_name]
-
-  def step(params, batch):
-    logits, extras = model.apply({"params": params}, batch["image"], train=False)
-    mask = batch["_mask"].astype(jnp.float32)
-    labels = batch["labels"]
-    # NLL of the model's own likelihood: categorical for softmax models, Bernoulli per class
-    # for sigmoid (multi-label) models.
-    nll = softmax_xent(logits, labels) if loss_name == "softmax_xent" else loss_fn(logits, labels)
-    sums = {"prec@1": precision_at_1(logits, labels), "nll": nll, "loss": loss_fn(logits, labels)}
-    out = {k: jnp.sum(v * mask) for k, v in sums.items()}
-    out["count"] = jnp.sum(mask)
-    for layer, metrics in extras["routing"].items():
-      out[f"moe/{layer}/fraction_dropped_tokens"] = metrics["fraction_dropped_tokens"] * mask.sum()
-    return out
-  return step
 
 
 class ClassificationEvaluator:
   """Evaluates parameters on one split; `put` places a host batch on the devices."""
 
   def __init__(self, step, batches, *, prefix: str, put=lambda batch: batch):
-    """`step` is a jitted `make_eval_step(...)`, shared by evaluators of the same model."""
+    """`step` is a jitted `runner.train.step.make_eval_step(...)`, shared by evaluators of the
+    same model."""
     self.step = step
     self.batches = batches  # a re-iterable dataset of padded numpy batches
     self.prefix = prefix

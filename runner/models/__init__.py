@@ -54,7 +54,7 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
       dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate,
       attention_qk_norm=config.attention_qk_norm, head_bias_init=config.head_bias_init, moe_layers=moe_layers, moe=moe, head=head,
       output=output,
-      dtype=jnp.dtype(_name(config.dtype)))
+      dtype=jnp.dtype(_name(config.dtype)), attention=_name(config.attention))
 
 
 __all__ = ["ModelConfig", "UnknownModelError", "VisionTransformer", "build_model", "is_moe",

@@ -12,12 +12,16 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from runner.config.relations import cudnn_attention_problem
+from runner.config.schema import Attention
+from runner.errors import ConfigError
 from runner.models import ensemble
 from runner.models.heads import HeteroscedasticHead
 from runner.models.moe.layer import MoeMlpBlock
 
 part = nn.with_logical_partitioning
 CLASSIFIERS = ("token", "gap", "map")
+ATTENTIONS = tuple(a.value for a in Attention)  # model.attention
 
 
 class MlpBlock(nn.Module):
@@ -38,16 +42,58 @@ class MlpBlock(nn.Module):
     return nn.Dropout(self.dropout_rate)(y, deterministic=not dropout)
 
 
+def _device() -> dict:
+  """The platform this process computes on ("cuda" for an NVIDIA GPU, with its compute
+  capability), as `cudnn_attention_problem` takes it."""
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return {"platform": device.platform}
+  if "cuda" not in str(getattr(device.client, "platform_version", "")).lower():
+    return {"platform": "rocm"}
+  major, minor = str(device.compute_capability).split(".")[:2]
+  return {"platform": "cuda", "capability": (int(major), int(minor))}
+
+
+def attention_path(attention: str, dtype, head_dim: int, tokens: int, *, masked: bool,
+                   dropout: bool) -> str:
+  """Which attention runs: "cudnn" or "xla", the implementations of
+  `jax.nn.dot_product_attention`, or "explicit", vmoe's own softmax(QK^T/sqrt(d))V written out
+  (compiled by XLA too), the one path with attention dropout (`dropout`: on, at a rate > 0),
+  whatever `attention` asks.
+
+  `attention` (model.attention): "auto" takes cuDNN's fused kernel where it can run and vmoe's
+  own attention elsewhere (the program every earlier version ran: on a CPU it is a little faster
+  than jax.nn.dot_product_attention's XLA implementation, benchmarks/README.md); JAX 0.10's
+  `implementation=None` always means XLA, so the choice is made here. "cudnn" raises a
+  ConfigError where it cannot run, at trace time, before any compute; "xla" asks
+  jax.nn.dot_product_attention for XLA's implementation.
+  """
+  attention = str(getattr(attention, "value", attention))
+  if attention not in ATTENTIONS:
+    raise ValueError(f"unknown attention {attention!r}; valid: {ATTENTIONS}")
+  if attention != "xla":
+    problem = cudnn_attention_problem(jnp.dtype(dtype).name, head_dim, dropout=dropout,
+                                      tokens=tokens, masked=masked, **_device())
+    if problem is None:
+      return "cudnn"
+    if attention == "cudnn":
+      raise ConfigError(problem)
+  return "xla" if attention == "xla" and not dropout else "explicit"
+
+
 class SelfAttention(nn.Module):
   """Multi-head self-attention with one fused QKV projection (one matmul instead of three).
 
   `qk_norm` normalises queries and keys over each head's dimensions (a LayerNorm with a scale and
   no bias, as flax's `normalize_qk` that the Soft MoE paper's ViTs use; Dehghani et al. 2023).
+  `attention` chooses how softmax(QK^T/sqrt(d))V is computed (`attention_path`); the parameters
+  are the same whichever runs.
   """
   num_heads: int
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
   qk_norm: bool = False
+  attention: str = "auto"
 
   @nn.compact
   def __call__(self, x, *, train: bool, dropout: bool | None = None, mask=None):
@@ -74,13 +120,21 @@ class SelfAttention(nn.Module):
     if self.qk_norm:
       q = nn.LayerNorm(use_bias=False, dtype=self.dtype, name="query_ln")(q)
       k = nn.LayerNorm(use_bias=False, dtype=self.dtype, name="key_ln")(k)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q * head_dim**-0.5, k)
-    if mask is not None:
-      logits = jnp.where(mask[:, None, None, :], logits, jnp.finfo(logits.dtype).min)
-    weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(self.dtype)
-    weights = nn.Dropout(self.dropout_rate)(weights, deterministic=not dropout)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b * n, h * head_dim)
-    out = out @ w_out.reshape(h * head_dim, d).astype(self.dtype)
+    path = attention_path(self.attention, q.dtype, head_dim, n, masked=mask is not None,
+                          dropout=dropout and self.dropout_rate > 0)
+    if path == "explicit":  # logits in float32 whatever the dtype (a no-op in float32)
+      logits = jnp.einsum("bqhd,bkhd->bhqk", q * head_dim**-0.5, k,
+                          preferred_element_type=jnp.float32)
+      if mask is not None:
+        logits = jnp.where(mask[:, None, None, :], logits, jnp.finfo(logits.dtype).min)
+      weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(self.dtype)
+      weights = nn.Dropout(self.dropout_rate)(weights, deterministic=not dropout)
+      out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+    else:  # logits and softmax in float32 whatever the dtype; cuDNN takes the mask (B, 1, S, S)
+      pairs = None if mask is None else jnp.broadcast_to(mask[:, None, None, :], (b, 1, n, n))
+      out = jax.nn.dot_product_attention(q, k, v, mask=pairs, scale=head_dim**-0.5,
+                                         implementation=path)
+    out = out.reshape(b * n, h * head_dim) @ w_out.reshape(h * head_dim, d).astype(self.dtype)
     return out.reshape(b, n, d) + b_out.astype(self.dtype)
 
 
@@ -93,13 +147,14 @@ class EncoderBlock(nn.Module):
   moe: dict | None = None  # keyword arguments of MoeMlpBlock, None for a dense MLP
   dtype: Any = jnp.float32
   qk_norm: bool = False
+  attention: str = "auto"  # SelfAttention's
 
   @nn.compact
   def __call__(self, x, *, train: bool, dropout: bool | None = None, mask=None):
     dropout = train if dropout is None else dropout
     y = nn.LayerNorm(dtype=self.dtype, name="norm1")(x)
     y = SelfAttention(self.num_heads, self.attention_dropout_rate, self.dtype, self.qk_norm,
-                      name="attention")(y, train=train, dropout=dropout, mask=mask)
+                      self.attention, name="attention")(y, train=train, dropout=dropout, mask=mask)
     x = x + nn.Dropout(self.dropout_rate)(y, deterministic=not dropout)
     y = nn.LayerNorm(dtype=self.dtype, name="norm2")(x)
     if self.moe is None:
@@ -129,8 +184,11 @@ class MapHead(nn.Module):
     probe = self.param("probe", part(nn.initializers.xavier_uniform(), (None, None, "embed")),
                        (1, 1, d))
     probe = jnp.tile(probe, (b, 1, 1)).astype(self.dtype)
+    # jax.nn.dot_product_attention (XLA's) for flax's: float32 logits and softmax under bfloat16.
     y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dtype=self.dtype,
-                                        normalize_qk=self.qk_norm, name="attention")(probe, x)
+                                        normalize_qk=self.qk_norm,
+                                        attention_fn=jax.nn.dot_product_attention,
+                                        name="attention")(probe, x)
     z = nn.LayerNorm(dtype=self.dtype, name="norm")(y)
     y = y + MlpBlock(self.mlp_dim, dtype=self.dtype, name="mlp")(z, train=train, dropout=dropout)
     return y[:, 0]
@@ -168,6 +226,7 @@ class VisionTransformer(nn.Module):
   head: dict | None = None  # HeteroscedasticHead keyword arguments; None: a linear head
   output: str = "softmax"  # softmax or sigmoid probabilities (ensemble members, MC samples)
   dtype: Any = jnp.float32
+  attention: str = "auto"  # how attention is computed (SelfAttention, attention_path)
 
   @property
   def tiles(self) -> int:
@@ -193,7 +252,8 @@ class VisionTransformer(nn.Module):
       block = EncoderBlock(self.mlp_dim, self.num_heads, self.dropout_rate,
                            self.attention_dropout_rate,
                            moe=self.moe if i in self.moe_layers else None, dtype=self.dtype,
-                           qk_norm=self.attention_qk_norm, name=f"block_{i}")
+                           qk_norm=self.attention_qk_norm, attention=self.attention,
+                           name=f"block_{i}")
       x, metrics = block(x, train=train, dropout=dropout)
       if metrics:
         routing_metrics[f"layer_{i}"] = metrics
@@ -220,11 +280,11 @@ class VisionTransformer(nn.Module):
         pre_logits = pre_logits.reshape(b, -1)
       return pre_logits, {"pre_logits": pre_logits, "routing": routing_metrics,
                           "auxiliary_loss": aux}
-    if self.head is None:
-      logits = nn.Dense(self.num_classes, dtype=self.dtype, name="head",
+    if self.head is None:  # float32 under bfloat16 compute: logits near a large bias keep digits
+      logits = nn.Dense(self.num_classes, dtype=jnp.float32, name="head",
                         kernel_init=part(nn.initializers.zeros, (None, "classes")),
                         bias_init=part(nn.initializers.constant(self.head_bias_init),
-                                       ("classes",)))(x)
+                                       ("classes",)))(x.astype(jnp.float32))
     else:
       logits, head_extras = HeteroscedasticHead(
           self.num_classes, **self.head, head_bias_init=self.head_bias_init, output=self.output,

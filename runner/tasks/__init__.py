@@ -49,7 +49,7 @@ def run_task(name: str, config, *, devices_checked: bool = False) -> float:
   from runner.tasks import common
   from runner.workdir_lock import WorkdirLock
   module = importlib.import_module(f"runner.tasks.{name.replace('-', '_')}")
-  placement = common.start(config, check_devices=not devices_checked)
+  placement = common.start(config, name, check_devices=not devices_checked)
   with WorkdirLock(config.workdir, " ".join(sys.argv), enabled=jax.process_index() == 0):
     summary = module.run(config, placement)
   return main_metric(name, summary)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import sys
 
 import jax
 import yaml
@@ -21,12 +22,18 @@ def model_of(config) -> ModelConfig:
   return config.model if hasattr(config, "model") else config.members[0].model
 
 
-def start(config, *, check_devices: bool = True) -> parallel.Placement:
-  """Joins the multi-host job, checks what depends on the devices (unless the CLI did, in this
-  process), and builds the mesh."""
+def start(config, stage: str, *, check_devices: bool = True) -> parallel.Placement:
+  """Joins the multi-host job, says what it runs on, checks what depends on the devices (unless
+  the CLI did, in this process), and builds the mesh."""
   d = config.distributed
   parallel.initialize(d.coordinator_address, d.num_processes, d.process_id, auto=d.auto,
                       timeout_seconds=d.timeout_seconds)
+  if jax.process_index() == 0:
+    if config.logger.progress:  # stdout: a refused stage's stderr is its one paragraph
+      print(f"[{stage}] on {environment.devices()}", flush=True)
+    fallback = environment.gpu_not_found()
+    if fallback:
+      print(f"warning: {fallback}.", file=sys.stderr, flush=True)
   # What needs no devices was checked before launch (runner/cli.py); here, what does.
   if check_devices:
     validate(config, devices=jax.device_count(), device_checks_only=True)

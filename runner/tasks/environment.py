@@ -41,12 +41,35 @@ def _git_commit() -> str | None:
   return commit + (" +changes" if changed else "")
 
 
+# JAX's CUDA builds: installed, they should find a GPU (docs/scaling.md, `make install GPU=...`).
+CUDA_PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin")
+
+
+def devices() -> str:
+  """'8 x NVIDIA H100 80GB HBM3 (gpu)': what the run computes on."""
+  found = jax.devices()
+  kinds = sorted({d.device_kind for d in found})
+  return f"{len(found)} x {', '.join(kinds)} ({jax.default_backend()})"
+
+
+def gpu_not_found() -> str | None:
+  """Why a CUDA install runs on the CPU, or None: said as a stage starts, so that a run that fell
+  back to the CPU is seen at once rather than from its speed."""
+  if jax.default_backend() != "cpu":
+    return None
+  installed = [f"{p} {_version(p)}" for p in CUDA_PLUGINS if _version(p)]
+  if not installed:
+    return None
+  return (f"{installed[0]} is installed, but JAX found no GPU and runs on the CPU; check that "
+          "nvidia-smi lists a GPU, that its driver supports that CUDA version, and "
+          "CUDA_VISIBLE_DEVICES (python -c 'import jax; print(jax.devices())' shows what JAX "
+          "sees)")
+
+
 def describe() -> dict:
-  devices = jax.devices()
-  kinds = sorted({d.device_kind for d in devices})
   return {"git_commit": _git_commit(),
           "packages": {p: v for p in PACKAGES if (v := _version(p)) is not None},
-          "devices": f"{len(devices)} x {', '.join(kinds)} ({jax.default_backend()})",
+          "devices": devices(),
           "processes": jax.process_count(), "host": socket.gethostname(),
           "python": platform.python_version(), "platform": platform.platform()}
 

@@ -1,4 +1,10 @@
-"""The pure train step: (state, batch) -> (state, metrics), with optional gradient accumulation."""
+"""The pure steps: train, (state, batch) -> (state, metrics), with optional gradient accumulation;
+eval, (params, batch) -> sums over the batch's real examples.
+
+Both are the compute a device runs, so they live below the evaluators and the data pipeline: this
+module imports neither TensorFlow, Hydra nor OmegaConf (benchmarks/gpu.py runs them on a CUDA JAX
+image that has none of them; the `compute-path` contract in pyproject.toml keeps it so).
+"""
 from __future__ import annotations
 
 import jax
@@ -7,6 +13,7 @@ import optax
 
 from runner.models.heads import NOISE_RNG
 from runner.train import objectives
+from runner.train.losses import LOSSES, precision_at_1, softmax_xent
 from runner.train.state import TrainState
 
 
@@ -58,4 +65,24 @@ def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: 
     metrics["train/grad_norm"] = optax.global_norm(grads)
     metrics["train/lr"] = schedule(state.step)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  return step
+
+
+def make_eval_step(model, loss_name: str = "softmax_xent"):
+  """(params, batch) -> sums over the real (unpadded) examples of the batch."""
+  loss_fn = LOSSES[loss_name]
+
+  def step(params, batch):
+    logits, extras = model.apply({"params": params}, batch["image"], train=False)
+    mask = batch["_mask"].astype(jnp.float32)
+    labels = batch["labels"]
+    # NLL of the model's own likelihood: categorical for softmax models, Bernoulli per class
+    # for sigmoid (multi-label) models.
+    nll = softmax_xent(logits, labels) if loss_name == "softmax_xent" else loss_fn(logits, labels)
+    sums = {"prec@1": precision_at_1(logits, labels), "nll": nll, "loss": loss_fn(logits, labels)}
+    out = {k: jnp.sum(v * mask) for k, v in sums.items()}
+    out["count"] = jnp.sum(mask)
+    for layer, metrics in extras["routing"].items():
+      out[f"moe/{layer}/fraction_dropped_tokens"] = metrics["fraction_dropped_tokens"] * mask.sum()
+    return out
   return step

@@ -1,0 +1,205 @@
+"""Whether the input pipeline can feed an accelerator: training images per second at 224 px, per
+CPU core, and what the training loop adds to the bare train step. A measurement run by hand, not
+a test, and not in `make bench` (it writes a folder of JPEGs).
+
+    .venv/bin/python -m benchmarks.input_pipeline [--images 2000] [--cores 1,2] [--loop-rounds 3]
+
+1. The training stream (runner.data.train_batches, as `vmoe pretrain` reads it: shuffled,
+   decoded, augmented, batched) of an image folder of 320x256 JPEGs, and of the same images as a
+   prepared TFDS dataset, with image_folder's default training preprocessing and with the
+   papers' inception crop, at 224 px; each in a process pinned to 1, 2, ... cores
+   (sched_setaffinity before TensorFlow starts its thread pools).
+2. The loop against the bare step, on this CPU: `vmoe pretrain` of vmoe_tiny (32 px, batch 128,
+   the embedded MNIST) after warm-up, from two whole runs of different lengths, against the same
+   model's bare train step (benchmarks/train_step.py's `tiny` preset, which is vmoe_tiny), timed
+   in the same process, the two alternating round by round.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks import harness
+
+SIZE = 224
+BATCH = 128
+PIPELINES = {  # what each measures: image_folder's default, and the V-MoE paper's upstream crop
+    "resize_flip": f"decode(3)|resize({SIZE})|flip_lr|value_range(-1,1)",
+    "inception_crop_flip": f"decode(3)|inception_crop({SIZE})|flip_lr|value_range(-1,1)",
+}
+
+
+def write_jpegs(root: pathlib.Path, count: int) -> None:
+  """train/ of 10 classes of smooth 320x256 images (gradients and noise: JPEG-sized like photos,
+  about 15-25 KB each), and a small test/."""
+  from PIL import Image
+  rng = np.random.default_rng(0)
+  y, x = np.mgrid[0:256, 0:320]
+  for i in range(count):
+    split = "test" if (i // 10) % 20 == 0 else "train"  # every class in both
+    folder = root / split / f"c{i % 10}"
+    folder.mkdir(parents=True, exist_ok=True)
+    base = (np.sin(x / rng.uniform(8, 40)) + np.cos(y / rng.uniform(8, 40)))[..., None]
+    colour = rng.uniform(40, 200, 3) + 50 * base + rng.normal(0, 12, (256, 320, 3))
+    Image.fromarray(np.clip(colour, 0, 255).astype(np.uint8)).save(folder / f"{i}.jpg",
+                                                                    quality=90)
+
+
+def prepared_tfds(root: pathlib.Path, data_dir: pathlib.Path) -> None:
+  """The folder's JPEGs as a prepared TFDS dataset, `jpeg_records` (records of the encoded
+  bytes, as `tfds build` writes a downloaded dataset)."""
+  import tensorflow_datasets as tfds
+  tfds.disable_progress_bar()
+  _jpeg_records_builder()(data_dir=str(data_dir), root=str(root)).download_and_prepare()
+
+
+def _jpeg_records_builder():
+  """A TFDS builder over the folder's JPEGs (defined on first use: it imports TensorFlow)."""
+  import tensorflow_datasets as tfds
+
+  class JpegRecords(tfds.core.GeneratorBasedBuilder):
+    VERSION = tfds.core.Version("1.0.0")
+    pkg_dir_path = pathlib.Path(__file__).parent  # a builder outside a dataset package needs it
+
+    def __init__(self, *, root: str = "", **kwargs):
+      self.root = pathlib.Path(root)
+      super().__init__(**kwargs)
+
+    def _info(self):
+      return self.dataset_info_from_configs(features=tfds.features.FeaturesDict({
+          "image": tfds.features.Image(shape=(None, None, 3), encoding_format="jpeg"),
+          "label": tfds.features.ClassLabel(num_classes=10)}))
+
+    def _split_generators(self, dl_manager):
+      return {split: self._generate_examples(self.root / split) for split in ("train", "test")}
+
+    def _generate_examples(self, folder: pathlib.Path):
+      for path in sorted(folder.glob("*/*.jpg")):
+        yield path.name, {"image": str(path), "label": int(path.parent.name[1:])}
+
+  return JpegRecords
+
+
+def stream_rate(source_kind: str, root: str, pp: str, batches: int) -> dict:
+  """Images/s of the training stream in this process (its cores as pinned by the caller)."""
+  from runner import data
+  if source_kind == "image_folder":
+    source = data.open_source("image_folder", root=root)
+  else:  # the prepared records (prepared_tfds), opened as any prepared TFDS dataset
+    _jpeg_records_builder()  # registers its name with TFDS
+    source = data.open_source("jpeg_records", data_dir=root)
+  stream = data.train_batches(source, "train", pp, BATCH, seed=0)
+  next(stream)  # the first batch pays for building the graph and filling the shuffle buffer
+  start = time.perf_counter()
+  for _ in range(batches):
+    next(stream)
+  seconds = time.perf_counter() - start
+  return {"images_per_s": batches * BATCH / seconds, "cores": len(os.sched_getaffinity(0))}
+
+
+def _pinned(cores: int, args: list[str]) -> dict:
+  """Runs this module's --child mode in a process pinned to `cores` cores."""
+  env = dict(os.environ, VMOE_BENCH_CORES=str(cores))
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.input_pipeline", "--child", *args],
+                        capture_output=True, text=True, env=env, timeout=1800)
+  if proc.returncode:
+    raise RuntimeError(proc.stderr[-3000:])
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _pretrain_seconds(steps: int) -> float:
+  """Wall seconds of a whole `vmoe pretrain` of vmoe_tiny for `steps` steps, in this process
+  (always seed 0: the train step is compiled with its seed, and compiled once here)."""
+  from runner import cli
+  workdir = pathlib.Path(tempfile.mkdtemp(prefix="vmoe-loop-")) / "run"
+  start = time.perf_counter()
+  code = cli.main(["pretrain", f"workdir={workdir}", "model=vmoe_tiny", f"train.steps={steps}",
+                   "train.log_every_steps=10", "schedule.warmup_steps=0", "eval.every_steps=0",
+                   "checkpoint.every_steps=0", "logger.wandb.mode=disabled",
+                   "logger.progress=false", "logger.report=false", "seed=0"])
+  seconds = time.perf_counter() - start
+  assert code == 0
+  return seconds
+
+
+def loop_against_bare_step(rounds: int, short: int = 10, long: int = 50, steps: int = 10) -> dict:
+  """Per round: the bare step's images/s (median of `steps` steps on one batch already on the
+  device), then the loop's after warm-up: two whole `vmoe pretrain` runs of `short` and `long`
+  steps, whose difference in wall time is what `long - short` steps cost in the loop (start-up,
+  compilation, the final evaluation and checkpoint cancel out), its data stream, logging and
+  bookkeeping included."""
+  import jax
+  from benchmarks import train_step
+  preset = train_step.PRESETS["tiny"]  # vmoe_tiny: 32 px, batch 128, 8 experts on blocks 1, 3
+  bare = train_step.prepare_train_step(train_step.model_configs(preset, "float32")["vmoe"], preset)
+  _pretrain_seconds(short)  # compiles into the persistent cache, prepares the data
+  loop, step = [], []
+  for _ in range(rounds):
+    times = []
+    for _ in range(steps):
+      start = time.perf_counter()
+      jax.block_until_ready(bare.run())
+      times.append(time.perf_counter() - start)
+    step.append(BATCH / statistics.median(times))
+    extra = _pretrain_seconds(long) - _pretrain_seconds(short)
+    loop.append((long - short) * BATCH / extra)
+  ratios = [a / b for a, b in zip(loop, step)]
+  return {"bare_step_images_per_s": step, "loop_images_per_s": loop,
+          "loop_steps": [short, long], "loop_over_bare_per_round": ratios,
+          "loop_over_bare": statistics.median(ratios)}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--images", type=int, default=2000)
+  parser.add_argument("--batches", type=int, default=8, help="timed batches of 128 per stream")
+  parser.add_argument("--cores", default=None, help="comma list; default 1 and all")
+  parser.add_argument("--loop-rounds", type=int, default=3, help="0 skips the loop measurement")
+  parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--kind", default="image_folder", help=argparse.SUPPRESS)
+  parser.add_argument("--root", default="", help=argparse.SUPPRESS)
+  parser.add_argument("--pp", default="", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.child:
+    cores = int(os.environ.get("VMOE_BENCH_CORES", "0"))
+    if cores:
+      os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cores])
+    print(json.dumps(stream_rate(args.kind, args.root, args.pp, args.batches)))
+    return
+  available = len(os.sched_getaffinity(0))
+  cores = [int(c) for c in args.cores.split(",")] if args.cores else sorted({1, available})
+  record = {"machine": harness.machine(), "images": args.images, "size": SIZE, "batch": BATCH,
+            "date": time.strftime("%Y-%m-%d"), "streams": {}}
+  with tempfile.TemporaryDirectory() as tmp:
+    root = pathlib.Path(tmp) / "jpegs"
+    write_jpegs(root, args.images)
+    records = pathlib.Path(tmp) / "tfds"
+    prepared_tfds(root, records)
+    for (kind, where), (name, pp), n in itertools.product(
+        (("image_folder", root), ("tfds", records)), PIPELINES.items(), cores):
+      result = _pinned(n, ["--kind", kind, "--root", str(where), "--pp", pp,
+                           "--batches", str(args.batches)])
+      key = f"{kind}/{name}/{n}_cores"
+      record["streams"][key] = result
+      print(f"{key:<40} {result['images_per_s']:8.0f} images/s "
+            f"({result['images_per_s'] / n:6.0f} per core)", flush=True)
+  if args.loop_rounds:
+    record["loop"] = loop_against_bare_step(args.loop_rounds)
+    print(f"vmoe pretrain / bare step (vmoe_tiny, batch 128): "
+          f"{record['loop']['loop_over_bare']:.3f} (per round "
+          f"{', '.join(f'{r:.3f}' for r in record['loop']['loop_over_bare_per_round'])})")
+  print(f"wrote {harness.write('input_pipeline', record)}")
+
+
+if __name__ == "__main__":
+  main()
