@@ -201,6 +201,184 @@ class _Measurements:
     return result
 
 
+class _Run:
+  """One run of the loop: what its set-up builds, the state it trains and the position in its
+  data stream, and the parts of each step (train, log, evaluate, save, stop) and of its end."""
+
+  def __init__(self, config: TrainTask, *, model, source, placement: Placement, stage: str,
+               pairs=None):
+    d, t, o, s = config.data, config.train, config.optim, config.schedule
+    self.config, self.model, self.source, self.placement = config, model, source, placement
+    self.stage, self.pairs, self.seed = stage, pairs, config.seed
+    self.batch_size = d.batch_size
+    self.eval_batch_size = derived.eval_batch_size(config.eval, d)
+    self.steps = total_steps(t.steps, t.epochs, source.num_examples(d.split), d.batch_size)
+    self.processes = dict(process_index=jax.process_index(),
+                          process_count=jax.process_count())
+    self.image_shape = data.image_shape(source, d.split, d.pp_train)
+    self.schedule = schedules.make_schedule(s.name, o.lr, self.steps, s.warmup_steps,
+                                            s.end_lr_fraction, s.timescale, s.cooldown_steps)
+    self.abstract, _ = state_lib.abstract_params(model, self.image_shape)
+    self.tx = optimizers.make_optimizer(
+        o.name, self.schedule, self.abstract, b1=o.b1, b2=o.b2, eps=o.eps,
+        momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay,
+        grad_clip_norm=o.grad_clip_norm, beta2_cap=o.beta2_cap,
+        min_dim_size_to_factor=o.min_dim_size_to_factor,
+        clipping_threshold=o.clipping_threshold, frozen=pairs.frozen if pairs else None)
+    ckpt = config.checkpoint
+    self.checkpointer = Checkpointer(os.path.join(config.workdir, "checkpoints"),
+                                     keep=ckpt.keep, every_steps=ckpt.every_steps,
+                                     async_save=ckpt.async_save)
+    # What later stages read back: the model, the data, and where the run came from (the
+    # ensemble type of `vmoe ensemble` is read from its members' stages and upstream checkpoints).
+    self.stored_config = {**as_dict(config), "stage": stage}
+    self.progress = self.writer = None
+
+  def start(self, init_params, fewshot_datasets: dict | None, ood_datasets: list) -> None:
+    """The initial state (resumed, initialised from init_params, or from scratch), the writer,
+    the compiled steps, the evaluators and the data stream from the state's position."""
+    config, model, placement, t = self.config, self.model, self.placement, self.config.train
+    self.state, shardings, self.position, origin = initial_state(
+        self.checkpointer, model=model, tx=self.tx, image_shape=self.image_shape,
+        placement=placement, seed=self.seed, init_params=init_params, warn=_warn)
+    self.writer = MetricWriter(config.workdir, run_config=self.stored_config,
+                               wandb=config.logger.wandb, job_type=self.stage)
+    self.step_fn = jax.jit(
+        make_train_step(model, self.tx, self.schedule, loss=t.loss.value,
+                        aux_loss_weight=t.aux_loss_weight, accum_steps=t.accum_steps,
+                        seed=self.seed, objective=self.pairs.objective if self.pairs else None),
+        in_shardings=(shardings, placement.batch_sharding), out_shardings=(shardings, None),
+        donate_argnums=0)
+    self.eval_step = None if self.pairs else jax.jit(make_eval_step(model, t.loss.value))
+    self.val = self.evaluator(config.data.eval_split, "val")
+    # (A contrastive run enables none: its validation is pairs.evaluator; a relation says so.)
+    self.measurements = _Measurements(config, model, self.source, placement,
+                                      self.eval_batch_size, ood_datasets)
+    self.fewshot = None
+    if fewshot_datasets:
+      f = config.fewshot
+      self.fewshot = FewshotEvaluator(None, fewshot_datasets, shots=f.shots, seeds=f.seeds,
+                                      l2_regs=f.l2_regs, put=placement.put, prefix="fewshot",
+                                      protocol=f.protocol)
+      self.feature_step = jax.jit(make_feature_fn(model))
+    d = config.data
+    self.batches = data.train_batches(
+        self.source, d.split, d.pp_train, self.batch_size // self.processes["process_count"],
+        seed=self.seed, start=self.position, shuffle_buffer=d.shuffle_buffer,
+        label_noise=d.label_noise, num_shards=d.num_shards,
+        text=self.pairs.text if self.pairs else None, **self.processes)
+    self.start_step = int(self.state.step)
+    self.progress = Progress(self.steps, self.start_step, self.batch_size, desc=self.stage,
+                             enabled=config.logger.progress)
+    self.progress.message(
+        f"[{self.stage}] {model.__class__.__name__} with "
+        f"{state_lib.count_params(self.abstract):,} parameters, {origin}; {self.steps} steps of "
+        f"{self.batch_size} images on {placement.mesh.size} device(s) -> {config.workdir}")
+    self.history = []
+    self.last_train = (self.writer.last_logged("train/", self.start_step) if self.start_step
+                       else {})
+    self.guard = _DivergenceGuard(config, self.checkpointer)
+
+  def evaluator(self, split: str, prefix: str):
+    """The loss and precision (or a contrastive run's measurements) of a split."""
+    batches = data.eval_batches(self.source, split, self.config.data.pp,
+                                self.eval_batch_size // self.processes["process_count"],
+                                text=self.pairs.text if self.pairs else None, **self.processes)
+    if self.pairs:
+      return self.pairs.evaluator(batches, prefix, self.placement.put)
+    return ClassificationEvaluator(self.eval_step, batches, prefix=prefix,
+                                   put=self.placement.put)
+
+  def fewshot_metrics(self, step: int) -> dict:
+    """Few-shot accuracy of the current parameters: their features recomputed at every call."""
+    metrics = self.fewshot.run([functools.partial(self.feature_step, self.state.params)])
+    self.progress.message(f"[{self.stage}] step {step} few-shot mean accuracy: "
+                          f"{_fewshot_summary(metrics)}")
+    return metrics
+
+  def train(self, step: int) -> None:
+    """One step on the next batch; the divergence check trails it by one."""
+    batch = self.placement.put(next(self.batches))
+    self.position += self.batch_size // self.processes["process_count"]
+    self.state, metrics = self.step_fn(self.state, batch)
+    self.guard.dispatched(step, metrics)
+    self.history.append(metrics)
+    self.progress.step_done(step)
+
+  def log_evaluate_and_save(self, step: int) -> None:
+    """What is due after `step`: the training metrics' log, the periodic evaluation and
+    few-shot, the checkpoint (the last step's always)."""
+    t, last = self.config.train, step == self.steps
+    if step % t.log_every_steps == 0 or last:
+      self.guard.check_pending()
+      self.last_train = _mean_metrics(self.history)
+      self.last_train["train/images_per_s"] = self.progress.images_per_second(step)
+      self.history = []
+      self.writer.write(step, self.last_train)
+      self.progress.report(step, self.last_train)
+    eval_every = self.config.eval.every_steps
+    if eval_every and step % eval_every == 0 and not last:
+      metrics = self.val.run(self.state.params)
+      metrics.update(self.measurements.run(self.state.params).summary)
+      self.writer.write(step, metrics)
+      self.progress.report(step, {**self.last_train, **metrics})
+    fewshot_every = self.config.fewshot.every_steps if self.fewshot else 0
+    if fewshot_every and step % fewshot_every == 0 and not last:
+      self.writer.write(step, self.fewshot_metrics(step))
+    if self.checkpointer.should_save(step) or last:
+      self.save(step)
+
+  def save(self, step: int) -> None:
+    self.guard.check_pending()  # never save a non-finite state
+    self.checkpointer.save(step, self.state.params, self.state.opt_state,
+                           meta={"step": step, "position": self.position},
+                           config=self.stored_config)
+
+  def stop(self, step: int, signum: int) -> None:
+    """A signal asked to stop after `step`: save, requeue a SLURM job, raise Interrupted."""
+    self.save(step)
+    self.checkpointer.wait()
+    name = signal.Signals(signum).name
+    requeued = preemption.requeue() if jax.process_index() == 0 else None
+    if requeued:  # SLURM starts the job again; it resumes from this checkpoint
+      raise Interrupted(f"stopped by {name} after step {step}; checkpoint saved in "
+                        f"{self.checkpointer.directory}; SLURM job {requeued} requeued to "
+                        "resume from it.", signum)
+    raise Interrupted(f"stopped by {name} after step {step}; checkpoint saved in "
+                      f"{self.checkpointer.directory}. Rerun the same command to resume.", signum)
+
+  def final_evaluation(self) -> tuple[dict, dict]:
+    """(the final validation, test and few-shot metrics; the evaluators' pictures)."""
+    params = self.state.params
+    final = self.val.run(params)
+    measured = self.measurements.run(params, final=True)
+    final.update(measured.summary)
+    if self.config.data.test_split:
+      final.update(self.evaluator(self.config.data.test_split, "test").run(params))
+    if self.fewshot is not None:
+      final.update(self.fewshot_metrics(self.steps))
+    return final, measured.images
+
+  def finish(self, final: dict, images: dict) -> dict:
+    """Once the final checkpoint is committed: the final metrics logged, the summary written."""
+    self.checkpointer.wait()  # the final checkpoint is committed before the run reports success
+    self.writer.write(self.steps, final)
+    for key, path in images.items():
+      self.writer.log_image(self.steps, f"val/{key}", path)
+    self.progress.report(self.steps, {**self.last_train, **final})
+    summary = {"step": self.steps, **self.last_train, **final,
+               "params/total": state_lib.count_params(self.abstract)}
+    self.writer.summary(summary)
+    return summary
+
+  def close(self) -> None:
+    if self.progress is not None:
+      self.progress.close()
+    self.checkpointer.close()
+    if self.writer is not None:
+      self.writer.close()
+
+
 def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement,
                        init_params=None, stage: str = "train",
                        fewshot_datasets: dict | None = None,
@@ -215,152 +393,18 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
   `pairs` (runner/tasks/contrastive.py `PairTraining`): a contrastive model of image-text pairs,
   with its objective, the captions' tokens in every batch, and its evaluator.
   """
-  workdir = config.workdir
-  d, t, o, s = config.data, config.train, config.optim, config.schedule
-  seed = config.seed
-  batch_size = d.batch_size
-  eval_batch_size = derived.eval_batch_size(config.eval, d)
-  steps = total_steps(t.steps, t.epochs, source.num_examples(d.split), batch_size)
-  processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
-
-  image_shape = data.image_shape(source, d.split, d.pp_train)
-  schedule = schedules.make_schedule(s.name, o.lr, steps, s.warmup_steps,
-                                     s.end_lr_fraction, s.timescale, s.cooldown_steps)
-  abstract, _ = state_lib.abstract_params(model, image_shape)
-  tx = optimizers.make_optimizer(o.name, schedule, abstract, b1=o.b1, b2=o.b2, eps=o.eps,
-                                 momentum=o.momentum, nesterov=o.nesterov,
-                                 weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm,
-                                 beta2_cap=o.beta2_cap,
-                                 min_dim_size_to_factor=o.min_dim_size_to_factor,
-                                 clipping_threshold=o.clipping_threshold,
-                                 frozen=pairs.frozen if pairs else None)
-  ckpt = config.checkpoint
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=ckpt.keep,
-                              every_steps=ckpt.every_steps, async_save=ckpt.async_save)
-  # What later stages read back: the model, the data, and where the run came from (the ensemble
-  # type of `vmoe ensemble` is read from its members' stages and upstream checkpoints).
-  stored_config = {**as_dict(config), "stage": stage}
-  progress = writer = None
+  run = _Run(config, model=model, source=source, placement=placement, stage=stage, pairs=pairs)
   try:
     with placement.context():
-      state, shardings, position, origin = initial_state(
-          checkpointer, model=model, tx=tx, image_shape=image_shape, placement=placement,
-          seed=seed, init_params=init_params, warn=_warn)
-      writer = MetricWriter(workdir, run_config=stored_config,
-                            wandb=config.logger.wandb, job_type=stage)
-      step_fn = jax.jit(
-          make_train_step(model, tx, schedule, loss=t.loss.value,
-                          aux_loss_weight=t.aux_loss_weight, accum_steps=t.accum_steps, seed=seed,
-                          objective=pairs.objective if pairs else None),
-          in_shardings=(shardings, placement.batch_sharding), out_shardings=(shardings, None),
-          donate_argnums=0)
-      text = pairs.text if pairs else None
-      eval_step = None if pairs else jax.jit(make_eval_step(model, t.loss.value))
-
-      def evaluator(split, prefix):
-        batches = data.eval_batches(source, split, d.pp,
-                                    eval_batch_size // processes["process_count"], text=text,
-                                    **processes)
-        if pairs:
-          return pairs.evaluator(batches, prefix, placement.put)
-        return ClassificationEvaluator(eval_step, batches, prefix=prefix, put=placement.put)
-      val = evaluator(d.eval_split, "val")
-      # (A contrastive run enables none: its validation is pairs.evaluator; a relation says so.)
-      measurements = _Measurements(config, model, source, placement, eval_batch_size,
-                                   ood_datasets or [])
-      fewshot_cfg, fewshot = config.fewshot, None
-      if fewshot_datasets:
-        fewshot = FewshotEvaluator(None, fewshot_datasets, shots=fewshot_cfg.shots,
-                                   seeds=fewshot_cfg.seeds, l2_regs=fewshot_cfg.l2_regs,
-                                   put=placement.put, prefix="fewshot",
-                                   protocol=fewshot_cfg.protocol)
-        feature_step = jax.jit(make_feature_fn(model))
-      fewshot_every = fewshot_cfg.every_steps if fewshot else 0
-
-      def run_fewshot(step):
-        """Features of the current parameters: recomputed at every call."""
-        metrics = fewshot.run([functools.partial(feature_step, state.params)])
-        progress.message(f"[{stage}] step {step} few-shot mean accuracy: "
-                         f"{_fewshot_summary(metrics)}")
-        return metrics
-      batches = data.train_batches(source, d.split, d.pp_train,
-                                   batch_size // processes["process_count"], seed=seed,
-                                   start=position, shuffle_buffer=d.shuffle_buffer,
-                                   label_noise=d.label_noise, num_shards=d.num_shards,
-                                   text=text, **processes)
-
-      start_step = int(state.step)
-      progress = Progress(steps, start_step, batch_size, desc=stage,
-                          enabled=config.logger.progress)
-      progress.message(f"[{stage}] {model.__class__.__name__} with "
-                       f"{state_lib.count_params(abstract):,} parameters, {origin}; "
-                       f"{steps} steps of {batch_size} images on {placement.mesh.size} device(s) "
-                       f"-> {workdir}")
-      eval_every = config.eval.every_steps
-      history, last_train = [], writer.last_logged("train/", start_step) if start_step else {}
-      guard = _DivergenceGuard(config, checkpointer)
-
-      def save(step):
-        guard.check_pending()  # never save a non-finite state
-        checkpointer.save(step, state.params, state.opt_state,
-                          meta={"step": step, "position": position}, config=stored_config)
-
+      run.start(init_params, fewshot_datasets, ood_datasets or [])
       with _StopFlag() as stop:
-        for step in range(start_step + 1, steps + 1):
-          batch = placement.put(next(batches))
-          position += batch_size // processes["process_count"]
-          state, metrics = step_fn(state, batch)
-          guard.dispatched(step, metrics)
-          history.append(metrics)
-          progress.step_done(step)
-          if step % t.log_every_steps == 0 or step == steps:
-            guard.check_pending()
-            last_train = _mean_metrics(history)
-            last_train["train/images_per_s"] = progress.images_per_second(step)
-            history = []
-            writer.write(step, last_train)
-            progress.report(step, last_train)
-          if eval_every and step % eval_every == 0 and step != steps:
-            last_eval = val.run(state.params)
-            last_eval.update(measurements.run(state.params).summary)
-            writer.write(step, last_eval)
-            progress.report(step, {**last_train, **last_eval})
-          if fewshot_every and step % fewshot_every == 0 and step != steps:
-            writer.write(step, run_fewshot(step))
-          if checkpointer.should_save(step) or step == steps:
-            save(step)
-          if stop.signum is not None and step != steps:
-            save(step)
-            checkpointer.wait()
-            name = signal.Signals(stop.signum).name
-            requeued = preemption.requeue() if jax.process_index() == 0 else None
-            if requeued:  # SLURM starts the job again; it resumes from this checkpoint
-              raise Interrupted(f"stopped by {name} after step {step}; checkpoint saved in "
-                                f"{checkpointer.directory}; SLURM job {requeued} requeued to "
-                                "resume from it.", stop.signum)
-            raise Interrupted(f"stopped by {name} after step {step}; checkpoint saved in "
-                              f"{checkpointer.directory}. Rerun the same command to resume.",
-                              stop.signum)
-        guard.check_pending()
-      final = val.run(state.params)
-      measured = measurements.run(state.params, final=True)
-      final.update(measured.summary)
-      if d.test_split:
-        final.update(evaluator(d.test_split, "test").run(state.params))
-      if fewshot is not None:
-        final.update(run_fewshot(steps))
-    checkpointer.wait()  # the final checkpoint is committed before the run reports success
-    writer.write(steps, final)
-    for key, path in measured.images.items():
-      writer.log_image(steps, f"val/{key}", path)
-    progress.report(steps, {**last_train, **final})
-    summary = {"step": steps, **last_train, **final,
-               "params/total": state_lib.count_params(abstract)}
-    writer.summary(summary)
-    return summary
+        for step in range(run.start_step + 1, run.steps + 1):
+          run.train(step)
+          run.log_evaluate_and_save(step)
+          if stop.signum is not None and step != run.steps:
+            run.stop(step, stop.signum)
+        run.guard.check_pending()
+      final, images = run.final_evaluation()
+    return run.finish(final, images)
   finally:
-    if progress is not None:
-      progress.close()
-    checkpointer.close()
-    if writer is not None:
-      writer.close()
+    run.close()

@@ -5,7 +5,7 @@ folder Hydra would give it: the sweep dir and subdir), so no accelerator state i
 forked. With several GPUs, the jobs split them (CUDA_VISIBLE_DEVICES); otherwise each job is
 pinned to its share of the CPU cores, which it does itself as it starts (pinned_job.py), so that
 this multi-threaded process is never forked. To Hydra the job is a plain run: the launcher tells it
-that it is a job of the sweep (runner.cli.SWEEP_JOB_VARIABLE), so that its W&B run joins the
+that it is a job of the sweep (runner.command.job.SWEEP_JOB_VARIABLE), so that its W&B run joins the
 sweep's group as a job of the basic launcher does. A job's return value, what the optuna sweeper
 optimises, is its stage's main metric read from its summary.json.
 """
@@ -138,7 +138,7 @@ class ParallelLauncher(Launcher):
   def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
              ) -> Sequence[JobReturn]:
     # lazily: Hydra imports this plug-in at every start, and runner.tasks brings the library
-    from runner.cli import SWEEP_JOB_VARIABLE
+    from runner.command.job import SWEEP_JOB_VARIABLE
     from runner.tasks import main_metric
     slots = self._slots()
     pending = list(enumerate(job_overrides, start=initial_job_idx))

@@ -34,7 +34,7 @@ def start(config, stage: str, *, check_devices: bool = True) -> parallel.Placeme
     fallback = environment.gpu_not_found()
     if fallback:
       print(f"warning: {fallback}.", file=sys.stderr, flush=True)
-  # What needs no devices was checked before launch (runner/cli.py); here, what does.
+  # What needs no devices was checked before launch (runner/command/preflight.py); here, what does.
   if check_devices:
     validate(config, devices=jax.device_count(), device_checks_only=True)
   return parallel.placement(config.mesh.data, config.mesh.expert,

@@ -19,6 +19,7 @@ from wandb.proto import wandb_internal_pb2
 
 from conftest import TINY_MODEL, fails_clearly
 from runner import cli
+from runner.command import arguments
 from runner.tasks import main_metric
 
 pytestmark = pytest.mark.xdist_group("sweeps")
@@ -154,7 +155,7 @@ def test_the_jobs_checked_beyond_64_take_every_value_of_every_key():
   lrs, seeds, heads = ["0.001", "-1"], [str(s) for s in range(40)], ["a", "b", "c"]
   overrides = ["train.steps=3", f"optim.lr={','.join(lrs)}", f"seed={','.join(seeds)}",
                f"model.head.type={','.join(heads)}"]
-  jobs = cli._jobs(overrides, {})
+  jobs = arguments.jobs(overrides, {})
   assert len(jobs) == 40 and all(job[0] == "train.steps=3" for job in jobs)
   for key, values in (("optim.lr", lrs), ("seed", seeds), ("model.head.type", heads)):
     assert {o.split("=", 1)[1] for job in jobs for o in job if o.startswith(key + "=")} \

@@ -157,15 +157,16 @@ def test_commands_are_found():
 
 _PLUGIN_CHECK = """
 import json, sys
-from runner import cli, plugins
-cli._register_builtins()
+from runner import plugins
+from runner.command import job, preflight
+job.register_builtins()
 commands = json.loads(sys.argv[1])
 # All before the first composition, as `vmoe` loads a command's before it gives Hydra the schemas.
 plugins.load([m for line in commands for m in plugins.requested(line[1:])])
 problems = {}
 for line in commands:
   sub, *rest = line
-  problems[" ".join(line)] = cli.check_overrides(sub, rest + ["--cfg", "job"])
+  problems[" ".join(line)] = preflight.check(sub, rest + ["--cfg", "job"]).problem
 print(json.dumps(problems))
 """
 
@@ -187,11 +188,12 @@ def plugin_commands_composed() -> dict:
 @pytest.mark.parametrize("path, number, command, error", COMMANDS)
 def test_documented_command_composes(path, number, command, error, monkeypatch, tmp_path,
                                      request):
-  """`check_overrides(sub, args + ["--cfg", "job"])` composes every job against the schema and
+  """`preflight.check(sub, args + ["--cfg", "job"])` composes every job against the schema and
   reads nothing. A command shown failing (its output `vmoe <sub>: error: ...`) is validated in
   full instead, and a config error must read as documented; an error the config check does not
   find (one a run meets, such as divergence) is not checked here."""
   from runner import cli
+  from runner.command import preflight
   args = _tokens(command)
   where = f"{_relative(path)}:{number}: {command}"
   if not args or set(args) <= _TOP_LEVEL_HELP:
@@ -207,10 +209,10 @@ def test_documented_command_composes(path, number, command, error, monkeypatch, 
     assert problem is None, f"{where}\n{problem}"
     return
   if error is None:
-    problem = cli.check_overrides(sub, rest + ["--cfg", "job"])
+    problem = preflight.check(sub, rest + ["--cfg", "job"]).problem
     assert problem is None, f"{where}\n{problem}"
     return
-  problem = cli.check_overrides(sub, rest)
+  problem = preflight.check(sub, rest).problem
   if problem is not None:
     assert f"vmoe {sub}: error: {problem}" == error, (
         f"{where}\nthe documented error is out of date; today it reads:\n"
@@ -244,9 +246,9 @@ def test_the_recipes_numbers_that_pages_and_messages_state():
   (runner/tasks/fit.py), state each stage's recipe (conf/<stage>.yaml): its batch, its steps and
   its warm-up."""
   import runner.config_store  # noqa: F401  (the schemas, as the CLI registers them)
-  from runner import cli
+  from runner.command import compose
   from runner.tasks import fit
-  up, down = (cli._compose(None, sub, []) for sub in ("pretrain", "finetune"))
+  up, down = (compose.compose(None, sub, []) for sub in ("pretrain", "finetune"))
   howto = " ".join((ROOT / "docs" / "howto.md").read_text().split())
   assert (f"pretrain's recipe takes {up.data.batch_size} images per step, finetune's "
           f"{down.data.batch_size}") in howto

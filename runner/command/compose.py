@@ -1,0 +1,162 @@
+"""Composing a stage's config with Hydra, and saying in one paragraph why a composition failed
+(what was wrong and what is valid); `--multirun ... --cfg job` shows every job's config."""
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import sys
+
+from hydra import compose as hydra_compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf, open_dict
+
+from runner.command import arguments
+from runner.config import conf_dir, launchers
+
+MAX_SHOWN_JOBS = 64  # `--multirun --cfg job` prints this many jobs' configs at most
+
+
+# Options of hydra/launcher and hydra/sweeper that plugins of the cluster extra provide.
+_PLUGIN_CONFIGS = {"submitit_slurm": "hydra-submitit-launcher",
+                   "submitit_local": "hydra-submitit-launcher",
+                   "optuna": "hydra-optuna-sweeper"}
+
+
+def register_requested_models(overrides: list[str]) -> None:
+  """model=<name> in the catalog grammar (vmoe_b16_every2_e32_k2) becomes a `model` option."""
+  from runner.config_store import register_model
+  from runner.models import catalog
+  for ov in overrides:
+    key, _, value = ov.partition("=")
+    if key.lstrip("+~") == "model":
+      for name in value.split(","):
+        try:
+          register_model(name.strip())
+        except catalog.UnknownModelError:
+          pass  # Hydra / the check below reports it with the list of valid names
+
+
+def explain_composition_error(err: Exception, sub: str, overrides: list[str],
+                               config_dir: str | None, config_name: str) -> str:
+  """One paragraph for a failed composition: what was wrong and what is valid."""
+  from runner.models import catalog
+  cause = err.__cause__ or err
+  if isinstance(err, arguments.SearchRangeError):
+    return str(err)
+  missing = re.search(r"Could not (?:find|load) '([^']+)'", str(err))
+  if missing and missing[1].rsplit("/", 1)[-1] in _PLUGIN_CONFIGS:
+    plugin = _PLUGIN_CONFIGS[missing[1].rsplit("/", 1)[-1]]
+    return (f"{missing[1]} comes from the {plugin} plugin, which is not installed: install the "
+            "cluster extra, pip install -e '.[cluster]' (make test installs it).")
+  if type(err).__name__ == "OverrideParseException":
+    return (f"cannot parse the overrides {overrides}: {str(err).splitlines()[0]}. Values with "
+            "parentheses, commas, spaces or '|' must be quoted for Hydra, e.g. "
+            "'data.pp=\"decode(3)|resize(32)|value_range(-1,1)\"' (single quotes for the shell).")
+  full_key = getattr(cause, "full_key", None)
+  text = str(err).split("\n")[0]
+  if "Could not find" in str(err):  # unknown option of a group
+    lines = str(err).split("\n")
+    group = text.split("'")[-2].rsplit("/", 1)[0] if "'" in text else "?"
+    options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
+    if group == "model":
+      bad = text.split("'")[-2].split("/", 1)[-1]
+      try:
+        catalog.model_config(bad)
+      except catalog.UnknownModelError as e:
+        return str(e)
+    return (f"{text.split(': ', 1)[-1]}. Valid options for {group}=: {', '.join(options)}.")
+  if full_key:
+    parent, _, leaf = full_key.rpartition(".")
+    valid = ""
+    try:
+      base = compose(config_dir, config_name, [])
+      node = OmegaConf.select(base, parent) if parent else base
+      if node is not None and OmegaConf.is_dict(node):
+        valid = f" Valid keys under {parent or 'the top level'}: {', '.join(node.keys())}."
+    except Exception:  # the base config itself is broken: say what we know
+      pass
+    if type(cause).__name__ in ("ConfigAttributeError", "ConfigKeyError"):
+      return f"unknown config key {full_key!r}.{valid} Run `vmoe {sub} --cfg job` to see every key."
+    reason = str(cause).split("\n")[0]
+    return f"bad value for {full_key}: {reason}."
+  return f"cannot compose the {sub} config from {overrides}: {' '.join(str(err).split())}"
+
+
+def compose(config_dir: str | None, config_name: str, overrides: list[str],
+             with_hydra: bool = False):
+  primary, extra = str(conf_dir()), []
+  if config_dir:  # as Hydra's --config-dir: that folder first, conf/ still searched
+    primary = os.path.abspath(config_dir)
+    extra = [f"hydra.searchpath=[file://{conf_dir()}]"]
+  with initialize_config_dir(config_dir=primary, version_base=None):
+    return hydra_compose(config_name, overrides=extra + overrides,
+                         return_hydra_config=with_hydra)
+
+
+def study_params(choices: dict) -> dict:
+  """A sweep study's `hydra.sweeper.params` (empty for the primary configs)."""
+  params = choices["params"]
+  return dict(OmegaConf.to_container(params)) if params else {}
+
+
+def hydra_choices(config_dir: str | None, config_name: str, overrides: list[str]) -> dict:
+  """The sweep's Hydra config composed with the hydra.* overrides (a launcher's or sweeper's
+  option of the wrong type fails here): the launcher and sweeper chosen, and a study's
+  `hydra.sweeper.params`."""
+  first = arguments.sweep_axes(overrides, {})[0]
+  hydra_given = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
+  composed = compose(config_dir, config_name, first + hydra_given, with_hydra=True)
+  node = composed.hydra
+  with open_dict(composed):
+    del composed["hydra"]
+  return {"launcher": node.runtime.choices.get("hydra/launcher", "basic"),
+          "sweeper": node.runtime.choices.get("hydra/sweeper", "basic"),
+          "params": node.sweeper.get("params"),
+          "plugins": {section: OmegaConf.to_container(node[section], resolve=False,
+                                                      enum_to_str=True)
+                      for section in ("launcher", "sweeper")},
+          "job": first, "composed": composed}  # the job without sweep values, composed
+
+
+def show_sweep(sub: str, args: list[str]) -> int:
+  """`--multirun ... --cfg job`: each job's composed config, as `--cfg job` shows one run's
+  (Hydra itself refuses the pair), with the job's own folder as its workdir. A search
+  (hydra/sweeper=optuna) shows its fixed config and the ranges searched."""
+  flags, overrides, _ = arguments.split_args(args)
+  what = flags.get("--cfg") or flags.get("-c")
+  if what != "job":
+    print(f"vmoe {sub}: error: --cfg {what} with --multirun: Hydra shows the {what} config of "
+          "one run only. Drop --multirun to see it, or use --cfg job to see every job of the "
+          "sweep.", file=sys.stderr)
+    return 2
+  config_dir = flags.get("-cd") or flags.get("--config-dir")
+  config_name = flags.get("-cn") or flags.get("--config-name") or sub
+  choices = hydra_choices(config_dir, config_name, overrides)
+  study = study_params(choices)
+  fixed, axes = arguments.sweep_axes(overrides, study)
+  if launchers.plugin_name(choices["plugins"]["sweeper"]) != "BasicSweeper":
+    searched = [ov.input_line for ov in OverridesParser.create().parse_overrides(overrides)
+                if ov.is_sweep_override() and not ov.key_or_group.startswith("hydra")]
+    searched += [f"{k}={v}" for k, v in study.items()]
+    print(f"# hydra/sweeper={choices['sweeper']} searches: {' '.join(searched)}")
+    print(OmegaConf.to_yaml(compose(config_dir, config_name, fixed)))
+    return 0
+  total = arguments.job_count(overrides, study)
+  previous = HydraConfig.instance().cfg
+  for number, values in enumerate(itertools.islice(itertools.product(*axes), MAX_SHOWN_JOBS)):
+    # The job writes into the sweep's dir / subdir (conf/hydra/env/vmoe.yaml), not `workdir`;
+    # subdir's ${hydra.job.num} and ${hydra:...} resolve against the job's Hydra config.
+    job = compose(config_dir, config_name, fixed + list(values), with_hydra=True)
+    with open_dict(job):
+      job.hydra.job.num = number
+      HydraConfig.instance().set_config(job)
+      job.workdir = os.path.join(str(job.hydra.sweep.dir), str(job.hydra.sweep.subdir))
+      del job["hydra"]
+    print(f"# job {number} of {total}: {' '.join(values) or '(no swept key)'}")
+    print(OmegaConf.to_yaml(job))
+  HydraConfig.instance().cfg = previous
+  if total > MAX_SHOWN_JOBS:
+    print(f"# ... and {total - MAX_SHOWN_JOBS} more jobs")
+  return 0

@@ -1,0 +1,158 @@
+"""Running a stage as Hydra's task function: its config typed, its task run, its page written,
+and an error ending the process with one paragraph and its exit code (runner/errors.py); a job
+refused for bad input leaves no workdir behind (runner/refused_workdir.py)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import sys
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+
+from runner import config as config_layer, plugins, refused_workdir
+from runner.config import registries
+from runner.errors import UserError, VmoeError
+
+
+def quiet_library_noise() -> None:
+  """Orbax/TensorStore report a failed read by absl ERROR lines and, after the error has reached
+  us, "Event loop is closed" tracebacks from their callback threads and one "Exception ignored"
+  traceback per array whose concurrent read was abandoned (dozens for a damaged checkpoint): the
+  one-paragraph message says it all, so these are dropped (debug=true keeps them)."""
+  logging.getLogger("absl").setLevel(logging.CRITICAL)
+  default = sys.unraisablehook
+  if getattr(default, "vmoe_quiet", False):
+    return  # installed by an earlier command in this process (the demo, tests)
+
+  def hook(unraisable):
+    if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
+        unraisable.exc_value):
+      return
+    if _abandoned_checkpoint_read(unraisable.object):
+      return
+    default(unraisable)
+  hook.vmoe_quiet = True
+  sys.unraisablehook = hook
+
+
+def _abandoned_checkpoint_read(obj) -> bool:
+  """A coroutine of the checkpoint library (Orbax) that Python collects unfinished: a read the
+  library abandoned when another read of the same checkpoint failed."""
+  code = getattr(obj, "cr_code", None)
+  return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+# hydra/launcher=parallel starts each job as a `vmoe` process of its own, a plain run to Hydra;
+# this variable tells the job its sweep: {"sweep_dir": ..., "overrides": [the job's overrides]}.
+SWEEP_JOB_VARIABLE = "VMOE_SWEEP_JOB"
+
+
+def _sweep_identity(typed) -> None:
+  """A sweep's job: its W&B run joins the sweep's group (logger.wandb.group, else the sweep's
+  folder) and records the overrides that make the job, whichever launcher started it."""
+  hydra = HydraConfig.get()
+  if hydra.mode == RunMode.MULTIRUN:  # the basic launcher, or SLURM's (Hydra's run_job there)
+    sweep_dir, overrides = str(hydra.sweep.dir), list(hydra.overrides.task)
+  elif os.environ.get(SWEEP_JOB_VARIABLE):
+    job = json.loads(os.environ[SWEEP_JOB_VARIABLE])
+    sweep_dir, overrides = job["sweep_dir"], job["overrides"]
+  else:
+    return
+  wandb = typed.logger.wandb
+  wandb.group = wandb.group or sweep_dir
+  wandb.overrides = overrides
+
+
+def make_job(sub: str, existed: pathlib.Path | None = None, devices_checked: bool = False):
+  """The Hydra task function of stage `sub`. `existed`: the deepest folder of the workdir's path
+  that existed before Hydra created it (what a refused run removes stops there);
+  `devices_checked`: the pre-flight checks validated the config against this process's devices
+  (runner/command/preflight.py), so the task need not again."""
+  def job(cfg):
+    from runner import weights
+    from runner.tasks import run_task
+    hydra_config = HydraConfig.get()
+    workdir = hydra_config.runtime.output_dir
+    new_workdir = (hydra_config.mode == RunMode.RUN
+                   and refused_workdir.is_new(workdir, hydra_config.job.name))
+    try:
+      # A job in a process of its own (a launcher's: SLURM, the parallel one) registers the
+      # built-ins and loads the plug-ins it was composed with before its config is typed.
+      register_builtins()
+      plugins.load(cfg.get("plugins") or [])
+      # Checked before launch; in the job it is checked once more, with its devices, as the
+      # task starts (runner/tasks/common.py).
+      typed = config_layer.load(sub, cfg, workdir, check=False, checkpoints=weights)
+      _sweep_identity(typed)
+      metric = run_task(sub, typed, devices_checked=devices_checked)
+      if typed.logger.report and sub not in _NO_PAGE:
+        _write_report(typed.workdir)
+      return metric
+    except VmoeError as e:
+      if isinstance(e, UserError) and new_workdir:
+        refused_workdir.remove(workdir, existed)  # nothing a later run could take for one
+      if cfg.get("debug"):
+        raise
+      print(f"vmoe {sub}: error: {e}", file=sys.stderr)
+      sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal
+      if cfg.get("debug"):
+        raise
+      print(f"vmoe {sub}: interrupted before training started; nothing was saved.",
+            file=sys.stderr)
+      sys.exit(130)
+  return job
+
+
+# Stages whose folder gets no report page: an export's is a model folder (its README.md is the card).
+_NO_PAGE = ("export",)
+
+
+def _write_report(workdir: str) -> None:
+  """The run's `vmoe report` page, refreshed as the stage ends (one writer per job)."""
+  import jax  # lazily, as every library module here; the task has started it already
+  if jax.process_index():
+    return
+  from runner import report  # lazily: matplotlib, only once a stage has run
+  run = None  # the workdir, read once for the page and for W&B
+  try:
+    run = report.read_run(workdir)
+    report.write_run_page(workdir, live=False, run=run)
+  except Exception as e:  # noqa: BLE001 (the stage's results are written: a page is extra)
+    print(f"vmoe: warning: the run's report.html was not written ({type(e).__name__}: {e}); "
+          f"`vmoe report {workdir}` tries again.", file=sys.stderr)
+  try:
+    report.publish_to_wandb(workdir, run=run)  # the page's heat maps and tables, when W&B is on
+  except Exception as e:  # noqa: BLE001 (as the page: extra, never the stage's failure)
+    print(f"vmoe: warning: the run's heat maps and tables did not reach W&B "
+          f"({type(e).__name__}: {e}).", file=sys.stderr)
+
+
+def register_builtins() -> None:
+  """Imports the modules that register the built-in router families, evaluators, optimizers,
+  schedules, preprocessing ops and corruptions, so that names are checked against all of them
+  (lazily: `vmoe --help` stays fast)."""
+  import runner.data  # noqa: F401
+  import runner.evaluators  # noqa: F401
+  import runner.models  # noqa: F401
+  import runner.train.optimizers  # noqa: F401
+  import runner.train.schedules  # noqa: F401
+
+
+def registered_names() -> str:
+  """What `--help` adds to Hydra's: every name a config may choose, built-in or a plug-in's."""
+  from runner.data import pp_ops, sources
+  from runner.models import catalog
+  lines = ["", "== Registered names (built-in and from plugins=[...]) =="]
+  for what, names in (("model.router.type", registries.ROUTERS.names()),
+                      ("evaluators (eval.*)", registries.EVALUATORS.names()),
+                      ("optim.name", registries.OPTIMIZERS.names()),
+                      ("schedule.name", registries.SCHEDULES.names()),
+                      ("data.name (embedded, image_folder, captions)", sources.known_names()),
+                      ("preprocessing ops", pp_ops.registered_ops()),
+                      ("model= (besides the name grammar)", catalog.registered_names())):
+    lines.append(f"{what}: {', '.join(names) or '-'}")
+  return "\n".join(lines)
