@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -57,17 +58,21 @@ def test_pretrain_writes_metrics_summary_config_and_checkpoints(pretrained):
     assert (pretrained / "checkpoints" / "4" / item).exists()
 
 
-def test_rerun_of_a_finished_run_resumes_without_training(pretrained, run_cli):
-  before = (pretrained / "metrics.jsonl").read_text()
-  summary = json.loads((pretrained / "summary.json").read_text())
-  code, _, err = run_cli("pretrain", f"workdir={pretrained}", *TINY_MODEL, *QUIET,
+def test_rerun_of_a_finished_run_resumes_without_training(pretrained, tmp_path, run_cli):
+  # A copy: the rerun appends to its metrics, which the shared run's other tests read as written.
+  run = tmp_path / "run"
+  shutil.copytree(pretrained, run)
+  before = (run / "metrics.jsonl").read_text()
+  summary = json.loads((run / "summary.json").read_text())
+  code, _, err = run_cli("pretrain", f"workdir={run}", *TINY_MODEL, *QUIET,
                          "train.steps=4", "schedule.warmup_steps=0", "data.batch_size=16")
   assert code == 0, err
-  after = _lines(pretrained / "metrics.jsonl")[len(before.splitlines()):]
+  after = _lines(run / "metrics.jsonl")[len(before.splitlines()):]
   assert all("train/loss" not in r for r in after)  # no step was trained again
   assert any("val/prec@1" in r for r in after)
+  assert (pretrained / "metrics.jsonl").read_text() == before  # the shared run is untouched
   # The summary still reports the last training metrics, as the first run's did.
-  rerun = json.loads((pretrained / "summary.json").read_text())
+  rerun = json.loads((run / "summary.json").read_text())
   train = {k: v for k, v in summary.items() if k.startswith("train/")}
   assert train and {k: rerun.get(k) for k in train} == train
 

@@ -339,7 +339,15 @@ def test_deep_ensemble_costs_the_sum_of_its_members(de_ensemble, member0_eval, p
   _, alone = member0_eval
   _, pbe_s = pbe_eval
   single = alone["compute/gflops_per_image"]
-  assert s["compute/gflops_per_image"] == pytest.approx(2 * single, rel=0.1)
+  # The two members have one architecture: the ensemble's matmuls are exactly twice a member's.
+  analytic = "compute/gflops_per_image_analytic"
+  assert s[analytic] == pytest.approx(2 * alone[analytic], rel=1e-12)
+  # XLA also counts what the analytic count leaves out, elementwise work (layer norms, softmaxes,
+  # residuals: XLA - analytic, about 9 % of a member here) that it simplifies and fuses per
+  # program, and the ensemble adds combine_logits (~200 FLOPs per image): about 0.3 % over twice
+  # a member on this model. 1 % allows for that; one block of a member missing or counted twice
+  # (its matmuls alone, about 20 % of the ensemble's count) does not pass.
+  assert s["compute/gflops_per_image"] == pytest.approx(2 * single, rel=0.01)
   # pBE (k=1, M=2) sits between one V-MoE (k=1) and two (E³, Table 11).
   assert single < pbe_s["compute/gflops_per_image"] < s["compute/gflops_per_image"]
 

@@ -4,10 +4,14 @@ from __future__ import annotations
 import json
 import pathlib
 
+import numpy as np
 import pytest
 import yaml
 
 from conftest import QUIET, TINY_MODEL
+
+from runner import checkpoint
+from runner.evaluators import fewshot_math
 
 pytestmark = pytest.mark.xdist_group("fewshot")
 
@@ -76,10 +80,24 @@ def test_fewshot_writes_metrics_summary_plot_and_table(vmoe_run, tmp_path, run_c
   assert [row.split()[0] for row in table[1:]] == ["uci_digits", "lfw_faces", "mean"]
 
 
-def test_two_checkpoints_concatenate_their_features(vmoe_run, vit_run, tmp_path, run_cli):
+def test_two_checkpoints_concatenate_their_features(vmoe_run, vit_run, tmp_path, run_cli,
+                                                    monkeypatch):
+  probed = {}  # dataset -> (train features, test features) the ridge classifiers are given
+  fit = fewshot_math.fewshot_metrics
+
+  def spy(features, *args, **kwargs):
+    probed.update({name: (f[0], f[2]) for name, f in features.items()})
+    return fit(features, *args, **kwargs)
+
+  monkeypatch.setattr(fewshot_math, "fewshot_metrics", spy)
   code, out, err = run_cli("fewshot", f"init.checkpoint=[{vmoe_run},{vit_run}]",
                            f"workdir={tmp_path}", *FAST, "fewshot.datasets=[uci_digits]")
   assert code == 0, err
+  # A member's pre-logit width is what its head reads: the rows of its head kernel.
+  widths = [checkpoint.param_shapes(str(run))["head"]["kernel"][0] for run in (vmoe_run, vit_run)]
+  train, test = probed["uci_digits"]
+  assert train.shape[1] == test.shape[1] == sum(widths)
+  assert not np.allclose(test[:, :widths[0]], test[:, widths[0]:])  # two members, not one twice
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["checkpoint"] == [str(vmoe_run), str(vit_run)]
   assert summary["checkpoint_step"] == [2, 4]

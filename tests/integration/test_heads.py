@@ -14,6 +14,9 @@ import yaml
 
 from conftest import QUIET, TINY_MODEL
 
+from runner.data import pipeline
+from runner.evaluators import fewshot_math
+
 pytestmark = pytest.mark.xdist_group("heads")
 
 TRAIN = [*TINY_MODEL, *QUIET, "data.batch_size=16"]
@@ -42,6 +45,30 @@ def _params(workdir: pathlib.Path) -> dict:
   from runner.models.transfer import flatten
   params, _, _ = checkpoint.load_params(str(workdir))
   return {k: np.asarray(v) for k, v in flatten(params).items()}
+
+
+def _check_the_ensemble_is_its_members_mean(workdir: pathlib.Path, name: str) -> None:
+  """The summary's ensemble and member metrics, recomputed in NumPy from the saved member
+  probabilities: p̄ = mean of the members' p_m, NLL = -log p[y], KL(p_0 ‖ p_1) =
+  Σ p_0 log p_0/p_1."""
+  summary = _summary(workdir)
+  with np.load(workdir / "predictions.npz") as saved:
+    members, probs = saved[f"{name}/member_probs"].astype(np.float64), saved[f"{name}/probs"]
+    label = saved[f"{name}/labels"].argmax(-1)
+  rows = np.arange(len(label))
+  assert members.shape == (2, len(label), K) and len(label) == summary[f"{name}/count"]
+  np.testing.assert_allclose(probs, members.mean(0), atol=1e-6)
+  nll = lambda p: float(np.mean(-np.log(p[rows, label])))  # noqa: E731
+  # The saved probabilities are float32 (relative rounding 6e-8), the summary's float64.
+  assert summary[f"{name}/nll"] == pytest.approx(nll(members.mean(0)), rel=1e-6)
+  for m in range(2):
+    assert summary[f"{name}/member_{m}/nll"] == pytest.approx(nll(members[m]), rel=1e-6)
+  kl = np.mean(np.sum(members[0] * np.log(members[0] / members[1]), -1))
+  assert summary[f"{name}/diversity/kl"] == pytest.approx(kl, rel=1e-4, abs=1e-8)
+  assert summary[f"{name}/diversity/kl"] > 0  # two members that predict differently
+  # Jensen: the mean probability is never worse in NLL than the members on average (the
+  # ensemble's NLL is computed from float32 log-probabilities: 1e-6 for their rounding).
+  assert summary[f"{name}/nll"] <= summary[f"{name}/member_mean/nll"] + 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +147,15 @@ def test_eval_is_reproducible_and_counts_the_head(het_xl, det, root, run_cli):
   assert a["compute/gflops_per_image"] > base["compute/gflops_per_image"]  # XLA sees it too
 
 
-def test_fewshot_of_a_het_xl_run(het_xl, tmp_path, run_cli):
+def test_fewshot_of_a_het_xl_run(het_xl, tmp_path, run_cli, monkeypatch):
+  probed = {}  # dataset -> the test features the ridge classifiers are given
+  fit = fewshot_math.fewshot_metrics
+
+  def spy(features, *args, **kwargs):
+    probed.update({name: f[2] for name, f in features.items()})
+    return fit(features, *args, **kwargs)
+
+  monkeypatch.setattr(fewshot_math, "fewshot_metrics", spy)
   code, out, err = run_cli("fewshot", f"init.checkpoint={het_xl}", f"workdir={tmp_path}", *QUIET,
                            "fewshot.shots=[1,5]", "fewshot.seeds=[0]")
   assert code == 0, err
@@ -128,6 +163,12 @@ def test_fewshot_of_a_het_xl_run(het_xl, tmp_path, run_cli):
   values = [v for k, v in summary.items() if "uci_digits" in k and "shot" in k
             and isinstance(v, float)]
   assert values and all(0 <= v <= 1 for v in values), summary
+  # The probe reads the pre-logits (D wide) under the HET-XL head, neither its K class logits nor
+  # its R factors, and they separate the digits: 5 shots do better than twice chance (1/K).
+  (test_features,) = probed.values()
+  assert test_features.shape == (summary["uci_digits/num_test"], D)
+  assert np.all(np.isfinite(test_features)) and np.ptp(test_features, axis=0).min() > 0
+  assert summary["uci_digits/5shot/accuracy"] > 2 / K
 
 
 def test_finetune_het_from_a_linear_head(finetuned, det):
@@ -156,7 +197,8 @@ def test_a_partitioned_batch_ensemble_with_a_het_xl_head(det, root, run_cli):
                          "schedule.warmup_steps=0")
   assert code == 0, err
   assert "train/temperature" in _summary(pbe)
-  code, _, err = run_cli("eval", f"init.checkpoint={pbe}", f"workdir={root / 'pbe_ev'}", *QUIET)
+  code, _, err = run_cli("eval", f"init.checkpoint={pbe}", f"workdir={root / 'pbe_ev'}", *QUIET,
+                         "eval.save_predictions=true")
   assert code == 0, err
   s = _summary(root / "pbe_ev")
   assert s["ensemble/type"] == "pbe"
@@ -164,22 +206,51 @@ def test_a_partitioned_batch_ensemble_with_a_het_xl_head(det, root, run_cli):
               "diversity/kl", "diversity/disagreement"):
     assert f"uci_digits/{key}" in s, key
     assert np.isfinite(s[f"uci_digits/{key}"])
+  _check_the_ensemble_is_its_members_mean(root / "pbe_ev", "uci_digits")
 
 
 def test_an_ensemble_of_het_runs(finetuned, root, run_cli):
   members = ",".join(str(p) for p in finetuned.values())
   workdir = root / "ens"
-  code, _, err = run_cli("ensemble", f"init.checkpoint=[{members}]", f"workdir={workdir}", *QUIET)
+  code, _, err = run_cli("ensemble", f"init.checkpoint=[{members}]", f"workdir={workdir}", *QUIET,
+                         "eval.save_predictions=true")
   assert code == 0, err
   s = _summary(workdir)
   assert s["ensemble/size"] == 2 and s["ensemble/type"] == "down-DE"
   for key in ("prec@1", "nll", "member_0/nll", "member_1/nll", "diversity/kl"):
     assert np.isfinite(s[f"uci_digits/{key}"]), key
+  _check_the_ensemble_is_its_members_mean(workdir, "uci_digits")
 
 
-def test_training_with_label_noise(tmp_path, run_cli):
+def _labels(examples, key: str) -> np.ndarray:
+  return np.concatenate([b[key] for b in examples.batch(1024).as_numpy_iterator()])
+
+
+def test_training_with_label_noise(tmp_path, run_cli, monkeypatch):
+  asked = []  # (source, fraction) of every noisy-label map the run's training stream built
+  make_noise = pipeline.noisy_labels
+
+  def spy(source, fraction):
+    asked.append((source, fraction))
+    return make_noise(source, fraction)
+
+  monkeypatch.setattr(pipeline, "noisy_labels", spy)
   code, _, err = run_cli("pretrain", f"workdir={tmp_path}", *TRAIN, "data.label_noise=0.3",
                          "train.steps=2", "schedule.warmup_steps=0")
   assert code == 0, err
   assert yaml.safe_load((tmp_path / "config.yaml").read_text())["data"]["label_noise"] == 0.3
   assert np.isfinite(_summary(tmp_path)["train/loss"])
+  ((source, fraction),) = asked  # one shard, one stream
+  assert source.name == "mnist5k" and fraction == 0.3
+  # What that stream read: the training split's labels, each of a chosen 30 % of the examples
+  # replaced by a uniform class (its own with chance 1/K), so 0.3 (1 - 1/K) = 27 % change.
+  key = source.label_key
+  clean = _labels(source.read("train"), key)
+  noisy = _labels(source.read("train", with_index=True).map(make_noise(source, fraction)), key)
+  changed = noisy != clean
+  expected, n = fraction * (1 - 1 / K), len(clean)
+  assert n == 4000 and abs(changed.mean() - expected) < 4 * np.sqrt(expected * (1 - expected) / n)
+  assert set(noisy[changed]) == set(range(K))  # a changed label may become any other class
+  # The corrupted examples are a property of the dataset variant: the same in a rebuilt stream.
+  again = _labels(source.read("train", with_index=True).map(make_noise(source, fraction)), key)
+  np.testing.assert_array_equal(again, noisy)

@@ -2,12 +2,12 @@
 checkpoint; rerunning the same command resumes to exactly the parameters of an uninterrupted run."""
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -21,24 +21,43 @@ ARGS = ["pretrain", *TINY_MODEL, *QUIET, "train.steps=40", "schedule.warmup_step
         'data.pp_train="decode(3)|resize(20)|random_crop(16)|flip_lr|value_range(-1,1)"']
 
 
-def _start(workdir):
-  return subprocess.Popen([sys.executable, "-m", "runner.cli", *ARGS, f"workdir={workdir}"],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=dict(os.environ))
+# The run signals itself from inside, at a known step: when the loop asks whether step
+# `signal_at` is a checkpoint step (once per step, after training it), every save started so far
+# is committed first, then each signal in `signals` is sent; os.kill runs the Python handler
+# before it returns. Where the signal lands depends on nothing but the step.
+_SIGNALLED_RUN = """
+import os, sys
+from runner import checkpoint, cli
+signal_at, signals = int(sys.argv[1]), [int(s) for s in sys.argv[2].split(",")]
+should_save = checkpoint.Checkpointer.should_save
+
+def should_save_then_signal(self, step):
+  if step == signal_at and signals:
+    self.wait()
+    while signals:
+      os.kill(os.getpid(), signals.pop(0))
+  return should_save(self, step)
+
+checkpoint.Checkpointer.should_save = should_save_then_signal
+sys.exit(cli.main(sys.argv[3:]))
+"""
+SIGNAL_AT = 13  # between the checkpoints of steps 10 and 20
 
 
-def _wait_for_checkpoint(proc, workdir, timeout=240):
-  """Returns the first committed checkpoint step (Orbax renames the folder on commit)."""
-  start = time.time()
-  while time.time() - start < timeout:
-    steps = [int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit()]
-    if steps:
-      return min(steps)
-    if proc.poll() is not None:
-      pytest.fail(f"run ended before a checkpoint appeared: {proc.stderr.read()}")
-    time.sleep(0.02)
-  proc.kill()
-  pytest.fail("no checkpoint within the timeout")
+def _signalled_run(workdir, *signals: int) -> tuple[int, str]:
+  """(exit code, stderr) of the run that signals itself after step SIGNAL_AT."""
+  proc = subprocess.run([sys.executable, "-c", _SIGNALLED_RUN, str(SIGNAL_AT),
+                         ",".join(str(int(s)) for s in signals), *ARGS, f"workdir={workdir}"],
+                        capture_output=True, text=True, env=dict(os.environ), timeout=600)
+  return proc.returncode, proc.stderr
+
+
+def _steps(workdir) -> list[int]:
+  return sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
+
+
+def _logged_steps(workdir) -> list[int]:
+  return [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _final_params(workdir):
@@ -58,18 +77,18 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize("how", ["sigkill", "sigterm"])
 def test_interrupted_run_resumes_to_identical_parameters(how, uninterrupted, tmp_path, run_cli):
-  proc = _start(tmp_path)
-  first = _wait_for_checkpoint(proc, tmp_path)
-  proc.send_signal(signal.SIGKILL if how == "sigkill" else signal.SIGTERM)
-  _, err = proc.communicate(timeout=120)
+  sig = signal.SIGKILL if how == "sigkill" else signal.SIGTERM
+  code, err = _signalled_run(tmp_path, sig)
   if how == "sigkill":
-    assert proc.returncode == -signal.SIGKILL
+    assert code == -signal.SIGKILL
+    assert _steps(tmp_path) == [10]  # steps 11-13 are lost; the committed step 10 is intact
   else:  # graceful: finish the step, save, explain, exit 128 + SIGTERM
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert code == 128 + signal.SIGTERM, err
     assert "Rerun the same command to resume" in err and "Traceback" not in err
-  steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").glob("*") if p.name.isdigit())
+    assert f"stopped by SIGTERM after step {SIGNAL_AT}" in err
+    assert _steps(tmp_path) == [10, SIGNAL_AT]  # nothing lost: the signalled step is saved
+  steps = _steps(tmp_path)
   assert steps and steps[-1] < 40, "the run finished before it was interrupted"
-  assert first in steps or steps[0] > first
 
   code, _, err = run_cli(*ARGS, f"workdir={tmp_path}")
   assert code == 0, err
@@ -90,17 +109,15 @@ def _same_parameters(a, b):
 
 
 def test_a_second_signal_exits_at_once_and_the_rerun_resumes(uninterrupted, tmp_path, run_cli):
-  proc = _start(tmp_path)
-  _wait_for_checkpoint(proc, tmp_path)
-  proc.send_signal(signal.SIGTERM)
-  time.sleep(0.05)
-  proc.send_signal(signal.SIGTERM)
-  start = time.time()
-  _, err = proc.communicate(timeout=60)
-  assert time.time() - start < 30
-  assert proc.returncode == 128 + signal.SIGTERM, err
+  code, err = _signalled_run(tmp_path, signal.SIGTERM, signal.SIGTERM)
+  assert code == 128 + signal.SIGTERM, err
   assert "Traceback" not in err
-  assert "second signal" in err or "Rerun the same command" in err  # the first may have won
+  assert "second signal" in err or "Rerun the same command" in err
+  # At once: the second signal ends the process inside the step that the first asked to finish,
+  # before its checkpoint, its log or any later step.
+  assert "second signal (SIGTERM): exiting now without saving" in err
+  assert "stopped by SIGTERM" not in err
+  assert _steps(tmp_path) == [10] and _logged_steps(tmp_path) == [10]
 
   code, _, err = run_cli(*ARGS, f"workdir={tmp_path}")
   assert code == 0, err
@@ -119,8 +136,7 @@ def test_unreadable_latest_checkpoint_falls_back_to_the_previous_one(uninterrupt
                                                                      run_cli):
   code, _, err = run_cli(*ARGS, f"workdir={tmp_path}")
   assert code == 0, err
-  steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").glob("*") if p.name.isdigit())
-  assert steps == [30, 40]
+  assert _steps(tmp_path) == [30, 40]
   _damage(tmp_path / "checkpoints" / "40")
 
   code, _, err = run_cli(*ARGS, f"workdir={tmp_path}")

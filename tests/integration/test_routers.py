@@ -28,6 +28,18 @@ def _params(workdir):
   return weights.load(str(workdir))[0]
 
 
+def _dense_twin_flops(model: dict, num_classes: int) -> float:
+  """Forward matmul FLOPs per image of the ViT of the same sizes, counted from the architecture
+  ((m x k) @ (k x n) costs 2mkn): patch embedding, per block q/k/v, the T x T scores and their
+  weighted sum, the output projection and the two MLP layers, then the head."""
+  d, m, p = model["hidden_size"], model["mlp_dim"], model["patch_size"]
+  patches = (model["image_size"] // p) ** 2
+  tokens = patches + (model["classifier"] == "token")
+  block = 2 * tokens * d * 3 * d + 2 * 2 * tokens * tokens * d + 2 * tokens * d * d
+  block += 2 * tokens * d * m + 2 * tokens * m * d
+  return 2 * patches * p * p * 3 * d + model["num_layers"] * block + 2 * d * num_classes
+
+
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory):
   """Tiny experts-choice, Soft MoE and token-choice runs and a dense ViT, 3 steps each."""
@@ -104,7 +116,18 @@ def test_fewshot_eval_and_ensemble(upstream, tmp_path, run_cli, name):
   assert code == 0, err
   ev = _summary(tmp_path / "ev")
   assert 0 <= ev["mnist5k/prec@1"] <= 1
-  assert ev["compute/gflops_per_image"] > 0 and ev["compute/gflops_per_image_analytic"] > 0
+  assert ev["compute/gflops_per_image"] > 0
+  # Groups of one image (T = 16 tokens, no class token) among E = 8 experts at capacity ratio 1:
+  # experts-choice gives each expert T / E = 2 tokens, Soft MoE P = 2 slots per expert, so the
+  # E * 2 = T expert rows of layer 1 cost what its dense MLP did, and the MoE layer adds only its
+  # router: the gates 2 T D E, or Soft MoE's logits, dispatch and combine, 3 x 2 T D (E P).
+  model = yaml.safe_load((tmp_path / "ev" / "config.yaml").read_text())["model"]
+  assert (model["moe"]["group_size"], model["moe"]["num_experts"], model["moe"]["layers"],
+          model["router"]["capacity_ratio"], model["classifier"]) == (1, 8, [1], 1.0, "gap")
+  tokens, d, e = 16, model["hidden_size"], 8
+  router = 2 * tokens * d * e if name == "ecmoe_tiny" else 3 * 2 * tokens * d * (e * 2)
+  analytic = _dense_twin_flops(model, num_classes=10) + router
+  assert ev["compute/gflops_per_image_analytic"] * 1e9 == pytest.approx(analytic, rel=1e-12)
   change = "mnist5k/pgd/eps_0.01/routing_change/layer_1"
   if name == "ecmoe_tiny":
     assert 0 <= ev[change] <= 1  # the experts that picked each token

@@ -20,6 +20,7 @@ from runner.config import conf_dir, schema, validate
 from runner.config.checks import Check
 from runner.config.resolve import train_task
 from runner.config.schema import TrainTask
+from runner.config.validate import problems
 from runner.errors import ConfigError
 
 
@@ -168,9 +169,15 @@ def test_the_coordinator_with_its_processes_is_valid(task):
 
 
 def test_epochs_alone_are_a_duration(task):
+  """train.epochs with train.steps=null is a run's length: nothing is reported, and taking the
+  epochs away again is what brings the missing-duration problem back."""
   task.train.steps = None
   task.train.epochs = 1.5
-  validate(task)
+  assert problems(task) == []
+  assert validate(task) is task
+  assert (task.train.steps, task.train.epochs) == (None, 1.5)
+  task.train.epochs = None
+  assert problems(task) == ["set the training duration: train.steps=<n> or train.epochs=<x>"]
 
 
 def test_several_problems_are_listed_in_one_message(task):

@@ -160,15 +160,24 @@ def test_malformed_split_is_a_data_error(uci, split):
 
 @pytest.mark.parametrize("split", ["train[-:]", "train[%:]", "train[:-%]"])
 def test_bare_sign_or_percent_bound_is_a_data_error(uci, split):
+  with pytest.raises(DataError, match="no split"):
+    uci.num_examples(split)
   assert not uci.has_split(split)
 
 
-def test_reversed_slice_is_rejected_or_empty(uci):
-  try:
-    n = uci.num_examples("train[100:50]")
-  except DataError:
-    return
-  assert n == 0
+@pytest.mark.parametrize("split,bounds", [("train[100:50]", "[100:50]"),
+                                          ("train[50:50]", "[50:50]"),
+                                          ("train[90%:10%]", "[1132:126]")])
+def test_a_reversed_or_empty_slice_is_a_data_error(uci, split, bounds):
+  """A slice with no example is refused, naming the split's size and the resolved bounds, rather
+  than read as an empty split (a run over it would do nothing)."""
+  with pytest.raises(DataError) as e:
+    uci.num_examples(split)
+  assert str(e.value) == (f"split {split!r} of dataset {uci.name!r} is empty (1258 examples in "
+                          f"'train', slice {bounds}).")
+  assert not uci.has_split(split)
+  with pytest.raises(DataError):
+    uci.read(split)
 
 
 # --- sub-splits ---------------------------------------------------------------------------------

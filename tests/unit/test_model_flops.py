@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import fractions
+import math
 
 import pytest
 
@@ -211,10 +213,37 @@ def _paper(name: str, k: int, members: int) -> ModelConfig:
                router={"k": k, "capacity_ratio": 1.5})
 
 
+def _table_11_forward(layers: int, d: int, mlp: int, k: int, members: int) -> float:
+  """Forward FLOPs per image of _paper's models, counted block by block from the E³ paper's
+  Section 4: 384 px in 32 px patches (144 + a class token = 145 tokens), MoE MLPs on the last two
+  of every second block, E = 32 experts, groups of g = 8 images, C = 1.5, 1000 classes. From the
+  first MoE block on, each of the M members runs its own copy of every block and the head; an MoE
+  block routes each member's g * 145 tokens among its E / M experts, at the capacity
+  round(k * g * 145 * C / (E / M)) (V-MoE §2.4, halves up), with a router of
+  2 * tokens * D * E / M."""
+  tokens, patches, group, experts = 145, 144, 8, 32 // members
+  moe_blocks = (layers - 3, layers - 1)
+  slots = math.floor(fractions.Fraction(3, 2) * k * group * tokens / experts
+                     + fractions.Fraction(1, 2))
+  total = 2 * patches * (32 * 32 * 3) * d
+  for i in range(layers):
+    copies = members if i >= moe_blocks[0] else 1
+    total += copies * (2 * tokens * d * 3 * d + 2 * 2 * tokens * tokens * d + 2 * tokens * d * d)
+    if i in moe_blocks:  # per image: 1/g of each member's group
+      expert_slots = experts * slots * 2 * 2 * d * mlp
+      total += members * (expert_slots + 2 * group * tokens * d * experts) / group
+    else:
+      total += copies * 2 * 2 * tokens * d * mlp
+  return total + members * 2 * d * 1000
+
+
+# The paper's Table 11 prints 1.41, 1.51 and 1.29, each 0.006-0.008 above these counts: more than
+# its two-decimal rounding explains, so the paper counts something this convention leaves out
+# (docs/ensembles.md shows both columns). The code must equal its own exact count, not the paper.
 @pytest.mark.parametrize("name,k,want", [
-    ("vmoe_s32_last2_e32_k1", 1, 1.40),  # paper 1.41
-    ("vmoe_s32_last2_e32_k1", 2, 1.50),  # paper 1.51
-    ("vmoe_b32_last2_e32_k1", 1, 1.28),  # paper 1.29
+    ("vmoe_s32_last2_e32_k1", 1, 1.40),  # 1.40178; paper 1.41
+    ("vmoe_s32_last2_e32_k1", 2, 1.50),  # 1.50327; paper 1.51
+    ("vmoe_b32_last2_e32_k1", 1, 1.28),  # 1.28310; paper 1.29
 ])
 def test_table_11_ratios(name, k, want):
   pbe, vmoe = _paper(name, k, 2), _paper(name, k, 1)
@@ -222,7 +251,12 @@ def test_table_11_ratios(name, k, want):
   assert (pbe.num_layers, pbe.hidden_size, pbe.mlp_dim) in ((8, 512, 2048), (12, 768, 3072))
   ratio = (train_flops_per_image(pbe, 1000, batch_size=1024)
            / train_flops_per_image(vmoe, 1000, batch_size=1024))
-  assert ratio == pytest.approx(want, abs=0.01)
+  sizes = (pbe.num_layers, pbe.hidden_size, pbe.mlp_dim, k)
+  assert ratio == pytest.approx(_table_11_forward(*sizes, members=2)
+                                / _table_11_forward(*sizes, members=1), rel=1e-12)
+  assert round(ratio, 2) == want  # the table in docs/ensembles.md
+  assert train_flops_per_image(vmoe, 1000, batch_size=1024) == pytest.approx(
+      3 * _table_11_forward(*sizes, members=1), rel=1e-12)
   eval_ratio = (forward_flops_per_image(pbe, 1000, batch_size=1024, train=False)
                 / forward_flops_per_image(vmoe, 1000, batch_size=1024, train=False))
   assert eval_ratio == pytest.approx(ratio)

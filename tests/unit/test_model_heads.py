@@ -2,7 +2,8 @@
 Heteroscedastic Classifiers" (Collier et al.).
 
 Checked against golden values G1-G6 (the expected probabilities and logits written out below, for
-fixed weights and fixed stand-ins for the Gaussian draws), invariants of the heads
+fixed weights and fixed stand-ins for the Gaussian draws, derived by `_numpy_het`, the paper's
+equations in NumPy), invariants of the heads
 (normalisation, τ bounds, the no-noise limit, HET-XL as HET with its noise sent through the
 classifier, the noise covariance, a sigmoid case against Gauss-Hermite quadrature), the parameter
 counts of the paper's Table 3, the numerically stable log-mean, the model's plumbing (learned τ
@@ -80,6 +81,48 @@ GOLDEN = {
 }
 
 
+def _numpy_het(name, tau=None) -> tuple[np.ndarray, np.ndarray]:
+  """(p̄, logits) of golden case `name`, the paper's equations written out in float64 one example
+  and one draw at a time: ε = V(x) z + d(x) ζ with d(x) = softplus(x W_d + b_d) + 10⁻³ and V(x)
+  the reshaped x W_V + b_V (HET), or (z J + b_J) ∘ v(x) with v(x) = x W_v + b_v (parameter-
+  efficient); HET adds ε to the class logits x W + b, HET-XL sends x + ε through W, b; each draw's
+  logits over τ go through σ (softmax or sigmoid), p̄ is their mean over the S draws, and the
+  head's logits are log p̄ (softmax) or log p̄ / (1 - p̄) (sigmoid)."""
+  output, pe, latent, golden_tau, _ = GOLDEN[name]
+  tau = golden_tau if tau is None else float(tau)
+  w = {layer: {k: np.asarray(v, np.float64) for k, v in kb.items()}
+       for layer, kb in golden_weights(D if latent else K, pe).items()}
+  q = D if latent else K
+  mean = np.zeros((B, K))
+  for b in range(B):
+    x = X[b]
+    d = np.log1p(np.exp(x @ w["diag_layer"]["kernel"] + w["diag_layer"]["bias"])) + 1e-3
+    for s_ in range(S):
+      z, zeta = Z[b, s_], ZETA[b, s_, 0]
+      if pe:
+        j, v = w["scale_layer_homoscedastic"], w["scale_layer_heteroscedastic"]
+        low_rank = (z @ j["kernel"] + j["bias"]) * (x @ v["kernel"] + v["bias"])
+      else:
+        v = (x @ w["scale_layer"]["kernel"] + w["scale_layer"]["bias"]).reshape(q, R)
+        low_rank = v @ z
+      eps = low_rank + d * zeta
+      loc = w["loc_layer"]
+      logits = ((x + eps) @ loc["kernel"] + loc["bias"] if latent
+                else x @ loc["kernel"] + loc["bias"] + eps) / tau
+      if output == "softmax":
+        p = np.exp(logits - logits.max())
+        mean[b] += p / p.sum() / S
+      else:
+        mean[b] += 1 / (1 + np.exp(-logits)) / S
+  return mean, (np.log(mean) if output == "softmax" else np.log(mean / (1 - mean)))
+
+
+def test_golden_tables_are_the_papers_equations():
+  """The probabilities written out in GOLDEN are _numpy_het's, rounded to 5 decimals."""
+  for name, (*_, table) in GOLDEN.items():
+    np.testing.assert_allclose(_numpy_het(name)[0], table, atol=5e-6, rtol=0, err_msg=name)
+
+
 def _golden_logits(name, chunk_size=None, tau=None):
   output, pe, latent, tau6, _ = GOLDEN[name]
   w = golden_weights(D if latent else K, pe)
@@ -99,6 +142,9 @@ def test_golden_values(name, chunk_size):
   logits = _golden_logits(name, chunk_size)
   assert logits.shape == (B, K) and logits.dtype == jnp.float32
   np.testing.assert_allclose(_probs(logits, output), expected, atol=1e-5, rtol=0)
+  probs, reference_logits = _numpy_het(name)  # unrounded, to float32's precision
+  np.testing.assert_allclose(_probs(logits, output), probs, atol=1e-6, rtol=0)
+  np.testing.assert_allclose(logits, reference_logits, atol=1e-5, rtol=0)
 
 
 def test_golden_logits_are_log_p_and_logit_p():
@@ -106,9 +152,13 @@ def test_golden_logits_are_log_p_and_logit_p():
                              atol=1e-5)
   np.testing.assert_allclose(np.asarray(_golden_logits("G4"))[0], [-0.38476, -0.65839, -0.22651],
                              atol=1e-5)
-  # The learned temperature of G6: t = 0.4 in the paper's bounds.
+  # Those rows written out: log p̄ of G1's first example, logit p̄ of G4's (_numpy_het).
+  np.testing.assert_allclose(_numpy_het("G1")[1][0], [-1.49940, -1.06763, -0.83722], atol=5e-6)
+  np.testing.assert_allclose(_numpy_het("G4")[1][0], [-0.38476, -0.65839, -0.22651], atol=5e-6)
+  # The learned temperature of G6: t = 0.4 in the paper's bounds, 0.05 + 4.95 / (1 + e^-0.4).
   tau = heads.temperature(jnp.float32(0.4), 0.05, 5.0)
   assert float(tau) == pytest.approx(3.013504, abs=1e-6)
+  assert 0.05 + 4.95 / (1 + np.exp(-0.4)) == pytest.approx(3.013504, abs=5e-7)
   np.testing.assert_allclose(_probs(_golden_logits("G6", tau=tau), "softmax"), GOLDEN["G6"][-1],
                              atol=1e-5)
 
