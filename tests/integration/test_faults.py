@@ -106,6 +106,9 @@ def test_wandb_online_without_a_server_falls_back_to_offline(run_cli, tmp_path, 
   probe, init = wandb_run._unreachable, wandb.init
   monkeypatch.setattr(wandb_run, "_unreachable", lambda url: probes.append(url) or probe(url))
   monkeypatch.setattr(wandb, "init", lambda *a, **kw: starts.append(kw["mode"]) or init(*a, **kw))
+  # The key is set: W&B's login must say so whatever an earlier test of this process did to W&B's
+  # process-wide settings (in a full suite's worker it may have cached "no key").
+  monkeypatch.setattr(wandb, "login", lambda *a, **kw: True)
   code, _, err = run_cli("pretrain", f"workdir={tmp_path}", *TINY_MODEL, "train.steps=2",
                          "schedule.warmup_steps=0",
                          "data.batch_size=16", "logger.progress=false", "logger.wandb.mode=online")
