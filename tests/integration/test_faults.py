@@ -92,7 +92,8 @@ def test_a_checkpoint_that_cannot_be_saved_stops_the_run(run_cli, tmp_path, monk
   assert not (tmp_path / "summary.json").exists()
 
 
-def test_wandb_online_without_a_server_falls_back_to_offline(run_cli, tmp_path, monkeypatch):
+def test_wandb_online_without_a_server_falls_back_to_offline(run_cli, tmp_path, monkeypatch,
+                                                              request):
   with socket.socket() as s:  # a port nobody listens on
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -109,6 +110,10 @@ def test_wandb_online_without_a_server_falls_back_to_offline(run_cli, tmp_path, 
   # The key is set: W&B's login must say so whatever an earlier test of this process did to W&B's
   # process-wide settings (in a full suite's worker it may have cached "no key").
   monkeypatch.setattr(wandb, "login", lambda *a, **kw: True)
+  # W&B reads WANDB_BASE_URL once per process, at its first setup: an earlier test of this worker
+  # may have set it up with the default server. Start W&B afresh, here and for the tests after.
+  wandb.teardown()
+  request.addfinalizer(wandb.teardown)
   code, _, err = run_cli("pretrain", f"workdir={tmp_path}", *TINY_MODEL, "train.steps=2",
                          "schedule.warmup_steps=0",
                          "data.batch_size=16", "logger.progress=false", "logger.wandb.mode=online")
