@@ -1,14 +1,17 @@
 """The names a config may choose, and what each stands for: router families, evaluators,
-optimizers, schedules.
+optimizers, schedules (here), preprocessing ops and corruptions (runner/config/preprocessing.py),
+model names and embedded datasets (their modules).
 
-The config layer holds the tables; the modules that define the things fill them when they are
-imported (the built-in ones with their package, a plug-in's from `plugins=`). So the schema and
-the relations check a name against everything registered without importing models or training
-code, and a plug-in's name is valid exactly like a built-in one.
+Every register-by-name is a `Registry`: the same add, get, names and duplicate-name error. The
+config layer holds the tables its checks read; the modules that define the things fill them when
+they are imported (the built-in ones by `runner.builtins.register()`, a plug-in's from
+`plugins=`). So the schema and the relations check a name against everything registered without
+importing models or training code, and a plug-in's name is valid exactly like a built-in one.
 """
 from __future__ import annotations
 
-from typing import Generic, Iterator, TypeVar
+import dataclasses
+from typing import Any, Callable, Generic, Iterator, Optional, TypeVar
 
 from runner.errors import ConfigError
 
@@ -49,9 +52,33 @@ class Registry(Generic[T]):
   def __contains__(self, name) -> bool:
     return str(getattr(name, "value", name)) in self._entries
 
+  def __iter__(self) -> Iterator[str]:
+    return iter(self.names())
+
 
 def _origin(entry) -> str:
+  entry = getattr(entry, "fn", entry)  # a Registered function: where the function is
   return f"{getattr(entry, '__module__', '?')}.{getattr(entry, '__qualname__', type(entry).__name__)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+  """A function registered by name (an optimizer's preconditioner, a schedule's rate) with what
+  it declares, as a router family does: `Config`, a dataclass of the keys it reads (added to
+  its section of the schema, runner/config/sections.py `declare`), and `problem`, its relations
+  (called by the config layer with the section, and what else the registry's kind says)."""
+  fn: Callable[..., Any]
+  Config: Optional[type] = None
+  options: tuple[str, ...] = ()  # the Config's field names
+  problem: Optional[Callable[..., Optional[str]]] = None
+
+  def values(self, given: dict) -> dict:
+    """The keys it reads, from `given` (a section's fields, or keyword arguments), else their
+    defaults: what `fn` is called with."""
+    if self.Config is None:
+      return {}
+    config = self.Config(**{name: given[name] for name in self.options if name in given})
+    return {name: getattr(config, name) for name in self.options}
 
 
 ROUTERS: Registry = Registry("router family", "model.router.type")

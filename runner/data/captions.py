@@ -72,5 +72,5 @@ class UciDigitsCaptions(_Captioned, UciDigits):
   """uci_digits with template captions."""
 
 
-EMBEDDED["mnist5k_captions"] = Mnist5kCaptions
-EMBEDDED["uci_digits_captions"] = UciDigitsCaptions
+EMBEDDED.add("mnist5k_captions", Mnist5kCaptions)
+EMBEDDED.add("uci_digits_captions", UciDigitsCaptions)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow_datasets as tfds
 
-from runner.errors import UserError
+from runner.config.registries import Registry
 
 _SPLIT_SEED = 20210610  # the V-MoE arXiv date; any fixed value works
 
@@ -134,11 +134,13 @@ def _subset(base, classes: tuple[int, ...], suffix: str):
   })
 
 
-EMBEDDED = {"mnist5k": Mnist5k, "uci_digits": UciDigits, "lfw_faces": LfwFaces}
+EMBEDDED: Registry = Registry("embedded dataset", "data.name")
+for _name, _base in (("mnist5k", Mnist5k), ("uci_digits", UciDigits), ("lfw_faces", LfwFaces)):
+  EMBEDDED.add(_name, _base)
 for _name, _base in list(EMBEDDED.items()):
   if _base.NUM_CLASSES == 10:
-    EMBEDDED[f"{_name}_0to4"] = _subset(_base, (0, 1, 2, 3, 4), "0to4")
-    EMBEDDED[f"{_name}_5to9"] = _subset(_base, (5, 6, 7, 8, 9), "5to9")
+    EMBEDDED.add(f"{_name}_0to4", _subset(_base, (0, 1, 2, 3, 4), "0to4"))
+    EMBEDDED.add(f"{_name}_5to9", _subset(_base, (5, 6, 7, 8, 9), "5to9"))
 
 
 EmbeddedBuilder = _ArrayBuilder  # what a plug-in's embedded dataset subclasses
@@ -150,10 +152,6 @@ def register(name: str):
   IMAGE_SHAPE and NUM_CLASSES; vmoe prepares it as a TFDS dataset with stratified splits on
   first use, exactly as the built-in embedded sets."""
   def wrap(builder):
-    known = EMBEDDED.get(name)
-    if known is not None and known.__qualname__ != builder.__qualname__:
-      raise UserError(f"dataset name {name!r} is taken (by {known.__module__}.{known.__qualname__}):"
-                      " register the plug-in's dataset under another name.")
-    EMBEDDED[name] = builder
+    EMBEDDED.add(name, builder)
     return builder
   return wrap

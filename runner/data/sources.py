@@ -161,14 +161,14 @@ def open_source(name: str, data_dir: str | None = None, root: str | None = None,
     builder = _caption_file(root, skip_unreadable)
     text_key = text_key or "caption"
   elif name in EMBEDDED:
-    builder = EMBEDDED[name](data_dir=data_dir)
+    builder = EMBEDDED.get(name)(data_dir=data_dir)
     if not _is_prepared(builder):
       try:
         builder.download_and_prepare()
       except FileExistsError:  # another process (host, job) published it first: use theirs
         if not _is_prepared(builder):
           raise
-        builder = EMBEDDED[name](data_dir=data_dir)
+        builder = EMBEDDED.get(name)(data_dir=data_dir)
   else:
     builder = _prepared_tfds_builder(name, data_dir)
   features = builder.info.features

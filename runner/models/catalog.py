@@ -27,6 +27,7 @@ import dataclasses
 import re
 from typing import Callable
 
+from runner.config.registries import Registry
 from runner.config.schema import Classifier, ModelConfig, MoeConfig, RouterConfig
 from runner.errors import UserError
 
@@ -70,7 +71,7 @@ class UnknownModelError(UserError, ValueError):
 
 
 # Names a plug-in registers (`register`), each with a function that makes its config.
-_REGISTERED: dict[str, Callable[[], ModelConfig]] = {}
+_REGISTERED: Registry = Registry("model name", "model")
 
 
 def register(name: str, make: Callable[[], ModelConfig] | ModelConfig) -> None:
@@ -80,7 +81,7 @@ def register(name: str, make: Callable[[], ModelConfig] | ModelConfig) -> None:
     raise UserError(f"model name {name!r} is already taken by the catalog's grammar: choose "
                     "another name for the plug-in's model.")
   factory = make if callable(make) else (lambda: dataclasses.replace(make))
-  _REGISTERED[name] = factory
+  _REGISTERED.add(name, factory)
 
 
 def registered_names() -> list[str]:
@@ -92,7 +93,7 @@ def model_config(name: str) -> ModelConfig:
   """The full model config (constructor arguments plus image_size) for a name in the grammar,
   or registered by a plug-in."""
   if name in _REGISTERED:
-    config = _REGISTERED[name]()
+    config = _REGISTERED.get(name)()
     return dataclasses.replace(config, name=name)
   soft = _SOFT_NAME.match(name)
   if soft and not (soft["kind"] == "ecmoe" and soft["p"]):
