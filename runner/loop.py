@@ -13,6 +13,7 @@ last checkpoint:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -201,6 +202,12 @@ class _Measurements:
     return result
 
 
+def _keys(section, *leave_out: str) -> dict:
+  """A typed config section's keys as keyword arguments, without `leave_out`."""
+  return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+          if f.name not in leave_out}
+
+
 class _Run:
   """One run of the loop: what its set-up builds, the state it trains and the position in its
   data stream, and the parts of each step (train, log, evaluate, save, stop) and of its end."""
@@ -216,15 +223,12 @@ class _Run:
     self.processes = dict(process_index=jax.process_index(),
                           process_count=jax.process_count())
     self.image_shape = data.image_shape(source, d.split, d.pp_train)
-    self.schedule = schedules.make_schedule(s.name, o.lr, self.steps, s.warmup_steps,
-                                            s.end_lr_fraction, s.timescale, s.cooldown_steps)
+    # The schedule and the optimizer read their own keys (their Config's) of these sections.
+    self.schedule = schedules.make_schedule(s.name, o.lr, self.steps, **_keys(s, "name"))
     self.abstract, _ = state_lib.abstract_params(model, self.image_shape)
-    self.tx = optimizers.make_optimizer(
-        o.name, self.schedule, self.abstract, b1=o.b1, b2=o.b2, eps=o.eps,
-        momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay,
-        grad_clip_norm=o.grad_clip_norm, beta2_cap=o.beta2_cap,
-        min_dim_size_to_factor=o.min_dim_size_to_factor,
-        clipping_threshold=o.clipping_threshold, frozen=pairs.frozen if pairs else None)
+    self.tx = optimizers.make_optimizer(o.name, self.schedule, self.abstract,
+                                        frozen=pairs.frozen if pairs else None,
+                                        **_keys(o, "name", "lr"))
     ckpt = config.checkpoint
     self.checkpointer = Checkpointer(os.path.join(config.workdir, "checkpoints"),
                                      keep=ckpt.keep, every_steps=ckpt.every_steps,

@@ -146,12 +146,9 @@ def router_options_apply(model: ModelConfig):
     return None  # a dense ViT (dense_model_has_no_router) or invalid layers
   family = derived.router_family(model)
   defaults = RouterConfig()
-  if not family.capacity_at_inference and model.router.eval_capacity_ratio is not None:
-    return (f"model.router.eval_capacity_ratio={model.router.eval_capacity_ratio} (a capacity "
-            "ratio at inference, which vmoe eval's model.router.capacity_ratio also sets) means "
-            f"nothing for model.router.type={family.name}: its slots are parameters fixed when "
-            "the model is trained. Drop it; to compare capacities, train with "
-            "model.router.capacity_ratio or model.router.slots_per_expert.")
+  problem = family.unread_key_problem(model.router)
+  if problem:
+    return problem
   ignored = [f"model.router.{f.name}={_show(getattr(model.router, f.name))}"
              for f in dataclasses.fields(RouterConfig)
              if f.name != "type" and f.name not in family.options
@@ -166,18 +163,12 @@ def router_options_apply(model: ModelConfig):
 
 
 @relation
-def k_at_most_experts(model: ModelConfig):
-  experts, per_member = derived.num_experts(model), derived.experts_per_router(model)
-  if not experts or "k" not in derived.router_family(model).options:
+def router_family_rules(model: ModelConfig):
+  """The chosen router family's own rules (`RouterFamily.problem`, stated in its module: e.g.
+  token-choice's k <= experts)."""
+  if not derived.num_experts(model):
     return None
-  if model.router.k <= per_member:
-    return None
-  if per_member == experts:
-    return (f"model.router.k={model.router.k} selects more experts per token than there are "
-            f"(model.moe.num_experts={experts}); valid: 1 <= k <= {experts}.")
-  return (f"model.router.k={model.router.k} selects more experts per token than each ensemble "
-          f"member has (model.moe.num_experts={experts} / model.moe.ensemble_size="
-          f"{model.moe.ensemble_size} = {per_member}); valid: 1 <= k <= {per_member}.")
+  return derived.router_family(model).problem(model)
 
 
 @relation
@@ -374,7 +365,8 @@ def duration_given(train: TrainConfig):
 def warmup_problem(schedule: ScheduleConfig, optim: OptimConfig, steps: int,
                    length: str) -> str | None:
   """A warm-up as long as the run never reaches optim.lr and never decays: the run would not be
-  the schedule asked for. `length` says where the run's steps come from (`train.steps=20`)."""
+  the schedule asked for; then the chosen schedule's own rules against the run (its `problem`,
+  runner/train/schedules.py). `length` says where the run's steps come from (`train.steps=20`)."""
   warmup = schedule.warmup_steps
   if warmup and warmup >= steps:
     last = optim.lr * steps / warmup
@@ -384,13 +376,8 @@ def warmup_problem(schedule: ScheduleConfig, optim: OptimConfig, steps: int,
             "warm-up shorter than the run, e.g. "
             + (f"schedule.warmup_steps={steps // 5} (a fifth of it) or " if steps >= 5 else "")
             + "schedule.warmup_steps=0.")
-  cooldown = schedule.cooldown_steps if schedule.name == "rsqrt" else 0
-  if cooldown and warmup + cooldown > steps:
-    return (f"schedule.warmup_steps={warmup} and schedule.cooldown_steps={cooldown} take "
-            f"{warmup + cooldown} steps, more than the run ({length}): rsqrt's cooldown would "
-            "start before its warm-up ends; shorten them to warmup_steps + cooldown_steps <= "
-            f"{steps}.")
-  return None
+  chosen = registries.SCHEDULES.get(schedule.name)  # its own rules (rsqrt: the cooldown)
+  return chosen.problem(schedule, steps, length) if chosen.problem else None
 
 
 def warmup_warning(schedule: ScheduleConfig, steps: int, length: str) -> str | None:
@@ -403,6 +390,14 @@ def warmup_warning(schedule: ScheduleConfig, steps: int, length: str) -> str | N
             f"leaving {left} step{'s' if left > 1 else ''} of schedule={schedule.name} after "
             "it; set schedule.warmup_steps to change that.")
   return None
+
+
+@relation
+def optimizer_rules(optim: OptimConfig):
+  """The chosen optimizer's own rules between its keys (its `problem`, stated where it is
+  registered; none of the built-in ones has any)."""
+  chosen = registries.OPTIMIZERS.get(optim.name)
+  return chosen.problem(optim) if chosen.problem else None
 
 
 @relation

@@ -96,28 +96,26 @@ def _prune_none(tree):
 
 
 def model_overrides(given: dict | None, stored: dict | None = None) -> dict:
-  """Given `model.*` keys (None = unchanged). At inference the capacity ratio that matters is
-  `eval_capacity_ratio`, so a given `router.capacity_ratio` sets it too unless it is given --
-  for routers whose capacity may change at inference only: for the others (Soft MoE, whose
-  slots are parameters) the key keeps the meaning it has in training, so the keys that trained
-  a model evaluate it too."""
+  """Given `model.*` keys (None = unchanged), the router's as they apply at inference
+  (`RouterFamily.at_inference`: for a token-choice router a given capacity_ratio is also the
+  inference one)."""
   changes = _prune_none(dict(given or {}))
   router = changes.get("router") or {}
-  router_type = router.get("type") or ((stored or {}).get("router") or {}).get("type")
+  family = _router_family(router.get("type")
+                          or ((stored or {}).get("router") or {}).get("type"))
   layers = (changes.get("moe") or {}).get("layers", ((stored or {}).get("moe") or {}).get("layers"))
-  if ("capacity_ratio" in router and "eval_capacity_ratio" not in router and layers
-      and _capacity_at_inference(router_type)):  # a dense ViT has no capacity to set
-    router["eval_capacity_ratio"] = router["capacity_ratio"]
+  if router and layers and family is not None:  # a dense ViT has no router to run
+    changes["router"] = family.at_inference(router)
   return changes
 
 
-def _capacity_at_inference(router_type: str | None) -> bool:
-  if router_type is None:
-    router_type = RouterConfig().type
+def _router_family(router_type: str | None):
+  """The family a stored or given router type names (None: the schema's default); None for an
+  unknown one, which the schema's check reports."""
   try:
-    return registries.ROUTERS.get(str(router_type)).capacity_at_inference
+    return registries.ROUTERS.get(str(router_type or RouterConfig().type))
   except ConfigError:
-    return True  # an unknown router is reported by the schema's check
+    return None
 
 
 # A later stage may change how a checkpoint runs (router k, capacity, BPR, dtype), not what it is.
@@ -137,31 +135,23 @@ def _keeps_the_ensemble(stored: dict, model: dict) -> None:
           "init.repartition_experts=true), or drop the override.")
 
 
-# Router keys that size a Soft MoE's parameters (its slots), where the capacity does not change
-# at inference.
-_SLOT_KEYS = ("capacity_ratio", "slots_per_expert")
-
-
-def _keeps_the_slots(stored: dict, model: dict) -> None:
+def _keeps_the_trained_router(stored: dict, model: dict) -> None:
+  """What the chosen family says a later stage may not change (`later_stage_problem`: for Soft
+  MoE the keys that size its slots, parameters)."""
   stored_router, given_router = stored.get("router") or {}, model.get("router") or {}
-  router_type = given_router.get("type") or stored_router.get("type")
-  if not stored_router or _capacity_at_inference(router_type):
+  family = _router_family(given_router.get("type") or stored_router.get("type"))
+  if not stored_router or family is None:
     return
-  for key in _SLOT_KEYS:
-    given, kept = given_router.get(key), stored_router.get(key)
-    if given is not None and str(given) != str(kept):
-      raise ConfigError(
-          f"model.router.{key}={given} differs from the checkpoint's {kept}: for "
-          f"model.router.type={router_type} it sets the slots, parameters fixed when the model "
-          "is trained, so a later stage cannot change it. Drop the override (the keys that "
-          "trained the model may be repeated), or train with the new value.")
+  problem = family.later_stage_problem(stored_router, given_router)
+  if problem:
+    raise ConfigError(problem)
 
 
 def stored_model_and_data(stored: dict, model: dict | None = None,
                           data: dict | None = None) -> tuple[ModelConfig, DataConfig]:
   """The checkpoint's model and data configs with the given (unresolved) overrides on top."""
   _keeps_the_ensemble(stored.get("model") or {}, _prune_none(dict(model or {})))
-  _keeps_the_slots(stored.get("model") or {}, _prune_none(dict(model or {})))
+  _keeps_the_trained_router(stored.get("model") or {}, _prune_none(dict(model or {})))
   base = OmegaConf.create({"model": OmegaConf.structured(ModelConfig),
                            "data": OmegaConf.structured(DataConfig)})
   try:

@@ -332,37 +332,26 @@ class ObjectiveConfig:
 
 @dataclass
 class OptimConfig:
+  """optim: what every optimizer reads; each optimizer declares the keys it reads besides in its
+  own `Config` (runner/train/optimizers.py, or a plug-in's), which registering it adds here."""
   name: str = key("adam", Choice(registries.OPTIMIZERS.names), "a registered optimizer "
                   "(runner/train/optimizers.py)")
   lr: float = key(1e-3, positive(), "the peak learning rate")
-  b1: float = key(0.9, rate())
-  b2: float = key(0.999, rate())
-  eps: float = key(1e-8, positive())
-  momentum: float = key(0.9, rate())
-  nesterov: bool = False
   # A float for every parameter, or a list of [regex, value] pairs matched against
   # "block_1/moe/experts/fc1_kernel"-style names (first match wins, unmatched: no decay).
   weight_decay: Any = key(0.0, Rule(_is_weight_decay, "a number >= 0 or a list of [regex, value "
                                     ">= 0] pairs, e.g. '[[head/kernel,3.0],[.*kernel,0.03]]'"))
   grad_clip_norm: Optional[float] = key(1.0, positive(), "null: no clipping")
-  # Adafactor only (big_vision's variant, as vmoe's V-MoE-15B recipe):
-  beta2_cap: float = key(0.999, Range(0, 1, low_open=True), "Adafactor: the second-moment decay "
-                         "min(beta2_cap, 1 - t^-0.8), as big_vision and vmoe; 1: uncapped")
-  min_dim_size_to_factor: int = key(32, at_least(1), "Adafactor: factor the second moment of a "
-                                    "parameter whose two largest dims are at least this (vmoe: "
-                                    "num_experts + 1 keeps the expert axis unfactored)")
-  clipping_threshold: Optional[float] = key(1.0, positive(), "Adafactor: update clipping by block "
-                                            "RMS; null: none, as big_vision and vmoe")
 
 
 @dataclass
 class ScheduleConfig:
+  """schedule: what every schedule reads; a schedule that reads keys of its own declares them in
+  its `Config` (runner/train/schedules.py, or a plug-in's), which registering it adds here."""
   name: str = key("linear", Choice(registries.SCHEDULES.names), "a registered schedule "
                   "(runner/train/schedules.py)")
   warmup_steps: int = key(0, at_least(0))
   end_lr_fraction: float = key(0.0, probability(), "linear/cosine decay to lr * end_lr_fraction")
-  timescale: Optional[int] = key(None, at_least(1), "rsqrt; null: warmup_steps (or 10000)")
-  cooldown_steps: int = key(0, at_least(0), "rsqrt: final linear cooldown to zero")
 
 
 @dataclass

@@ -1,14 +1,22 @@
 """Optimizers through optax: Adam, SGD with momentum, Adafactor (and a plug-in's, registered by
-name); per-parameter weight decay."""
+name); per-parameter weight decay.
+
+Each optimizer declares the `optim.*` keys it reads in its own `Config` dataclass, registered
+with it (`register`), which adds them to the schema's `OptimConfig`; `OptimConfig` itself holds
+what every optimizer reads (name, lr, weight_decay, grad_clip_norm)."""
 from __future__ import annotations
 
+import dataclasses
 import re
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from runner.config import registries
+from runner.config import registries, sections
+from runner.config.checks import Range, at_least, key, positive, rate
+from runner.config.schema import OptimConfig
 
 
 def param_names(params) -> dict:
@@ -70,29 +78,20 @@ def adafactor_decay_rate_fn(beta2_cap: float):
   return decay_rate
 
 
-def make_optimizer(name: str, schedule, params, *, b1: float = 0.9, b2: float = 0.999,
-                   eps: float = 1e-8, momentum: float = 0.9, nesterov: bool = False,
-                   weight_decay=0.0, grad_clip_norm: float | None = None,
-                   beta2_cap: float = 0.999, min_dim_size_to_factor: int = 32,
-                   clipping_threshold: float | None = 1.0, frozen: str | None = None,
-                   **unused) -> optax.GradientTransformation:
-  """clip -> precondition (adam | momentum | adafactor) -> decoupled weight decay -> learning rate.
+def make_optimizer(name: str, schedule, params, *, weight_decay=0.0,
+                   grad_clip_norm: float | None = None, frozen: str | None = None,
+                   **options) -> optax.GradientTransformation:
+  """clip -> precondition (adam | sgd | adafactor | a plug-in's) -> decoupled weight decay ->
+  learning rate.
 
-  Adafactor is big_vision's variant (as vmoe trains V-MoE-15B with): factored second moments of
-  parameters whose two largest dimensions are >= `min_dim_size_to_factor`, decay
-  min(beta2_cap, 1 - t^-0.8), epsilon 1e-30; then update clipping by block RMS at
-  `clipping_threshold` (None: none, as big_vision's and vmoe's defaults; the Adafactor paper's
-  d = 1 is this project's default); then momentum `b1` (an EMA without debiasing; 0: none).
-  `frozen`: a regex of parameter names that never change (LiT's locked image tower): they get
-  no update, no weight decay and no optimizer state.
+  `options` are optim.* keys: the optimizer reads those its Config declares (their defaults where
+  not given) and ignores the others. `frozen`: a regex of parameter names that never change
+  (LiT's locked image tower): they get no update, no weight decay and no optimizer state.
   """
-  precondition = registries.OPTIMIZERS.get(name)(
-      b1=b1, b2=b2, eps=eps, momentum=momentum, nesterov=nesterov, beta2_cap=beta2_cap,
-      min_dim_size_to_factor=min_dim_size_to_factor, clipping_threshold=clipping_threshold,
-      **unused)
+  optimizer = registries.OPTIMIZERS.get(name)
   learn = optax.chain(
       optax.clip_by_global_norm(grad_clip_norm) if grad_clip_norm else optax.identity(),
-      precondition,
+      optimizer.fn(**optimizer.values(options)),
       decoupled_weight_decay(weight_decay_tree(params, weight_decay)),
       optax.scale_by_learning_rate(schedule),
   )
@@ -104,30 +103,72 @@ def make_optimizer(name: str, schedule, params, *, b1: float = 0.9, b2: float = 
   return optax.multi_transform({"learn": learn, "frozen": optax.set_to_zero()}, labels)
 
 
-def register(name: str):
+def register(name: str, Config: type | None = None, problem=None):
   """Registers `optim.name=<name>` (a decorator, for the built-ins and a plug-in's): a function
-  taking the optim.* keys as keyword arguments (b1, b2, eps, momentum, ...; lr excepted, which
-  the schedule carries) and returning the optax preconditioner. Gradient clipping, weight decay
-  and the learning rate are chained around it for every optimizer."""
+  taking the keys of `Config` as keyword arguments and returning the optax preconditioner.
+  Gradient clipping, weight decay and the learning rate are chained around it for every
+  optimizer.
+
+  `Config`, a dataclass, declares the `optim.*` keys it reads (with `key(default, check, hint)`);
+  they are added to the schema's `OptimConfig`, typed and range-checked like any key, and a key
+  that several optimizers declare must have the same type and default in each. `problem(optim)`
+  (the typed `OptimConfig`) states its rules between keys: what is wrong in one sentence, or
+  None."""
   def wrap(make):
-    registries.OPTIMIZERS.add(name, make)
+    options = () if Config is None else sections.declare(
+        OptimConfig, Config, owner=f"optimizer {name!r}", prefix="optim", chooser="name",
+        noun="optimizer", nouns="optimizers")
+    registries.OPTIMIZERS.add(name, registries.Registered(make, Config, options, problem))
     return make
   return wrap
 
 
-@register("adam")
-def _adam(*, b1: float, b2: float, eps: float, **_) -> optax.GradientTransformation:
+@dataclasses.dataclass
+class AdamConfig:
+  """optim.* of optim.name=adam."""
+  b1: float = key(0.9, rate())
+  b2: float = key(0.999, rate())
+  eps: float = key(1e-8, positive())
+
+
+@register("adam", AdamConfig)
+def _adam(*, b1: float, b2: float, eps: float) -> optax.GradientTransformation:
   return optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
 
 
-@register("sgd")
-def _sgd(*, momentum: float, nesterov: bool, **_) -> optax.GradientTransformation:
+@dataclasses.dataclass
+class SgdConfig:
+  """optim.* of optim.name=sgd."""
+  momentum: float = key(0.9, rate())
+  nesterov: bool = False
+
+
+@register("sgd", SgdConfig)
+def _sgd(*, momentum: float, nesterov: bool) -> optax.GradientTransformation:
   return optax.trace(decay=momentum, nesterov=nesterov) if momentum else optax.identity()
 
 
-@register("adafactor")
+@dataclasses.dataclass
+class AdafactorConfig:
+  """optim.* of optim.name=adafactor: big_vision's variant (as vmoe trains V-MoE-15B with):
+  factored second moments of parameters whose two largest dimensions are >=
+  `min_dim_size_to_factor`, decay min(beta2_cap, 1 - t^-0.8), epsilon 1e-30; then update
+  clipping by block RMS at `clipping_threshold` (None: none, as big_vision's and vmoe's
+  defaults; the Adafactor paper's d = 1 is this project's default); then momentum `b1` (an EMA
+  without debiasing; 0: none)."""
+  b1: float = key(0.9, rate())  # adam's too: the same type and default
+  beta2_cap: float = key(0.999, Range(0, 1, low_open=True), "Adafactor: the second-moment decay "
+                         "min(beta2_cap, 1 - t^-0.8), as big_vision and vmoe; 1: uncapped")
+  min_dim_size_to_factor: int = key(32, at_least(1), "Adafactor: factor the second moment of a "
+                                    "parameter whose two largest dims are at least this (vmoe: "
+                                    "num_experts + 1 keeps the expert axis unfactored)")
+  clipping_threshold: Optional[float] = key(1.0, positive(), "Adafactor: update clipping by block "
+                                            "RMS; null: none, as big_vision and vmoe")
+
+
+@register("adafactor", AdafactorConfig)
 def _adafactor(*, b1: float, beta2_cap: float, min_dim_size_to_factor: int,
-               clipping_threshold: float | None, **_) -> optax.GradientTransformation:
+               clipping_threshold: float | None) -> optax.GradientTransformation:
   return optax.chain(
       optax.scale_by_factored_rms(factored=True, decay_rate=ADAFACTOR_DECAY_RATE,
                                   step_offset=0, min_dim_size_to_factor=min_dim_size_to_factor,

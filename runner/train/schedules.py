@@ -1,16 +1,27 @@
 """Learning-rate schedules: linear warmup, then constant, linear, cosine or rsqrt decay (or a
-plug-in's, registered by name)."""
+plug-in's, registered by name).
+
+A schedule that reads keys of its own declares them in a `Config` dataclass registered with it
+(`register`), which adds them to the schema's `ScheduleConfig` (rsqrt: timescale,
+cooldown_steps); `ScheduleConfig` itself holds what every schedule reads (name, warmup_steps,
+end_lr_fraction)."""
 from __future__ import annotations
+
+import dataclasses
+from typing import Optional
 
 import jax.numpy as jnp
 
-from runner.config import registries
+from runner.config import registries, sections
+from runner.config.checks import at_least, key
+from runner.config.schema import ScheduleConfig
 
 
 def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0,
-                  end_lr_fraction: float = 0.0, timescale: int | None = None,
-                  cooldown_steps: int = 0):
+                  end_lr_fraction: float = 0.0, **options):
   """A function step -> learning rate, for `total_steps` optimizer steps (step 0 is the first).
+  `options` are schedule.* keys: the schedule reads those its Config declares (their defaults
+  where not given) and ignores the others.
 
   Every schedule is multiplied by the warmup min(1, (step + 1) / W) (1 without warmup), so the
   first step already has a non-zero rate and step W - 1 the full one. With
@@ -28,7 +39,8 @@ def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0,
   holds the rate reached when the cooldown starts and decays that linearly, at count step + 1
   lr / sqrt(1 + (T - W - C) / t) * (T - step - 1) / C.
   """
-  make_value = registries.SCHEDULES.get(name)
+  chosen = registries.SCHEDULES.get(name)
+  make_value, values = chosen.fn, chosen.values(options)
   warmup_steps = min(warmup_steps, total_steps)
   decay_steps = max(total_steps - warmup_steps, 1)
   end = lr * end_lr_fraction
@@ -38,19 +50,28 @@ def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0,
     warm = jnp.minimum(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
     progress = jnp.clip((step - warmup_steps) / decay_steps, 0.0, 1.0)
     value = make_value(step, lr=lr, end=end, progress=progress, warmup_steps=warmup_steps,
-                       total_steps=total_steps, timescale=timescale,
-                       cooldown_steps=cooldown_steps)
+                       total_steps=total_steps, **values)
     return value * warm
   return schedule
 
 
-def register(name: str):
+def register(name: str, Config: type | None = None, problem=None):
   """Registers `schedule.name=<name>` (a decorator, for the built-ins and a plug-in's): a function
-  `(step, *, lr, end, progress, warmup_steps, total_steps, timescale, cooldown_steps) -> rate`
+  `(step, *, lr, end, progress, warmup_steps, total_steps, <its Config's keys>) -> rate`
   (traced: use jnp), where `progress` in [0, 1] is the share of the steps after warmup done and
-  `end` = lr * end_lr_fraction. `make_schedule` multiplies it by the warmup."""
+  `end` = lr * end_lr_fraction. `make_schedule` multiplies it by the warmup.
+
+  `Config`, a dataclass, declares the `schedule.*` keys it reads (with `key(default, check,
+  hint)`); they are added to the schema's `ScheduleConfig`, typed and range-checked like any key,
+  and a key that several schedules declare must have the same type and default in each.
+  `problem(schedule, steps, length)` (the typed `ScheduleConfig`, the run's optimizer steps and
+  where they come from, e.g. "train.steps=20") states its rules against the run: what is wrong
+  in one sentence, or None."""
   def wrap(value):
-    registries.SCHEDULES.add(name, value)
+    options = () if Config is None else sections.declare(
+        ScheduleConfig, Config, owner=f"schedule {name!r}", prefix="schedule", chooser="name",
+        noun="schedule", nouns="schedules")
+    registries.SCHEDULES.add(name, registries.Registered(value, Config, options, problem))
     return value
   return wrap
 
@@ -70,7 +91,25 @@ def _cosine(step, *, lr, end, progress, **_):
   return end + (lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
 
 
-@register("rsqrt")
+@dataclasses.dataclass
+class RsqrtConfig:
+  """schedule.* of schedule.name=rsqrt."""
+  timescale: Optional[int] = key(None, at_least(1), "rsqrt; null: warmup_steps (or 10000)")
+  cooldown_steps: int = key(0, at_least(0), "rsqrt: final linear cooldown to zero")
+
+
+def _cooldown_after_warmup(schedule, steps: int, length: str) -> str | None:
+  """The cooldown starts after the warm-up ends."""
+  warmup, cooldown = schedule.warmup_steps, schedule.cooldown_steps
+  if cooldown and warmup + cooldown > steps:
+    return (f"schedule.warmup_steps={warmup} and schedule.cooldown_steps={cooldown} take "
+            f"{warmup + cooldown} steps, more than the run ({length}): rsqrt's cooldown would "
+            "start before its warm-up ends; shorten them to warmup_steps + cooldown_steps <= "
+            f"{steps}.")
+  return None
+
+
+@register("rsqrt", RsqrtConfig, _cooldown_after_warmup)
 def _rsqrt(step, *, lr, warmup_steps, total_steps, timescale, cooldown_steps, **_):
   """From the end of warmup, with an optional linear cooldown to zero at the end."""
   t = float(timescale or warmup_steps or 10_000)  # warmup_steps: already capped at total_steps

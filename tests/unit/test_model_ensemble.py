@@ -517,8 +517,8 @@ def test_ensemble_model_shapes():
   assert relations.ensemble_needs_experts(_small_ensemble(3)) is not None
   assert relations.ensemble_needs_experts(_small_ensemble(2)) is None
   too_many = dataclasses.replace(_small_ensemble(2), router=dataclasses.replace(_small_ensemble(2).router, k=3))
-  assert relations.k_at_most_experts(too_many) is not None
-  assert relations.k_at_most_experts(_small_ensemble(2, variant="tiling_only")) is None
+  assert relations.router_family_rules(too_many) is not None
+  assert relations.router_family_rules(_small_ensemble(2, variant="tiling_only")) is None
 
 
 # --- tiling happens right before the first MoE block ------------------------------------------

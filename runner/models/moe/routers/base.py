@@ -11,7 +11,6 @@ import jax
 
 from runner.config import registries, sections
 from runner.config.schema import RouterConfig
-from runner.errors import ConfigError
 
 
 class Plan(Protocol):
@@ -83,6 +82,21 @@ class RouterFamily:
     masks, so neither.
   - `uses_dispatcher` (True): model.moe.dispatcher (indices or einsum) applies.
 
+  Its relations (class methods the config layer calls for the chosen family; a problem is one
+  sentence naming the keys and values, None where there is none; runner/config/relations.py and
+  resolve.py):
+  - `problem(model)` (None): its rules between its keys and the rest of a model with MoE layers
+    (token-choice: k <= the experts a token chooses among).
+  - `unread_key_problem(router)`: why a `model.router` key it does not read is wrong, said better
+    than the generic "means nothing"; by default, where the capacity is fixed at training
+    (`capacity_at_inference` False), an eval_capacity_ratio.
+  - `at_inference(given)`: a later stage's given `model.router.*` keys as they apply to a
+    checkpoint at inference; by default, where the capacity may change at inference, a given
+    capacity_ratio is also the eval_capacity_ratio.
+  - `later_stage_problem(stored, given)`: a stored key a later stage may not change; by default,
+    where the capacity is fixed at training, capacity_ratio and slots_per_expert (they size the
+    slots, parameters).
+
   What it costs (class methods): `capacity` (slots per expert), `router_flops`, and
   `experts_per_token` (active parameters). FLOP counting asks them per routing block, so they
   also cost partitioned batch ensembles.
@@ -121,6 +135,53 @@ class RouterFamily:
   summary: str = ""  # one line for error messages and docs
   router_parameters: tuple[str, ...] = ("dense/kernel",)  # under the layer's `router/`
   analysis_views: tuple[str, ...] = ()  # the routing analysis' extra views that apply
+
+  @classmethod
+  def problem(cls, model) -> str | None:
+    """What is wrong with `model` (a ModelConfig with MoE layers and this family's router)."""
+    del model
+    return None
+
+  @classmethod
+  def unread_key_problem(cls, router) -> str | None:
+    """Why a key of `router` that this family does not read is wrong (asked before the generic
+    check that such a key keeps its default); None: the generic message."""
+    ratio = getattr(router, "eval_capacity_ratio", None)
+    if cls.capacity_at_inference or ratio is None:
+      return None
+    return (f"model.router.eval_capacity_ratio={ratio} (a capacity ratio at inference, which "
+            "vmoe eval's model.router.capacity_ratio also sets) means nothing for "
+            f"model.router.type={cls.name}: its slots are parameters fixed when the model is "
+            "trained. Drop it; to compare capacities, train with model.router.capacity_ratio or "
+            "model.router.slots_per_expert.")
+
+  @classmethod
+  def at_inference(cls, given: dict) -> dict:
+    """A later stage's given model.router.* keys (a dict of those given) as they apply to a
+    checkpoint at inference: the capacity ratio that matters there is eval_capacity_ratio, so a
+    given capacity_ratio sets it too unless it is given, where the capacity may change at
+    inference; elsewhere (Soft MoE) the key keeps its training meaning, so the keys that trained
+    a model evaluate it too."""
+    if cls.capacity_at_inference and "capacity_ratio" in given and (
+        "eval_capacity_ratio" not in given):
+      return {**given, "eval_capacity_ratio": given["capacity_ratio"]}
+    return given
+
+  @classmethod
+  def later_stage_problem(cls, stored: dict, given: dict) -> str | None:
+    """What a later stage's given model.router.* keys change that the checkpoint fixed
+    (`stored`: its router keys as trained; both plain dicts, before typing): where the capacity
+    is fixed at training, the keys that size the slots, parameters."""
+    if cls.capacity_at_inference:
+      return None
+    for key in ("capacity_ratio", "slots_per_expert"):
+      new, kept = given.get(key), stored.get(key)
+      if new is not None and str(new) != str(kept):
+        return (f"model.router.{key}={new} differs from the checkpoint's {kept}: for "
+                f"model.router.type={cls.name} it sets the slots, parameters fixed when the "
+                "model is trained, so a later stage cannot change it. Drop the override (the "
+                "keys that trained the model may be repeated), or train with the new value.")
+    return None
 
   @classmethod
   def module_kwargs(cls, router, *, tokens: int, experts: int) -> dict:
@@ -185,30 +246,9 @@ def register(family_cls: type[RouterFamily]) -> type[RouterFamily]:
   schema's `RouterConfig` (where `model.router.*` overrides are typed and range-checked), and a
   key that several families declare must have the same type and default in each.
   """
-  declared = {f.name: f for f in dataclasses.fields(RouterConfig)}
-  declared_types = typing.get_type_hints(RouterConfig)
-  hints = typing.get_type_hints(family_cls.Config)
-  new = {}
-  for f in dataclasses.fields(family_cls.Config):
-    if f.name == "type":
-      raise ConfigError(f"router family {family_cls.name!r} declares the key `type`, which "
-                        "chooses the family: rename it.")
-    if f.name in declared:
-      if (hints[f.name] != declared_types[f.name]
-          or sections.default_of(f) != sections.default_of(declared[f.name])):
-        raise ConfigError(
-            f"router family {family_cls.name!r} declares model.router.{f.name} with another "
-            "type or default than a family registered before it: a key shared by families must "
-            "mean the same; rename it, or give it the same type and default.")
-      continue
-    kwargs = dict(metadata=f.metadata)
-    if f.default_factory is not dataclasses.MISSING:
-      kwargs["default_factory"] = f.default_factory
-    else:
-      kwargs["default"] = f.default
-    new[f.name] = (hints[f.name], dataclasses.field(**kwargs))
-  sections.add_fields(RouterConfig, new)
-  family_cls.options = tuple(f.name for f in dataclasses.fields(family_cls.Config))
+  family_cls.options = sections.declare(
+      RouterConfig, family_cls.Config, owner=f"router family {family_cls.name!r}",
+      prefix="model.router", chooser="type", noun="family", nouns="families")
   registries.ROUTERS.add(family_cls.name, family_cls)
   return family_cls
 

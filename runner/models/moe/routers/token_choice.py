@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from runner.config import derived
 from runner.config.checks import at_least, key, positive
 from runner.config.schema import CapacityRounding, Priority
 from runner.models.moe import routing
@@ -136,6 +137,19 @@ class TokenChoice(RouterFamily):
   supports_ensembles = True
   supports_batch_priority = True
   summary = "each token picks its TOP-k experts, buffers of round(k*N*C/E) slots (V-MoE)"
+
+  @classmethod
+  def problem(cls, model) -> str | None:
+    """k <= the experts a token chooses among (those of its member in an ensemble)."""
+    experts, per_member = derived.num_experts(model), derived.experts_per_router(model)
+    if model.router.k <= per_member:
+      return None
+    if per_member == experts:
+      return (f"model.router.k={model.router.k} selects more experts per token than there are "
+              f"(model.moe.num_experts={experts}); valid: 1 <= k <= {experts}.")
+    return (f"model.router.k={model.router.k} selects more experts per token than each "
+            f"ensemble member has (model.moe.num_experts={experts} / model.moe.ensemble_size="
+            f"{model.moe.ensemble_size} = {per_member}); valid: 1 <= k <= {per_member}.")
 
   @classmethod
   def module_kwargs(cls, router, *, tokens: int, experts: int) -> dict:
