@@ -15,7 +15,7 @@ import sys
 import hydra
 
 from hydra_plugins.vmoe_launchers import sweep_table
-from runner import plugins
+from runner import builtins, plugins
 from runner.command import allocator, arguments, compose, job, preflight
 from runner.config import conf_dir
 from runner.errors import UserError
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
   except UserError as e:
     print(f"vmoe {sub}: error: {e}", file=sys.stderr)
     return 2
-  job.register_builtins()
+  builtins.register()
   import runner.config_store  # noqa: F401  (registers the schemas and model names with Hydra)
   if not any(arg.lstrip("+").lower() in ("debug=true", "debug=1") for arg in rest):
     job.quiet_library_noise()

@@ -42,13 +42,11 @@ import logging  # noqa: E402
 import absl.logging  # noqa: E402
 import pytest  # noqa: E402
 
+import runner.builtins  # noqa: E402
+
 # The built-in router families, evaluators, optimizers, schedules, ops and corruptions register
-# their names (and the families their model.router.* keys) when imported, as the CLI imports them.
-import runner.data  # noqa: E402,F401
-import runner.evaluators  # noqa: E402,F401
-import runner.models  # noqa: E402,F401
-import runner.train.optimizers  # noqa: E402,F401
-import runner.train.schedules  # noqa: E402,F401
+# their names and keys, as the CLI registers them.
+runner.builtins.register()
 
 # absl's root handler holds whatever sys.stderr was at import (pytest's capture stream) and closes
 # that stream when logging is reconfigured (Hydra does), unless it is the real stderr.

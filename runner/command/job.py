@@ -12,7 +12,7 @@ import sys
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from runner import config as config_layer, plugins, refused_workdir
+from runner import builtins, config as config_layer, plugins, refused_workdir
 from runner.config import registries
 from runner.errors import UserError, VmoeError
 
@@ -79,9 +79,9 @@ def make_job(sub: str, existed: pathlib.Path | None = None, devices_checked: boo
     new_workdir = (hydra_config.mode == RunMode.RUN
                    and refused_workdir.is_new(workdir, hydra_config.job.name))
     try:
-      # A job in a process of its own (a launcher's: SLURM, the parallel one) registers the
-      # built-ins and loads the plug-ins it was composed with before its config is typed.
-      register_builtins()
+      # A job in a process of its own (SLURM's) registers the built-ins and loads the plug-ins it
+      # was composed with before its config is typed (in the CLI's process: done already).
+      builtins.register()
       plugins.load(cfg.get("plugins") or [])
       # Checked before launch; in the job it is checked once more, with its devices, as the
       # task starts (runner/tasks/common.py).
@@ -129,17 +129,6 @@ def _write_report(workdir: str) -> None:
   except Exception as e:  # noqa: BLE001 (as the page: extra, never the stage's failure)
     print(f"vmoe: warning: the run's heat maps and tables did not reach W&B "
           f"({type(e).__name__}: {e}).", file=sys.stderr)
-
-
-def register_builtins() -> None:
-  """Imports the modules that register the built-in router families, evaluators, optimizers,
-  schedules, preprocessing ops and corruptions, so that names are checked against all of them
-  (lazily: `vmoe --help` stays fast)."""
-  import runner.data  # noqa: F401
-  import runner.evaluators  # noqa: F401
-  import runner.models  # noqa: F401
-  import runner.train.optimizers  # noqa: F401
-  import runner.train.schedules  # noqa: F401
 
 
 def registered_names() -> str:

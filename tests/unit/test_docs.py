@@ -157,9 +157,9 @@ def test_commands_are_found():
 
 _PLUGIN_CHECK = """
 import json, sys
-from runner import plugins
-from runner.command import job, preflight
-job.register_builtins()
+from runner import builtins, plugins
+from runner.command import preflight
+builtins.register()
 commands = json.loads(sys.argv[1])
 # All before the first composition, as `vmoe` loads a command's before it gives Hydra the schemas.
 plugins.load([m for line in commands for m in plugins.requested(line[1:])])
