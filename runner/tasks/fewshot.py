@@ -43,8 +43,8 @@ def run(config: FewshotRun, placement: Placement, checkpoints: weights.Checkpoin
 
   members = []
   for member in config.members:
-    opened = checkpoints.open(member.path)
-    params, _, step = opened.load(ensemble_size=derived.ensemble_size(member.model))
+    params, _, step = checkpoints.open(member.path).load(
+        ensemble_size=derived.ensemble_size(member.model))
     if member.objective == Objective.contrastive:  # its image tower: no head, the pre-logits
       params, model = params["image"], build_model(member.model, 0)
     else:
