@@ -368,9 +368,10 @@ def _reader(directory: pathlib.Path) -> ocp.CheckpointManager:
                                  options=ocp.CheckpointManagerOptions(create=False))
 
 
-def read_config(path: str) -> dict:
-  """The resolved config stored with the checkpoint at `path`."""
-  directory, step = locate(path)
+def read_config(path: str, located: tuple[pathlib.Path, int] | None = None) -> dict:
+  """The resolved config stored with the checkpoint at `path` (`located`: what `locate(path)`
+  gave, for a caller that located it already)."""
+  directory, step = located or locate(path)
   with _reading(directory, step, "config"):
     return dict(_restore_item(_reader(directory), directory, step, "config",
                               ocp.args.JsonRestore()))
@@ -384,10 +385,11 @@ def param_shapes(path: str) -> dict:
     return jax.tree.map(lambda m: tuple(m.shape), tree)
 
 
-def load_params(path: str, *, with_config: bool = True) -> tuple[dict, dict | None, int]:
+def load_params(path: str, located: tuple[pathlib.Path, int] | None = None, *,
+                with_config: bool = True) -> tuple[dict, dict | None, int]:
   """(parameters as host NumPy arrays, stored config, step) for initialising a later stage;
-  without the config (None) when the caller has it already."""
-  directory, step = locate(path)
+  without the config (None) when the caller has it already (`located`: as for read_config)."""
+  directory, step = located or locate(path)
   manager = _reader(directory)
   # Whatever mesh saved it (8 devices, 2 hosts...), read it whole onto this process's first device.
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

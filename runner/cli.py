@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
   allocator.quiet_environment()
   try:  # before the schemas reach Hydra: a plug-in adds names and keys to them
     plugins.load(plugins.requested(arguments.split_args(rest)[1]))
-    rest = preflight.with_recorded_plugins(sub, rest)
+    from runner import weights  # lazily, as runner/command does: `vmoe --help` stays fast
+    checkpoints = weights.Checkpoints()  # the checks open each checkpoint path once
+    rest = preflight.with_recorded_plugins(sub, rest, checkpoints)
   except UserError as e:
     print(f"vmoe {sub}: error: {e}", file=sys.stderr)
     return 2
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
   import runner.config_store  # noqa: F401  (registers the schemas and model names with Hydra)
   if not any(arg.lstrip("+").lower() in ("debug=true", "debug=1") for arg in rest):
     job.quiet_library_noise()
-  checked = preflight.check(sub, rest)
+  checked = preflight.check(sub, rest, checkpoints)
   if checked.problem:
     print(f"vmoe {sub}: error: {checked.problem}", file=sys.stderr)
     return 2

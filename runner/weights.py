@@ -5,10 +5,15 @@ Released checkpoints — google-research/vmoe's `<prefix>.index` + `<prefix>.dat
 big_vision / vision_transformer ViT `.npz` files — hold bare parameters under the reference's
 names; runner.interop reads and renames them. They carry no config, so the stages that read the
 model and data from a checkpoint need `model=` and `data=` for them.
+
+A path given by the user is opened once (`open`): its kind is decided there, and the `Opened`
+value answers every later question (its stored config, whether its run finished, its
+parameters). `Checkpoints` opens each path of one command once.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pathlib
 import zipfile
 
@@ -19,66 +24,144 @@ from runner.checkpoint import CheckpointError
 from runner.interop import mapping, vmoe_format
 from runner.models import transfer
 
+RUN = "vmoe run's checkpoint"
 VMOE = "google-research/vmoe checkpoint"
 NPZ = "ViT .npz (big_vision / vision_transformer)"
 
 
-def released_kind(path: str | None) -> str | None:
-  """VMOE or NPZ for a released checkpoint, None for anything else (our runs included)."""
-  if not path:
-    return None
+def open(path: str) -> Opened:
+  """The checkpoint at `path`, its kind decided: a released one (VMOE, NPZ) by its files, else one
+  of our runs (the workdir, its checkpoints/ folder or a step folder), located now; fails
+  (CheckpointError) when `path` is neither."""
   if vmoe_format.is_vmoe_checkpoint(str(path)):
-    return VMOE
+    return Opened(str(path), VMOE)
   if str(path).endswith(".npz") and pathlib.Path(path).expanduser().is_file():
-    return NPZ
-  return None
-
-
-def check(path: str) -> None:
-  """Fails (CheckpointError) unless `path` is one of our checkpoints or a released one."""
-  if released_kind(path) is None:
-    checkpoint.locate(path)
-
-
-def run_folder(path: str) -> pathlib.Path | None:
-  """The workdir of the run whose checkpoint `path` names (the workdir, its checkpoints/ folder
-  or a step folder); None for a released checkpoint."""
-  if released_kind(path) is not None:
-    return None
-  directory, _ = checkpoint.locate(path)
-  return directory.parent if directory.name == "checkpoints" else directory
-
-
-def unfinished(path: str) -> str | None:
-  """Why the run at `path` has no final checkpoint to take: it is still being written (a vmoe
-  process holds its workdir), or its stage stopped before the end (no summary.json). A step
-  folder named explicitly is taken as it is; so is a released checkpoint."""
-  folder = run_folder(path)
-  if folder is None:
-    return None
-  if workdir_lock.is_held(folder):
-    return (f"the run in {folder} is still being written (a vmoe process holds it); wait for it "
-            "to finish")
-  named_step = pathlib.Path(path).expanduser().name.isdigit()
-  if not named_step and not (folder / "summary.json").exists():
-    return (f"the run in {folder} did not finish (it has no summary.json): resume it by rerunning "
-            "its command, or name one of its step folders (<workdir>/checkpoints/<step>) to take "
-            "that checkpoint as it is")
-  return None
-
-
-def stored_config(path: str) -> dict | None:
-  """The config stored with one of our checkpoints; None for a released checkpoint (it has none).
-
-  Read once per process and checkpoint: checking a command line, resolving its config and
-  starting from the checkpoint all ask (a new checkpoint under `path` is read anew)."""
-  if released_kind(path) is not None:
-    return None
+    return Opened(str(path), NPZ)
   directory, step = checkpoint.locate(path)
-  key = (str(directory), step, _modified(directory / str(step)))
-  if key not in _STORED_CONFIGS:
-    _STORED_CONFIGS[key] = checkpoint.read_config(path)
-  return copy.deepcopy(_STORED_CONFIGS[key])
+  return Opened(str(path), RUN, directory, step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Opened:
+  """A checkpoint path and its kind (RUN, VMOE or NPZ); for a RUN, the folder of its step
+  folders and the step `path` names (a workdir's: its newest when it was opened)."""
+  path: str
+  kind: str
+  directory: pathlib.Path | None = None
+  step: int | None = None
+
+  @property
+  def released(self) -> bool:
+    return self.kind != RUN
+
+  @property
+  def run_folder(self) -> pathlib.Path | None:
+    """The workdir of the run (None for a released checkpoint)."""
+    if self.released:
+      return None
+    return self.directory.parent if self.directory.name == "checkpoints" else self.directory
+
+  def unfinished(self) -> str | None:
+    """Why the run has no final checkpoint to take: it is still being written (a vmoe process
+    holds its workdir), or its stage stopped before the end (no summary.json). A step folder
+    named explicitly is taken as it is; so is a released checkpoint."""
+    folder = self.run_folder
+    if folder is None:
+      return None
+    if workdir_lock.is_held(folder):
+      return (f"the run in {folder} is still being written (a vmoe process holds it); wait for "
+              "it to finish")
+    named_step = pathlib.Path(self.path).expanduser().name.isdigit()
+    if not named_step and not (folder / "summary.json").exists():
+      return (f"the run in {folder} did not finish (it has no summary.json): resume it by "
+              "rerunning its command, or name one of its step folders "
+              "(<workdir>/checkpoints/<step>) to take that checkpoint as it is")
+    return None
+
+  def stored_config(self) -> dict | None:
+    """The config stored with one of our checkpoints; None for a released checkpoint (it has
+    none).
+
+    Read once per process and checkpoint: the checks before launch and the job each open the
+    path (a new checkpoint under it is read anew)."""
+    if self.released:
+      return None
+    key = (str(self.directory), self.step, _modified(self.directory / str(self.step)))
+    if key not in _STORED_CONFIGS:
+      _STORED_CONFIGS[key] = checkpoint.read_config(self.path, (self.directory, self.step))
+    return copy.deepcopy(_STORED_CONFIGS[key])
+
+  def read_released(self) -> dict[str, np.ndarray]:
+    """The reference-named flat parameters of a released checkpoint."""
+    if self.kind == VMOE:
+      return vmoe_format.read(self.path)
+    return _read_npz(self.path)
+
+  def describe(self) -> str:
+    """'a google-research/vmoe checkpoint (hidden size 512, ...)' for error messages about a
+    released checkpoint, from the shapes alone (it may be gigabytes)."""
+    try:
+      flat = vmoe_format.shapes(self.path) if self.kind == VMOE else _npz_shapes(self.path)
+    except (CheckpointError, OSError, ValueError, zipfile.BadZipFile):
+      return f"a {self.kind}"
+    hint = mapping.model_hint(flat)
+    listed = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in hint.items() if v is not None)
+    return f"a {self.kind}" + (f" ({listed})" if listed else "")
+
+  def load(self, *, ensemble_size: int = 1) -> tuple[dict, dict, int]:
+    """(parameters as host NumPy arrays under our names, stored config, step).
+
+    A released checkpoint gives an empty config and step 0; a partitioned-ensemble (E³) router
+    stored as (D, M, E/M) is checked against `ensemble_size` and read as (D, E).
+    """
+    if not self.released:
+      params, _, step = checkpoint.load_params(self.path, (self.directory, self.step),
+                                               with_config=False)
+      return params, self.stored_config(), step
+    flat = self.read_released()
+    try:
+      ours = mapping.to_ours(flat, ensemble_size=ensemble_size)
+    except CheckpointError as e:
+      raise CheckpointError(f"init.checkpoint={self.path} ({self.kind}): {e}") from None
+    del flat
+    return transfer.unflatten(ours), {}, 0
+
+
+def load(path: str, *, ensemble_size: int = 1) -> tuple[dict, dict, int]:
+  """`Opened.load` of the checkpoint at `path`, for a caller that has only the path."""
+  return open(path).load(ensemble_size=ensemble_size)
+
+
+class Checkpoints:
+  """The checkpoints one command names, each path opened once: the checks before launch (or the
+  job) ask about the same path again and again. runner.config reads them through it (its
+  CheckpointReader)."""
+
+  def __init__(self):
+    self._opened: dict[str, Opened | CheckpointError] = {}
+
+  def open(self, path: str) -> Opened:
+    """The path opened; its CheckpointError when it holds no checkpoint, each time it is asked
+    for (the checks before launch pass over it: the task reports it)."""
+    key = str(path)
+    if key not in self._opened:
+      try:
+        self._opened[key] = open(path)
+      except CheckpointError as e:
+        self._opened[key] = e
+    opened = self._opened[key]
+    if isinstance(opened, CheckpointError):
+      raise opened.with_traceback(None)
+    return opened
+
+  def stored_config(self, path: str) -> dict | None:
+    return self.open(path).stored_config()
+
+  def describe(self, path: str) -> str:
+    return self.open(path).describe()
+
+  def unfinished(self, path: str) -> str | None:
+    return self.open(path).unfinished()
 
 
 _STORED_CONFIGS: dict[tuple, dict] = {}
@@ -102,13 +185,6 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
                           "archive of named arrays.") from None
 
 
-def read_released(path: str) -> dict[str, np.ndarray]:
-  """The reference-named flat parameters of a released checkpoint."""
-  if released_kind(path) == VMOE:
-    return vmoe_format.read(str(path))
-  return _read_npz(path)
-
-
 def _npz_shapes(path: str) -> dict[str, np.ndarray]:
   """Every array's shape and dtype from the .npz members' headers (no data read)."""
   out = {}
@@ -120,34 +196,3 @@ def _npz_shapes(path: str) -> dict[str, np.ndarray]:
                            else np.lib.format.read_array_header_2_0(f))
       out[member.removesuffix(".npy")] = np.broadcast_to(np.zeros((), dtype), shape)
   return out
-
-
-def describe(path: str) -> str:
-  """'a google-research/vmoe checkpoint (hidden size 512, ...)' for error messages, from the
-  shapes alone (a released checkpoint may be gigabytes)."""
-  try:
-    flat = vmoe_format.shapes(path) if released_kind(path) == VMOE else _npz_shapes(path)
-  except (CheckpointError, OSError, ValueError, zipfile.BadZipFile):
-    return f"a {released_kind(path)}"
-  hint = mapping.model_hint(flat)
-  listed = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in hint.items() if v is not None)
-  return f"a {released_kind(path)}" + (f" ({listed})" if listed else "")
-
-
-def load(path: str, *, ensemble_size: int = 1) -> tuple[dict, dict, int]:
-  """(parameters as host NumPy arrays under our names, stored config, step).
-
-  A released checkpoint gives an empty config and step 0; a partitioned-ensemble (E³) router
-  stored as (D, M, E/M) is checked against `ensemble_size` and read as (D, E).
-  """
-  kind = released_kind(path)
-  if kind is None:
-    params, _, step = checkpoint.load_params(path, with_config=False)
-    return params, stored_config(path), step
-  flat = read_released(path)
-  try:
-    ours = mapping.to_ours(flat, ensemble_size=ensemble_size)
-  except CheckpointError as e:
-    raise CheckpointError(f"init.checkpoint={path} ({kind}): {e}") from None
-  del flat
-  return transfer.unflatten(ours), {}, 0

@@ -85,9 +85,10 @@ def make_job(sub: str, existed: pathlib.Path | None = None, devices_checked: boo
       plugins.load(cfg.get("plugins") or [])
       # Checked before launch; in the job it is checked once more, with its devices, as the
       # task starts (runner/tasks/common.py).
-      typed = config_layer.load(sub, cfg, workdir, check=False, checkpoints=weights)
+      checkpoints = weights.Checkpoints()  # the job opens each checkpoint path once
+      typed = config_layer.load(sub, cfg, workdir, check=False, checkpoints=checkpoints)
       _sweep_identity(typed)
-      metric = run_task(sub, typed, devices_checked=devices_checked)
+      metric = run_task(sub, typed, checkpoints, devices_checked=devices_checked)
       if typed.logger.report and sub not in _NO_PAGE:
         _write_report(typed.workdir)
       return metric

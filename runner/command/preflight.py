@@ -36,10 +36,13 @@ def _devices_here(composed, launcher: str) -> int | None:
   return jax.device_count()
 
 
-def check(sub: str, args: list[str]) -> Preflight:
+def check(sub: str, args: list[str], checkpoints=None) -> Preflight:
   """Whether the overrides (every job of a sweep) compose and validate, and the launcher can
-  start the jobs from here."""
-  from runner import weights  # lazily, as every library module here (runner/command)
+  start the jobs from here. `checkpoints`: the runner.weights.Checkpoints that opens the paths
+  they name (a new one by default)."""
+  if checkpoints is None:
+    from runner import weights  # lazily, as every library module here (runner/command)
+    checkpoints = weights.Checkpoints()
   flags, overrides, show = arguments.split_args(args)
   compose.register_requested_models(overrides)
   if show:
@@ -71,9 +74,9 @@ def check(sub: str, args: list[str]) -> Preflight:
     try:
       # Once, before anything is launched or submitted; what needs the devices too when this
       # process runs the job, else the job checks that when it starts (runner/tasks/common.py).
-      typed = config_layer.load(sub, composed, check=False, checkpoints=weights)
+      typed = config_layer.load(sub, composed, check=False, checkpoints=checkpoints)
       devices = _devices_here(composed, choices["launcher"])
-      config_layer.validate(typed, devices=devices, checkpoints=weights)
+      config_layer.validate(typed, devices=devices, checkpoints=checkpoints)
       checked_here = checked_here and devices is not None
     except UserError as err:
       swept = [o for o in job if o not in overrides]
@@ -98,17 +101,17 @@ def _submission_problem(launcher: dict) -> str | None:
   return None
 
 
-def with_recorded_plugins(sub: str, args: list[str]) -> list[str]:
+def with_recorded_plugins(sub: str, args: list[str], checkpoints) -> list[str]:
   """A stage started from runs trained with plug-ins loads them too, and records them as its own
   `plugins=` (so a job in a process of its own, and the next stage, load them): their router
-  families, models and evaluators are what those checkpoints need. Said in one line."""
-  from runner import weights  # lazily, as every library module here
+  families, models and evaluators are what those checkpoints need. Said in one line.
+  `checkpoints` (runner.weights.Checkpoints) opens the paths."""
   overrides = arguments.split_args(args)[1]
   given = plugins.requested(overrides)
   recorded = {}  # module -> the first run that recorded it
   for path in _init_checkpoints(overrides):
     try:
-      stored = weights.stored_config(path) or {}
+      stored = checkpoints.stored_config(path) or {}
     except UserError:
       continue  # the checkpoint's own check says what is wrong with it
     for name in stored.get("plugins") or []:

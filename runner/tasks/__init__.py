@@ -39,8 +39,9 @@ def main_metric(stage: str, summary: dict) -> float:
   raise ValueError(f"unknown stage {stage!r}; valid: {', '.join(MAIN_METRICS)}")
 
 
-def run_task(name: str, config, *, devices_checked: bool = False) -> float:
+def run_task(name: str, config, checkpoints, *, devices_checked: bool = False) -> float:
   """Runs subcommand `name`; returns its main metric (its summary is in the workdir).
+  `checkpoints` (runner.weights.Checkpoints) opens the checkpoint paths of the job, once each;
   `devices_checked`: the CLI checked the config against this process's devices already."""
   # Lazily: these load JAX and TensorFlow, and `vmoe summarize` and the Hydra launcher import this
   # package for main_metric alone.
@@ -51,5 +52,5 @@ def run_task(name: str, config, *, devices_checked: bool = False) -> float:
   module = importlib.import_module(f"runner.tasks.{name.replace('-', '_')}")
   placement = common.start(config, name, check_devices=not devices_checked)
   with WorkdirLock(config.workdir, " ".join(sys.argv), enabled=jax.process_index() == 0):
-    summary = module.run(config, placement)
+    summary = module.run(config, placement, checkpoints)
   return main_metric(name, summary)

@@ -73,11 +73,11 @@ def class_tokens(names: list[str] | None, templates, tok, max_length: int):
   return np.stack([tok.encode(p, max_length) for p in prompts(list(names), list(templates))])
 
 
-def _image_tower_init(config: TrainTask, model, image_shape) -> dict:
-  """Parameters with the image tower from init.checkpoint (its head left out); the rest fresh."""
+def _image_tower_init(config: TrainTask, model, image_shape, start: weights.Opened) -> dict:
+  """Parameters with the image tower from init.checkpoint, opened as `start` (its head left out);
+  the rest fresh."""
   init = config.init
-  restored, stored, step = weights.load(init.checkpoint,
-                                        ensemble_size=derived.ensemble_size(config.model))
+  restored, stored, step = start.load(ensemble_size=derived.ensemble_size(config.model))
   fresh, _ = state_lib.init_params(model, image_shape, config.seed)
   if (stored or {}).get("objective", {}).get("name") == Objective.contrastive.value:
     return transfer.adapt_params(restored, fresh, reinit_head=False,  # a contrastive run, on
@@ -88,8 +88,9 @@ def _image_tower_init(config: TrainTask, model, image_shape) -> dict:
 
 
 def run(config: TrainTask, placement: Placement, stage: str, *, source: data.Source,
-        resuming: bool, fewshot) -> dict:
-  """Called by runner/tasks/training.py once the data (and few-shot datasets) are open."""
+        resuming: bool, start: weights.Opened | None, fewshot) -> dict:
+  """Called by runner/tasks/training.py once the data (and few-shot datasets) are open; `start`:
+  init.checkpoint, opened, when a new run starts from it."""
   if not source.text_key:
     raise ConfigError(f"objective=contrastive trains on image-caption pairs, but data="
                       f"{config.data.name} has no captions (data.text_key is not set); use "
@@ -110,8 +111,8 @@ def run(config: TrainTask, placement: Placement, stage: str, *, source: data.Sou
                              lock_image=locked)
     image_shape = data.image_shape(source, config.data.split, config.data.pp_train)
     init_params = None
-    if config.init.checkpoint and not resuming:
-      init_params = _image_tower_init(config, model, image_shape)
+    if start is not None:
+      init_params = _image_tower_init(config, model, image_shape, start)
     if not resuming:
       keep_tokenizer(config, scratch)
   common.write_config(config, config.workdir)

@@ -19,7 +19,7 @@ import pathlib
 import jax
 import numpy as np
 
-from runner import data
+from runner import data, weights
 from runner.config import as_dict, derived
 from runner.config.schema import EvalRun, Objective
 from runner.errors import ConfigError
@@ -31,13 +31,13 @@ from runner.tasks import common, dataset_specs, zero_shot
 from runner.tasks import members as members_lib
 
 
-def run(config: EvalRun, placement: Placement) -> dict:
+def run(config: EvalRun, placement: Placement, checkpoints: weights.Checkpoints) -> dict:
+  opened = checkpoints.open(config.init.checkpoint)
   if config.objective.name == Objective.contrastive:  # two towers: a zero-shot classifier
-    members, only, summary = zero_shot.load(config)
+    members, only, summary = zero_shot.load(config, opened)
     return evaluate(config, members, placement, job_type="eval", extra_summary=summary,
                     only=only)
-  members = members_lib.load([(config.init.checkpoint, config.model)],
-                             output=derived.model_output(config.loss))
+  members = members_lib.load([(opened, config.model)], output=derived.model_output(config.loss))
   partitioned = {"ensemble/type": "pbe"} if members.size > 1 else None
   return evaluate(config, members, placement, job_type="eval", extra_summary=partitioned)
 

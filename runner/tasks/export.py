@@ -29,10 +29,11 @@ from runner.tasks import common
 CHECK_IMAGES = 16  # at most; whole routing groups of the model
 
 
-def run(config: ExportRun, placement: Placement) -> dict:
+def run(config: ExportRun, placement: Placement, checkpoints: weights.Checkpoints) -> dict:
   del placement  # one host process writes the folder
   path = config.init.checkpoint
-  params, stored, step = weights.load(path, ensemble_size=derived.ensemble_size(config.model))
+  opened = checkpoints.open(path)
+  params, stored, step = opened.load(ensemble_size=derived.ensemble_size(config.model))
   num_classes = heads.num_classes(params)
   output = derived.model_output(config.loss)
   model = build_model(config.model, num_classes, output=output)
@@ -53,7 +54,7 @@ def run(config: ExportRun, placement: Placement) -> dict:
              "export/checked": bool(check.get("checked"))}
   if check.get("checked"):
     summary["export/max_abs_diff"] = check["max_abs_diff"]
-  folder = weights.run_folder(path)
+  folder = opened.run_folder
   source_summary = _read_json(folder / "summary.json") if folder else {}
   (out / "README.md").write_text(card.model_card(exported, source=source, summary=source_summary,
                                                  parity=check))

@@ -33,7 +33,7 @@ def _say(enabled: bool, text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def run(config: FewshotRun, placement: Placement) -> dict:
+def run(config: FewshotRun, placement: Placement, checkpoints: weights.Checkpoints) -> dict:
   fewshot, base, workdir = config.fewshot, config.data, config.workdir
   verbose = config.logger.progress
   batch_size = derived.fewshot_batch_size(fewshot, base)
@@ -43,7 +43,8 @@ def run(config: FewshotRun, placement: Placement) -> dict:
 
   members = []
   for member in config.members:
-    params, _, step = weights.load(member.path, ensemble_size=derived.ensemble_size(member.model))
+    params, _, step = checkpoints.open(member.path).load(
+        ensemble_size=derived.ensemble_size(member.model))
     if member.objective == Objective.contrastive:  # its image tower: no head, the pre-logits
       params, model = params["image"], build_model(member.model, 0)
     else:

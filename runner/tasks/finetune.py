@@ -10,5 +10,5 @@ from __future__ import annotations
 from runner.tasks.training import run_training
 
 
-def run(config, placement) -> dict:
-  return run_training(config, placement, stage="finetune")
+def run(config, placement, checkpoints) -> dict:
+  return run_training(config, placement, checkpoints, stage="finetune")

@@ -158,11 +158,11 @@ class Members:
     return [c.step for c in self.checkpoints]
 
 
-def load(paths_and_models: list[tuple[str, ModelConfig]], *, output: str, mc_samples: int = 0,
-         seed: int = 0) -> Members:
-  """Reads every checkpoint's parameters (host memory), checks their heads agree."""
+def load(opened_and_models: list[tuple[weights.Opened, ModelConfig]], *, output: str,
+         mc_samples: int = 0, seed: int = 0) -> Members:
+  """Reads every opened checkpoint's parameters (host memory), checks their heads agree."""
   checkpoints = []
-  for path, config in paths_and_models:
-    params, _, step = weights.load(path, ensemble_size=derived.ensemble_size(config))
-    checkpoints.append(Checkpoint(path=path, step=step, config=config, params=params))
+  for opened, config in opened_and_models:
+    params, _, step = opened.load(ensemble_size=derived.ensemble_size(config))
+    checkpoints.append(Checkpoint(path=opened.path, step=step, config=config, params=params))
   return Members(checkpoints, output=output, mc_samples=mc_samples, seed=seed)

@@ -8,5 +8,5 @@ from __future__ import annotations
 from runner.tasks.training import run_training
 
 
-def run(config, placement) -> dict:
-  return run_training(config, placement, stage="pretrain")
+def run(config, placement, checkpoints) -> dict:
+  return run_training(config, placement, checkpoints, stage="pretrain")

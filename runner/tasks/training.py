@@ -61,15 +61,15 @@ def _router_changes(config: TrainTask, stored: dict | None, restored) -> bool:
   return not transfer.routers_fit(restored, family)
 
 
-def init_from_checkpoint(config: TrainTask, model, source: data.Source):
-  """Parameters for `model` mapped from init.checkpoint (an earlier stage's run, or a released
-  checkpoint); with init.tower, from that tower of a contrastive run (its head is new)."""
+def init_from_checkpoint(config: TrainTask, model, source: data.Source, start: weights.Opened):
+  """Parameters for `model` mapped from init.checkpoint, opened as `start` (an earlier stage's
+  run, or a released checkpoint); with init.tower, from that tower of a contrastive run (its head
+  is new)."""
   init = config.init
-  stored = weights.stored_config(init.checkpoint)
+  stored = start.stored_config()
   if stored is not None:
     _check_ensemble_size(config, stored)
-  restored, stored, step = weights.load(init.checkpoint,
-                                        ensemble_size=derived.ensemble_size(config.model))
+  restored, stored, step = start.load(ensemble_size=derived.ensemble_size(config.model))
   what = f"checkpoint {init.checkpoint} (step {step})"
   if init.tower is not None:  # a contrastive run's (relations.classifier_from_a_tower)
     restored, what = restored[init.tower.value], f"the {init.tower.value} tower of {what}"
@@ -83,7 +83,7 @@ def init_from_checkpoint(config: TrainTask, model, source: data.Source):
   except checkpoint.CheckpointError as e:
     if not stored:  # a released checkpoint: no config to compare with
       raise checkpoint.CheckpointError(
-          f"{e} init.checkpoint={init.checkpoint} is {weights.describe(init.checkpoint)}; pass "
+          f"{e} init.checkpoint={init.checkpoint} is {start.describe()}; pass "
           "the model= that matches it (the head and the position embeddings may differ).") from None
     stored_model = stored.get("model", {})
     diff = _model_differences(stored_model, as_dict(config.model))
@@ -93,14 +93,16 @@ def init_from_checkpoint(config: TrainTask, model, source: data.Source):
         + "; pass the same model (and model.* overrides) as that run.") from None
 
 
-def run_training(config: TrainTask, placement: Placement, stage: str) -> dict:
+def run_training(config: TrainTask, placement: Placement, checkpoints: weights.Checkpoints,
+                 stage: str) -> dict:
   shards = config.data.num_shards
   if shards and shards % jax.process_count():
     raise ConfigError(f"data.num_shards={shards} is not a multiple of the job's "
                       f"{jax.process_count()} processes: each reads an equal number of shards.")
   resuming = checkpoint.has_checkpoints(config.workdir)
+  start = None  # the checkpoint a new run starts from; a wrong path fails before the data is read
   if config.init.checkpoint and not resuming:
-    weights.check(config.init.checkpoint)  # a wrong path fails before the data is read
+    start = checkpoints.open(config.init.checkpoint)
   data_config, source = common.open_data(config.data)
   fit.check_batch_fits_the_split(config, data_config.split, source)
   fit.check_schedule_fits_the_run(config, data_config.split, source)
@@ -112,7 +114,7 @@ def run_training(config: TrainTask, placement: Placement, stage: str) -> dict:
         derived.fewshot_batch_size(config.fewshot, config.data, config.eval.batch_size))
   if config.objective.name == Objective.contrastive:
     return contrastive.run(config, placement, stage, source=source, resuming=resuming,
-                           fewshot=fewshot)
+                           start=start, fewshot=fewshot)
   if not source.num_classes:
     raise data.DataError(f"data={config.data.name} has no class labels, only image-caption pairs: "
                          "train on them with objective=contrastive, or choose a dataset with "
@@ -122,8 +124,8 @@ def run_training(config: TrainTask, placement: Placement, stage: str) -> dict:
   model = build_model(config.model, source.num_classes,
                       output=derived.model_output(config.train.loss))
   init_params = None
-  if config.init.checkpoint and not resuming:
-    init_params = init_from_checkpoint(config, model, source)
+  if start is not None:
+    init_params = init_from_checkpoint(config, model, source, start)
   common.write_config(config, config.workdir)
   return train_and_evaluate(config, model=model, source=source, placement=placement,
                             init_params=init_params, stage=stage, fewshot_datasets=fewshot,

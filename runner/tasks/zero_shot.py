@@ -88,9 +88,9 @@ class ZeroShot:
     return tower + 2.0 * width * e + 2.0 * e * self.num_classes
 
 
-def tokenizer(config, path: str) -> Tokenizer:
+def tokenizer(config, opened: weights.Opened) -> Tokenizer:
   """The tokenizer the contrastive run used; a trained one is read from the run's workdir."""
-  run_dir = checkpoint.locate(path)[0].parent
+  path, run_dir = opened.path, opened.directory.parent
   tok = config.text.tokenizer
   if tok.kind == TokenizerKind.train and not (run_dir / MODEL_FILE).is_file():
     raise checkpoint.CheckpointError(
@@ -175,11 +175,11 @@ def _warn_if_cut(names: list[str], templates: list[str], tok: Tokenizer, max_len
           "for every class.", file=sys.stderr, flush=True)
 
 
-def load(config) -> tuple[Members, tuple[str, ...], dict]:
+def load(config, opened: weights.Opened) -> tuple[Members, tuple[str, ...], dict]:
   """(the checkpoint as a zero-shot classifier, the evaluators that may run on it (those the
   eval.* keys enable run), the summary's zero-shot entries) for the resolved eval run `config`
-  of a contrastive run."""
-  e, path = config.eval, config.init.checkpoint
+  of a contrastive run, whose init.checkpoint is `opened`."""
+  e, path = config.eval, opened.path
   datasets = e.datasets or [config.data.name]
   enabled = [cls for _, cls in EVALUATORS.items() if cls.on_contrastive and cls.enabled(e)]
   if enabled:  # what they need of the datasets, before the class embeddings are computed
@@ -189,8 +189,8 @@ def load(config) -> tuple[Members, tuple[str, ...], dict]:
   first = dataset_specs.open_dataset(datasets[0], config.data, e.split)
   names = class_names(config, first)
   templates = [str(t) for t in e.zero_shot.templates] or list(HELD_OUT_TEMPLATES)
-  tok = tokenizer(config, path)
-  params, _, step = weights.load(path, ensemble_size=derived.ensemble_size(config.model))
+  tok = tokenizer(config, opened)
+  params, _, step = opened.load(ensemble_size=derived.ensemble_size(config.model))
   spec = ZeroShot(text=config.text, objective=config.objective, tokenizer=tok, class_names=names,
                   templates=templates)
   towers = spec.towers(config.model)
