@@ -561,7 +561,7 @@ def _checkpoint_objective(path: str, checkpoints) -> str | None:
 def classifier_from_a_tower(run: TrainTask, checkpoints):
   """A classifier starts from a contrastive checkpoint only from the tower init.tower names, and
   init.tower names a tower only of a contrastive checkpoint. `checkpoints` reads what
-  init.checkpoint was trained for (runner.weights; given before launch)."""
+  init.checkpoint was trained for (runner.weights.Checkpoints; given before launch)."""
   init, tower = run.init, f"init.tower={_show(run.init.tower)}"
   if init.tower is not None and not init.checkpoint:
     return (f"{tower} names a tower of init.checkpoint, which is not set; give "
@@ -676,7 +676,7 @@ _EXPORT_BOOKKEEPING = (".hydra", ".vmoe.lock")
 @relation
 def export_a_finished_classifier(run: ExportRun, checkpoints):
   """An export takes a classifier whose run has ended (or a step folder, or a released
-  checkpoint); `checkpoints` (runner.weights) says whether the run is finished."""
+  checkpoint); `checkpoints` (runner.weights.Checkpoints) says whether the run is finished."""
   if run.objective.name == Objective.contrastive:
     return (f"init.checkpoint={run.init.checkpoint} is a contrastive run (an image and a text "
             "tower): vmoe export writes classifiers; fine-tune its image tower into one (vmoe "
