@@ -5,8 +5,8 @@ from the config stored with the checkpoint, with the command line's non-null `mo
 keys on top (interpolations such as `${model.image_size}` in a data option resolve against the
 merged model). Each result is checked by `validate` before it is returned.
 
-The checkpoints are read by the caller's `CheckpointReader` (runner.weights.Checkpoints): the config layer
-sits below everything that knows checkpoint formats.
+The checkpoints are read by the caller's `CheckpointReader` (runner.weights.Checkpoints): the
+config layer sits below everything that knows checkpoint formats.
 """
 from __future__ import annotations
 

@@ -47,7 +47,8 @@ def field_problems(node, prefix: str = "") -> list[str]:
 def problems(config, devices: int | None = None, checkpoints=None, *,
              device_checks_only: bool = False) -> list[str]:
   """Everything wrong with `config`; relations needing the device count run when it is given,
-  relations reading a checkpoint's stored config when `checkpoints` (runner.weights.Checkpoints) is.
+  relations reading a checkpoint's stored config when `checkpoints` (runner.weights.Checkpoints)
+  is.
 
   Before launch the CLI checks what needs no devices; the job then checks only what does
   (`device_checks_only`). The members of a few-shot run (one model per checkpoint) are each
