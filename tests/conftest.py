@@ -5,8 +5,11 @@ TFDS data, W&B and XLA caches live under one temporary folder per pytest worker;
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import pathlib
+import select
 import shutil
 import subprocess
 import sys
@@ -123,3 +126,49 @@ def vmoe_in(cwd: pathlib.Path, *args: str) -> tuple[int, str, str]:
   proc = subprocess.run([sys.executable, "-m", "runner.cli", *args], cwd=cwd,
                         capture_output=True, text=True, timeout=600)
   return proc.returncode, proc.stdout, proc.stderr
+
+
+class VmoeDriver:
+  """`vmoe` commands of one plug-in module in one process of their own (tests/vmoe_driver.py),
+  started once in `cwd`: calling it runs `vmoe <args>` there and returns (exit code, stdout,
+  stderr), as vmoe_in does, without a process start (seconds of imports) per command. The
+  plug-ins a command loads stay loaded for the next: a command that must not see them (one that
+  names no plug-in, or runs where the plug-in cannot be imported) uses vmoe_in."""
+
+  def __init__(self, cwd: pathlib.Path):
+    self._log = tempfile.TemporaryFile()  # the driver's own stderr, for a driver that died
+    self._proc = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).with_name(
+        "vmoe_driver.py"))], cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=self._log, text=True)
+
+  def __call__(self, *args: str) -> tuple[int, str, str]:
+    self._proc.stdin.write(json.dumps(list(args)) + "\n")
+    self._proc.stdin.flush()
+    ready, _, _ = select.select([self._proc.stdout], [], [], 600)
+    line = self._proc.stdout.readline() if ready else ""
+    if not line:
+      self._proc.kill()
+      self._log.seek(0)
+      raise RuntimeError(f"the vmoe driver gave no answer to {args}: "
+                         f"{self._log.read().decode(errors='replace')[-3000:]}")
+    code, out, err = json.loads(line)
+    return code, out, err
+
+  def close(self) -> None:
+    """Every command has answered, its files written: no need to wait for the interpreter's
+    shutdown (seconds)."""
+    self._proc.kill()
+    self._proc.wait()
+    self._proc.stdin.close()
+    self._proc.stdout.close()
+    self._log.close()
+
+
+@contextlib.contextmanager
+def vmoe_driver(cwd: pathlib.Path):
+  """A VmoeDriver in `cwd` for the block (a module-scoped fixture's life)."""
+  driver = VmoeDriver(cwd)
+  try:
+    yield driver
+  finally:
+    driver.close()
