@@ -6,6 +6,7 @@ TFDS data, W&B and XLA caches live under one temporary folder per pytest worker;
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import pathlib
@@ -64,9 +65,45 @@ TINY_MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.mlp_dim=64",
 QUIET = ["logger.wandb.mode=disabled", "logger.progress=false", "logger.report=false"]
 
 
+# Runs that several modules train identically, trained once per pytest session (shared_run):
+# name -> the `vmoe` command, less its workdir.
+SHARED_RUNS = {
+    # A tiny V-MoE pretrained 2 steps on MNIST, with checkpoints at steps 1 and 2.
+    "vmoe_2steps": ["pretrain", *TINY_MODEL, *QUIET, "train.steps=2", "schedule.warmup_steps=0",
+                    "checkpoint.every_steps=1", "data.batch_size=16"],
+    # A tiny dense ViT pretrained 1 step on MNIST.
+    "vit_1step": ["pretrain", "model=vit_tiny", *TINY_MODEL, *QUIET, "train.steps=1",
+                  "schedule.warmup_steps=0", "data.batch_size=16"],
+}
+
+
 @pytest.fixture(scope="session")
 def tfds_dir() -> pathlib.Path:
   return pathlib.Path(os.environ["TFDS_DATA_DIR"])
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+  """`shared_run(name)`: the workdir of SHARED_RUNS[name]. The first pytest worker to ask trains it
+  (in its own process, as a module fixture would) while the others wait on a file lock; every
+  worker of the session then reads the same folder. Tests only read it: one that resumes,
+  extends or writes into a run (a lock included) works on a copy (shutil.copytree)."""
+  from runner import cli
+  base = tmp_path_factory.getbasetemp()
+  # xdist workers' temporary folders are subfolders of the session's; a lone process's is its own.
+  root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared_runs"
+  root.mkdir(exist_ok=True)
+
+  def get(name: str) -> pathlib.Path:
+    workdir, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+      if not done.exists():
+        shutil.rmtree(workdir, ignore_errors=True)  # what a failed attempt left
+        assert cli.main([*SHARED_RUNS[name], f"workdir={workdir}"]) == 0, name
+        done.touch()
+    return workdir
+  return get
 
 
 @pytest.fixture
