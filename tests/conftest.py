@@ -83,7 +83,7 @@ def tfds_dir() -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
-def shared_run(tmp_path_factory):
+def shared_run(request, tmp_path_factory):
   """`shared_run(name)`: the workdir of SHARED_RUNS[name]. The first pytest worker to ask trains it
   (in its own process, as a module fixture would) while the others wait on a file lock; every
   worker of the session then reads the same folder. Tests only read it: one that resumes,
@@ -91,7 +91,8 @@ def shared_run(tmp_path_factory):
   from runner import cli
   base = tmp_path_factory.getbasetemp()
   # xdist workers' temporary folders are subfolders of the session's; a lone process's is its own.
-  root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared_runs"
+  worker = hasattr(request.config, "workerinput")
+  root = (base.parent if worker else base) / "shared_runs"
   root.mkdir(exist_ok=True)
 
   def get(name: str) -> pathlib.Path:
