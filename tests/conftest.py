@@ -5,8 +5,12 @@ TFDS data, W&B and XLA caches live under one temporary folder per pytest worker;
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import pathlib
+import select
 import shutil
 import subprocess
 import sys
@@ -59,9 +63,46 @@ TINY_MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.mlp_dim=64",
 QUIET = ["logger.wandb.mode=disabled", "logger.progress=false", "logger.report=false"]
 
 
+# Runs that several modules train identically, trained once per pytest session (shared_run):
+# name -> the `vmoe` command, less its workdir.
+SHARED_RUNS = {
+    # A tiny V-MoE pretrained 2 steps on MNIST, with checkpoints at steps 1 and 2.
+    "vmoe_2steps": ["pretrain", *TINY_MODEL, *QUIET, "train.steps=2", "schedule.warmup_steps=0",
+                    "checkpoint.every_steps=1", "data.batch_size=16"],
+    # A tiny dense ViT pretrained 1 step on MNIST.
+    "vit_1step": ["pretrain", "model=vit_tiny", *TINY_MODEL, *QUIET, "train.steps=1",
+                  "schedule.warmup_steps=0", "data.batch_size=16"],
+}
+
+
 @pytest.fixture(scope="session")
 def tfds_dir() -> pathlib.Path:
   return pathlib.Path(os.environ["TFDS_DATA_DIR"])
+
+
+@pytest.fixture(scope="session")
+def shared_run(request, tmp_path_factory):
+  """`shared_run(name)`: the workdir of SHARED_RUNS[name]. The first pytest worker to ask trains it
+  (in its own process, as a module fixture would) while the others wait on a file lock; every
+  worker of the session then reads the same folder. Tests only read it: one that resumes,
+  extends or writes into a run (a lock included) works on a copy (shutil.copytree)."""
+  from runner import cli
+  base = tmp_path_factory.getbasetemp()
+  # xdist workers' temporary folders are subfolders of the session's; a lone process's is its own.
+  worker = hasattr(request.config, "workerinput")
+  root = (base.parent if worker else base) / "shared_runs"
+  root.mkdir(exist_ok=True)
+
+  def get(name: str) -> pathlib.Path:
+    workdir, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+      if not done.exists():
+        shutil.rmtree(workdir, ignore_errors=True)  # what a failed attempt left
+        assert cli.main([*SHARED_RUNS[name], f"workdir={workdir}"]) == 0, name
+        done.touch()
+    return workdir
+  return get
 
 
 @pytest.fixture
@@ -121,3 +162,49 @@ def vmoe_in(cwd: pathlib.Path, *args: str) -> tuple[int, str, str]:
   proc = subprocess.run([sys.executable, "-m", "runner.cli", *args], cwd=cwd,
                         capture_output=True, text=True, timeout=600)
   return proc.returncode, proc.stdout, proc.stderr
+
+
+class VmoeDriver:
+  """`vmoe` commands of one plug-in module in one process of their own (tests/vmoe_driver.py),
+  started once in `cwd`: calling it runs `vmoe <args>` there and returns (exit code, stdout,
+  stderr), as vmoe_in does, without a process start (seconds of imports) per command. The
+  plug-ins a command loads stay loaded for the next: a command that must not see them (one that
+  names no plug-in, or runs where the plug-in cannot be imported) uses vmoe_in."""
+
+  def __init__(self, cwd: pathlib.Path):
+    self._log = tempfile.TemporaryFile()  # the driver's own stderr, for a driver that died
+    self._proc = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).with_name(
+        "vmoe_driver.py"))], cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=self._log, text=True)
+
+  def __call__(self, *args: str) -> tuple[int, str, str]:
+    self._proc.stdin.write(json.dumps(list(args)) + "\n")
+    self._proc.stdin.flush()
+    ready, _, _ = select.select([self._proc.stdout], [], [], 600)
+    line = self._proc.stdout.readline() if ready else ""
+    if not line:
+      self._proc.kill()
+      self._log.seek(0)
+      raise RuntimeError(f"the vmoe driver gave no answer to {args}: "
+                         f"{self._log.read().decode(errors='replace')[-3000:]}")
+    code, out, err = json.loads(line)
+    return code, out, err
+
+  def close(self) -> None:
+    """Every command has answered, its files written: no need to wait for the interpreter's
+    shutdown (seconds)."""
+    self._proc.kill()
+    self._proc.wait()
+    self._proc.stdin.close()
+    self._proc.stdout.close()
+    self._log.close()
+
+
+@contextlib.contextmanager
+def vmoe_driver(cwd: pathlib.Path):
+  """A VmoeDriver in `cwd` for the block (a module-scoped fixture's life)."""
+  driver = VmoeDriver(cwd)
+  try:
+    yield driver
+  finally:
+    driver.close()

@@ -354,16 +354,13 @@ def test_a_dataset_smaller_than_a_batch_writes_nothing(args, expected, small_fol
 # --- checkpoints -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  """A tiny V-MoE run (checkpoints at steps 1 and 2), a tiny ViT run, and damaged copies."""
+def runs(shared_run, tmp_path_factory):
+  """A tiny V-MoE run (checkpoints at steps 1 and 2) and a tiny ViT run, the session's shared runs
+  (read, never written); a tiny Soft MoE run; damaged copies of the V-MoE's."""
   from runner import cli
   root = tmp_path_factory.mktemp("runs")
   quiet = ["logger.wandb.mode=disabled", "logger.progress=false"]
-  assert cli.main(["pretrain", f"workdir={root / 'vmoe'}", *TINY_MODEL, *quiet, "train.steps=2",
-                   "schedule.warmup_steps=0",
-                   "checkpoint.every_steps=1", "data.batch_size=16"]) == 0
-  assert cli.main(["pretrain", f"workdir={root / 'vit'}", "model=vit_tiny", *TINY_MODEL, *quiet,
-                   "train.steps=1", "schedule.warmup_steps=0", "data.batch_size=16"]) == 0
+  vmoe = shared_run("vmoe_2steps")
   assert cli.main(["pretrain", f"workdir={root / 'soft'}", "model=softmoe_tiny", *TINY_MODEL,
                    *quiet, "train.steps=1", "schedule.warmup_steps=0", "data.batch_size=16"]) == 0
   damaged = {
@@ -374,11 +371,12 @@ def runs(tmp_path_factory):
       "all_corrupt": lambda d: [_garbage(d / f"checkpoints/{s}/params/_METADATA") for s in (1, 2)],
   }
   for name, damage in damaged.items():
-    shutil.copytree(root / "vmoe", root / name)
+    shutil.copytree(vmoe, root / name)
     damage(root / name)
   (root / "file.txt").write_text("not a run")
   (root / "empty").mkdir()
-  return {name: root / name for name in ["vmoe", "vit", "soft", "file.txt", "empty", *damaged]}
+  return {"vmoe": vmoe, "vit": shared_run("vit_1step"),
+          **{name: root / name for name in ["soft", "file.txt", "empty", *damaged]}}
 
 
 def _garbage(path: pathlib.Path) -> None:

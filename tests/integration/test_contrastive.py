@@ -80,11 +80,10 @@ def root(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def upstream(root) -> pathlib.Path:
-  """An image model's run: the tiny V-MoE classifier, 2 steps on MNIST."""
-  _main("pretrain", f"workdir={root / 'up'}", *TINY_MODEL, *QUIET, *SMALL_EVAL,
-        "data.batch_size=16", "train.steps=2", "schedule.warmup_steps=0")
-  return root / "up"
+def upstream(shared_run) -> pathlib.Path:
+  """An image model's run: the tiny V-MoE classifier, 2 steps on MNIST (the session's shared
+  run: read, never written)."""
+  return shared_run("vmoe_2steps")
 
 
 @pytest.fixture(scope="module")

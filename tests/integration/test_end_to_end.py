@@ -122,12 +122,9 @@ def test_finetune_at_a_new_resolution_resizes_position_embeddings(pretrained, tm
   assert shapes["pos_embedding"] == (1, 36, 32)  # (24 / 4)^2 patches
 
 
-def test_vit_to_vmoe_upcycling_needs_dense_to_experts(tmp_path, run_cli):
-  dense = tmp_path / "dense"
+def test_vit_to_vmoe_upcycling_needs_dense_to_experts(shared_run, tmp_path, run_cli):
+  dense = shared_run("vit_1step")  # a tiny ViT pretrained 1 step
   short = ["data.batch_size=16", "train.steps=1", "schedule.warmup_steps=0"]
-  tiny_vit = ["model=vit_tiny", *TINY_MODEL, *QUIET, *short]
-  code, _, err = run_cli("pretrain", f"workdir={dense}", *tiny_vit)
-  assert code == 0, err
   tiny_moe = [*TINY_MODEL, *QUIET, *short]
   code, _, err = run_cli("finetune", f"workdir={tmp_path / 'no'}", f"init.checkpoint={dense}",
                          *tiny_moe)

@@ -13,21 +13,16 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import QUIET, TINY_MODEL, fails_clearly
+from conftest import QUIET, fails_clearly
 
 pytestmark = pytest.mark.xdist_group("export")
 
-SHORT = [*QUIET, "train.steps=2", "schedule.warmup_steps=0", "data.batch_size=16",
-         "eval.every_steps=0",
-         "checkpoint.every_steps=0", "model.moe.layers=[1]"]
-
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> pathlib.Path:
-  """A tiny V-MoE pretrained for 2 steps."""
-  from runner import cli
+def finished(shared_run, tmp_path_factory) -> pathlib.Path:
+  """A tiny V-MoE pretrained for 2 steps: a copy of the session's shared run, which a test locks."""
   workdir = tmp_path_factory.mktemp("export") / "up"
-  assert cli.main(["pretrain", "model=vmoe_tiny", f"workdir={workdir}", *TINY_MODEL, *SHORT]) == 0
+  shutil.copytree(shared_run("vmoe_2steps"), workdir)
   return workdir
 
 

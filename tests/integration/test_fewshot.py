@@ -29,13 +29,9 @@ VIT_FEWSHOT = ["model=vit_tiny", *TINY_MODEL, *FAST, "train.steps=4", "schedule.
 
 
 @pytest.fixture(scope="module")
-def vmoe_run(tmp_path_factory):
-  from runner import cli
-  workdir = tmp_path_factory.mktemp("fs_vmoe") / "run"
-  assert cli.main(["pretrain", f"workdir={workdir}", *TINY_MODEL, *QUIET, "train.steps=2",
-                   "schedule.warmup_steps=0",
-                   "data.batch_size=16"]) == 0
-  return workdir
+def vmoe_run(shared_run):
+  """A tiny V-MoE pretrained 2 steps (the session's shared run: read, never written)."""
+  return shared_run("vmoe_2steps")
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,10 @@ directory and loaded with `plugins=[per_class_accuracy]`, runs during `vmoe pret
 `vmoe ensemble` (the ensemble's prediction); its numbers are recomputed here with scikit-learn
 from predictions.npz, and a bad value of its keys fails before compute like a built-in key's.
 
-Each command runs in a process of its own, as a user's would: registering the plug-in changes the
-registry and the eval.* schema of the process that loads it.
+The commands run away from this pytest process, as a user's would: registering the plug-in changes
+the registry and the eval.* schema of the process that loads it. Those that load the plug-in share
+one process (the module's `vmoe` fixture, conftest.VmoeDriver); the command that names no plug-in
+starts `vmoe` afresh (vmoe_in), where nothing has registered the evaluator.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import balanced_accuracy_score, confusion_matrix
 
-from conftest import QUIET, TINY_MODEL, plugin_lab, vmoe_in
+from conftest import QUIET, TINY_MODEL, plugin_lab, vmoe_driver, vmoe_in
 from conftest import fails_clearly as _fails_clearly
 
 pytestmark = pytest.mark.xdist_group("plugin_evaluator")
@@ -27,9 +29,9 @@ TRAIN = [*TINY_MODEL, *QUIET, "data.batch_size=32", "train.steps=4", "schedule.w
 KEY = "per_class_accuracy"
 
 
-def _run(cwd: pathlib.Path, *args: str) -> dict:
+def _run(vmoe, *args: str) -> dict:
   """A command that must succeed; its summary.json."""
-  code, _, err = vmoe_in(cwd, *args)
+  code, _, err = vmoe(*args)
   assert code == 0, err[-3000:]
   workdir = next(a.split("=", 1)[1] for a in args if a.startswith("workdir="))
   return json.loads((pathlib.Path(workdir) / "summary.json").read_text())
@@ -41,19 +43,26 @@ def lab(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def pretrained(lab):
+def vmoe(lab):
+  """`vmoe <args>` in the lab, in the one process of this module's commands that load the plug-in."""
+  with vmoe_driver(lab) as driver:
+    yield driver
+
+
+@pytest.fixture(scope="module")
+def pretrained(lab, vmoe):
   """A tiny V-MoE pretrained on MNIST with the plug-in evaluated every 2 steps."""
   workdir = lab / "up"
-  summary = _run(lab, "pretrain", f"workdir={workdir}", *TRAIN, "eval.every_steps=2", *PLUGIN)
+  summary = _run(vmoe, "pretrain", f"workdir={workdir}", *TRAIN, "eval.every_steps=2", *PLUGIN)
   return workdir, summary
 
 
 @pytest.fixture(scope="module")
-def finetuned(lab):
+def finetuned(lab, vmoe):
   """A tiny V-MoE fine-tuned on UCI digits from scratch (fine-tuning's expert dropout: MC-dropout
   samples it) with the plug-in evaluated every 2 steps; eval and ensemble read it too."""
   workdir = lab / "down"
-  summary = _run(lab, "finetune", f"workdir={workdir}", *TRAIN, "eval.every_steps=2", *PLUGIN)
+  summary = _run(vmoe, "finetune", f"workdir={workdir}", *TRAIN, "eval.every_steps=2", *PLUGIN)
   return workdir, summary
 
 
@@ -105,18 +114,18 @@ def _recompute(workdir: pathlib.Path, summary: dict, dataset: str) -> None:
   assert (workdir / f"per_class_accuracy_{dataset.replace(':', '_')}.png").stat().st_size > 0
 
 
-def test_eval_measures_every_dataset(lab, finetuned):
+def test_eval_measures_every_dataset(lab, vmoe, finetuned):
   workdir = lab / "eval"
-  s = _run(lab, "eval", f"init.checkpoint={finetuned[0]}", f"workdir={workdir}", *QUIET, *PLUGIN,
+  s = _run(vmoe, "eval", f"init.checkpoint={finetuned[0]}", f"workdir={workdir}", *QUIET, *PLUGIN,
            "eval.per_class_accuracy.top_k_worst=2", "eval.save_predictions=true",
            "eval.datasets=[uci_digits,uci_digits:validation]")
   for dataset in ("uci_digits", "uci_digits:validation"):
     _recompute(workdir, s, dataset)
 
 
-def test_ensemble_measures_the_ensemble_prediction(lab, finetuned):
+def test_ensemble_measures_the_ensemble_prediction(lab, vmoe, finetuned):
   workdir = lab / "ensemble"
-  s = _run(lab, "ensemble", f"init.checkpoint=[{finetuned[0]}]", "ensemble.mc_dropout=2",
+  s = _run(vmoe, "ensemble", f"init.checkpoint=[{finetuned[0]}]", "ensemble.mc_dropout=2",
            f"workdir={workdir}", *QUIET, *PLUGIN, "eval.per_class_accuracy.top_k_worst=2",
            "eval.save_predictions=true")
   assert s["ensemble/size"] == 2
@@ -132,8 +141,12 @@ def test_ensemble_measures_the_ensemble_prediction(lab, finetuned):
     # the run's plug-ins, test_plugin_router.py) nothing registers the evaluator: no such keys.
     ("pretrain", [*TRAIN, "eval.per_class_accuracy.enabled=true"], ["eval.per_class_accuracy"]),
 ])
-def test_bad_plugin_input_fails_before_compute(sub, args, expected, lab, finetuned, tmp_path):
+def test_bad_plugin_input_fails_before_compute(sub, args, expected, lab, vmoe, finetuned,
+                                               tmp_path):
   workdir = tmp_path / "w"
   checkpoint = [f"init.checkpoint={finetuned[0]}"] if sub == "eval" else []
-  _fails_clearly(vmoe_in(lab, sub, f"workdir={workdir}", *checkpoint, *args), *expected)
+  command = (sub, f"workdir={workdir}", *checkpoint, *args)
+  # Naming no plug-in, the command must not find the evaluator registered: a fresh process.
+  names_one = any(a.startswith("plugins=") for a in args)
+  _fails_clearly(vmoe(*command) if names_one else vmoe_in(lab, *command), *expected)
   assert not workdir.exists()

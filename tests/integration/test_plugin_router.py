@@ -5,9 +5,11 @@ keys recorded, its metrics logged and recomputed here with NumPy), evaluates (GF
 routing change, the capacity sweep, the routing analysis), fine-tunes from its own checkpoint
 (the router's weights carried over), runs as a two-job sweep, and fails clearly on bad input.
 
-Each command runs in a process of its own, as a user's would: registering the family adds its
-keys to the model.router.* schema of the process that loads it, which must not leak into the
-other tests of this pytest process.
+The commands run away from this pytest process, as a user's would: registering the family adds
+its keys to the model.router.* schema of the process that loads it, which must not leak into the
+other tests of this pytest process. Those that load the plug-in share one process (the module's
+`vmoe` fixture, conftest.VmoeDriver); a command that must not find it loaded (one that names no
+plug-in, or runs where it cannot be imported) starts `vmoe` afresh (vmoe_in).
 """
 from __future__ import annotations
 
@@ -15,14 +17,13 @@ import fractions
 import json
 import math
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import yaml
 
-from conftest import QUIET, TINY_MODEL, fails_clearly, nothing_like_a_run, plugin_lab, vmoe_in
+from conftest import (QUIET, TINY_MODEL, fails_clearly, nothing_like_a_run, plugin_lab,
+                      vmoe_driver, vmoe_in)
 
 pytestmark = pytest.mark.xdist_group("plugin_router")
 
@@ -40,9 +41,9 @@ ANALYSIS = {"uncertainty_class", "mutual_information_class", "uncertainty_positi
                                    for a in ("class", "position"))}
 
 
-def _run(cwd: pathlib.Path, *args: str) -> pathlib.Path:
+def _run(vmoe, *args: str) -> pathlib.Path:
   """A command that must succeed; its workdir."""
-  code, _, err = vmoe_in(cwd, *args)
+  code, _, err = vmoe(*args)
   assert code == 0, err[-3000:]
   return pathlib.Path(next(a.split("=", 1)[1] for a in args if a.startswith("workdir=")))
 
@@ -71,9 +72,16 @@ def lab(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def pretrained(lab) -> pathlib.Path:
+def vmoe(lab):
+  """`vmoe <args>` in the lab, in the one process of this module's commands that load the plug-in."""
+  with vmoe_driver(lab) as driver:
+    yield driver
+
+
+@pytest.fixture(scope="module")
+def pretrained(lab, vmoe) -> pathlib.Path:
   """A tiny V-MoE whose one MoE layer routes with the plug-in, 3 steps, each one logged."""
-  return _run(lab, "pretrain", f"workdir={lab / 'up'}", *SWITCH, *SHORT,
+  return _run(vmoe, "pretrain", f"workdir={lab / 'up'}", *SWITCH, *SHORT,
               f"model.router.z_loss_weight={Z_LOSS_WEIGHT}", "train.log_every_steps=1")
 
 
@@ -100,8 +108,8 @@ def test_pretrain_records_the_plugin_and_logs_its_losses(pretrained):
   assert set(params) == {"dense"} and params["dense"]["kernel"].shape == (32, EXPERTS)
 
 
-# Runs the plug-in's Flax module on fixed tokens (in a process of its own, as every use of the
-# plug-in here); saves the tokens, the gate kernel and the metrics in train and eval mode.
+# Runs the plug-in's Flax module on fixed tokens (as `python -c`, in the process of the commands
+# that load the plug-in); saves the tokens, the gate kernel and the metrics in train and eval mode.
 _ROUTER_SCRIPT = """
 import sys
 
@@ -151,14 +159,13 @@ def _switch_reference(x, kernel, ratio: float, z_loss_weight: float) -> dict:
           "expert_load": filled.mean(0) / capacity}
 
 
-def test_switch_router_metrics_match_numpy(lab, tmp_path):
+def test_switch_router_metrics_match_numpy(vmoe, tmp_path):
   """The plug-in's losses as the papers define them: Switch's E * sum_i f_i P_i (Fedus et al.,
   Eq. 4) and ST-MoE's z-loss (Zoph et al., Eq. 5), on tokens whose logits are large enough for
   the z-loss to matter; and its drops at the train and the eval capacity ratio."""
   out = tmp_path / "router.npz"
-  proc = subprocess.run([sys.executable, "-c", _ROUTER_SCRIPT, str(out)], cwd=lab,
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  code, _, err = vmoe("-c", _ROUTER_SCRIPT, str(out))
+  assert code == 0, err[-3000:]
   got = dict(np.load(out))
   for mode, ratio in (("train", 0.8), ("eval", 1.5)):
     expected = _switch_reference(got["x"], got["kernel"], ratio, 0.3)
@@ -171,14 +178,14 @@ def test_switch_router_metrics_match_numpy(lab, tmp_path):
   assert got["train/router_z_loss"] > 1
 
 
-def test_eval_measures_the_plugin_router(lab, pretrained):
+def test_eval_measures_the_plugin_router(lab, vmoe, pretrained):
   """Without plugins=: the stage loads the plug-ins its checkpoint's run recorded, says so, and
   records them as its own."""
   workdir = lab / "eval"
-  code, _, err = vmoe_in(lab, "eval", f"init.checkpoint={pretrained}",
-                         f"workdir={workdir}", *QUIET, "eval.capacity_sweep=[1.0,0.5]",
-                         "eval.adversarial.epsilons=[0.01]", "eval.adversarial.steps=2",
-                         "eval.adversarial.max_examples=16", "eval.routing_analysis=true")
+  code, _, err = vmoe("eval", f"init.checkpoint={pretrained}",
+                      f"workdir={workdir}", *QUIET, "eval.capacity_sweep=[1.0,0.5]",
+                      "eval.adversarial.epsilons=[0.01]", "eval.adversarial.steps=2",
+                      "eval.adversarial.max_examples=16", "eval.routing_analysis=true")
   assert code == 0, err[-3000:]
   assert (f"vmoe eval: loading the plug-ins {pretrained} was trained with: "
           "plugins=[switch_router]") in err
@@ -210,11 +217,11 @@ def test_eval_measures_the_plugin_router(lab, pretrained):
   assert not (workdir / "routing_dropped_patches.png").exists()
 
 
-def test_finetune_carries_the_router_over(lab, pretrained):
+def test_finetune_carries_the_router_over(lab, vmoe, pretrained):
   """Fine-tuning the plug-in's checkpoint with the plug-in (other values of its keys): the
   router's gate kernel and the experts start from the checkpoint's (one step moves them little;
   a fresh gate kernel would differ by its init scale, ~0.2)."""
-  workdir = _run(lab, "finetune", f"workdir={lab / 'down'}", f"init.checkpoint={pretrained}",
+  workdir = _run(vmoe, "finetune", f"workdir={lab / 'down'}", f"init.checkpoint={pretrained}",
                  *SWITCH, *SHORT, "train.steps=1", "schedule.warmup_steps=0",
                  "model.router.capacity_ratio=2.0",
                  "model.router.z_loss_weight=0.0")
@@ -233,7 +240,8 @@ def test_finetune_carries_the_router_over(lab, pretrained):
 
 
 def test_a_stage_that_cannot_load_its_checkpoints_plugins_names_them(pretrained, tmp_path):
-  """Run from a folder where the plug-in's module is not importable."""
+  """Run from a folder where the plug-in's module is not importable (a fresh process: the
+  module's driver has imported it)."""
   workdir = tmp_path / "w"
   fails_clearly(vmoe_in(tmp_path, "eval", f"init.checkpoint={pretrained}", f"workdir={workdir}",
                         *QUIET),
@@ -291,11 +299,14 @@ BROKEN = {  # module name: its source; the error is on line 3 of each
                  ["model.router.type='switch'", "token_choice, experts_choice, soft"],
                  id="no-plugins"),
 ])
-def test_bad_plugin_input_fails_before_compute(args, expected, lab, tmp_path):
+def test_bad_plugin_input_fails_before_compute(args, expected, lab, vmoe, tmp_path):
   for name, source in BROKEN.items():
     (lab / f"{name}.py").write_text(source)
   workdir = tmp_path / "w"
-  message = fails_clearly(vmoe_in(lab, "pretrain", f"workdir={workdir}", *SHORT, *args), *expected)
+  # Naming no plug-in, the command must not find switch_router registered: a fresh process.
+  names_one = any(a.startswith("plugins=") for a in args)
+  command = ("pretrain", f"workdir={workdir}", *SHORT, *args)
+  message = fails_clearly(vmoe(*command) if names_one else vmoe_in(lab, *command), *expected)
   assert "Traceback" not in message
   nothing_like_a_run(workdir)
   assert not workdir.exists()

@@ -41,16 +41,17 @@ def _dense_twin_flops(model: dict, num_classes: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def upstream(tmp_path_factory):
-  """Tiny experts-choice, Soft MoE and token-choice runs and a dense ViT, 3 steps each."""
+def upstream(shared_run, tmp_path_factory):
+  """Tiny experts-choice and Soft MoE runs, 3 steps each; a token-choice V-MoE (2 steps) and a
+  dense ViT (1 step), the session's shared runs (read, never written: what the tests take from
+  them, experts to start from and an ensemble member, does not depend on their steps)."""
   from runner import cli
   root = tmp_path_factory.mktemp("routers")
-  runs = {}
-  for name in ("ecmoe_tiny", "softmoe_tiny", "vmoe_tiny", "vit_tiny"):
+  runs = {"vmoe_tiny": shared_run("vmoe_2steps"), "vit_tiny": shared_run("vit_1step")}
+  for name in ("ecmoe_tiny", "softmoe_tiny"):
     runs[name] = root / name
-    args = SHORT if name != "vit_tiny" else [a for a in SHORT if not a.startswith("model.moe")]
     assert cli.main(["pretrain", f"model={name}", f"workdir={runs[name]}", *TINY_MODEL,
-                     *args]) == 0
+                     *SHORT]) == 0
   return root, runs
 
 
