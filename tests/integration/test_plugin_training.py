@@ -2,8 +2,9 @@
 their keys compose, are typed and range-checked like a built-in's, their relations are checked
 before compute, and a short pretraining run builds them from those keys' values.
 
-Each command runs in a process of its own (`vmoe_in`): registering adds keys to the schema of the
-process that loads the plug-in, which must not leak into the other tests of this process.
+The commands run in one process of their own (conftest.vmoe_driver): registering adds keys to the
+schema of the process that loads the plug-in, which must not leak into the other tests of this
+process.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pathlib
 import pytest
 import yaml
 
-from conftest import QUIET, TINY_MODEL, fails_clearly, nothing_like_a_run, vmoe_in
+from conftest import QUIET, TINY_MODEL, fails_clearly, nothing_like_a_run, vmoe_driver
 
 pytestmark = pytest.mark.xdist_group("plugin_training")
 
@@ -78,18 +79,25 @@ def lab(tmp_path_factory) -> pathlib.Path:
   return folder
 
 
-def test_declared_keys_compose_with_their_defaults(lab):
-  code, out, err = vmoe_in(lab, "pretrain", *PLUGIN, "optim.lion_b2=0.95", "--cfg", "job")
+@pytest.fixture(scope="module")
+def vmoe(lab):
+  """`vmoe <args>` in the lab, in the one process of this module's commands."""
+  with vmoe_driver(lab) as driver:
+    yield driver
+
+
+def test_declared_keys_compose_with_their_defaults(vmoe):
+  code, out, err = vmoe("pretrain", *PLUGIN, "optim.lion_b2=0.95", "--cfg", "job")
   assert code == 0, err[-3000:]
   config = yaml.safe_load(out)
   assert config["optim"]["lion_b2"] == 0.95 and config["optim"]["b1"] == 0.9
   assert config["schedule"]["drops"] == 2
 
 
-def test_a_run_builds_them_from_their_keys(lab, tmp_path):
+def test_a_run_builds_them_from_their_keys(vmoe, lab, tmp_path):
   workdir = tmp_path / "w"
-  code, _, err = vmoe_in(lab, "pretrain", f"workdir={workdir}", *SHORT, *PLUGIN,
-                         "optim.lion_b2=0.95", "schedule.drops=1")
+  code, _, err = vmoe("pretrain", f"workdir={workdir}", *SHORT, *PLUGIN, "optim.lion_b2=0.95",
+                      "schedule.drops=1")
   assert code == 0, err[-3000:]
   assert json.loads((lab / "lion.json").read_text()) == {"b1": 0.9, "lion_b2": 0.95}
   assert json.loads((lab / "step.json").read_text()) == {"drops": 1}
@@ -106,7 +114,7 @@ def test_a_run_builds_them_from_their_keys(lab, tmp_path):
     pytest.param(["schedule.drops=3"], ["schedule.drops=3 needs more steps than the run has "
                                         "(train.steps=3)"], id="schedule-relation"),
 ])
-def test_bad_values_fail_before_compute(args, expected, lab, tmp_path):
+def test_bad_values_fail_before_compute(args, expected, vmoe, tmp_path):
   workdir = tmp_path / "w"
-  fails_clearly(vmoe_in(lab, "pretrain", f"workdir={workdir}", *SHORT, *PLUGIN, *args), *expected)
+  fails_clearly(vmoe("pretrain", f"workdir={workdir}", *SHORT, *PLUGIN, *args), *expected)
   nothing_like_a_run(workdir)
