@@ -465,7 +465,7 @@ def evaluations_during_training(eval: EvalConfig, objective: ObjectiveConfig):
             "alone with vmoe eval init.checkpoint=<the run>.")
 
 
-def _zero_shot_keys(eval: EvalSuiteConfig) -> list[str]:
+def _contrastive_keys(eval: EvalSuiteConfig) -> list[str]:
   """The eval.* keys given that only a contrastive checkpoint reads (the keys of its sections,
   its prompts, and the evaluators that are not `on_classifier`)."""
   given = []
@@ -493,7 +493,7 @@ def zero_shot_needs_a_contrastive_checkpoint(run: EvalRun):
     return (f"init.tower={_show(run.init.tower)} means nothing in vmoe eval: a contrastive "
             "checkpoint is evaluated whole, as a zero-shot classifier (its image tower's "
             "features by vmoe fewshot); init.tower is for vmoe finetune.")
-  given = _zero_shot_keys(run.eval)
+  given = _contrastive_keys(run.eval)
   if given and run.objective.name != Objective.contrastive:
     return (f"{', '.join(given)} means nothing for init.checkpoint={run.init.checkpoint}, a "
             "classifier: zero-shot classification from class prompts and the image-text "
@@ -561,7 +561,7 @@ def ensembles_of_classifiers(run: EnsembleRun):
             "evaluate it zero-shot with vmoe eval init.checkpoint=<the run>, or fine-tune its "
             "image tower into a classifier (vmoe finetune init.checkpoint=<the run> "
             "init.tower=image) and ensemble that.")
-  given = _zero_shot_keys(run.eval)
+  given = _contrastive_keys(run.eval)
   if given:
     return (f"{', '.join(given)} means nothing in vmoe ensemble: zero-shot classification and "
             "the image-text measurements are vmoe eval's, of one contrastive checkpoint; drop "
