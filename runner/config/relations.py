@@ -18,7 +18,7 @@ import typing
 from typing import Callable
 
 from runner.config import derived, registries
-from runner.config.schema import (AdversarialProtocol, ContrastiveLoss, DataConfig,
+from runner.config.schema import (ContrastiveLoss, DataConfig,
                                   DistributedConfig, EnsembleRun, EnsembleVariant, EvalConfig,
                                   EvalRun, EvalSuiteConfig, ExportRun, FewshotConfig, FewshotRun, HeadConfig,
                                   HeadType, ModelConfig, MoeConfig, Objective, ObjectiveConfig,
@@ -432,75 +432,24 @@ def _given(cls, eval: EvalSuiteConfig) -> str:
   return f"{cls.enabling_key}={shown}"
 
 
-@relation
-def corruptions_have_severities(eval: EvalSuiteConfig):
-  if eval.corruptions and not eval.severities:
-    return ("eval.severities is empty but eval.corruptions names corruptions: give severities "
-            "from 1 to 5, e.g. eval.severities=[1,3,5].")
+# The metadata flag of an eval.* section that only a contrastive checkpoint reads (the zero-shot
+# prompts, runner/evaluators/contrastive.py): given for a classifier it means nothing.
+CONTRASTIVE_ONLY = "contrastive_only"
 
 
-@relation
-def reference_attack_fixes_its_step(eval: EvalSuiteConfig):
-  adv = eval.adversarial
-  if adv.protocol == AdversarialProtocol.reference and adv.step_size is not None:
-    return (f"eval.adversarial.step_size={adv.step_size} is set, but "
-            "eval.adversarial.protocol=reference steps by epsilon / eval.adversarial.steps, as "
-            "the reference code does; drop eval.adversarial.step_size, or use "
-            "eval.adversarial.protocol=default for a step of your choice.")
-
-
-@relation
-def capacity_sweep_needs_experts(run: RunFields):
-  eval, models = getattr(run, "eval", None), derived.held_models(run)
-  if not isinstance(eval, EvalSuiteConfig) or not eval.capacity_sweep or not models:
-    return None
-  sparse = [m for m in models if derived.num_experts(m)]
-  fixed = [m for m in sparse if not derived.router_family(m).capacity_at_inference]
-  if fixed:
-    family = derived.router_family(fixed[0])
-    return (f"eval.capacity_sweep={eval.capacity_sweep} means nothing for "
-            f"model.router.type={family.name}: its slots are parameters fixed when the model "
-            "is trained, so the capacity cannot change at inference; drop eval.capacity_sweep "
-            "(it applies to the routers model.router.type="
-            f"{'|'.join(n for n, f in registries.ROUTERS.items() if f.capacity_at_inference)}).")
-  if sparse:
-    return None
-  if getattr(run, "members", None) is None:
-    return (f"eval.capacity_sweep={eval.capacity_sweep} needs a V-MoE checkpoint; model "
-            f"{models[0].name} has no MoE layers.")
-  return (f"eval.capacity_sweep={eval.capacity_sweep} needs V-MoE members; none of "
-          "init.checkpoint has MoE layers.")
-
-
-@relation
-def routing_analysis_needs_experts(run: RunFields):
-  eval, models = getattr(run, "eval", None), derived.held_models(run)
-  if not isinstance(eval, EvalSuiteConfig) or not eval.routing_analysis or not models:
-    return None
-  sparse = [m for m in models if derived.num_experts(m)]
-  if not sparse:
-    names = ", ".join(sorted({m.name for m in models}))
-    return (f"eval.routing_analysis=true looks at what routers decide, but {names} has no MoE "
-            "layers (a dense ViT); analyse a V-MoE, experts-choice or Soft MoE checkpoint.")
-  layers = set(eval.routing.layers)
-  for model in sparse:
-    moe = derived.moe_layers(model)
-    if layers - set(moe):
-      return (f"eval.routing.layers={sorted(layers)} names blocks without an MoE layer in model "
-              f"{model.name} ({sorted(layers - set(moe))}); its MoE layers are blocks "
-              f"{list(moe)} (or eval.routing.layers=[] for all of them).")
-  return None
+def _contrastive_sections(eval: EvalSuiteConfig) -> list[str]:
+  return [f.name for f in dataclasses.fields(eval) if f.metadata.get(CONTRASTIVE_ONLY)]
 
 
 @relation
 def evaluations_during_training(eval: EvalConfig, objective: ObjectiveConfig):
   """In training the measurements run on the run's own validation split (a contrastive run's
-  zero-shot validation reads eval.zero_shot); the evaluators that are not `in_training` are vmoe
-  eval's."""
+  zero-shot validation reads the sections only a contrastive checkpoint reads); the evaluators
+  that are not `in_training` are vmoe eval's."""
   defaults = EvalConfig()
   names = ("datasets", "split", "save_predictions")
   if objective.name != Objective.contrastive:
-    names += ("zero_shot",)
+    names += tuple(_contrastive_sections(eval))
   given = [f"eval.{name}" for name in names if getattr(eval, name) != getattr(defaults, name)]
   given += [cls.enabling_key for cls in _evaluators()
             if not cls.in_training and cls.enabling_key and cls.enabled(eval)]
@@ -511,14 +460,23 @@ def evaluations_during_training(eval: EvalConfig, objective: ObjectiveConfig):
             "alone with vmoe eval init.checkpoint=<the run>.")
 
 
-def _zero_shot_keys(eval: EvalSuiteConfig) -> list[str]:
-  """The eval.* keys given that only a contrastive checkpoint reads (its prompts, and the
-  evaluators that are not `on_classifier`)."""
-  z = eval.zero_shot
-  return ([f"eval.zero_shot.class_names={list(z.class_names)}"] if z.class_names else []) + (
-      [f"eval.zero_shot.templates={list(z.templates)}"] if z.templates else []) + [
-      _given(cls, eval) for cls in _evaluators()
-      if not cls.on_classifier and cls.enabling_key and cls.enabled(eval)]
+def _contrastive_keys(eval: EvalSuiteConfig) -> list[str]:
+  """The eval.* keys given that only a contrastive checkpoint reads (the keys of its sections,
+  its prompts, and the evaluators that are not `on_classifier`)."""
+  given = []
+  for name in _contrastive_sections(eval):
+    section = getattr(eval, name)
+    defaults = type(section)()
+    given += [f"eval.{name}.{f.name}={_listed(getattr(section, f.name))}"
+              for f in dataclasses.fields(section)
+              if getattr(section, f.name) != getattr(defaults, f.name)]
+  return given + [_given(cls, eval) for cls in _evaluators()
+                  if not cls.on_classifier and cls.enabling_key and cls.enabled(eval)]
+
+
+def _listed(value):
+  """A list as Python writes it (['a photo of a {}.']), anything else as one would type it."""
+  return list(value) if isinstance(value, (list, tuple)) else _show(value)
 
 
 @relation
@@ -530,7 +488,7 @@ def zero_shot_needs_a_contrastive_checkpoint(run: EvalRun):
     return (f"init.tower={_show(run.init.tower)} means nothing in vmoe eval: a contrastive "
             "checkpoint is evaluated whole, as a zero-shot classifier (its image tower's "
             "features by vmoe fewshot); init.tower is for vmoe finetune.")
-  given = _zero_shot_keys(run.eval)
+  given = _contrastive_keys(run.eval)
   if given and run.objective.name != Objective.contrastive:
     return (f"{', '.join(given)} means nothing for init.checkpoint={run.init.checkpoint}, a "
             "classifier: zero-shot classification from class prompts and the image-text "
@@ -598,7 +556,7 @@ def ensembles_of_classifiers(run: EnsembleRun):
             "evaluate it zero-shot with vmoe eval init.checkpoint=<the run>, or fine-tune its "
             "image tower into a classifier (vmoe finetune init.checkpoint=<the run> "
             "init.tower=image) and ensemble that.")
-  given = _zero_shot_keys(run.eval)
+  given = _contrastive_keys(run.eval)
   if given:
     return (f"{', '.join(given)} means nothing in vmoe ensemble: zero-shot classification and "
             "the image-text measurements are vmoe eval's, of one contrastive checkpoint; drop "

@@ -75,12 +75,6 @@ class CapacityRounding(str, enum.Enum):
   reference = "reference"  # ceil, then up to a multiple of 4 (vmoe/moe.py compute_capacity)
 
 
-class AdversarialProtocol(str, enum.Enum):
-  """PGD and routing-change rules (runner/evaluators/adversarial.py)."""
-  default = "default"  # step 2.5·ε/steps, clipped to the ball and [-1, 1]; TOP-k before drops
-  reference = "reference"  # step ε/steps, no clipping; experts that receive the token
-
-
 class Objective(str, enum.Enum):
   """What a training stage learns (runner/tasks/training.py)."""
   classification = "classification"  # images -> labels (a ViT / V-MoE classifier)
@@ -124,22 +118,6 @@ class Attention(str, enum.Enum):
   auto = "auto"
   xla = "xla"
   cudnn = "cudnn"
-
-
-def _corruption_names() -> list[str]:
-  """Those runner/data/corruptions.py registers, read when a value is checked."""
-  return [*preprocessing.CORRUPTIONS.names(), "all"]
-
-
-def _is_template(text) -> bool:
-  """A zero-shot prompt template: a string with exactly one `{}`, filled by str.format."""
-  if not isinstance(text, str) or "{}" not in text:
-    return False
-  try:
-    text.format("name")
-  except (IndexError, KeyError, ValueError):
-    return False
-  return True
 
 
 def _sharding_bundles() -> list[str]:
@@ -365,60 +343,14 @@ class TrainConfig:
 
 
 @dataclass
-class AdversarialConfig:
-  epsilons: List[float] = key([], Items(Range(0, 1), example="[0.001,0.003]"),
-                              "L-inf radii in [0, 1] pixel units")
-  steps: int = key(40, at_least(1), "PGD steps")
-  step_size: Optional[float] = key(None, positive(), "null: 2.5 * epsilon / steps (Madry et al.); "
-                                   "protocol=reference fixes epsilon / steps")
-  max_examples: Optional[int] = key(512, at_least(1), "attacks cost steps x backward passes; "
-                                    "null: every example")
-  protocol: AdversarialProtocol = key(AdversarialProtocol.default, hint="reference: the vmoe "
-                                      "adversarial_attacks code's step ε/steps, no clipping, "
-                                      "routing change on the experts that receive each token")
-
-
-@dataclass
-class RoutingAnalysisConfig:
-  """eval.routing.*: the routing analysis' options (eval.routing_analysis=true)."""
-  layers: List[int] = key([], Items(at_least(0), unique=True, example="[1,3]"),
-                          "block indices of MoE layers; []: every MoE layer")
-  capacities: List[float] = key([1.0, 0.5, 0.25, 0.1], Items(positive(), nonempty=True,
-                                                             example="[1.0,0.5,0.1]"),
-                                "capacity ratios of the dropped-patch maps (V-MoE Fig. 5)")
-  images: int = key(4, at_least(0), "images drawn in the dropped-patch maps")
-
-
-@dataclass
-class ZeroShotConfig:
-  """eval.zero_shot.*: classifying images by their similarity to class prompts (a contrastive
-  checkpoint)."""
-  class_names: List[str] = key([], Items(matches(r"(?s).*\S.*", "a non-empty name"),
-                                         unique=True, example="[cat,dog]"),
-                               "[]: the first eval dataset's own class names, in label order")
-  templates: List[str] = key([], Items(Rule(_is_template, "a prompt with one {} where the class "
-                                            "name goes"), example="['a photo of a {}.']"),
-                             "[]: the templates held out from the embedded captions")
-
-
-@dataclass
 class EvalSuiteConfig:
-  """vmoe eval: which measurements to take, on which datasets."""
+  """vmoe eval: which measurements to take, on which datasets. These are the keys of the whole
+  evaluation; each evaluator declares its own in its module (runner/evaluators), and registering
+  it adds them here, a built-in one's as a plug-in's."""
   batch_size: Optional[int] = key(None, at_least(1), "null: data.eval_batch_size, else "
                                   "data.batch_size (of the checkpoint, in vmoe eval)")
   datasets: List[str] = key([], Items(unique=True), "[]: the checkpoint's own dataset")
   split: Optional[str] = None  # None: each dataset's test split (else its eval split)
-  ood_datasets: List[str] = key([], Items(unique=True), "each vs the first eval dataset")
-  ece_bins: int = key(15, at_least(1))
-  corruptions: List[str] = key([], Items(Choice(_corruption_names)), "or [all]")
-  severities: List[int] = key([1, 2, 3, 4, 5], Items(Range(1, 5), example="[1,3,5]"))
-  adversarial: AdversarialConfig = field(default_factory=AdversarialConfig)
-  capacity_sweep: List[float] = key([], Items(positive(), example="[1.05,0.5,0.25,0.1]"),
-                                    "inference capacity ratios, vanilla vs BPR")
-  routing_analysis: bool = False  # the V-MoE paper's Sec. 5 analysis (eval.routing.*)
-  routing: RoutingAnalysisConfig = field(default_factory=RoutingAnalysisConfig)
-  zero_shot: ZeroShotConfig = field(default_factory=ZeroShotConfig)
-  retrieval: bool = False  # contrastive: image->text and text->image recall@1/5/10
   save_predictions: bool = False
   plots: bool = True
 

@@ -5,10 +5,13 @@ loop runs those marked `in_training` on its validation split every `eval.every_s
 
 The built-in ones register here, in the order they run; a plug-in's registers when its module is
 imported (`plugins=[<module>]`), after them. Nothing outside this package names an evaluator.
+Each declares its keys and their relations in its own module, as a plug-in does; `contrastive`
+adds the zero-shot prompts (eval.zero_shot.*), which no evaluator owns.
 """
 from runner.config.registries import EVALUATORS
-from runner.evaluators import (adversarial, capacity_sweep, classification, compute, corruption,
-                               ood_detection, retrieval, routing_analysis)
+from runner.config.relations import relation
+from runner.evaluators import (adversarial, capacity_sweep, classification, compute, contrastive,
+                               corruption, ood_detection, retrieval, routing_analysis)
 from runner.evaluators.suite import Dataset, Evaluator, PassHook, Result, Suite, register
 
 for _module in (
@@ -24,4 +27,5 @@ for _module in (
   register(_module.Evaluator)
 del _module
 
-__all__ = ["EVALUATORS", "Dataset", "Evaluator", "PassHook", "Result", "Suite", "register"]
+__all__ = ["EVALUATORS", "Dataset", "Evaluator", "PassHook", "Result", "Suite", "register",
+           "relation"]

@@ -36,13 +36,19 @@ protocol="reference" (the reference code):
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 import re
-from typing import Callable
+from typing import Callable, List, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from runner.config import checks
+from runner.config.relations import relation
+from runner.config.schema import EvalSuiteConfig
 from runner.evaluators import suite as suite_lib
 from runner.logging.progress import Progress
 from runner.models.introspection import apply_with_routing, routing_records
@@ -50,7 +56,13 @@ from runner.train.losses import LOSSES, precision_at_1
 
 
 
-PROTOCOLS = ("default", "reference")
+class AdversarialProtocol(str, enum.Enum):
+  """PGD and routing-change rules (the module docstring)."""
+  default = "default"  # step 2.5·ε/steps, clipped to the ball and [-1, 1]; TOP-k before drops
+  reference = "reference"  # step ε/steps, no clipping; experts that receive the token
+
+
+PROTOCOLS = tuple(p.value for p in AdversarialProtocol)
 
 
 def _protocol(protocol) -> str:
@@ -338,11 +350,39 @@ def plot_pgd(metrics: dict, prefix: str, path: str, title: str = "") -> str:
   return path
 
 
+@dataclasses.dataclass
+class AdversarialConfig:
+  """eval.adversarial.*: PGD's radii, steps and rules."""
+  epsilons: List[float] = checks.key([], checks.Items(checks.Range(0, 1),
+                                                      example="[0.001,0.003]"),
+                                     "L-inf radii in [0, 1] pixel units")
+  steps: int = checks.key(40, checks.at_least(1), "PGD steps")
+  step_size: Optional[float] = checks.key(None, checks.positive(), "null: 2.5 * epsilon / steps "
+                                          "(Madry et al.); protocol=reference fixes epsilon / "
+                                          "steps")
+  max_examples: Optional[int] = checks.key(512, checks.at_least(1), "attacks cost steps x "
+                                           "backward passes; null: every example")
+  protocol: AdversarialProtocol = checks.key(
+      AdversarialProtocol.default, hint="reference: the vmoe adversarial_attacks code's step "
+      "ε/steps, no clipping, routing change on the experts that receive each token")
+
+
+@relation
+def reference_attack_fixes_its_step(eval: EvalSuiteConfig):
+  adv = eval.adversarial
+  if adv.protocol == AdversarialProtocol.reference and adv.step_size is not None:
+    return (f"eval.adversarial.step_size={adv.step_size} is set, but "
+            "eval.adversarial.protocol=reference steps by epsilon / eval.adversarial.steps, as "
+            "the reference code does; drop eval.adversarial.step_size, or use "
+            "eval.adversarial.protocol=default for a step of your choice.")
+
+
 class Evaluator(suite_lib.Evaluator):
   """`eval.adversarial.*`: PGD at each ε on every eval dataset (`AdversarialEvaluator`), with a
   plot of error and routing change against ε."""
   name = "adversarial"
   enabling_key = "eval.adversarial.epsilons"
+  Config = AdversarialConfig
 
   def run(self) -> suite_lib.Result:
     s, adv = self.suite, self.suite.config.adversarial

@@ -6,12 +6,16 @@ vanilla routing. Each row of a sweep is one (C, routing) evaluation.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+from typing import List
 
 import jax
 
-from runner.config import derived
-
+from runner.config import derived, registries
+from runner.config.checks import Items, key, positive
+from runner.config.relations import relation
+from runner.config.schema import EvalSuiteConfig, RunFields
 from runner.evaluators import predictions, suite as suite_lib
 from runner.evaluators.compute import xla_gflops_per_image
 
@@ -62,6 +66,35 @@ def _runs_as(members, capacity_ratio: float, batch_priority: bool) -> bool:
       == capacity_ratio for r in routers)
 
 
+@dataclasses.dataclass
+class CapacitySweepKeys:
+  capacity_sweep: List[float] = key([], Items(positive(), example="[1.05,0.5,0.25,0.1]"),
+                                    "inference capacity ratios, vanilla vs BPR")
+
+
+@relation
+def capacity_sweep_needs_experts(run: RunFields):
+  eval, models = getattr(run, "eval", None), derived.held_models(run)
+  if not isinstance(eval, EvalSuiteConfig) or not eval.capacity_sweep or not models:
+    return None
+  sparse = [m for m in models if derived.num_experts(m)]
+  fixed = [m for m in sparse if not derived.router_family(m).capacity_at_inference]
+  if fixed:
+    family = derived.router_family(fixed[0])
+    return (f"eval.capacity_sweep={eval.capacity_sweep} means nothing for "
+            f"model.router.type={family.name}: its slots are parameters fixed when the model "
+            "is trained, so the capacity cannot change at inference; drop eval.capacity_sweep "
+            "(it applies to the routers model.router.type="
+            f"{'|'.join(n for n, f in registries.ROUTERS.items() if f.capacity_at_inference)}).")
+  if sparse:
+    return None
+  if getattr(run, "members", None) is None:
+    return (f"eval.capacity_sweep={eval.capacity_sweep} needs a V-MoE checkpoint; model "
+            f"{models[0].name} has no MoE layers.")
+  return (f"eval.capacity_sweep={eval.capacity_sweep} needs V-MoE members; none of "
+          "init.checkpoint has MoE layers.")
+
+
 class Evaluator(suite_lib.Evaluator):
   """prec@1, NLL and GFLOPs per image of the first dataset at each inference capacity ratio,
   vanilla and (for routers that prioritise, token-choice) with Batch Prioritized Routing. The
@@ -69,6 +102,7 @@ class Evaluator(suite_lib.Evaluator):
   name = "capacity_sweep"
   enabling_key = "eval.capacity_sweep"
   in_training = False  # changes the checkpoint's capacity: vmoe eval's (a relation says so)
+  Keys = CapacitySweepKeys
 
   @classmethod
   def enabled(cls, config) -> bool:

@@ -3,12 +3,14 @@
 evaluator (prec@1, NLL, Brier, ECE; members and diversity for an ensemble)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 
 import jax
 import numpy as np
 
+from runner.config.checks import at_least, key
 from runner.evaluators import suite as suite_lib
 from runner.evaluators.calibration import plot_reliability_diagram
 from runner.evaluators.ensemble import EnsembleStats
@@ -63,6 +65,12 @@ def _file_name(text: str) -> str:
   return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
 
 
+@dataclasses.dataclass
+class ClassificationKeys:
+  """eval.ece_bins: the calibration error's bins, which the corruptions' ECE uses too."""
+  ece_bins: int = key(15, at_least(1))
+
+
 class Evaluator(suite_lib.Evaluator):
   """prec@1, error, NLL, Brier, ECE (and a reliability diagram) on every eval dataset; for an
   ensemble also each member's metrics and the members' diversity. Each dataset's pass is its
@@ -70,6 +78,7 @@ class Evaluator(suite_lib.Evaluator):
   `compute/images_per_s`."""
   name = "classification"
   in_training = False  # the training loop measures it itself (ClassificationEvaluator)
+  Keys = ClassificationKeys
 
   def run(self) -> suite_lib.Result:
     s, e = self.suite, self.suite.config

@@ -6,18 +6,57 @@ prompts' text embeddings are averaged per class and normalised again (prompt ens
 image's logits are t·(its embedding · each class embedding), t the model's learned scale. Retrieval
 ranks, for every image of a split, all of the split's captions by similarity (and every caption
 all images) and reports recall@k: how often the true partner is among the k most similar.
+
+The class names and prompt templates are keys of their own, eval.zero_shot.*, declared here and
+added to eval.* as a section that only a contrastive checkpoint reads: zero-shot classification is
+no evaluator of its own, but what makes such a checkpoint the classifier the evaluators measure
+(runner/tasks/zero_shot.py in vmoe eval, runner/tasks/contrastive.py in validation).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import List
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from runner.config.checks import Items, Rule, key, matches
+from runner.config.relations import CONTRASTIVE_ONLY
+from runner.config.schema import EvalSuiteConfig
+from runner.config.sections import add_fields
 from runner.train import contrastive
 
 RECALL_AT = (1, 5, 10)
+
+
+def _is_template(text) -> bool:
+  """A zero-shot prompt template: a string with exactly one `{}`, filled by str.format."""
+  if not isinstance(text, str) or "{}" not in text:
+    return False
+  try:
+    text.format("name")
+  except (IndexError, KeyError, ValueError):
+    return False
+  return True
+
+
+@dataclasses.dataclass
+class ZeroShotConfig:
+  """eval.zero_shot.*: classifying images by their similarity to class prompts (a contrastive
+  checkpoint)."""
+  class_names: List[str] = key([], Items(matches(r"(?s).*\S.*", "a non-empty name"),
+                                         unique=True, example="[cat,dog]"),
+                               "[]: the first eval dataset's own class names, in label order")
+  templates: List[str] = key([], Items(Rule(_is_template, "a prompt with one {} where the class "
+                                            "name goes"), example="['a photo of a {}.']"),
+                             "[]: the templates held out from the embedded captions")
+
+
+add_fields(EvalSuiteConfig, {"zero_shot": (ZeroShotConfig, dataclasses.field(
+    default_factory=ZeroShotConfig, metadata={CONTRASTIVE_ONLY: True,
+                                              "declared_by": f"{__name__}.ZeroShotConfig"}))})
 
 
 def prompts(class_names: list[str], templates: list[str]) -> list[str]:

@@ -3,8 +3,15 @@ again with a CIFAR-10-C corruption inserted into its preprocessing (runner/data/
 error, NLL and ECE per corruption and severity, their means over severities and corruptions."""
 from __future__ import annotations
 
+import dataclasses
+from typing import List
+
 import numpy as np
 
+from runner.config import preprocessing
+from runner.config.checks import Choice, Items, Range, key
+from runner.config.relations import relation
+from runner.config.schema import EvalSuiteConfig
 from runner.data import corruptions as corruptions_lib
 from runner.evaluators import predictions, suite as suite_lib
 
@@ -21,9 +28,28 @@ def corruption_names(names: list[str]) -> list[str]:
   return list(corruptions_lib.CORRUPTIONS) if list(names) == ["all"] else list(names)
 
 
+def _corruption_names() -> list[str]:
+  """Those runner/data/corruptions.py registers, read when a value is checked."""
+  return [*preprocessing.CORRUPTIONS.names(), "all"]
+
+
+@dataclasses.dataclass
+class CorruptionKeys:
+  corruptions: List[str] = key([], Items(Choice(_corruption_names)), "or [all]")
+  severities: List[int] = key([1, 2, 3, 4, 5], Items(Range(1, 5), example="[1,3,5]"))
+
+
+@relation
+def corruptions_have_severities(eval: EvalSuiteConfig):
+  if eval.corruptions and not eval.severities:
+    return ("eval.severities is empty but eval.corruptions names corruptions: give severities "
+            "from 1 to 5, e.g. eval.severities=[1,3,5].")
+
+
 class Evaluator(suite_lib.Evaluator):
   name = "corruptions"
   enabling_key = "eval.corruptions"
+  Keys = CorruptionKeys
 
   def run(self) -> suite_lib.Result:
     s, e = self.suite, self.suite.config

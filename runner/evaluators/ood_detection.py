@@ -4,13 +4,23 @@ pre-logits (class means and a tied covariance fitted on the in-distribution trai
 The metrics themselves are in runner/evaluators/ood.py."""
 from __future__ import annotations
 
+import dataclasses
+from typing import List
+
+from runner.config.checks import Items, key
 from runner.evaluators import predictions, suite as suite_lib
 from runner.evaluators.ood import SCORES, detection_metrics
+
+
+@dataclasses.dataclass
+class OodKeys:
+  ood_datasets: List[str] = key([], Items(unique=True), "each vs the first eval dataset")
 
 
 class Evaluator(suite_lib.Evaluator):
   name = "ood"
   enabling_key = "eval.ood_datasets"
+  Keys = OodKeys
 
   def run(self) -> suite_lib.Result:
     s = self.suite

@@ -11,6 +11,8 @@ for every eval dataset with captions.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -51,9 +53,15 @@ def require_captions(text_keys: dict[str, str | None]) -> None:
         "coco_captions.")
 
 
+@dataclasses.dataclass
+class RetrievalKeys:
+  retrieval: bool = False  # contrastive: image->text and text->image recall@1/5/10
+
+
 class Evaluator(suite_lib.Evaluator):
   name = "retrieval"
   enabling_key = "eval.retrieval"
+  Keys = RetrievalKeys
   in_training = False  # a contrastive run's validation measures in-batch retrieval itself
   on_classifier = False  # ranks captions by a contrastive model's text tower
   needs_labels = False

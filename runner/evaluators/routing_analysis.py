@@ -37,12 +37,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from typing import List
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runner.config import derived
+from runner.config import checks, derived
+from runner.config.relations import relation
+from runner.config.schema import EvalSuiteConfig, RunFields
 from runner.evaluators import routing_plots, suite as suite_lib
 from runner.models import tokens_per_image
 from runner.models.moe import routers
@@ -219,9 +222,50 @@ class Hook:
         totals[k] = totals.get(k, 0.0) + np.asarray(v, np.float64)
 
 
+@dataclasses.dataclass
+class RoutingAnalysisKeys:
+  routing_analysis: bool = False  # the V-MoE paper's Sec. 5 analysis (eval.routing.*)
+
+
+@dataclasses.dataclass
+class RoutingAnalysisConfig:
+  """eval.routing.*: the routing analysis' options (eval.routing_analysis=true)."""
+  layers: List[int] = checks.key([], checks.Items(checks.at_least(0), unique=True,
+                                                  example="[1,3]"),
+                                 "block indices of MoE layers; []: every MoE layer")
+  capacities: List[float] = checks.key(
+      [1.0, 0.5, 0.25, 0.1], checks.Items(checks.positive(), nonempty=True,
+                                          example="[1.0,0.5,0.1]"),
+      "capacity ratios of the dropped-patch maps (V-MoE Fig. 5)")
+  images: int = checks.key(4, checks.at_least(0), "images drawn in the dropped-patch maps")
+
+
+@relation
+def routing_analysis_needs_experts(run: RunFields):
+  eval, models = getattr(run, "eval", None), derived.held_models(run)
+  if not isinstance(eval, EvalSuiteConfig) or not eval.routing_analysis or not models:
+    return None
+  sparse = [m for m in models if derived.num_experts(m)]
+  if not sparse:
+    names = ", ".join(sorted({m.name for m in models}))
+    return (f"eval.routing_analysis=true looks at what routers decide, but {names} has no MoE "
+            "layers (a dense ViT); analyse a V-MoE, experts-choice or Soft MoE checkpoint.")
+  layers = set(eval.routing.layers)
+  for model in sparse:
+    moe = derived.moe_layers(model)
+    if layers - set(moe):
+      return (f"eval.routing.layers={sorted(layers)} names blocks without an MoE layer in model "
+              f"{model.name} ({sorted(layers - set(moe))}); its MoE layers are blocks "
+              f"{list(moe)} (or eval.routing.layers=[] for all of them).")
+  return None
+
+
 class Evaluator(suite_lib.Evaluator):
   name = "routing_analysis"
   enabling_key = "eval.routing_analysis"
+  Keys = RoutingAnalysisKeys
+  Config = RoutingAnalysisConfig
+  section = "routing"  # its options, eval.routing.*
 
   @classmethod
   def enabled(cls, config) -> bool:

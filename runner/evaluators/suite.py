@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
+import typing
 from typing import Callable, Protocol
 
 import jax
@@ -174,10 +175,17 @@ class Suite:
 
 class Evaluator:
   """One measurement, registered with `register`: the built-in ones in
-  runner/evaluators/__init__.py, a plug-in's in its own module. The class declares where it
-  applies, and the training loop, zero-shot evaluation and the config's relations ask these
-  attributes instead of naming evaluators."""
-  name = ""  # its section of eval.* (with a Config) and its name in messages and --help
+  runner/evaluators/__init__.py, a plug-in's in its own module. The class declares its keys and
+  where it applies, and the training loop, zero-shot evaluation and the config's relations ask
+  these attributes instead of naming evaluators.
+
+  Its keys are dataclasses (fields declared with `runner.config.checks.key`) that `register`
+  adds to the eval.* schema: `Config`, a section eval.<section>.* (eval.adversarial.*), and
+  `Keys`, keys of eval.* itself (eval.corruptions, eval.severities), for the older flat keys and
+  a single list or switch that reads as the whole measurement. A rule between its keys and
+  other sections is a `runner.config.relations.relation` function in its module (re-exported
+  as `runner.evaluators.relation`), checked with every config before any compute."""
+  name = ""  # its name in messages and --help, and its section of eval.* unless `section` says
   # The eval.* key that turns it on, named in error messages ("": always on, as classification);
   # `enabled` reads it unless the class says otherwise.
   enabling_key = ""
@@ -185,9 +193,11 @@ class Evaluator:
   on_contrastive = True  # measures a contrastive checkpoint evaluated as a zero-shot classifier
   on_classifier = True  # measures a classifier's checkpoint (False: needs a contrastive one)
   needs_labels = True  # False: also measures a dataset without labels (captions alone)
-  # A dataclass of its own keys, eval.<name>.* (the built-in ones keep their older keys in
-  # EvalSuiteConfig); None: no section.
+  # A dataclass of its own keys, eval.<section>.*; None: no section.
   Config: type | None = None
+  section = ""  # the name of Config's section ("": `name`), e.g. "routing" for eval.routing.*
+  # A dataclass whose fields are keys of eval.* itself, eval.<field>; None: none.
+  Keys: type | None = None
 
   def __init__(self, suite: Suite):
     self.suite = suite
@@ -234,6 +244,19 @@ def _origin(cls) -> str:
   return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)}"
 
 
+def _section(cls) -> str:
+  return cls.section or cls.name
+
+
+def _fields(declared: type | None) -> tuple[dataclasses.Field, ...]:
+  return dataclasses.fields(declared) if declared is not None else ()
+
+
+def _declared_by(f: dataclasses.Field) -> str | None:
+  """The evaluator whose registration added key `f` to eval.* (None: eval.*'s own keys)."""
+  return f.metadata.get("declared_by")
+
+
 def _declaration_problem(cls) -> str | None:
   """What keeps `cls` from being registered, in words for the plug-in's author; None if nothing."""
   if not (isinstance(cls, type) and issubclass(cls, Evaluator)):
@@ -241,13 +264,23 @@ def _declaration_problem(cls) -> str | None:
   if not isinstance(cls.name, str) or not cls.name.isidentifier():
     return (f"its name {cls.name!r} must be a Python identifier (its section eval.<name>.*), "
             "e.g. name = \"per_class_accuracy\"")
-  if cls.Config is not None and not dataclasses.is_dataclass(cls.Config):
-    return f"its Config {cls.Config!r} must be a dataclass (its keys, eval.{cls.name}.*)"
+  if cls.section and (not isinstance(cls.section, str) or not cls.section.isidentifier()):
+    return f"its section {cls.section!r} must be a Python identifier (eval.<section>.*)"
+  for what, declared in (("Config", cls.Config), ("Keys", cls.Keys)):
+    if declared is not None and not dataclasses.is_dataclass(declared):
+      where = f"eval.{_section(cls)}.*" if what == "Config" else "eval.<key>"
+      return f"its {what} {declared!r} must be a dataclass (its keys, {where})"
   fields = {f.name: f for f in dataclasses.fields(EvalSuiteConfig)}
-  if cls.Config is not None and cls.name in fields and _origin(fields[cls.name].type) != _origin(
-      cls.Config):
-    return (f"eval.{cls.name} is already a key of eval.*, so its Config cannot be that section: "
-            "give the evaluator another name")
+  own = _origin(cls)
+  if cls.Config is not None and _section(cls) in fields and _declared_by(
+      fields[_section(cls)]) != own:
+    return (f"eval.{_section(cls)} is already a key of eval.*, so its Config cannot be that "
+            "section: give the evaluator another " + ("section" if cls.section else "name"))
+  taken = [f.name for f in _fields(cls.Keys)
+           if f.name in fields and _declared_by(fields[f.name]) != own]
+  if taken:
+    return (f"its Keys declare {', '.join(f'eval.{k}' for k in taken)}, already a key of eval.*: "
+            "give the key another name")
   if cls.enabling_key and not _names_an_eval_key(cls):
     return (f"enabling_key={cls.enabling_key!r} is not a key of eval.* (e.g. "
             f"\"eval.{cls.name}.enabled\" with `enabled: bool = False` in its Config)")
@@ -255,12 +288,14 @@ def _declaration_problem(cls) -> str | None:
 
 
 def _names_an_eval_key(cls) -> bool:
-  """Whether `cls.enabling_key` is a key of eval.* once `cls.Config` is its section."""
+  """Whether `cls.enabling_key` is a key of eval.* once `cls`'s keys are added."""
   if not cls.enabling_key.startswith("eval."):
     return False
   probe = EvalSuiteConfig()
   if cls.Config is not None:
-    setattr(probe, cls.name, cls.Config())
+    setattr(probe, _section(cls), cls.Config())
+  for f in _fields(cls.Keys):
+    setattr(probe, f.name, getattr(cls.Keys(), f.name))
   try:
     cls.setting(probe)
   except AttributeError:
@@ -268,17 +303,29 @@ def _names_an_eval_key(cls) -> bool:
   return True
 
 
+def _keys(cls) -> dict[str, tuple[type, dataclasses.Field]]:
+  """The fields `cls` adds to eval.*, each marked as its own: its Keys, then its section."""
+  hints = typing.get_type_hints(cls.Keys) if cls.Keys is not None else {}
+  marked = {"declared_by": _origin(cls)}
+  keys = {f.name: (hints[f.name], dataclasses.field(
+      default=f.default, default_factory=f.default_factory, metadata={**f.metadata, **marked}))
+      for f in _fields(cls.Keys)}
+  if cls.Config is not None:
+    keys[_section(cls)] = (cls.Config, dataclasses.field(default_factory=cls.Config,
+                                                          metadata=marked))
+  return keys
+
+
 def register(cls: type[Evaluator]) -> type[Evaluator]:
   """Makes `cls` run wherever its keys enable it, after the evaluators registered before it,
-  and adds its Config to the schema as eval.<name>.*; a class decorator for a plug-in's module
-  (`plugins=[<module>]` imports it before the config is composed)."""
+  and adds its keys to the schema (`Keys` as eval.<key>, `Config` as eval.<section>.*); a class
+  decorator for a plug-in's module (`plugins=[<module>]` imports it before the config is
+  composed)."""
   problem = _declaration_problem(cls)
   if problem:
     raise TypeError(f"evaluator {_origin(cls)} cannot be registered: {problem}.")
   EVALUATORS.add(cls.name, cls)
-  if cls.Config is not None:
-    add_fields(EvalSuiteConfig,
-               {cls.name: (cls.Config, dataclasses.field(default_factory=cls.Config))})
+  add_fields(EvalSuiteConfig, _keys(cls))
   return cls
 
 

@@ -150,3 +150,45 @@ def test_bad_plugin_input_fails_before_compute(sub, args, expected, lab, vmoe, f
   names_one = any(a.startswith("plugins=") for a in args)
   _fails_clearly(vmoe(*command) if names_one else vmoe_in(lab, *command), *expected)
   assert not workdir.exists()
+
+
+# A plug-in evaluator whose module states a rule between its keys and another section, with the
+# relation decorator the built-in evaluators use (runner/evaluators/corruption.py).
+RULED_PLUGIN = '''
+import dataclasses
+
+from runner.config.schema import EvalSuiteConfig
+from runner.evaluators import Evaluator, Result, register, relation
+
+
+@dataclasses.dataclass
+class DrawnConfig:
+  enabled: bool = False
+
+
+@relation
+def drawn_needs_plots(eval: EvalSuiteConfig):
+  if eval.drawn.enabled and not eval.plots:
+    return ("eval.drawn.enabled=true with eval.plots=false: what it measures is a plot; drop "
+            "eval.plots=false.")
+
+
+@register
+class Drawn(Evaluator):
+  name = "drawn"
+  enabling_key = "eval.drawn.enabled"
+  Config = DrawnConfig
+
+  def run(self):
+    return Result()
+'''
+
+
+def test_a_plugin_relation_refuses_before_compute(lab, finetuned, tmp_path):
+  (lab / "drawn.py").write_text(RULED_PLUGIN)
+  workdir = tmp_path / "w"
+  _fails_clearly(vmoe_in(lab, "eval", f"workdir={workdir}", f"init.checkpoint={finetuned[0]}",
+                         *QUIET, "plugins=[per_class_accuracy,drawn]", "eval.drawn.enabled=true",
+                         "eval.plots=false"),
+                 "eval.drawn.enabled=true with eval.plots=false: what it measures is a plot")
+  assert not workdir.exists()

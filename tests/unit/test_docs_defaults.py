@@ -14,8 +14,9 @@ Keys are full dotted paths (`model.head.num_factors`, not `head.num_factors`); <
 as on the command line and read as YAML (`null`, `true`, `[]`, `0.999`, `paper`). Each claim must
 be
 - the key's default in runner/config/schema.py: the dataclass field's `default` or
-  `default_factory` (model.router.* as the router families register them, eval.<evaluator>.* as
-  the evaluators do), the same in every stage's schema that has the key; and
+  `default_factory` (model.router.* as the router families register them, an evaluator's eval.*
+  keys as its module declares and registers them), the same in every stage's schema that has
+  the key; and
 - what every stage starts with: no primary config (conf/<stage>.yaml), nor a group option it
   picks by default (conf/<group>/<option>.yaml), sets the key to another value.
 
@@ -37,7 +38,7 @@ import pytest
 import yaml
 from omegaconf import MISSING
 
-# The router families and evaluators add their keys (model.router.*, eval.<name>.*) to the schema
+# The router families and evaluators add their keys (model.router.*, eval.*) to the schema
 # when imported, as the CLI imports them (tests/conftest.py does too).
 import runner.evaluators  # noqa: F401
 import runner.models  # noqa: F401

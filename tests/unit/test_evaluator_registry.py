@@ -13,10 +13,10 @@ import types
 import pytest
 
 from runner.config import relations, schema
-from runner.config.checks import at_least, key
-from runner.config.validate import field_problems
+from runner.config.checks import Items, at_least, key
+from runner.config.validate import field_problems, validate
 from runner.errors import ConfigError
-from runner.evaluators import EVALUATORS, Evaluator, register, suite as suite_lib
+from runner.evaluators import EVALUATORS, Evaluator, register, relation, suite as suite_lib
 
 BUILT_IN = ["classification", "ood", "corruptions", "adversarial", "compute", "capacity_sweep",
             "routing_analysis", "retrieval"]
@@ -50,7 +50,7 @@ def _probe(name="probe", **declared):
   """An evaluator class declaring `declared` (a section eval.<name>.* unless Config=None)."""
   attributes = {"name": name, "enabling_key": f"eval.{name}.enabled", "Config": ProbeConfig,
                 **declared}
-  return type("Probe", (Evaluator,), attributes)
+  return type(f"Probe_{name}", (Evaluator,), attributes)  # one class per name
 
 
 def _enabled(eval_config, name="probe"):
@@ -73,11 +73,35 @@ def test_built_ins_declare_where_they_apply():
   assert all(c.on_contrastive for c in built_in.values())
 
 
+# The keys of eval.* that each built-in evaluator declares in its own module, flat (`Keys`) or as
+# a section (`Config`), and those of the whole evaluation, declared in runner/config/schema.py.
+DECLARED = {"classification": ["ece_bins"], "ood": ["ood_datasets"],
+            "corruptions": ["corruptions", "severities"], "adversarial": ["adversarial"],
+            "compute": [], "capacity_sweep": ["capacity_sweep"],
+            "routing_analysis": ["routing_analysis", "routing"], "retrieval": ["retrieval"]}
+RUN_WIDE = ["batch_size", "datasets", "split", "save_predictions", "plots"]
+
+
+def test_built_ins_declare_their_keys_in_their_own_modules():
+  fields = {f.name: f for f in dataclasses.fields(schema.EvalSuiteConfig)}
+  for name, keys in DECLARED.items():
+    cls = EVALUATORS.get(name)
+    assert [k for k, f in fields.items()
+            if f.metadata.get("declared_by") == suite_lib._origin(cls)] == keys, name
+    for declared in (cls.Config, cls.Keys):
+      assert declared is None or declared.__module__ == cls.__module__
+  assert EVALUATORS.get("routing_analysis").section == "routing"
+  # The zero-shot prompts: no evaluator's, read only for a contrastive checkpoint.
+  assert fields["zero_shot"].metadata[relations.CONTRASTIVE_ONLY]
+  assert fields["zero_shot"].type.__module__ == "runner.evaluators.contrastive"
+  assert sorted(fields) == sorted(RUN_WIDE + sum(DECLARED.values(), []) + ["zero_shot"])
+  assert all("declared_by" not in fields[k].metadata for k in RUN_WIDE)
+
+
 def test_built_in_enabling_keys_are_keys_of_eval():
   defaults = schema.EvalSuiteConfig()
   for name in BUILT_IN:
     cls = EVALUATORS.get(name)
-    assert cls.Config is None  # the built-in ones keep their older keys
     if not cls.enabling_key:  # always on
       assert name in ("classification", "compute") and cls.enabled(defaults)
       continue
@@ -108,6 +132,83 @@ def test_a_plugin_key_is_checked_like_a_built_in_one(schemas):
   register(_probe())
   problems = field_problems(Eval(probe=ProbeConfig(top_k=0)), "eval.")
   assert problems == ["eval.probe.top_k=0 must be >= 1 (classes in the summary)"]
+
+
+@dataclasses.dataclass
+class ProbeKeys:
+  probe_datasets: list = key([], Items(unique=True), "datasets the probe reads")
+
+
+def test_register_adds_flat_keys_and_a_section_of_another_name(schemas):
+  """As the built-in ones declare eval.ood_datasets (Keys) and eval.routing.* (section)."""
+  Eval, TrainingEval = schemas
+  probe = register(_probe(enabling_key="eval.probe_datasets", Keys=ProbeKeys, section="probing"))
+  for cls in (Eval, TrainingEval):
+    assert cls().probe_datasets == [] and cls().probing == ProbeConfig()
+    assert not hasattr(cls(), "probe") and not probe.enabled(cls())
+  assert probe.enabled(Eval(probe_datasets=["mnist"]))
+  assert field_problems(Eval(probe_datasets=["a", "a"]), "eval.")[0].startswith(
+      "eval.probe_datasets=['a', 'a'] ")
+  assert field_problems(Eval(probing=ProbeConfig(top_k=0)), "eval.") == [
+      "eval.probing.top_k=0 must be >= 1 (classes in the summary)"]
+  assert register(probe) is probe  # again, as a module imported twice
+
+
+@pytest.mark.parametrize("declared, expected", [
+    (dict(name="other", Keys=ProbeKeys, enabling_key="eval.probe_datasets"),
+     "its Keys declare eval.probe_datasets, already a key of eval.*"),
+    (dict(name="other", section="routing"), "eval.routing is already a key of eval.*"),
+    (dict(name="flat", Keys=type("Keys", (), {"__annotations__": {"ece_bins": int}}),
+          enabling_key=""), "its Keys <class"),
+    (dict(name="flat", Keys=dataclasses.make_dataclass("Keys", [("ece_bins", int, 3)]),
+          enabling_key=""), "its Keys declare eval.ece_bins, already a key of eval.*"),
+    (dict(section="not-a-name"), "its section 'not-a-name' must be a Python identifier"),
+])
+def test_keys_of_another_are_refused(declared, expected, schemas):
+  register(_probe(enabling_key="eval.probe_datasets", Keys=ProbeKeys, Config=None))
+  with pytest.raises(TypeError, match="cannot be registered") as e:
+    register(_probe(**declared))
+  assert expected in str(e.value)
+
+
+@pytest.fixture
+def own_relations():
+  """The relations as the built-in modules left them, again after the test."""
+  kept = list(relations.RELATIONS)
+  yield
+  relations.RELATIONS[:] = kept
+
+
+def test_a_plugin_relation_is_checked_with_the_config(schemas, own_relations):
+  """An evaluator's module states the rules between its keys and other sections with
+  `relation`, as the built-in ones do (corruption.py's corruptions_have_severities)."""
+  register(_probe())
+
+  @relation
+  def probe_draws(eval: schema.EvalSuiteConfig):
+    if eval.probe.enabled and not eval.plots:
+      return (f"eval.probe.enabled=true with eval.plots=false: the probe's result is its plot "
+              f"(eval.probe.top_k={eval.probe.top_k} classes); drop one.")
+
+  assert relations.RELATIONS[-1].fn is probe_draws
+  config = types.SimpleNamespace(eval=schema.EvalSuiteConfig(plots=False))
+  config.eval.probe = ProbeConfig(enabled=True)  # the key registering adds to eval.*
+  with pytest.raises(ConfigError, match=r"^eval.probe.enabled=true with eval.plots=false: the "
+                     r"probe's result is its plot \(eval.probe.top_k=3 classes\); drop one.$"):
+    validate(config)
+  config.eval.plots = True
+  assert validate(config) is config
+
+
+def test_built_in_relations_live_with_their_evaluators():
+  where = {r.fn.__name__: r.fn.__module__ for r in relations.RELATIONS}
+  assert where["corruptions_have_severities"] == "runner.evaluators.corruption"
+  assert where["reference_attack_fixes_its_step"] == "runner.evaluators.adversarial"
+  assert where["capacity_sweep_needs_experts"] == "runner.evaluators.capacity_sweep"
+  assert where["routing_analysis_needs_experts"] == "runner.evaluators.routing_analysis"
+  with pytest.raises(ConfigError, match="eval.severities is empty but eval.corruptions"):
+    validate(types.SimpleNamespace(eval=schema.EvalSuiteConfig(corruptions=["contrast"],
+                                                               severities=[])))
 
 
 def test_a_taken_name_is_refused(schemas):

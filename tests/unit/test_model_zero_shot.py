@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runner.config.schema import (ModelConfig, ObjectiveConfig, TextConfig, TokenizerConfig,
-                                  ZeroShotConfig, _is_template)
+from runner.config.schema import ModelConfig, ObjectiveConfig, TextConfig, TokenizerConfig
 from runner.config.validate import field_problems
 from runner.data.tokenizers import make_tokenizer
 from runner.errors import ConfigError
+from runner.evaluators.contrastive import ZeroShotConfig, _is_template
 from runner.models import model_config
 from runner.tasks import zero_shot
 from runner.train import state as state_lib
