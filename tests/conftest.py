@@ -72,6 +72,10 @@ SHARED_RUNS = {
     # A tiny dense ViT pretrained 1 step on MNIST.
     "vit_1step": ["pretrain", "model=vit_tiny", *TINY_MODEL, *QUIET, "train.steps=1",
                   "schedule.warmup_steps=0", "data.batch_size=16"],
+    # A tiny Soft MoE pretrained 3 steps on MNIST, its one MoE layer on block 1.
+    "softmoe_3steps": ["pretrain", "model=softmoe_tiny", *TINY_MODEL, *QUIET, "train.steps=3",
+                       "schedule.warmup_steps=0", "data.batch_size=16", "eval.every_steps=0",
+                       "checkpoint.every_steps=0", "model.moe.layers=[1]"],
 }
 
 

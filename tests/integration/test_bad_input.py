@@ -355,14 +355,11 @@ def test_a_dataset_smaller_than_a_batch_writes_nothing(args, expected, small_fol
 
 @pytest.fixture(scope="module")
 def runs(shared_run, tmp_path_factory):
-  """A tiny V-MoE run (checkpoints at steps 1 and 2) and a tiny ViT run, the session's shared runs
-  (read, never written); a tiny Soft MoE run; damaged copies of the V-MoE's."""
-  from runner import cli
+  """Tiny V-MoE (checkpoints at steps 1 and 2), ViT and Soft MoE runs, the session's shared runs
+  (read, never written; the cases ask what the checkpoints are, not how far they trained), and
+  damaged copies of the V-MoE's."""
   root = tmp_path_factory.mktemp("runs")
-  quiet = ["logger.wandb.mode=disabled", "logger.progress=false"]
   vmoe = shared_run("vmoe_2steps")
-  assert cli.main(["pretrain", f"workdir={root / 'soft'}", "model=softmoe_tiny", *TINY_MODEL,
-                   *quiet, "train.steps=1", "schedule.warmup_steps=0", "data.batch_size=16"]) == 0
   damaged = {
       "corrupt_params": lambda d: _garbage(d / "checkpoints/2/params/_METADATA"),
       "corrupt_config": lambda d: _garbage(d / "checkpoints/2/config/metadata"),
@@ -375,8 +372,8 @@ def runs(shared_run, tmp_path_factory):
     damage(root / name)
   (root / "file.txt").write_text("not a run")
   (root / "empty").mkdir()
-  return {"vmoe": vmoe, "vit": shared_run("vit_1step"),
-          **{name: root / name for name in ["soft", "file.txt", "empty", *damaged]}}
+  return {"vmoe": vmoe, "vit": shared_run("vit_1step"), "soft": shared_run("softmoe_3steps"),
+          **{name: root / name for name in ["file.txt", "empty", *damaged]}}
 
 
 def _garbage(path: pathlib.Path) -> None:

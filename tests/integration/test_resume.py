@@ -15,6 +15,9 @@ import pytest
 
 from conftest import QUIET, TINY_MODEL
 
+# One worker trains the module's uninterrupted run, once.
+pytestmark = pytest.mark.xdist_group("resume")
+
 ARGS = ["pretrain", *TINY_MODEL, *QUIET, "train.steps=40", "schedule.warmup_steps=0",
         "checkpoint.every_steps=10",
         "train.log_every_steps=10", "eval.every_steps=0", "data.batch_size=16",

@@ -43,15 +43,15 @@ def _dense_twin_flops(model: dict, num_classes: int) -> float:
 @pytest.fixture(scope="module")
 def upstream(shared_run, tmp_path_factory):
   """Tiny experts-choice and Soft MoE runs, 3 steps each; a token-choice V-MoE (2 steps) and a
-  dense ViT (1 step), the session's shared runs (read, never written: what the tests take from
-  them, experts to start from and an ensemble member, does not depend on their steps)."""
+  dense ViT (1 step). All but the experts-choice one are the session's shared runs (read, never
+  written; what the tests take from the V-MoE and the ViT, experts to start from and an ensemble
+  member, does not depend on their steps)."""
   from runner import cli
   root = tmp_path_factory.mktemp("routers")
-  runs = {"vmoe_tiny": shared_run("vmoe_2steps"), "vit_tiny": shared_run("vit_1step")}
-  for name in ("ecmoe_tiny", "softmoe_tiny"):
-    runs[name] = root / name
-    assert cli.main(["pretrain", f"model={name}", f"workdir={runs[name]}", *TINY_MODEL,
-                     *SHORT]) == 0
+  runs = {"ecmoe_tiny": root / "ecmoe_tiny", "softmoe_tiny": shared_run("softmoe_3steps"),
+          "vmoe_tiny": shared_run("vmoe_2steps"), "vit_tiny": shared_run("vit_1step")}
+  assert cli.main(["pretrain", "model=ecmoe_tiny", f"workdir={runs['ecmoe_tiny']}", *TINY_MODEL,
+                   *SHORT]) == 0
   return root, runs
 
 
