@@ -137,6 +137,10 @@ TRAINING_CASES = [
     (["model.router.type=soft", "model.router.balance_scope=batch"],
      ["model.router.balance_scope=batch means nothing for model.router.type=soft"]),
     (["model.router.gate=relu"], ["model.router.gate", "'relu'", "softmax, sigmoid"]),
+    (["model.router.gate=sigmoid", "model.router.batch_priority=true",
+      "model.router.priority=sum"],
+     ["model.router.priority=sum means nothing with model.router.gate=sigmoid",
+      "model.router.priority=max"]),
     # launchers and sweepers (nothing is submitted)
     (["--multirun", "hydra/launcher=kubernetes"], ["hydra/launcher/kubernetes", "slurm",
                                                    "parallel", "basic"]),
