@@ -16,6 +16,7 @@ import io
 import json
 import math
 import pathlib
+import re
 import statistics
 import sys
 from typing import Callable
@@ -93,7 +94,8 @@ def default_columns(jobs: list[Job]) -> list[Column]:
   stage = stage_of(summary)
   if stage in ("pretrain", "finetune"):
     return [Column("val prec@1", "val/prec@1"), Column("val NLL", "val/nll"),
-            Column("test prec@1", "test/prec@1"), Column("test NLL", "test/nll")]
+            Column("test prec@1", "test/prec@1"), Column("test NLL", "test/nll"),
+            *balance_columns(summary)]
   if stage == "fewshot":
     return [Column("few-shot accuracy (most shots)", lambda s: main_metric("fewshot", s))]
   if stage == "contrastive":
@@ -103,6 +105,26 @@ def default_columns(jobs: list[Job]) -> list[Column]:
   dataset = next(k.split("/")[0] for k in summary if k.endswith("/prec@1") and k.count("/") == 1)
   return [Column(f"{dataset} prec@1", f"{dataset}/prec@1"), Column("NLL", f"{dataset}/nll"),
           Column("ECE", f"{dataset}/ece"), Column("GFLOPs/image", "compute/gflops_per_image")]
+
+
+_BALANCE = re.compile(r"moe/layer_\d+/(max_violation|dead_experts|saturated_experts)")
+
+
+def balance_columns(summary: dict) -> list[Column]:
+  """A token-choice MoE's balance at the last logged training step (runner/models/moe/balance.py):
+  the worst layer's MaxVio, and the dead and saturated experts of all its layers together; none
+  for a run that logged no balance (a dense ViT, another router family)."""
+  if not any(_BALANCE.fullmatch(k) for k in summary):
+    return []
+
+  def over_layers(name: str, reduce) -> Callable[[dict], float | None]:
+    def read(s: dict):
+      values = [v for k, v in s.items() if (m := _BALANCE.fullmatch(k)) and m[1] == name]
+      return reduce(values) if values else None
+    return read
+  return [Column("MaxVio (worst layer)", over_layers("max_violation", max), 3),
+          Column("dead experts", over_layers("dead_experts", sum), 1),
+          Column("saturated experts", over_layers("saturated_experts", sum), 1)]
 
 
 def mean_std(values: list, digits: int = 4) -> str:

@@ -24,6 +24,8 @@ PAGE = "report.html"
 PICTURE_BUDGET = 4_000_000
 MAX_PICTURE = 3_000_000
 _LAYER = curves_lib.LAYER
+# A token-choice layer's balance over the batch (runner/models/moe/balance.py).
+_BALANCE = ("max_violation", "dead_experts", "saturated_experts")
 # Training scalars drawn together: (title, keys, y label).
 _TRAIN_CHARTS = (("Loss", ("train/loss", "val/loss"), "loss"),
                  ("Precision@1", ("train/prec@1", "val/prec@1"), "prec@1"),
@@ -302,9 +304,20 @@ def _routing(curves: curves_lib.Curves) -> str:
                               "over training")
   dropped += _per_layer_charts(curves.scalars, drawn, lambda n: n.startswith("fraction_dropped"),
                                "during training's validation", prefix="val")
+  balance = _per_layer_charts(curves.scalars, drawn, lambda n: n in _BALANCE,
+                              "balance per MoE layer, over the batch")
+  if balance:
+    parts.append(markup.note(
+        "Balance of each token-choice layer over the whole batch, from the (token, choice) "
+        "assignments TOP-k made before capacity drops: max_violation is MaxVio = (max_i load_i - "
+        "mean load) / mean load (0: perfectly even; Wang et al. 2024), dead_experts the experts "
+        "given no assignment, saturated_experts those whose buffer was full in at least half of "
+        "the routing groups."))
+  dropped += balance
   dropped += _per_layer_charts(  # what a router family logs of its own (Soft MoE's weights)
-      curves.scalars, drawn,
-      lambda n: not n.endswith("loss") and not n.startswith("fraction_dropped"), "per MoE layer")
+      curves.scalars, drawn, lambda n: (not n.endswith("loss") and n not in _BALANCE
+                                        and not n.startswith("fraction_dropped")),
+      "per MoE layer")
   if not parts and not dropped:
     return markup.note("No MoE layer logged its expert load or dropped tokens over training "
                        "(a dense ViT, or a stage that does not train).")

@@ -57,7 +57,7 @@ from runner.models import build_model, heads  # noqa: E402
 from runner.models.moe import routing  # noqa: E402
 from runner.models.moe.routers import RouterFamily  # noqa: E402
 from runner.models.moe.routers.base import TorchRouting  # noqa: E402
-from runner.models.moe.routers.token_choice import TokenChoice  # noqa: E402
+from runner.models.moe.routers.token_choice import Gate, TokenChoice  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("export_torch_parity")
 
@@ -95,6 +95,9 @@ CASES = {
         router=dataclasses.replace(DROPPING, batch_priority=True))), "softmax"),
     "token_choice_bpr_sum": (dict(classifier=Classifier.gap, **moe(router=dataclasses.replace(
         DROPPING, batch_priority=True, priority=Priority.sum))), "softmax"),
+    # DeepSeek-V3's sigmoid gates: TOP-k on the scores, weights normalized (BPR reads them).
+    "token_choice_sigmoid_bpr": (dict(classifier=Classifier.gap, **moe(router=dataclasses.replace(
+        DROPPING, batch_priority=True, gate=Gate.sigmoid))), "softmax"),
     "token_choice_reference_rounding": (
         dict(num_layers=3, **moe(layers=(1, 2), router=RouterConfig(
             k=2, capacity_ratio=1.0, eval_capacity_ratio=0.3,
@@ -238,7 +241,8 @@ def test_probabilities_match_flax(export, name):
 
 
 @pytest.mark.parametrize("name", ["token_choice_vanilla", "token_choice_bpr",
-                                  "token_choice_bpr_sum", "token_choice_reference_rounding",
+                                  "token_choice_bpr_sum", "token_choice_sigmoid_bpr",
+                                  "token_choice_reference_rounding",
                                   "experts_choice", "pbe", "partition_only"])
 def test_the_cases_drop_at_the_inference_capacity(export, name):
   """The capacity cases are meaningful: the Flax model dropped assignments (token choice) or

@@ -131,6 +131,16 @@ TRAINING_CASES = [
      ["model.moe.ensemble_size=2 needs a token-choice router", "model.router.type=soft"]),
     (["model.router.slots_per_expert=2"],
      ["model.router.slots_per_expert=2 means nothing for model.router.type=token_choice"]),
+    # token choice's gate and balance scope (model=ecmoe_tiny: experts choice)
+    (["model=ecmoe_tiny", "model.router.gate=sigmoid"],
+     ["model.router.gate=sigmoid means nothing for model.router.type=experts_choice"]),
+    (["model.router.type=soft", "model.router.balance_scope=batch"],
+     ["model.router.balance_scope=batch means nothing for model.router.type=soft"]),
+    (["model.router.gate=relu"], ["model.router.gate", "'relu'", "softmax, sigmoid"]),
+    (["model.router.gate=sigmoid", "model.router.batch_priority=true",
+      "model.router.priority=sum"],
+     ["model.router.priority=sum means nothing with model.router.gate=sigmoid",
+      "model.router.priority=max"]),
     # launchers and sweepers (nothing is submitted)
     (["--multirun", "hydra/launcher=kubernetes"], ["hydra/launcher/kubernetes", "slurm",
                                                    "parallel", "basic"]),
@@ -169,6 +179,8 @@ TRAINING_CASES = [
     # a dense ViT has no router and no MoE key
     (["model=vit_tiny", "model.router.type=soft"],
      ["model.router.type=soft means nothing for a dense ViT", "model=vmoe_tiny"]),
+    (["model=vit_tiny", "model.router.gate=sigmoid"],
+     ["model.router.gate=sigmoid means nothing for a dense ViT", "model=vmoe_tiny"]),
     (["model=vit_tiny", "model.moe.num_experts=8"],
      ["model.moe.num_experts=8 means nothing for a dense ViT", "model.moe.layers=every2"]),
     (["model.moe.layers=[]", "model.router.k=1", "model.moe.group_size=4"],

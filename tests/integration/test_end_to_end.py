@@ -42,6 +42,7 @@ def test_pretrain_writes_metrics_summary_config_and_checkpoints(pretrained):
   for r in train:
     assert np.isfinite(r["train/loss"]) and r["train/lr"] > 0
     assert "moe/layer_1/importance_loss" in r and len(r["moe/layer_1/expert_load"]) == 8
+    assert np.isfinite(r["moe/layer_1/max_violation"]) and 0 <= r["moe/layer_1/dead_experts"] <= 8
   assert 0 <= val[-1]["val/prec@1"] <= 1 and val[-1]["val/nll"] > 0
   summary = json.loads((pretrained / "summary.json").read_text())
   assert summary["step"] == 4
@@ -108,6 +109,24 @@ def test_finetune_from_pretrain_then_eval(pretrained, tmp_path, run_cli):
   stored = yaml.safe_load((tmp_path / "ev_bpr" / "config.yaml").read_text())
   assert stored["model"]["router"] == {**stored["model"]["router"], "k": 1,
                                        "eval_capacity_ratio": 0.1, "batch_priority": True}
+
+
+def test_sigmoid_gates_with_a_batch_balancing_loss_train_and_log_their_balance(tmp_path,
+                                                                                 run_cli):
+  """model.router.gate=sigmoid and balance_scope=batch train; every MoE layer logs MaxVio and its
+  dead and saturated experts, which vmoe summarize tabulates."""
+  workdir = tmp_path / "runs" / "sigmoid"
+  code, _, err = run_cli("pretrain", f"workdir={workdir}", *TINY_MODEL, *QUIET, "train.steps=2",
+                         "schedule.warmup_steps=0", "data.batch_size=16",
+                         "model.router.gate=sigmoid", "model.router.balance_scope=batch")
+  assert code == 0, err
+  train = [r for r in _lines(workdir / "metrics.jsonl") if "train/loss" in r]
+  assert train and np.isfinite(train[-1]["train/loss"])
+  assert train[-1]["moe/layer_1/max_violation"] >= 0
+  assert 0 <= train[-1]["moe/layer_1/saturated_experts"] <= 8
+  code, out, err = run_cli("summarize", str(tmp_path / "runs"), "--no-plots", "--no-report")
+  assert code == 0, err
+  assert "MaxVio (worst layer) | dead experts | saturated experts" in out
 
 
 def test_finetune_at_a_new_resolution_resizes_position_embeddings(pretrained, tmp_path, run_cli):

@@ -209,7 +209,8 @@ def test_partitioned_router_determinism_and_metric_shapes(groups, members):
   for a, b in zip(jax.tree.leaves((plan_a, m_a)), jax.tree.leaves((plan_b, m_b))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert set(m_a) == {"importance_loss", "auxiliary_loss", "fraction_dropped_tokens",
-                      "fraction_dropped_assignments", "expert_load"}
+                      "fraction_dropped_assignments", "expert_load", "max_violation",
+                      "dead_experts", "saturated_experts"}
   assert np.asarray(plan_a.experts).shape == (groups * members, tokens, k)
   assert int(np.asarray(plan_a.experts).max()) < e // members
 

@@ -14,7 +14,8 @@ from moe_reference import (buffers_to_plan_arrays, importance_loss_reference,
 
 G, S, D = 2, 16, 6
 METRIC_KEYS_EVAL = {"importance_loss", "auxiliary_loss", "fraction_dropped_tokens",
-                    "fraction_dropped_assignments", "expert_load"}
+                    "fraction_dropped_assignments", "expert_load", "max_violation",
+                    "dead_experts", "saturated_experts"}
 
 
 def _setup(seed=0, scale=1.0, **router_kwargs):

@@ -173,6 +173,30 @@ def test_run_page_has_every_section_and_a_heat_map_per_moe_layer(tmp_path):
   assert "records in metrics.jsonl; every one is drawn" in text
 
 
+def test_token_choice_balance_is_charted_explained_and_tabled(tmp_path):
+  """max_violation, dead_experts and saturated_experts (runner/models/moe/balance.py): a chart
+  each with a line per layer, what they mean, and their last values in the moe/ table."""
+  run = make_run(tmp_path / "up", summary={"val/prec@1": 0.4, "moe/layer_1/max_violation": 0.25,
+                                           "moe/layer_3/max_violation": 0.5,
+                                           "moe/layer_1/dead_experts": 1.0})
+  records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+  with open(run / "metrics.jsonl", "w") as out:
+    for record in records:
+      for layer in (1, 3):
+        record.update({f"moe/layer_{layer}/max_violation": 0.1 * layer + record["step"] / 100,
+                       f"moe/layer_{layer}/dead_experts": 1.0,
+                       f"moe/layer_{layer}/saturated_experts": float(record["step"] % 3)})
+      out.write(json.dumps(record) + "\n")
+  text = run_page.write_run_page(run).read_text()
+  routing = text.split('<section id="routing">')[1].split("</section>")[0]
+  for name in ("max_violation", "dead_experts", "saturated_experts"):
+    assert f"moe/layer_*/{name}" in routing, name
+  assert routing.count("balance per MoE layer, over the batch") == 3
+  assert "MaxVio = (max_i load_i - mean load) / mean load" in routing
+  assert ('<tr><td>max_violation</td><td class="num">0.2500</td><td class="num">0.5000</td>'
+          in text)
+
+
 def test_started_from_links_the_origin_runs_page_relatively(tmp_path):
   up = make_run(tmp_path / "runs" / "up")
   down = make_run(tmp_path / "runs" / "down", stage="finetune",

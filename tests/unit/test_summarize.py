@@ -54,6 +54,25 @@ def test_the_table_averages_seeds_per_swept_value(sweep, run_cli):
   assert all((root / str(job) / "report.html").exists() for job in range(4))
 
 
+def test_a_token_choice_sweep_shows_its_balance(tmp_path):
+  """The worst layer's MaxVio and the dead and saturated experts of all layers, beside the
+  stage's metrics, averaged over seeds as they are."""
+  for num, (gate, seed) in enumerate([(g, s) for g in ("softmax", "sigmoid") for s in (0, 1)]):
+    vio = {"softmax": 0.4, "sigmoid": 0.2}[gate] + 0.1 * seed
+    _job(tmp_path, num, [f"model.router.gate={gate}", f"seed={seed}"],
+         {"val/prec@1": 0.5, "val/nll": 1.0, "test/prec@1": 0.5, "test/nll": 1.0,
+          "moe/layer_1/max_violation": vio, "moe/layer_3/max_violation": vio / 2,
+          "moe/layer_1/dead_experts": 1.0, "moe/layer_3/dead_experts": float(seed),
+          "moe/layer_1/saturated_experts": 2.0, "moe/layer_3/saturated_experts": 0.0})
+  header, body = summarize.sweep_table(summarize.find_jobs(tmp_path),
+                                       summarize.default_columns(summarize.find_jobs(tmp_path)))
+  assert header[-4:] == ["MaxVio (worst layer)", "dead experts", "saturated experts", "n"]
+  rows = {row[0]: row[-4:-1] for row in body}
+  assert rows["softmax"] == [f"0.450 ± {statistics.stdev([0.4, 0.5]):.3f}",
+                             f"1.5 ± {statistics.stdev([1, 2]):.1f}", "2.0 ± 0.0"]
+  assert rows["sigmoid"][0] == f"0.250 ± {statistics.stdev([0.2, 0.3]):.3f}"
+
+
 def test_metrics_and_no_aggregation_on_request(sweep, run_cli):
   root, _ = sweep
   code, _, err = run_cli("summarize", str(root), "--metrics", "test/nll", "--aggregate", "",

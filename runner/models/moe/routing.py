@@ -83,9 +83,9 @@ def plan_dispatch(gates: jax.Array, *, k: int, capacity: int, batch_priority: bo
                   priority: str = "max") -> DispatchPlan:
   """Assigns each token's TOP-k experts to buffer slots, dropping what does not fit.
 
-  gates: (G, S, E) routing weights (softmax outputs). Implemented with one sort per group over
-  the S*k assignments, so the cost grows with tokens * log(tokens), not with the number of experts
-  times the capacity.
+  gates: (G, S, E) routing weights (softmax outputs, or `sigmoid_gates`). Implemented with one
+  sort per group over the S*k assignments, so the cost grows with tokens * log(tokens), not with
+  the number of experts times the capacity.
   """
   if priority not in PRIORITIES:
     raise ValueError(f"unknown routing priority {priority!r}; valid: {PRIORITIES}")
@@ -154,6 +154,50 @@ def load_loss(logits_clean: jax.Array, logits_noisy: jax.Array, noise_std: float
   threshold(x) is the k-th largest noisy logit; p_i(x) = P(eps_new >= threshold - (Wx)_i) with
   eps_new ~ N(0, noise_std^2); load_i = sum over tokens of p_i(x).
   """
+  return squared_cv(entry_probability(logits_clean, logits_noisy, noise_std, k).sum(axis=-2))
+
+
+def entry_probability(logits_clean: jax.Array, logits_noisy: jax.Array, noise_std: float,
+                      k: int) -> jax.Array:
+  """p_i(x) of the load loss (eqs. 4-5): the probability that expert i enters the token's TOP-k
+  when the noise is drawn again. It depends on the logits' order only, so it is the same for any
+  increasing gate of the logits (softmax, sigmoid)."""
   threshold = _pick(logits_noisy, top_k_indices(logits_noisy, k)[..., -1:])
-  p = 1.0 - jax.scipy.stats.norm.cdf((threshold - logits_clean) / noise_std)
-  return squared_cv(p.sum(axis=-2))
+  return 1.0 - jax.scipy.stats.norm.cdf((threshold - logits_clean) / noise_std)
+
+
+GATES = ("softmax", "sigmoid")
+
+
+def gate_weights(logits: jax.Array, gate: str, k: int) -> jax.Array:
+  """The routing weights `plan_dispatch` reads: softmax(logits), or `sigmoid_gates`."""
+  if gate == "softmax":
+    return jax.nn.softmax(logits)
+  if gate == "sigmoid":
+    return sigmoid_gates(logits, k)
+  raise ValueError(f"unknown gate {gate!r}; valid: {GATES}")
+
+
+def importance_weights(logits: jax.Array, gates: jax.Array, gate: str) -> jax.Array:
+  """What the importance loss sums per expert: the softmax gates, or for sigmoid the scores
+  normalized over all E experts (DeepSeek-V3's s'_i, eq. 19), since the TOP-k normalization of
+  `sigmoid_gates` leaves the other experts' scale arbitrary. The load loss needs no such choice:
+  its probability of entering the TOP-k (`entry_probability`) depends on the logits' order only,
+  which sigmoid keeps."""
+  if gate == "softmax":
+    return gates
+  scores = jax.nn.sigmoid(logits)
+  return scores / scores.sum(axis=-1, keepdims=True)
+
+
+def sigmoid_gates(logits: jax.Array, k: int) -> jax.Array:
+  """DeepSeek-V3's gates (arXiv 2412.19437, eqs. 15-16): scores s = sigmoid(logits), each token's
+  TOP-k chosen on s and their weights g_i = s_i / sum_{j in TOP-k} s_j.
+
+  Returned as the whole row s / sum_{TOP-k} s (G, S, E): scaling a row by a positive number
+  keeps its order, so `plan_dispatch` picks the same TOP-k from it and reads the normalized
+  weights as the combine weights (and Batch Prioritized Routing as its priority).
+  """
+  scores = jax.nn.sigmoid(logits)
+  top = _pick(scores, top_k_indices(scores, k)).sum(axis=-1, keepdims=True)
+  return scores / top

@@ -1,14 +1,18 @@
 """Token-choice routing, the router of V-MoE: each token picks its TOP-k experts (Riquelme et al.).
 
-g(x) = TOP_k(softmax(Wx + eps)), eps ~ N(0, (noise_std / E)^2) in training only; each expert
+g(x) = TOP_k(softmax(Wx + eps)), eps ~ N(0, (noise_std / E)^2) in training only (or, with
+gate=sigmoid, DeepSeek-V3's sigmoid scores with normalized TOP-k weights); each expert
 has a buffer of B_e = round(k * tokens * C / E) slots per routing group and drops what does not
 fit, in the order of Algorithm 1 (vanilla) or 2 (Batch Prioritized Routing); auxiliary importance
-and load losses (Appendix A.2). The policy itself is `runner.models.moe.routing`; the reference
-code names this router `NoisyTopExpertsPerItemRouter` (vmoe/nn/routing.py).
+and load losses (Appendix A.2), per routing group or over the batch (balance_scope, balance.py),
+and the balance diagnostics MaxVio, dead and saturated experts. The policy itself is
+`runner.models.moe.routing`; the reference code names this router `NoisyTopExpertsPerItemRouter`
+(vmoe/nn/routing.py).
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import pathlib
 from typing import Optional
 
@@ -19,7 +23,7 @@ import flax.linen as nn
 from runner.config import derived
 from runner.config.checks import at_least, key, positive
 from runner.config.schema import CapacityRounding, Priority
-from runner.models.moe import routing
+from runner.models.moe import balance, routing
 from runner.models.moe.routers.base import RouterFamily, TorchRouting, register
 
 # Keys other families read too, with the same type, default and hint in each.
@@ -34,6 +38,16 @@ SHARED_KEYS = {
 }
 
 
+class Gate(str, enum.Enum):
+  softmax = "softmax"  # softmax(Wx + eps), V-MoE
+  sigmoid = "sigmoid"  # sigmoid(Wx + eps), TOP-k weights normalized to sum to 1 (DeepSeek-V3)
+
+
+class BalanceScope(str, enum.Enum):
+  group = "group"  # the auxiliary losses per routing group, averaged (V-MoE)
+  batch = "batch"  # per-expert sums over the whole batch first (Qiu et al. 2025)
+
+
 @dataclasses.dataclass
 class TokenChoiceConfig:
   """model.router.* of router type token_choice."""
@@ -44,6 +58,11 @@ class TokenChoiceConfig:
   priority: Priority = Priority.max
   noise_std: Optional[float] = SHARED_KEYS["noise_std"]()
   capacity_rounding: CapacityRounding = SHARED_KEYS["capacity_rounding"]()
+  gate: Gate = key(Gate.softmax, hint="softmax: V-MoE; sigmoid: sigmoid scores, the TOP-k "
+                   "weights normalized to sum to 1 (DeepSeek-V3)")
+  balance_scope: BalanceScope = key(BalanceScope.group, hint="group: the auxiliary losses per "
+                                    "routing group (V-MoE); batch: over the whole batch "
+                                    "(global-batch balancing, Qiu et al. 2025)")
 
 
 _KERNEL_INIT = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
@@ -80,6 +99,8 @@ class NoisyTopKRouter(nn.Module):
   noise_std: float = 1.0
   capacity_rounding: str = "paper"  # routing.expert_capacity: "paper" or "reference"
   partitions: int = 1
+  gate: str = "softmax"  # or "sigmoid": routing.sigmoid_gates
+  balance_scope: str = "group"  # or "batch": balance.py
 
   @nn.compact
   def __call__(self, x: jax.Array, *, train: bool) -> tuple[routing.DispatchPlan, dict]:
@@ -96,13 +117,15 @@ class NoisyTopKRouter(nn.Module):
       kernel = _PartitionedKernel(self.num_experts, name="dense")(dim).reshape(dim, p, experts)
       logits = jnp.einsum("gpsd,dpe->gpse", x.reshape(num_groups // p, p, num_tokens, dim),
                           kernel).reshape(num_groups, num_tokens, experts)
-    gates_clean = jax.nn.softmax(logits)
-    metrics = {"importance_loss": routing.importance_loss(gates_clean).mean()}
+    gates_clean = routing.gate_weights(logits, self.gate, self.k)
+    metrics = {"importance_loss": balance.importance_loss(
+        routing.importance_weights(logits, gates_clean, self.gate), self.balance_scope, p)}
     noise_std = self.noise_std / experts
     if train and noise_std > 0:
       noisy = logits + noise_std * jax.random.normal(self.make_rng("gating"), logits.shape)
-      gates = jax.nn.softmax(noisy)
-      metrics["load_loss"] = routing.load_loss(logits, noisy, noise_std, self.k).mean()
+      gates = routing.gate_weights(noisy, self.gate, self.k)
+      metrics["load_loss"] = balance.load_loss(logits, noisy, noise_std, self.k,
+                                               self.balance_scope, p)
       metrics["auxiliary_loss"] = 0.5 * metrics["importance_loss"] + 0.5 * metrics["load_loss"]
     else:
       # No noise (evaluation, or noise_std = 0): no load loss, and the importance loss keeps its
@@ -123,6 +146,7 @@ class NoisyTopKRouter(nn.Module):
     # Fraction of the layer's buffer slots each of the E experts filled, averaged over groups.
     filled = plan.expert_of_slot_filled.reshape(num_groups // p, self.num_experts)
     metrics["expert_load"] = jnp.mean(filled, axis=0) / capacity
+    metrics.update(balance.diagnostics(plan, p))
     return plan, metrics
 
 
@@ -159,6 +183,9 @@ class TokenChoice(RouterFamily):
                   noise_std=1.0 if router.noise_std is None else router.noise_std)
     if _name(router.capacity_rounding) != "paper":  # the default's arguments stay as they were
       kwargs["capacity_rounding"] = _name(router.capacity_rounding)
+    for option, default in (("gate", "softmax"), ("balance_scope", "group")):
+      if _name(getattr(router, option)) != default:
+        kwargs[option] = _name(getattr(router, option))
     return kwargs
 
   @classmethod
@@ -184,7 +211,8 @@ class TokenChoice(RouterFamily):
     return TorchRouting(
         config=dict(k=int(router.k), capacity_ratio=float(_ratio(router, train=False)),
                     capacity_rounding=_name(router.capacity_rounding),
-                    batch_priority=bool(router.batch_priority), priority=_name(router.priority)),
+                    batch_priority=bool(router.batch_priority), priority=_name(router.priority),
+                    **({} if _name(router.gate) == "softmax" else {"gate": _name(router.gate)})),
         source=pathlib.Path(__file__).with_name("token_choice_torch.py").read_text(),
         class_name="TokenChoiceRouter")
 

@@ -9,7 +9,9 @@ class TokenChoiceRouter(nn.Module):
   (Algorithm 1, or Batch Prioritized Routing), and drops the rest.
 
   config: k, capacity_ratio (the one in force at inference), capacity_rounding, batch_priority,
-  priority ("max" or "sum").
+  priority ("max" or "sum"), and gate when it is "sigmoid" (DeepSeek-V3): scores sigmoid(x W),
+  TOP-k chosen on them, and each row divided by its TOP-k's sum, so that the chosen weights sum
+  to 1 (routing.py `sigmoid_gates`).
   """
 
   def __init__(self, config: dict, dim: int, num_experts: int):
@@ -20,7 +22,11 @@ class TokenChoiceRouter(nn.Module):
   def forward(self, x: torch.Tensor, first: int, count: int) -> SlotPlan:
     c = self.config
     logits = F.linear(x.float(), self.dense.weight[first:first + count].float())
-    gates = torch.softmax(logits, dim=-1)  # over the `count` experts routed among
+    if c.get("gate", "softmax") == "sigmoid":
+      scores = torch.sigmoid(logits)
+      gates = scores / scores.gather(-1, top_k(scores, c["k"])).sum(-1, keepdim=True)
+    else:
+      gates = torch.softmax(logits, dim=-1)  # over the `count` experts routed among
     capacity = expert_capacity(x.shape[1], count, c["k"], c["capacity_ratio"],
                                c["capacity_rounding"])
     return plan_top_k(gates, c["k"], capacity, c["batch_priority"], c["priority"])

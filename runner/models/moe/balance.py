@@ -1,0 +1,71 @@
+"""How evenly token-choice routing spreads a batch over the experts: the auxiliary losses at the
+scope of a routing group or of the whole batch, and the diagnostics every step logs.
+
+Balance scope (Qiu et al. 2025, "Demons in the Detail", arXiv 2501.11873): V-MoE's importance and
+load losses take the squared coefficient of variation of per-expert sums within each routing
+group, then average over groups ("group"). With "batch", the per-expert sums are added over every
+group of the batch first, then one squared CV is taken: a group may specialise as long as the
+batch stays balanced. The sum runs over the batch's group axis, which jit shards over devices, so
+under data or expert parallelism it is a global reduction (every group, every device) without a
+collective written here. With gradient accumulation "the batch" is one micro-batch.
+
+Diagnostics (Wang et al. 2024, arXiv 2408.15664), from the (token, choice) assignments TOP-k made,
+before capacity drops, over the whole batch: load_i is how many went to expert i;
+- max_violation: MaxVio = (max_i load_i - mean load) / mean load (0: perfectly even);
+- dead_experts: experts given no assignment in the batch;
+- saturated_experts: experts whose buffer was full (every slot taken) in at least half of the
+  routing groups, i.e. that drop tokens more often than not.
+
+With P partitions (a partitioned batch ensemble) group g routes among partition g % P's experts:
+sums run over the groups of one partition, and a squared CV is taken per partition, then averaged.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from runner.models.moe import routing
+from runner.models.moe.dispatch import DispatchPlan
+
+SCOPES = ("group", "batch")
+
+
+def expert_sums(values: jax.Array, scope: str, partitions: int = 1) -> jax.Array:
+  """(G, S, E) per-token values -> per-expert sums: (G, E) per group, or (P, E) per batch."""
+  if scope not in SCOPES:
+    raise ValueError(f"unknown balance scope {scope!r}; valid: {SCOPES}")
+  sums = values.sum(axis=-2)
+  if scope == "group":
+    return sums
+  return sums.reshape(-1, partitions, sums.shape[-1]).sum(axis=0)
+
+
+def importance_loss(gates: jax.Array, scope: str = "group", partitions: int = 1) -> jax.Array:
+  """V-MoE's importance loss (App. A.2, eqs. 1-2) at `scope`, averaged over groups (partitions)."""
+  if scope == "group":  # as it always was, bit for bit
+    return routing.importance_loss(gates).mean()
+  return routing.squared_cv(expert_sums(gates, scope, partitions)).mean()
+
+
+def load_loss(logits_clean: jax.Array, logits_noisy: jax.Array, noise_std: float, k: int,
+              scope: str = "group", partitions: int = 1) -> jax.Array:
+  """V-MoE's load loss (App. A.2, eqs. 3-6) at `scope`: the expected loads summed per group or
+  per batch before the squared CV."""
+  if scope == "group":
+    return routing.load_loss(logits_clean, logits_noisy, noise_std, k).mean()
+  p = routing.entry_probability(logits_clean, logits_noisy, noise_std, k)
+  return routing.squared_cv(expert_sums(p, scope, partitions)).mean()
+
+
+def diagnostics(plan: DispatchPlan, partitions: int = 1) -> dict[str, jax.Array]:
+  """max_violation, dead_experts and saturated_experts of a plan (see the module docstring);
+  with partitions, over the layer's P * E/P experts."""
+  groups, experts = plan.experts.shape[0], plan.num_experts
+  chosen = jax.nn.one_hot(plan.experts, experts, dtype=jnp.int32).sum(axis=(1, 2))  # (G, E/P)
+  load = chosen.reshape(groups // partitions, partitions * experts).sum(axis=0)  # (E,)
+  mean = jnp.mean(load.astype(jnp.float32))
+  full = plan.expert_of_slot_filled >= plan.capacity  # (G, E/P)
+  often_full = jnp.mean(full.reshape(groups // partitions, -1), axis=0) >= 0.5
+  return {"max_violation": (jnp.max(load) - mean) / mean,
+          "dead_experts": jnp.sum(load == 0).astype(jnp.float32),
+          "saturated_experts": jnp.sum(often_full).astype(jnp.float32)}
