@@ -198,18 +198,6 @@ def ensemble_needs_experts(model: ModelConfig):
 
 
 @relation
-def sigmoid_gates_prioritize_by_max(model: ModelConfig):
-  """Sigmoid gates' TOP-k weights sum to 1 for every token (routing.sigmoid_gates)."""
-  router = model.router
-  if (_show(getattr(router, "gate", "softmax")) == "sigmoid" and router.batch_priority
-      and _show(router.priority) == "sum"):
-    return ("model.router.priority=sum means nothing with model.router.gate=sigmoid: the TOP-k "
-            "weights of sigmoid gates sum to 1 for every token, so Batch Prioritized Routing "
-            "would order the tokens by rounding noise. Use model.router.priority=max (the "
-            "largest normalized weight), or model.router.gate=softmax.")
-
-
-@relation
 def head_temperature_in_bounds(model: ModelConfig):
   head = model.head
   low, high = head.temperature_bounds

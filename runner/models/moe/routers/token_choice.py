@@ -164,7 +164,15 @@ class TokenChoice(RouterFamily):
 
   @classmethod
   def problem(cls, model) -> str | None:
-    """k <= the experts a token chooses among (those of its member in an ensemble)."""
+    """k <= the experts a token chooses among (those of its member in an ensemble); Batch
+    Prioritized Routing by the sum of the TOP-k weights means nothing with sigmoid gates, whose
+    TOP-k weights sum to 1 for every token (routing.sigmoid_gates)."""
+    router = model.router
+    if router.gate == Gate.sigmoid and router.batch_priority and _name(router.priority) == "sum":
+      return ("model.router.priority=sum means nothing with model.router.gate=sigmoid: the TOP-k "
+              "weights of sigmoid gates sum to 1 for every token, so Batch Prioritized Routing "
+              "would order the tokens by rounding noise. Use model.router.priority=max (the "
+              "largest normalized weight), or model.router.gate=softmax.")
     experts, per_member = derived.num_experts(model), derived.experts_per_router(model)
     if model.router.k <= per_member:
       return None
