@@ -37,9 +37,30 @@ def moe_layers(model: ModelConfig) -> tuple[int, ...]:
   return moe_layer_indices(model.moe.layers or [], model.num_layers)
 
 
+def expert_split(model: ModelConfig) -> int:
+  """m of DeepSeekMoE's fine-grained experts (model.moe.expert_split): each of the
+  model.moe.num_experts experts split into m narrower ones; 1 for a V-MoE's experts and a ViT."""
+  return int(model.moe.expert_split) if model.moe.num_experts and moe_layers(model) else 1
+
+
 def num_experts(model: ModelConfig) -> int:
-  """Experts per MoE layer, 0 for a dense ViT."""
-  return int(model.moe.num_experts) if model.moe.num_experts and moe_layers(model) else 0
+  """Routed experts per MoE layer, 0 for a dense ViT: model.moe.num_experts E, or E*m
+  fine-grained experts (`expert_split`), the experts the router chooses among and the leading
+  axis of the layer's expert weights."""
+  if not (model.moe.num_experts and moe_layers(model)):
+    return 0
+  return int(model.moe.num_experts) * int(model.moe.expert_split)
+
+
+def expert_width(model: ModelConfig) -> int:
+  """The hidden width of one routed or shared expert: model.mlp_dim, or mlp_dim / m for
+  fine-grained experts, so that E*m experts of k*m choices cost a token what E of k did."""
+  return int(model.mlp_dim) // expert_split(model)
+
+
+def shared_experts(model: ModelConfig) -> int:
+  """Experts every token of an MoE layer passes through (model.moe.shared_experts), 0 for a ViT."""
+  return int(model.moe.shared_experts) if num_experts(model) else 0
 
 
 def ensemble_size(model: ModelConfig) -> int:
@@ -78,6 +99,21 @@ def router_family(model: ModelConfig):
   """The router family `model.router.type` names (registered by runner/models/moe/routers or a
   plug-in)."""
   return registries.ROUTERS.get(model.router.type)
+
+
+def router(model: ModelConfig):
+  """model.router as the routers route: the config itself, or with fine-grained experts
+  (`expert_split` m > 1) as its family splits it (`RouterFamily.split_router`; token-choice: each
+  token chooses k*m of the E*m experts). What the model, FLOP counting, active parameters, the
+  routing analysis and export hand the family."""
+  m = expert_split(model)
+  if m == 1:
+    return model.router
+  split = router_family(model).split_router(model.router, m)
+  if split is None:
+    raise ValueError(f"model.router.type={model.router.type} cannot split its experts "
+                     f"(model.moe.expert_split={m})")
+  return split
 
 
 def pre_logits_width(model: ModelConfig) -> int:

@@ -198,6 +198,39 @@ def ensemble_needs_experts(model: ModelConfig):
 
 
 @relation
+def deepseek_experts_apply(model: ModelConfig):
+  """Shared and fine-grained experts (DeepSeekMoE; a dense ViT, which has neither, is refused by
+  dense_model_has_no_router): one router per layer, a family that splits its experts, and a split
+  that divides the MLP's width."""
+  moe = model.moe
+  if (moe.shared_experts == 0 and moe.expert_split == 1) or not _moe_layers(model) or (
+      moe.num_experts < 1):
+    return None
+  given = [f"model.moe.{name}={value}" for name, value, default in (
+      ("shared_experts", moe.shared_experts, 0), ("expert_split", moe.expert_split, 1))
+      if value != default]
+  if moe.ensemble_size > 1:
+    return (f"{' and '.join(given)} cannot be used with a partitioned batch ensemble "
+            f"(model.moe.ensemble_size={moe.ensemble_size}): its members partition the experts "
+            "among themselves, and vmoe does not partition shared or fine-grained experts. Drop "
+            f"{'it' if len(given) == 1 else 'them'}, or model.moe.ensemble_size=1.")
+  if moe.expert_split == 1:
+    return None
+  family = derived.router_family(model)
+  if not family.supports_expert_split:
+    return (f"model.moe.expert_split={moe.expert_split} means nothing for model.router.type="
+            f"{family.name} ({family.summary}): fine-grained experts let each token choose k*m "
+            "of the E*m narrower experts, which only a router whose tokens choose k experts "
+            "does. Drop it, or choose such a router (model.router.type="
+            f"{'|'.join(n for n, f in registries.ROUTERS.items() if f.supports_expert_split)}).")
+  if model.mlp_dim % moe.expert_split:
+    return (f"model.moe.expert_split={moe.expert_split} does not divide model.mlp_dim="
+            f"{model.mlp_dim}: each expert's MLP splits into {moe.expert_split} experts of width "
+            f"mlp_dim / {moe.expert_split}; use a divisor of {model.mlp_dim}.")
+  return None
+
+
+@relation
 def head_temperature_in_bounds(model: ModelConfig):
   head = model.head
   low, high = head.temperature_bounds
@@ -671,8 +704,8 @@ def unexportable(model: ModelConfig) -> str | None:
   if not derived.num_experts(model):
     return None
   family = derived.router_family(model)
-  if family.torch_routing(model.router, tokens=derived.tokens_per_group(model),
-                          experts=model.moe.num_experts) is None:
+  if family.torch_routing(derived.router(model), tokens=derived.tokens_per_group(model),
+                          experts=derived.num_experts(model)) is None:
     return (f"model.router.type={family.name} does not say how it routes in PyTorch, so vmoe "
             "export cannot write this model; its family defines RouterFamily.torch_routing "
             "for that (docs/extending.md), as the built-in token_choice, experts_choice and "

@@ -187,6 +187,12 @@ class MoeConfig:
   # Partitioned batch ensembles (E³): M members, each with E/M of the experts and its own router.
   ensemble_size: int = key(1, at_least(1), "1: a V-MoE; M > 1: a partitioned batch ensemble")
   ensemble_variant: EnsembleVariant = EnsembleVariant.pbe
+  # DeepSeekMoE (Dai et al. 2024): experts every token passes through, and each expert split into
+  # m narrower ones (E*m experts of width mlp_dim/m, k*m chosen); runner/config/derived.py.
+  shared_experts: int = key(0, at_least(0), "experts every token passes through, added to the "
+                            "routed output (DeepSeekMoE); 0: none")
+  expert_split: int = key(1, at_least(1), "m: each expert split into m of width mlp_dim/m, "
+                          "E*m experts, k*m chosen (DeepSeekMoE's fine-grained experts)")
 
 
 def _is_bounds(value) -> bool:

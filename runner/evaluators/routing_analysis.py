@@ -58,7 +58,7 @@ BINS = int(round(1 / BIN))
 class LayerInfo:
   """What the analysis needs to know about the MoE layers of one model (one checkpoint)."""
   family: str  # router family name
-  router: object  # the model.router config
+  router: object  # the model.router config as the routers route (derived.router)
   experts: int
   members: int  # M of a tiled partitioned batch ensemble, else 1
   group_size: int  # images per routing group
@@ -75,10 +75,11 @@ class LayerInfo:
 def layer_info(model_config, batch_size: int) -> LayerInfo:
   family = derived.router_family(model_config)
   side = model_config.image_size // model_config.patch_size
-  k = model_config.router.k if "k" in family.options else 2
+  router = derived.router(model_config)  # fine-grained experts: k*m of E*m
+  k = router.k if "k" in family.options else 2
   tiled = derived.predictions_per_image(model_config)
   experts = derived.num_experts(model_config)
-  return LayerInfo(family=family.name, router=model_config.router,
+  return LayerInfo(family=family.name, router=router,
                    experts=experts, members=tiled,
                    group_size=min(model_config.moe.group_size, batch_size),
                    tokens=tokens_per_image(model_config), grid=(side, side),

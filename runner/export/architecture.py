@@ -28,8 +28,8 @@ def torch_routing(model: ModelConfig) -> TorchRouting | None:
   """The router family's `TorchRouting` for this model's MoE layers (None: the family gives
   none)."""
   family = derived.router_family(model)
-  return family.torch_routing(model.router, tokens=derived.tokens_per_group(model),
-                              experts=model.moe.num_experts)
+  return family.torch_routing(derived.router(model), tokens=derived.tokens_per_group(model),
+                              experts=derived.num_experts(model))
 
 
 def unsupported(model: ModelConfig) -> str | None:
@@ -57,11 +57,18 @@ def _moe(model: ModelConfig) -> dict | None:
   routing = torch_routing(model)
   if routing is None:
     raise ValueError(unsupported(model))
-  return {"layers": list(derived.moe_layers(model)), "num_experts": int(model.moe.num_experts),
-          "group_size": int(model.moe.group_size),
-          "ensemble_size": int(model.moe.ensemble_size),
-          "ensemble_variant": _name(model.moe.ensemble_variant),
-          "router": {"type": derived.router_family(model).name, **routing.config}}
+  moe = {"layers": list(derived.moe_layers(model)), "num_experts": derived.num_experts(model),
+         "group_size": int(model.moe.group_size),
+         "ensemble_size": int(model.moe.ensemble_size),
+         "ensemble_variant": _name(model.moe.ensemble_variant),
+         "router": {"type": derived.router_family(model).name, **routing.config}}
+  # DeepSeekMoE's experts, only where used (an export of a V-MoE stays as it was): E*m
+  # fine-grained experts of width mlp_dim/m, and K_s shared experts of that width.
+  if derived.expert_split(model) > 1:
+    moe["expert_mlp_dim"] = derived.expert_width(model)
+  if derived.shared_experts(model):
+    moe["shared_experts"] = derived.shared_experts(model)
+  return moe
 
 
 def config_json(model: ModelConfig, num_classes: int, output: str) -> dict:

@@ -56,6 +56,10 @@ def model_card(config: dict, *, source: dict, summary: dict, parity: dict) -> st
           f"`{router.get('type')}`" if moe else "dense ViT")
   if moe and moe.get("ensemble_size", 1) > 1:
     kind += f", a partitioned batch ensemble of {moe['ensemble_size']} members"
+  if moe and "expert_mlp_dim" in moe:
+    kind += f", fine-grained experts of width {moe['expert_mlp_dim']}"
+  if moe and moe.get("shared_experts"):
+    kind += f", {moe['shared_experts']} shared expert(s) that every token passes through"
   pp = config["preprocessing"]
   size, mode = pp["image_size"], "L" if pp["channels"] == 1 else "RGB"
   if moe and moe["group_size"] > 1:

@@ -96,6 +96,10 @@ _BLOCK: dict[str, Rule] = {
     "moe/experts/fc1_bias": ("moe.experts.fc1_bias", _same),
     "moe/experts/fc2_kernel": ("moe.experts.fc2_weight", _experts),
     "moe/experts/fc2_bias": ("moe.experts.fc2_bias", _same),
+    "moe/shared/fc1_kernel": ("moe.shared.fc1_weight", _experts),
+    "moe/shared/fc1_bias": ("moe.shared.fc1_bias", _same),
+    "moe/shared/fc2_kernel": ("moe.shared.fc2_weight", _experts),
+    "moe/shared/fc2_bias": ("moe.shared.fc2_bias", _same),
 }
 
 # Rules of the parameters outside the blocks.

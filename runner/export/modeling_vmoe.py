@@ -240,7 +240,12 @@ class MoeMlp(nn.Module):
     super().__init__()
     self.num_experts, self.group_size = moe["num_experts"], moe["group_size"]
     self.members, self.variant = moe["ensemble_size"], moe["ensemble_variant"]
+    # DeepSeekMoE: fine-grained experts are narrower than the dense MLPs; shared experts, of
+    # the same width, process every token and add to the routed output.
+    mlp_dim = moe.get("expert_mlp_dim", mlp_dim)
     self.experts = Experts(self.num_experts, dim, mlp_dim)
+    shared = moe.get("shared_experts", 0)
+    self.shared = Experts(shared, dim, mlp_dim) if shared else None
     router = moe["router"]
     if router["type"] not in ROUTERS:
       raise ValueError(f"router type {router['type']!r} is not defined in this file")
@@ -252,6 +257,14 @@ class MoeMlp(nn.Module):
     return plan.combine(self.experts(plan.dispatch(x), first, count))
 
   def forward(self, x: torch.Tensor) -> torch.Tensor:
+    y = self.routed(x)
+    if self.shared is None:
+      return y
+    count = self.shared.fc1_weight.shape[0]  # every shared expert takes every token
+    every = x.reshape(1, 1, -1, x.shape[-1]).expand(count, -1, -1, -1)
+    return y + self.shared(every, 0, count).sum(0).reshape(x.shape)
+
+  def routed(self, x: torch.Tensor) -> torch.Tensor:
     rows, tokens, dim = x.shape
     m = self.members
     tiled = m > 1 and self.variant in ("pbe", "tiling_only")

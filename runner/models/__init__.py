@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from runner.config import derived
 from runner.config.derived import moe_layer_indices, tokens_per_group, tokens_per_image
 from runner.config.schema import HeadType, ModelConfig
 from runner.models.catalog import UnknownModelError, model_config
@@ -29,16 +30,21 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
   moe_layers = moe_layer_indices(config.moe.layers or [], config.num_layers) if is_moe(config) else ()
   if moe_layers:
     family = routers.family(config.router.type)
-    router = family.module_kwargs(config.router, tokens=tokens_per_group(config),
-                                  experts=config.moe.num_experts)
+    experts = derived.num_experts(config)  # E, or E*m fine-grained experts
+    router = family.module_kwargs(derived.router(config), tokens=tokens_per_group(config),
+                                  experts=experts)
     if family.name != routers.DEFAULT:  # a token-choice router's arguments stay as they were
       router = {"type": family.name, **router}
-    moe = dict(num_experts=config.moe.num_experts, group_size=config.moe.group_size,
+    moe = dict(num_experts=experts, group_size=config.moe.group_size,
                expert_dropout=config.moe.expert_dropout,
                dispatcher=_name(config.moe.dispatcher), router=router)
     if config.moe.ensemble_size > 1:  # a V-MoE's module arguments stay exactly as they were
       moe.update(ensemble_size=config.moe.ensemble_size,
                  ensemble_variant=_name(config.moe.ensemble_variant))
+    if derived.expert_split(config) > 1:  # DeepSeekMoE's experts, only where asked for
+      moe.update(mlp_dim=derived.expert_width(config))
+    if derived.shared_experts(config):
+      moe.update(shared_experts=derived.shared_experts(config))
   head = None
   if config.head.type != HeadType.det:
     h = config.head

@@ -1,10 +1,12 @@
 """Model names in the papers' grammar, resolved from their size tables.
 
   vit_<size><patch>                              vit_s32, vit_b16, vit_l16, vit_h14
-  vmoe_<size><patch>_<every|last><n>[_e<E>][_k<k>][_m<M>]  vmoe_s32_last2, vmoe_b16_every2_e32_k2
+  vmoe_<size><patch>_<every|last><n>[_e<E>][_k<k>][_s<S>][_f<F>][_m<M>]
+                                                 vmoe_s32_last2, vmoe_b16_every2_e32_k2
   softmoe_<size><patch>[_e<E>][_p<P>]            softmoe_s16_e128, softmoe_b16_e128_p2
   ecmoe_<size><patch>[_e<E>]                     ecmoe_s16_e128 (experts-choice routing)
-  vit_tiny, vmoe_tiny[_k<k>][_m<M>], softmoe_tiny[_p<P>], ecmoe_tiny   CPU sizes (image 32, patch 4)
+  vit_tiny, vmoe_tiny[_k<k>][_s<S>][_f<F>][_m<M>], softmoe_tiny[_p<P>], ecmoe_tiny
+                                                 CPU sizes (image 32, patch 4)
 
 `softmoe_*` and `ecmoe_*` are the Soft MoE paper's models (Puigcerver et al. 2023, and the
 reference's soft_moe configs): the ViT sizes of that paper (S = 12 blocks of 384, unlike V-MoE's
@@ -16,6 +18,11 @@ paper's GAP head, one image per routing group, and capacity ratio 1 (softmoe_tin
 
 `_m<M>` makes a partitioned batch ensemble of M members (E³, Allingham et al.): vmoe_tiny_m2,
 vmoe_s32_last2_e32_k1_m2.
+
+`_s<S>` and `_f<F>` are DeepSeekMoE's experts (Dai et al. 2024): S shared experts
+(model.moe.shared_experts) and each expert split into F fine-grained ones (model.moe.expert_split:
+E*F experts of width mlp_dim/F, k*F chosen): vmoe_tiny_s1_f2 is the paper's setting on the CPU
+size, 16 experts of width 256 with 4 chosen, and one shared expert of width 256.
 
 Sizes follow the V-MoE paper's Table 7 (hidden size, blocks, MLP size, heads). "every2" puts MoE
 MLPs on every second block (1, 3, 5, ... counting from 0); "lastN" keeps the last N of those, as
@@ -60,7 +67,8 @@ SOFT_MOE_MODELS = ("softmoe_s16_e128", "softmoe_s14_e256", "softmoe_b16_e128", "
 CPU_MODELS = ("vit_tiny", "vmoe_tiny", "softmoe_tiny", "ecmoe_tiny")
 _NAME = re.compile(
     r"^(?P<kind>vit|vmoe)_(?:(?P<tiny>tiny)|(?P<size>ti|s|b|l|h)(?P<patch>\d+))"
-    r"(?:_(?P<place>every|last)(?P<n>\d+))?(?:_e(?P<e>\d+))?(?:_k(?P<k>\d+))?(?:_m(?P<m>\d+))?$")
+    r"(?:_(?P<place>every|last)(?P<n>\d+))?(?:_e(?P<e>\d+))?(?:_k(?P<k>\d+))?"
+    r"(?:_s(?P<s>\d+))?(?:_f(?P<f>\d+))?(?:_m(?P<m>\d+))?$")
 _SOFT_NAME = re.compile(
     r"^(?P<kind>softmoe|ecmoe)_(?:(?P<tiny>tiny)|(?P<size>ti|s|b|l|h)(?P<patch>\d+))"
     r"(?:_e(?P<e>\d+))?(?:_p(?P<p>\d+))?$")
@@ -99,13 +107,14 @@ def model_config(name: str) -> ModelConfig:
   if soft and not (soft["kind"] == "ecmoe" and soft["p"]):
     return _soft_moe_paper_model(name, soft)
   m = _NAME.match(name)
-  if not m or (m["kind"] == "vit" and (m["place"] or m["e"] or m["k"] or m["m"])):
+  if not m or (m["kind"] == "vit" and (m["place"] or m["e"] or m["k"] or m["s"] or m["f"]
+                                       or m["m"])):
     raise UnknownModelError(
         f"unknown model {name!r}. Valid names: "
         f"{', '.join(registered_names())}, or any "
-        "vit_<size><patch> / vmoe_<size><patch>_<every|last><n>[_e<E>][_k<k>][_m<M>] with size "
-        f"in {{{', '.join(s for s in SIZES if s != 'tiny')}}} (e.g. vmoe_b16_every2_e32_k2, "
-        "vmoe_tiny_k1_m2), softmoe_<size><patch>[_e<E>][_p<P>] or ecmoe_<size><patch>[_e<E>] "
+        "vit_<size><patch> / vmoe_<size><patch>_<every|last><n>[_e<E>][_k<k>][_s<S>][_f<F>]"
+        f"[_m<M>] with size in {{{', '.join(s for s in SIZES if s != 'tiny')}}} (e.g. "
+        "vmoe_b16_every2_e32_k2, vmoe_tiny_k1_m2, vmoe_tiny_s1_f2), softmoe_<size><patch>[_e<E>][_p<P>] or ecmoe_<size><patch>[_e<E>] "
         f"with size in {{{', '.join(SOFT_SIZES)}}} (the Soft MoE paper's ViT sizes).")
   tiny = bool(m["tiny"])
   hidden, layers, mlp, heads = SIZES["tiny" if tiny else m["size"]]
@@ -113,7 +122,8 @@ def model_config(name: str) -> ModelConfig:
   if m["kind"] == "vmoe":
     placement = f"{m['place'] or 'every'}{m['n'] or 2}"
     moe = MoeConfig(layers=placement, num_experts=int(m["e"] or (8 if tiny else 32)),
-                    ensemble_size=int(m["m"] or 1))
+                    ensemble_size=int(m["m"] or 1), shared_experts=int(m["s"] or 0),
+                    expert_split=int(m["f"] or 1))
     router = RouterConfig(k=int(m["k"] or 2))
   return ModelConfig(name=name, image_size=32 if tiny else 224,
                      patch_size=4 if tiny else int(m["patch"]), hidden_size=hidden,

@@ -29,6 +29,13 @@ In every case an MoE layer computes E·capacity/group_size expert slots per imag
 V-MoE, one block of group_size·T tokens and E experts; a model without MoE layers (a ViT)
 ignores M.
 
+DeepSeekMoE's experts (Dai et al. 2024): with fine-grained experts (`model.moe.expert_split` m)
+an MoE layer has E·m experts of width mlp_dim/m, each token choosing k·m of them; a buffer keeps
+round(k·m·N·C/(E·m)) = round(k·N·C/E) slots, as before, so the experts cost E·m·capacity slots of
+2·2·D·mlp_dim/m FLOPs, the same as E experts' E·capacity slots of full width; the router costs
+2·S·D·E·m, m times its gates. Shared experts (`model.moe.shared_experts` K_s) add
+K_s·2·2·T·D·(mlp_dim/m) per image and MoE layer: every token passes through each.
+
 Heteroscedastic heads (HET-XL paper, Table 11; S MC samples, R factors, D the pre-logits' width,
 K classes, Q = K for HET and D for HET-XL): the mean classifier 2·D·K; the rank-1 scale 2·D·Q;
 the low-rank scale 2·D·Q (parameter-efficient v(x)) plus 2·S·R·Q for the draws through J, or
@@ -38,6 +45,7 @@ S is the training or the evaluation number of samples.
 from __future__ import annotations
 
 from runner.config.schema import Classifier, EnsembleVariant, HeadType, ModelConfig
+from runner.config import derived
 from runner.config.derived import moe_layer_indices
 from runner.models.moe import routers
 
@@ -56,9 +64,13 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
   flops = 2.0 * patches * (p * p * 3) * d  # patch embedding
   attention = 2.0 * tokens * d * 3 * d + 2 * 2.0 * tokens * tokens * d + 2.0 * tokens * d * d
   dense_mlp = 2 * 2.0 * tokens * d * m
-  moe, router = config.moe, config.router
+  moe = config.moe
   moe_layers = moe_layer_indices(moe.layers or [], layers) if moe.num_experts else ()
-  e = moe.num_experts
+  # Fine-grained experts (DeepSeekMoE): E*m experts of width mlp_dim/m, routed k*m at a time.
+  e = derived.num_experts(config) if moe_layers else moe.num_experts
+  router = derived.router(config) if moe_layers else config.router
+  expert_width = derived.expert_width(config)
+  shared_mlp = 2 * 2.0 * tokens * d * expert_width * derived.shared_experts(config)
   members = moe.ensemble_size if moe_layers else 1  # a dense ViT has nothing to partition
   variant = EnsembleVariant(moe.ensemble_variant)  # tiling_only needs no partition of the experts
   if members > 1 and variant != EnsembleVariant.tiling_only and e % members:
@@ -95,7 +107,8 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
                                                 capacity) / group
     slots_per_image = blocks * experts * capacity / group
     flops += router_flops
-    flops += 2 * 2.0 * slots_per_image * d * m  # experts at padded capacity
+    flops += 2 * 2.0 * slots_per_image * d * expert_width  # experts at padded capacity
+    flops += rows * shared_mlp  # shared experts: every token, K_s MLPs of the experts' width
   if config.classifier == Classifier.map:  # one probe query attending to every token, then an MLP
     flops += rows * (2.0 * d * d + 2.0 * tokens * d * 2 * d + 2 * 2.0 * tokens * d + 2.0 * d * d
                      + 4.0 * d * m)

@@ -162,8 +162,9 @@ class EncoderBlock(nn.Module):
           y, train=train, dropout=dropout)
       metrics = {}
     else:
-      y, metrics = MoeMlpBlock(mlp_dim=self.mlp_dim, dtype=self.dtype, **self.moe, name="moe")(
-          y, train=train, dropout=dropout)
+      # `moe` may give the experts' own width (fine-grained experts are narrower).
+      y, metrics = MoeMlpBlock(**{"mlp_dim": self.mlp_dim, **self.moe}, dtype=self.dtype,
+                               name="moe")(y, train=train, dropout=dropout)
     return x + y, metrics
 
 

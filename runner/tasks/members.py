@@ -137,7 +137,8 @@ class Members:
 
   def params_active(self) -> int:
     """Parameters one token uses: each member's experts count (experts per token) / E, as its
-    router family says (token-choice: k; per partition of a pBE, k of E/M)."""
+    router family says (token-choice: k; per partition of a pBE, k of E/M; k*m of E*m
+    fine-grained experts); shared experts count whole, as every token uses them."""
     total = 0
     for c in self.checkpoints:
       experts = derived.num_experts(c.config)
@@ -147,8 +148,9 @@ class Members:
       config = c.config
       tokens = tokens_per_group(config)
       family = derived.router_family(config)
-      capacity = family.capacity(config.router, tokens, experts, train=False)
-      chosen = family.experts_per_token(config.router, tokens, experts, capacity)
+      router = derived.router(config)  # k*m of E*m fine-grained experts
+      capacity = family.capacity(router, tokens, experts, train=False)
+      chosen = family.experts_per_token(router, tokens, experts, capacity)
       chosen *= derived.ensemble_size(config)
       total += predictions.active_params(c.predicting_params, experts, min(chosen, experts))
     return total

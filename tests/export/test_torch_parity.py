@@ -7,7 +7,8 @@ with `files.write_model`, imports the written modeling_vmoe.py from the folder, 
 GAP, MAP with qk-norm, pre-logits), token-choice V-MoEs at an inference capacity that drops
 assignments (vanilla routing, Batch Prioritized Routing by max and by sum, the reference's
 capacity rounding, one routing group or several), experts-choice, Soft MoE, partitioned batch
-ensembles (pbe, tiling_only, partition_only; at the first block too), sigmoid outputs; and
+ensembles (pbe, tiling_only, partition_only; at the first block too), DeepSeekMoE's shared and
+fine-grained experts, sigmoid outputs; and
 batches of any size (12 and 3 images), whose short last routing group the exported model
 completes with zero images as `vmoe eval` completes its last batch.
 
@@ -110,6 +111,12 @@ CASES = {
     "soft": (moe(router=RouterConfig(type="soft", capacity_ratio=1.0)), "softmax"),
     "soft_slots": (dict(classifier=Classifier.gap, **moe(router=RouterConfig(
         type="soft", slots_per_expert=3))), "softmax"),
+    # DeepSeekMoE: 8 fine-grained experts of width 32, 4 chosen, plus a shared expert (GAP: the
+    # drops at the inference capacity show); a shared expert beside another family.
+    "token_choice_shared_split": (dict(classifier=Classifier.gap, **moe(
+        shared_experts=1, expert_split=2)), "softmax"),
+    "soft_shared": (moe(router=RouterConfig(type="soft", capacity_ratio=1.0), shared_experts=2),
+                    "softmax"),
     "pbe": (pbe(EnsembleVariant.pbe), "softmax"),
     "pbe_first_block": (pbe(EnsembleVariant.pbe, layers=(0, 1)), "softmax"),
     "pbe_sigmoid": (pbe(EnsembleVariant.pbe), "sigmoid"),

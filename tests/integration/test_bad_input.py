@@ -141,6 +141,21 @@ TRAINING_CASES = [
       "model.router.priority=sum"],
      ["model.router.priority=sum means nothing with model.router.gate=sigmoid",
       "model.router.priority=max"]),
+    # DeepSeekMoE's shared and fine-grained experts
+    (["model=vit_tiny", "model.moe.shared_experts=1"],
+     ["model.moe.shared_experts=1 means nothing for a dense ViT"]),
+    (["model=vit_tiny", "model.moe.expert_split=2"],
+     ["model.moe.expert_split=2 means nothing for a dense ViT"]),
+    (["model.moe.expert_split=3"], ["model.moe.expert_split=3 does not divide model.mlp_dim=",
+                                    "divisor of"]),
+    (["model.moe.expert_split=0"], ["model.moe.expert_split=0", ">= 1"]),
+    (["model.moe.shared_experts=-1"], ["model.moe.shared_experts=-1", ">= 0"]),
+    (["model=softmoe_tiny", "model.moe.expert_split=2"],
+     ["model.moe.expert_split=2 means nothing for model.router.type=soft",
+      "model.router.type=token_choice"]),
+    (["model=vmoe_tiny_s1_f2_m2"],
+     ["model.moe.shared_experts=1 and model.moe.expert_split=2 cannot be used with a "
+      "partitioned batch ensemble", "model.moe.ensemble_size=1"]),
     # launchers and sweepers (nothing is submitted)
     (["--multirun", "hydra/launcher=kubernetes"], ["hydra/launcher/kubernetes", "slurm",
                                                    "parallel", "basic"]),

@@ -12,6 +12,9 @@ import flax.linen as nn
 # Logical axes of the four expert parameters, in the order MlpExperts returns them.
 LOGICAL_AXES = (("expert", "embed", "mlp"), ("expert", "mlp"), ("expert", "mlp", "embed"),
                 ("expert", "embed"))
+# Shared experts (DeepSeekMoE) process every token on every device: their leading axis is
+# replicated, never split over the `expert` mesh axis.
+SHARED_AXES = tuple((None,) + axes[1:] for axes in LOGICAL_AXES)
 
 
 def _stacked(init, num: int):
@@ -27,6 +30,7 @@ class MlpExperts(nn.Module):
   `MlpBlock`'s with a leading expert axis, so a dense checkpoint's MLP can initialise them."""
   num_experts: int
   mlp_dim: int
+  logical_axes: tuple = LOGICAL_AXES  # SHARED_AXES for shared experts
 
   @nn.compact
   def __call__(self, dim: int) -> tuple[jax.Array, ...]:
@@ -38,7 +42,7 @@ class MlpExperts(nn.Module):
     names = ("fc1_kernel", "fc1_bias", "fc2_kernel", "fc2_bias")
     inits = (xavier, tiny, xavier, tiny)
     return tuple(self.param(n, part(_stacked(i, e), axes), s)
-                 for n, i, axes, s in zip(names, inits, LOGICAL_AXES, shapes))
+                 for n, i, axes, s in zip(names, inits, self.logical_axes, shapes))
 
 
 def apply_experts(weights, x: jax.Array, *, dropout_rate: float = 0.0, rng=None,

@@ -15,7 +15,7 @@ from flax.linen import partitioning
 from jax.sharding import PartitionSpec as P
 
 from runner.models.moe import routers
-from runner.models.moe.experts import LOGICAL_AXES, MlpExperts, apply_experts
+from runner.models.moe.experts import LOGICAL_AXES, SHARED_AXES, MlpExperts, apply_experts
 
 BATCH_AXES = ("data", "expert")
 
@@ -81,6 +81,14 @@ class MoeMlpBlock(nn.Module):
     process the token, which is what the reference code's routing change compares;
   - the family's own records (`RouterFamily.sown_records`; Soft MoE: `dispatch_weights` and
     `combine_weights`, (images, tokens, E*P)).
+
+  DeepSeekMoE's experts (Dai et al. 2024) need nothing new of the routing: fine-grained experts
+  are `num_experts` E*m experts of width `mlp_dim` / m chosen k*m at a time (both derived in
+  runner/config/derived.py), and `shared_experts` K_s > 0 adds K_s experts of the same width that
+  every token passes through: y = sum_i MLP_shared_i(x) + the routed output. They are K_s
+  separate MLPs, parameters `shared/` shaped like `experts/` with a leading axis of K_s that is
+  replicated over the devices (experts.SHARED_AXES), and expert dropout applies to them too.
+
   In an ensemble, tiled rows give (images, M*tokens, ...) with a member's weights and masks
   zero outside its partition of the experts, and partition_only gives every token's M
   partitions side by side ((images, tokens, M*k) ids); ids are global expert ids.
@@ -93,6 +101,7 @@ class MoeMlpBlock(nn.Module):
   router: dict | None = None  # "type" (a router family) and its module's keyword arguments
   ensemble_size: int = 1
   ensemble_variant: str = "pbe"
+  shared_experts: int = 0  # DeepSeekMoE's shared experts, applied to every token
   dtype: jnp.dtype = jnp.float32
 
   @nn.compact
@@ -145,7 +154,20 @@ class MoeMlpBlock(nn.Module):
       y = y.reshape(rows, tokens, dim)
     else:
       y = y.reshape(num_groups, m, group_size * tokens, dim).sum(axis=1).reshape(rows, tokens, dim)
+    if self.shared_experts:
+      y = y + self._shared(x, dropout)
     return y.astype(x.dtype), metrics
+
+  def _shared(self, x: jax.Array, dropout: bool) -> jax.Array:
+    """The sum of the K_s shared experts' MLPs, each applied to every token: (rows, T, D)."""
+    rows, tokens, dim = x.shape
+    k = self.shared_experts
+    weights = MlpExperts(k, self.mlp_dim, logical_axes=SHARED_AXES, name="shared")(dim)
+    rng = self.make_rng("dropout") if dropout and self.expert_dropout else None
+    every = jnp.broadcast_to(x.astype(self.dtype).reshape(1, 1, rows * tokens, dim),
+                             (k, 1, rows * tokens, dim))  # each shared expert takes every token
+    y = apply_experts(weights, every, dropout_rate=self.expert_dropout, rng=rng, dtype=self.dtype)
+    return y.sum(axis=0).reshape(rows, tokens, dim)
 
   def _per_image(self, values, num_groups, group_size, tokens, partitions, tiled) -> jax.Array:
     """(G*P, S, E/P) per-block values over each partition's experts -> (images, rows, E) over

@@ -81,6 +81,9 @@ class RouterFamily:
     analysis its processed-assignment views (load, dropped tokens, experts per token). False: no
     masks, so neither.
   - `uses_dispatcher` (True): model.moe.dispatcher (indices or einsum) applies.
+  - `supports_expert_split` (False): DeepSeekMoE's fine-grained experts (model.moe.expert_split
+    m > 1: E*m experts of width mlp_dim/m); `split_router(router, m)` then says how the router
+    routes them (token-choice: k*m choices).
 
   Its relations (class methods the config layer calls for the chosen family; a problem is one
   sentence naming the keys and values, None where there is none; runner/config/relations.py and
@@ -132,6 +135,7 @@ class RouterFamily:
   capacity_at_inference: bool = True  # eval may change the capacity ratio (capacity sweeps)
   discrete: bool = True  # tokens go to chosen experts (PGD routing change is defined)
   uses_dispatcher: bool = True  # model.moe.dispatcher (indices or einsum) applies
+  supports_expert_split: bool = False  # model.moe.expert_split (fine-grained experts)
   summary: str = ""  # one line for error messages and docs
   router_parameters: tuple[str, ...] = ("dense/kernel",)  # under the layer's `router/`
   analysis_views: tuple[str, ...] = ()  # the routing analysis' extra views that apply
@@ -140,6 +144,14 @@ class RouterFamily:
   def problem(cls, model) -> str | None:
     """What is wrong with `model` (a ModelConfig with MoE layers and this family's router)."""
     del model
+    return None
+
+  @classmethod
+  def split_router(cls, router, m: int):
+    """`router` (the model.router config) as it routes E*m fine-grained experts, each of an E
+    experts' MLP split into m (DeepSeekMoE); None: this family cannot, and vmoe refuses
+    model.moe.expert_split > 1 with it."""
+    del router, m
     return None
 
   @classmethod

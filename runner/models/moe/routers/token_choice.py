@@ -160,6 +160,7 @@ class TokenChoice(RouterFamily):
   Config = TokenChoiceConfig
   supports_ensembles = True
   supports_batch_priority = True
+  supports_expert_split = True
   summary = "each token picks its TOP-k experts, buffers of round(k*N*C/E) slots (V-MoE)"
 
   @classmethod
@@ -173,7 +174,9 @@ class TokenChoice(RouterFamily):
               "weights of sigmoid gates sum to 1 for every token, so Batch Prioritized Routing "
               "would order the tokens by rounding noise. Use model.router.priority=max (the "
               "largest normalized weight), or model.router.gate=softmax.")
-    experts, per_member = derived.num_experts(model), derived.experts_per_router(model)
+    split = derived.expert_split(model)  # k of E experts, as the user wrote them (k*m of E*m)
+    experts = derived.num_experts(model) // split
+    per_member = derived.experts_per_router(model) // split
     if model.router.k <= per_member:
       return None
     if per_member == experts:
@@ -182,6 +185,12 @@ class TokenChoice(RouterFamily):
     return (f"model.router.k={model.router.k} selects more experts per token than each "
             f"ensemble member has (model.moe.num_experts={experts} / model.moe.ensemble_size="
             f"{model.moe.ensemble_size} = {per_member}); valid: 1 <= k <= {per_member}.")
+
+  @classmethod
+  def split_router(cls, router, m: int):
+    """Fine-grained experts (DeepSeekMoE): each token chooses k*m of the E*m experts, so the
+    buffers keep round(k*m*N*C/(E*m)) = round(k*N*C/E) slots each, of a 1/m as wide expert."""
+    return dataclasses.replace(router, k=router.k * m)
 
   @classmethod
   def module_kwargs(cls, router, *, tokens: int, experts: int) -> dict:
