@@ -21,6 +21,9 @@ matter for that, each as vmoe makes them:
   on the other images of its group. Any batch size works: a batch smaller than a group is one
   group, as vmoe routes it; a longer one whose last group is short has that group completed
   with zero images, as `vmoe eval` pads its last batch, and their rows dropped from the output;
+- DeepSeekMoE's experts: config.json's `moe.expert_mlp_dim` is the width of fine-grained
+  experts (narrower than `mlp_dim`), and `moe.shared_experts` K_s experts of that width process
+  every token, their outputs added to the routed output;
 - a partitioned batch ensemble returns its members' mean probability (as logits);
 - a heteroscedastic head (HET, HET-XL) returns the log of a Monte-Carlo mean probability. Its
   Gaussian draws come from `torch.Generator().manual_seed(seed)`: JAX's random numbers cannot be

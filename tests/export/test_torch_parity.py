@@ -250,6 +250,7 @@ def test_probabilities_match_flax(export, name):
 @pytest.mark.parametrize("name", ["token_choice_vanilla", "token_choice_bpr",
                                   "token_choice_bpr_sum", "token_choice_sigmoid_bpr",
                                   "token_choice_reference_rounding",
+                                  "token_choice_shared_split",
                                   "experts_choice", "pbe", "partition_only"])
 def test_the_cases_drop_at_the_inference_capacity(export, name):
   """The capacity cases are meaningful: the Flax model dropped assignments (token choice) or
@@ -569,6 +570,17 @@ def test_config_json_holds_the_inference_settings(export):
   assert het == {"type": "het", "num_factors": 3, "parameter_efficient": True,
                  "mc_samples": HET_SAMPLES, "temperature": None, "temperature_bounds": [0.05, 5.0],
                  "mc_chunk_size": 4096, "share_samples_across_batch": False}
+
+
+def test_config_json_holds_deepseek_experts(export):
+  """E*m fine-grained experts chosen k*m at a time, their width and the shared experts; the
+  last two only where used (the V-MoE cases keep config.json as it was, above)."""
+  moe = json.loads((export("token_choice_shared_split").folder / "config.json").read_text())[
+      "moe"]
+  assert (moe["num_experts"], moe["router"]["k"], moe["expert_mlp_dim"],
+          moe["shared_experts"]) == (8, 4, 32, 1)
+  soft = json.loads((export("soft_shared").folder / "config.json").read_text())["moe"]
+  assert soft["shared_experts"] == 2 and "expert_mlp_dim" not in soft
 
 
 def test_extra_config_is_merged(tmp_path, export):
