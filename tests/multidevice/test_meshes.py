@@ -2,7 +2,7 @@
 
 For a V-MoE and for a partitioned batch ensemble (E³), whose members' tokens travel to the devices
 of their partition's experts under expert parallelism; for the experts-choice and Soft MoE router
-families; and for a HET-XL head. Every model is the catalog's at the suite's tiny size
+families; for DeepSeekMoE's shared and fine-grained experts; and for a HET-XL head. Every model is the catalog's at the suite's tiny size
 (tests/conftest.py's TINY_MODEL): it keeps its 8 experts on block 1, its router and its members.
 
 Runs in its own process with XLA_FLAGS=--xla_force_host_platform_device_count=8
@@ -52,6 +52,8 @@ MODELS = {
     "vmoe_tiny_k1_m2": _tiny("vmoe_tiny_k1_m2"),  # E³: 2 members of 4 experts, k=1
     "ecmoe_tiny": _tiny("ecmoe_tiny"),
     "softmoe_tiny": _tiny("softmoe_tiny"),
+    # DeepSeekMoE: 16 fine-grained experts of width 32 (4 chosen) and a shared expert.
+    "vmoe_tiny_s1_f2": _tiny("vmoe_tiny_s1_f2"),
     # HET-XL head (learned τ, 8 MC samples): its noise draws (B, S, R) are sharded with the batch.
     "vmoe_tiny_het_xl": _tiny("vmoe_tiny", head=HeadConfig(
         type=HeadType.het_xl, num_factors=4, train_mc_samples=8, eval_mc_samples=8)),
@@ -181,6 +183,24 @@ def test_every_router_family_trains_on_a_mesh_as_on_one_device(model_name, train
       assert moe["experts"]["fc1_kernel"].sharding.spec == P("expert", None, None)
       if model_name == "softmoe_tiny":
         assert moe["router"]["mu"].sharding.spec == P(None, "expert", None)
+
+
+def test_shared_and_fine_grained_experts_train_on_a_mesh_as_on_one_device(trained):
+  """Under expert parallelism the E*m fine-grained experts are split over the expert axis and
+  the shared expert, which every token passes through, is replicated: the same losses,
+  parameters and predictions as on one device."""
+  ref = trained("vmoe_tiny_s1_f2", ONE_DEVICE)
+  got = trained("vmoe_tiny_s1_f2", "1 data x 8 expert")
+  np.testing.assert_allclose(got.losses, ref.losses, rtol=2e-5)
+  _assert_params_match(got.state.params, ref.state.params)
+  np.testing.assert_allclose(got.outputs["logits"], ref.outputs["logits"], rtol=1e-4, atol=1e-5)
+  moe = got.state.params["block_1"]["moe"]
+  hidden, width = TINY["hidden_size"], TINY["mlp_dim"] // 2
+  assert moe["experts"]["fc1_kernel"].shape == (16, hidden, width)
+  assert moe["experts"]["fc1_kernel"].sharding.spec == P("expert", None, None)
+  assert moe["shared"]["fc1_kernel"].shape == (1, hidden, width)
+  assert all(axis is None for axis in moe["shared"]["fc1_kernel"].sharding.spec)
+  assert "all-to-all" in got.compiled_text
 
 
 def test_save_on_8_devices_restore_on_1_and_on_2x4(trained, tmp_path):
