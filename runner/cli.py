@@ -15,7 +15,7 @@ import sys
 import hydra
 
 from hydra_plugins.vmoe_launchers import sweep_table
-from runner import builtins, plugins
+from runner import builtins, plugins, refused_workdir
 from runner.command import allocator, arguments, compose, job, preflight
 from runner.config import conf_dir
 from runner.errors import UserError
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
   sys.argv = [f"vmoe {sub}"] + arguments.overrides_first(rest)
   shows_help = any(a in ("-h", "--help") for a in rest)
   shows_only = modes or arguments.split_args(rest)[2]  # no job runs: nothing to clean up after
-  existed = None if shows_only else preflight.workdir_existed(sub, rest)
+  # The deepest folder of the workdir's path that exists before Hydra creates the workdir.
+  existed = None if shows_only else refused_workdir.nearest_existing(checked.workdir)
   try:
     hydra.main(config_path=str(conf_dir()), config_name=sub, version_base=None)(
         job.make_job(sub, existed, checked.devices_checked))()

@@ -5,11 +5,10 @@ begins to be new (what a refused run removes stops there)."""
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import re
 import sys
 
-from runner import config as config_layer, plugins, refused_workdir
+from runner import config as config_layer, plugins
 from runner.command import arguments, compose
 from runner.config import launchers
 from runner.errors import UserError
@@ -19,9 +18,11 @@ from runner.errors import UserError
 class Preflight:
   """What the checks found: the error paragraph (None: none), and whether every job was checked
   against this process's devices too (then the job, run here by the basic launcher, does not
-  check them again)."""
+  check them again); `workdir`: the run's workdir as composed without sweep values (None when
+  nothing was composed)."""
   problem: str | None = None
   devices_checked: bool = False
+  workdir: str | None = None
 
 
 def _devices_here(composed, launcher: str) -> int | None:
@@ -84,7 +85,8 @@ def check(sub: str, args: list[str], checkpoints=None) -> Preflight:
   problem = None
   if not compose_only and arguments.multirun(args):
     problem = _submission_problem(choices["plugins"]["launcher"])
-  return Preflight(problem, devices_checked=checked_here and not compose_only and not problem)
+  return Preflight(problem, devices_checked=checked_here and not compose_only and not problem,
+                   workdir=str(choices["composed"].workdir))
 
 
 def _submission_problem(launcher: dict) -> str | None:
@@ -144,12 +146,3 @@ def _init_checkpoints(overrides: list[str]) -> list[str]:
       items = re.split(r"[,\[\]]+", value)
       return [item.strip().strip("'\"") for item in items if item.strip() not in ("", "null")]
   return []
-
-
-def workdir_existed(sub: str, args: list[str]) -> pathlib.Path:
-  """The deepest folder of the run's workdir path that exists before Hydra creates the workdir."""
-  flags, overrides, _ = arguments.split_args(args)
-  composed = compose.compose(flags.get("-cd") or flags.get("--config-dir"),
-                             flags.get("-cn") or flags.get("--config-name") or sub,
-                             arguments.sweep_axes(overrides, {})[0])
-  return refused_workdir.nearest_existing(str(composed.workdir))

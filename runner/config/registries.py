@@ -26,13 +26,18 @@ class Registry(Generic[T]):
     self.key = key  # the config key that chooses one, e.g. "model.router.type"
     self._entries: dict[str, T] = {}
 
-  def add(self, name: str, entry: T) -> T:
-    """Registers `entry` as `name`; registering another entry under a taken name is an error
-    (the same entry again, as a module imported twice, is not)."""
+  def check(self, name: str, entry) -> None:
+    """Raises if `name` is taken by another entry (the same entry again, as a module imported
+    twice, is not): called before a registration adds keys to the schema, so that a refused one
+    adds nothing."""
     known = self._entries.get(name)
     if known is not None and known is not entry and _origin(known) != _origin(entry):
       raise ConfigError(f"{self.kind} {name!r} is registered twice ({_origin(known)} and "
                         f"{_origin(entry)}): give the new one another name.")
+
+  def add(self, name: str, entry: T) -> T:
+    """Registers `entry` as `name` (`check`ed first)."""
+    self.check(name, entry)
     self._entries[name] = entry
     return entry
 

@@ -115,6 +115,7 @@ def register(name: str, Config: type | None = None, problem=None):
   (the typed `OptimConfig`) states its rules between keys: what is wrong in one sentence, or
   None."""
   def wrap(make):
+    registries.OPTIMIZERS.check(name, make)  # before its keys join the schema
     options = () if Config is None else sections.declare(
         OptimConfig, Config, owner=f"optimizer {name!r}", prefix="optim", chooser="name",
         noun="optimizer", nouns="optimizers")

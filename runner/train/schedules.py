@@ -68,6 +68,7 @@ def register(name: str, Config: type | None = None, problem=None):
   where they come from, e.g. "train.steps=20") states its rules against the run: what is wrong
   in one sentence, or None."""
   def wrap(value):
+    registries.SCHEDULES.check(name, value)  # before its keys join the schema
     options = () if Config is None else sections.declare(
         ScheduleConfig, Config, owner=f"schedule {name!r}", prefix="schedule", chooser="name",
         noun="schedule", nouns="schedules")

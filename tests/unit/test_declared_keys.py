@@ -95,3 +95,31 @@ def test_a_router_family_declares_only_keys_of_its_own():
       register_router(family)
     assert str(e.value) == message
   assert _keys(RouterConfig) == before and "clash" not in ROUTERS
+
+
+@dataclasses.dataclass
+class _Fresh:
+  taken_name_key: int = key(1, at_least(1))
+
+
+def test_a_taken_name_is_refused_before_its_keys_join_the_schema():
+  before = {section: _keys(section) for section in (OptimConfig, ScheduleConfig, RouterConfig)}
+
+  def another_adam(**_):
+    return optax.identity()
+
+  def another_linear(step, **_):
+    return step
+
+  class AnotherTokenChoice(RouterFamily):
+    name = "token_choice"
+    Config = _Fresh
+
+  for register in (lambda: optimizers.register("adam", _Fresh)(another_adam),
+                   lambda: schedules.register("linear", _Fresh)(another_linear),
+                   lambda: register_router(AnotherTokenChoice)):
+    with pytest.raises(ConfigError, match="is registered twice"):
+      register()
+  assert {section: _keys(section) for section in before} == before
+  assert OPTIMIZERS.get("adam") is not another_adam and ROUTERS.get("token_choice") is not \
+      AnotherTokenChoice

@@ -21,6 +21,8 @@ sums run over the groups of one partition, and a squared CV is taken per partiti
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -61,7 +63,9 @@ def diagnostics(plan: DispatchPlan, partitions: int = 1) -> dict[str, jax.Array]
   """max_violation, dead_experts and saturated_experts of a plan (see the module docstring);
   with partitions, over the layer's P * E/P experts."""
   groups, experts = plan.experts.shape[0], plan.num_experts
-  chosen = jax.nn.one_hot(plan.experts, experts, dtype=jnp.int32).sum(axis=(1, 2))  # (G, E/P)
+  # Counted per group (O(tokens), not O(tokens x experts) as a one-hot sum): (G, E/P).
+  chosen = jax.vmap(functools.partial(jnp.bincount, length=experts))(
+      plan.experts.reshape(groups, -1).astype(jnp.int32))
   load = chosen.reshape(groups // partitions, partitions * experts).sum(axis=0)  # (E,)
   mean = jnp.mean(load.astype(jnp.float32))
   full = plan.expert_of_slot_filled >= plan.capacity  # (G, E/P)

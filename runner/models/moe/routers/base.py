@@ -258,6 +258,7 @@ def register(family_cls: type[RouterFamily]) -> type[RouterFamily]:
   schema's `RouterConfig` (where `model.router.*` overrides are typed and range-checked), and a
   key that several families declare must have the same type and default in each.
   """
+  registries.ROUTERS.check(family_cls.name, family_cls)  # before its keys join the schema
   family_cls.options = sections.declare(
       RouterConfig, family_cls.Config, owner=f"router family {family_cls.name!r}",
       prefix="model.router", chooser="type", noun="family", nouns="families")
