@@ -63,6 +63,8 @@ class TokenChoiceConfig:
   balance_scope: BalanceScope = key(BalanceScope.group, hint="group: the auxiliary losses per "
                                     "routing group (V-MoE); batch: over the whole batch "
                                     "(global-batch balancing, Qiu et al. 2025)")
+  dropless: bool = key(False, hint="true: every chosen assignment is processed, nothing dropped, "
+                       "no capacity (the experts as grouped matmuls over tokens sorted by expert)")
 
 
 _KERNEL_INIT = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
@@ -101,6 +103,7 @@ class NoisyTopKRouter(nn.Module):
   partitions: int = 1
   gate: str = "softmax"  # or "sigmoid": routing.sigmoid_gates
   balance_scope: str = "group"  # or "batch": balance.py
+  dropless: bool = False  # every assignment processed: routing.plan_dropless, no capacity
 
   @nn.compact
   def __call__(self, x: jax.Array, *, train: bool) -> tuple[routing.DispatchPlan, dict]:
@@ -134,6 +137,8 @@ class NoisyTopKRouter(nn.Module):
       # lambda / 2 (0.005; vmoe/nn/routing.py, vmoe/configs/vmoe_paper/common.py).
       gates = gates_clean
       metrics["auxiliary_loss"] = 0.5 * metrics["importance_loss"]
+    if self.dropless:  # every assignment processed: no capacity, nothing dropped
+      return self._dropless(gates, metrics)
     ratio = self.capacity_ratio
     if not train and self.eval_capacity_ratio is not None:
       ratio = self.eval_capacity_ratio
@@ -147,6 +152,19 @@ class NoisyTopKRouter(nn.Module):
     filled = plan.expert_of_slot_filled.reshape(num_groups // p, self.num_experts)
     metrics["expert_load"] = jnp.mean(filled, axis=0) / capacity
     metrics.update(balance.diagnostics(plan, p))
+    return plan, metrics
+
+  def _dropless(self, gates: jax.Array, metrics: dict) -> tuple[routing.DroplessPlan, dict]:
+    """The TOP-k of every token, all kept (`routing.plan_dropless`), and the metrics of a router
+    that drops nothing; an expert's load is its share of the group's S tokens (`capacity`, the
+    buffer that nothing overflows), averaged over groups."""
+    if self.partitions > 1:
+      raise ValueError("dropless routing does not form partitioned batch ensembles")
+    plan = routing.plan_dropless(gates, k=self.k)
+    metrics["fraction_dropped_tokens"] = jnp.zeros((), jnp.float32)
+    metrics["fraction_dropped_assignments"] = jnp.zeros((), jnp.float32)
+    metrics["expert_load"] = jnp.mean(plan.expert_of_slot_filled, axis=0) / plan.capacity
+    metrics.update(balance.diagnostics(plan))
     return plan, metrics
 
 
@@ -169,6 +187,9 @@ class TokenChoice(RouterFamily):
     Prioritized Routing by the sum of the TOP-k weights means nothing with sigmoid gates, whose
     TOP-k weights sum to 1 for every token (routing.sigmoid_gates)."""
     router = model.router
+    dropless = _dropless_problem(model)
+    if dropless:
+      return dropless
     if router.gate == Gate.sigmoid and router.batch_priority and _name(router.priority) == "sum":
       return ("model.router.priority=sum means nothing with model.router.gate=sigmoid: the TOP-k "
               "weights of sigmoid gates sum to 1 for every token, so Batch Prioritized Routing "
@@ -203,12 +224,52 @@ class TokenChoice(RouterFamily):
     for option, default in (("gate", "softmax"), ("balance_scope", "group")):
       if _name(getattr(router, option)) != default:
         kwargs[option] = _name(getattr(router, option))
+    if _is_dropless(router):
+      kwargs["dropless"] = True
     return kwargs
 
   @classmethod
   def capacity(cls, router, tokens: int, experts: int, *, train: bool) -> int:
+    if _is_dropless(router):  # no buffer; an expert takes each token at most once
+      return tokens
     return routing.expert_capacity(tokens, experts, router.k, _ratio(router, train),
                                    router.capacity_rounding)
+
+  @classmethod
+  def expert_rows(cls, router, tokens: int, experts: int, capacity: int) -> float:
+    """Dropless: the k * tokens assignments themselves, no padding; else every buffer slot."""
+    if _is_dropless(router):
+      return float(router.k * tokens)
+    return super().expert_rows(router, tokens, experts, capacity)
+
+  @classmethod
+  def at_inference(cls, given: dict) -> dict:
+    """As any family's; and a later stage's model.router.dropless=true sets the keys of capacity
+    routing that the checkpoint was trained with back to their defaults (those given stay, and
+    are refused): dropless routing reads none of them."""
+    given = super().at_inference(given)
+    if given.get("dropless") in (True, "true"):
+      return {**_CAPACITY_DEFAULTS, **given}
+    return given
+
+  @classmethod
+  def expert_parallel_problem(cls, router, sharding: str) -> str | None:
+    if not _is_dropless(router):
+      return None
+    return (f"model.router.dropless=true cannot run under {sharding}, which splits the experts' "
+            "weights over the devices (expert parallelism): dropless routing sorts each "
+            "device's assignments by expert into rows whose number per expert changes from "
+            "batch to batch, and the all-to-all that sends each expert its tokens exchanges "
+            "buffers of a fixed capacity. Use sharding=dp (every expert on every device, the "
+            "routing groups split over the devices), or model.router.dropless=false.")
+
+  @classmethod
+  def without_capacity(cls, router) -> str | None:
+    if not _is_dropless(router):
+      return None
+    return ("model.router.dropless=true processes every chosen assignment, with no capacity to "
+            "vary; to sweep the capacities of this checkpoint (an ordinary token-choice one), "
+            "evaluate it with model.router.dropless=false")
 
   @classmethod
   def experts_per_token(cls, router, tokens: int, experts: int, capacity: int) -> float:
@@ -216,8 +277,9 @@ class TokenChoice(RouterFamily):
 
   @classmethod
   def expert_ids(cls, plan: routing.DispatchPlan, routed: bool) -> jax.Array:
-    """Each token's TOP-k, or (`routed`) -1 where its buffer was full (combine weight 0)."""
-    if routed:
+    """Each token's TOP-k, or (`routed`) -1 where its buffer was full (combine weight 0); a
+    dropless plan processes every choice."""
+    if routed and not isinstance(plan, routing.DroplessPlan):
       return jnp.where(plan.combine_weights > 0, plan.experts, -1)
     return plan.experts
 
@@ -229,14 +291,18 @@ class TokenChoice(RouterFamily):
         config=dict(k=int(router.k), capacity_ratio=float(_ratio(router, train=False)),
                     capacity_rounding=_name(router.capacity_rounding),
                     batch_priority=bool(router.batch_priority), priority=_name(router.priority),
-                    **({} if _name(router.gate) == "softmax" else {"gate": _name(router.gate)})),
+                    **({} if _name(router.gate) == "softmax" else {"gate": _name(router.gate)}),
+                    **({"dropless": True} if _is_dropless(router) else {})),
         source=pathlib.Path(__file__).with_name("token_choice_torch.py").read_text(),
         class_name="TokenChoiceRouter")
 
   @classmethod
   def dropped_at_capacity(cls, router, weights: jax.Array, capacity: int
                           ) -> dict[str, jax.Array]:
-    """Vanilla routing and Batch Prioritized Routing of the gates, TOP-k as configured."""
+    """Vanilla routing and Batch Prioritized Routing of the gates, TOP-k as configured; none
+    for a dropless router, which drops nothing at any capacity ratio."""
+    if _is_dropless(router):
+      return {}
     dropped = {}
     for batch_priority in (False, True):
       plan = routing.plan_dispatch(weights, k=router.k, capacity=capacity,
@@ -247,6 +313,53 @@ class TokenChoice(RouterFamily):
 
 def _name(option) -> str:
   return str(getattr(option, "value", option))
+
+
+def _is_dropless(router) -> bool:
+  return bool(getattr(router, "dropless", False))
+
+
+# The keys of capacity routing, at their defaults: what a later stage's dropless=true leaves of a
+# checkpoint's (TokenChoice.at_inference).
+_CAPACITY_DEFAULTS = {"capacity_ratio": SHARED_KEYS["capacity_ratio"]().default,
+                      "eval_capacity_ratio": None,
+                      "capacity_rounding": CapacityRounding.paper.value, "batch_priority": False}
+
+
+def _dropless_problem(model) -> str | None:
+  """What model.router.dropless=true refuses: the keys of capacity routing, given other values
+  than their defaults, and partitioned batch ensembles; one rule each."""
+  router = model.router
+  if not _is_dropless(router):
+    return None
+  if router.batch_priority:
+    return ("model.router.batch_priority=true means nothing with model.router.dropless=true: "
+            "Batch Prioritized Routing decides which tokens a full buffer drops, and dropless "
+            "routing drops none. Drop it, or route at a capacity with "
+            "model.router.dropless=false.")
+  default = _CAPACITY_DEFAULTS["capacity_ratio"]
+  if router.capacity_ratio != default:
+    return (f"model.router.capacity_ratio={router.capacity_ratio:g} means nothing with "
+            "model.router.dropless=true: dropless routing processes every chosen assignment and "
+            f"has no buffer to size. Drop it (its default {default:g} is kept), or route at "
+            "that capacity with model.router.dropless=false.")
+  if router.eval_capacity_ratio is not None:
+    return (f"model.router.eval_capacity_ratio={router.eval_capacity_ratio:g} means nothing with "
+            "model.router.dropless=true: dropless routing processes every chosen assignment at "
+            "evaluation as in training. Drop it; to evaluate the model at a capacity, evaluate "
+            "it with model.router.dropless=false model.router.capacity_ratio=<C> (a dropless "
+            "checkpoint is an ordinary token-choice one).")
+  if _name(router.capacity_rounding) != _CAPACITY_DEFAULTS["capacity_rounding"]:
+    return (f"model.router.capacity_rounding={_name(router.capacity_rounding)} means nothing "
+            "with model.router.dropless=true: it rounds the buffers' slots, and dropless routing "
+            "has no buffers. Drop it, or model.router.dropless=false.")
+  if model.moe.ensemble_size > 1:
+    return (f"model.router.dropless=true cannot be used with a partitioned batch ensemble "
+            f"(model.moe.ensemble_size={model.moe.ensemble_size}): vmoe's dropless routing runs "
+            "all of a layer's experts on rows sorted by expert and does not route each member "
+            "among its own partition of them. Use model.router.dropless=false (capacity "
+            "routing), or model.moe.ensemble_size=1.")
+  return None
 
 
 def _ratio(router, train: bool) -> float:

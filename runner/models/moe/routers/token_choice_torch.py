@@ -11,7 +11,9 @@ class TokenChoiceRouter(nn.Module):
   config: k, capacity_ratio (the one in force at inference), capacity_rounding, batch_priority,
   priority ("max" or "sum"), and gate when it is "sigmoid" (DeepSeek-V3): scores sigmoid(x W),
   TOP-k chosen on them, and each row divided by its TOP-k's sum, so that the chosen weights sum
-  to 1 (routing.py `sigmoid_gates`).
+  to 1 (routing.py `sigmoid_gates`), and dropless when it is true: every assignment processed,
+  as a capacity of S slots per expert (the group's tokens; an expert takes each token at most
+  once, so nothing can drop) does.
   """
 
   def __init__(self, config: dict, dim: int, num_experts: int):
@@ -27,6 +29,9 @@ class TokenChoiceRouter(nn.Module):
       gates = scores / scores.gather(-1, top_k(scores, c["k"])).sum(-1, keepdim=True)
     else:
       gates = torch.softmax(logits, dim=-1)  # over the `count` experts routed among
-    capacity = expert_capacity(x.shape[1], count, c["k"], c["capacity_ratio"],
-                               c["capacity_rounding"])
+    if c.get("dropless"):
+      capacity = x.shape[1]
+    else:
+      capacity = expert_capacity(x.shape[1], count, c["k"], c["capacity_ratio"],
+                                 c["capacity_rounding"])
     return plan_top_k(gates, c["k"], capacity, c["batch_priority"], c["priority"])
