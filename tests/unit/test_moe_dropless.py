@@ -18,10 +18,11 @@ import pytest
 
 from conftest import QUIET, TINY_MODEL, fails_clearly
 from runner.config import resolve
+from runner.config.mesh import expert_mesh_axes
 from runner.config.schema import ModelConfig, RouterConfig
 from runner.models import model_config
 from runner.models.flops import forward_flops_per_image
-from runner.models.moe import dispatch, routing
+from runner.models.moe import dispatch
 from runner.models.moe.layer import MoeMlpBlock
 from runner.models.moe.routers.token_choice import TokenChoice
 
@@ -270,6 +271,29 @@ def test_a_later_stage_switches_a_checkpoint_between_capacity_and_dropless():
   back = {**stored, "model": {**stored["model"], "router": {"k": 2, "dropless": True}}}
   model, _ = resolve.stored_model_and_data(back, {"router": {"dropless": False}})
   assert not model.router.dropless and model.router.capacity_ratio == 1.05
+
+
+def test_which_sharding_splits_the_experts():
+  """What the expert-parallelism refusal reads: the mesh axes of the experts' logical axis."""
+  assert expert_mesh_axes("dp") == ()
+  assert expert_mesh_axes("ep") == expert_mesh_axes("fsdp_ep") == ("expert",)
+  assert expert_mesh_axes("ep", [["embed", "data"]]) == ()  # FSDP alone: gathered, allowed
+  assert expert_mesh_axes("dp", [["expert", ["data", "expert"]]]) == ("data", "expert")
+  assert expert_mesh_axes("dp", [["expert", None], ["expert", "expert"]]) == ()  # the first wins
+
+
+def test_a_bfloat16_layer_trains():
+  x = _inputs(15)
+  block = MoeMlpBlock(num_experts=E, mlp_dim=MLP, group_size=2, router=DROPLESS,
+                      dtype=jnp.bfloat16)
+  params = _params(block, x, seed=16)
+  loss = lambda p: block.apply({"params": p}, x, train=False)[0].astype(jnp.float32).sum()
+  grads = jax.grad(loss)(params)
+  assert all(g.dtype == jnp.float32 and bool(jnp.isfinite(g).all())
+             for g in jax.tree.leaves(grads))
+  y, _ = block.apply({"params": params}, x, train=False)
+  want = dropless_reference(x, params["router"]["dense"]["kernel"], params["experts"], K)
+  np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=0.05, atol=0.05)
 
 
 # --- through the CLI -----------------------------------------------------------------------------

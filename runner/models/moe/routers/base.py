@@ -33,6 +33,10 @@ class Plan(Protocol):
     it after capacity (`routed=True`). Asked only of a `discrete` family's plan; None for a
     router without discrete choices (soft)."""
 
+  # A plan whose class sets `ragged = True` (token choice's dropless `DroplessPlan`) has no
+  # buffers: the layer asks it for `layout()`, `rows(x, layout)` and `combine_rows(y, layout)`
+  # instead of `dispatch` and `combine` (runner/models/moe/layer.py).
+
 
 @dataclasses.dataclass(frozen=True)
 class TorchRouting:

@@ -5,7 +5,9 @@ gate=sigmoid, DeepSeek-V3's sigmoid scores with normalized TOP-k weights); each 
 has a buffer of B_e = round(k * tokens * C / E) slots per routing group and drops what does not
 fit, in the order of Algorithm 1 (vanilla) or 2 (Batch Prioritized Routing); auxiliary importance
 and load losses (Appendix A.2), per routing group or over the batch (balance_scope, balance.py),
-and the balance diagnostics MaxVio, dead and saturated experts. The policy itself is
+and the balance diagnostics MaxVio, dead and saturated experts. With dropless=true every
+(token, choice) assignment is processed instead, no capacity, nothing dropped
+(`routing.plan_dropless`; the layer runs the experts as grouped matmuls). The policy itself is
 `runner.models.moe.routing`; the reference code names this router `NoisyTopExpertsPerItemRouter`
 (vmoe/nn/routing.py).
 """
