@@ -124,13 +124,11 @@ def bias_update_rate(model: ModelConfig, stage: str) -> float:
   bias) after every train step of `stage`: model.router.bias_update_rate as given, else 0.001 in
   pretrain and 0 (the bias frozen as loaded) in any other stage (finetune). 0 for a model
   without such a bias (a dense ViT, another router, balance=aux_loss)."""
-  router = model.router
-  if not num_experts(model) or str(getattr(getattr(router, "balance", None), "value",
-                                           getattr(router, "balance", None))) != "bias":
+  balance = getattr(model.router, "balance", None)  # token-choice's keys
+  if not num_experts(model) or str(getattr(balance, "value", balance)) != "bias":
     return 0.0
-  rate = getattr(router, "bias_update_rate", None)
-  if rate is not None:
-    return float(rate)
+  if model.router.bias_update_rate is not None:
+    return float(model.router.bias_update_rate)
   return DEFAULT_BIAS_UPDATE_RATE if stage == "pretrain" else 0.0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -343,6 +344,35 @@ def test_bias_balancing_trains_with_a_lower_max_violation_than_none():
   assert violation[0.02] < 0.5 * violation[0.0], violation
 
 
+@pytest.mark.parametrize("locked", [False, True])
+def test_a_contrastive_image_tower_moves_its_bias_unless_locked(locked):
+  """objective=contrastive: the image tower's routers move their bias as a classifier's do; a
+  tower locked for LiT runs in inference mode, routes no training tokens and keeps its bias."""
+  from runner.config.schema import ObjectiveConfig, TextConfig
+  from runner.models.contrastive import build_two_towers
+  text = TextConfig(width=8, depth=1, mlp_dim=16, num_heads=2, max_length=6)
+  objective = ObjectiveConfig(name="contrastive", embedding_dim=8)
+  model = build_two_towers(BIASED, text, objective, vocab_size=11, lock_image=locked)
+  batch = {"image": _batch()["image"],
+           "tokens": jnp.asarray(np.random.default_rng(0).integers(1, 11, (8, 6)), jnp.int32)}
+  params = nn.meta.unbox(jax.jit(lambda i, t: model.init(jax.random.key(0), i, t, train=False))(
+      batch["image"], batch["tokens"])["params"])
+  schedule = schedules.make_schedule("linear", 0.01, total_steps=10, warmup_steps=0)
+  tx = optimizers.make_optimizer("adam", schedule, params, frozen="image/.*" if locked else None)
+  state = TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params))
+  step = make_train_step(model, tx, schedule, loss="softmax_xent", aux_loss_weight=1.0,
+                         bias_update_rate=0.01, objective=objectives.contrastive_pairs(
+                             model, loss="softmax", aux_loss_weight=1.0))
+  new, _ = jax.jit(step)(state, batch)
+  bias = np.asarray(new.params["image"]["block_0"]["moe"]["router"][balance.BIAS])
+  if locked:
+    np.testing.assert_array_equal(bias, np.zeros(4))
+  else:
+    want = update_reference(np.zeros(4), _loads(model.image, params["image"], batch), 0.01)
+    np.testing.assert_allclose(bias, want, rtol=0, atol=1e-7)
+    assert np.abs(bias).max() > 0
+
+
 # --- configuration -------------------------------------------------------------------------------
 
 def _router(**keys) -> ModelConfig:
@@ -434,11 +464,15 @@ def test_export_writes_the_bias_where_it_is_used():
   assert biased.parameters[balance.BIAS] == (balance.BIAS, None)
 
 
-def test_loads_sown_twice_are_summed():
+def test_loads_sown_twice_are_summed_and_none_keep_the_bias():
   """A router applied twice in one step (its two calls' loads are one batch's)."""
   params = {"r": {balance.BIAS: jnp.zeros(3)}}
   loads = {"r": {balance.BIAS: (jnp.asarray([[3, 0, 0]]), jnp.asarray([[0, 0, 1]]))}}
   got = balance.update_biases(params, params, loads, 1.0)
   np.testing.assert_array_equal(np.asarray(got["r"][balance.BIAS]), [-1.0, 1.0, 1.0])
-  with pytest.raises(ValueError, match="no loads for the balance bias r/balance_bias"):
-    balance.update_biases(params, params, {}, 1.0)
+  # A router that routed nothing in training (LiT's locked tower) keeps its bias; an objective
+  # that collected no loads at all is an error.
+  kept = balance.update_biases(params, {"r": {balance.BIAS: jnp.ones(3)}}, {}, 1.0)
+  np.testing.assert_array_equal(np.asarray(kept["r"][balance.BIAS]), np.zeros(3))
+  with pytest.raises(ValueError, match="a balance bias and no loads"):
+    balance.update_biases(params, params, None, 1.0)

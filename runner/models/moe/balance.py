@@ -125,8 +125,13 @@ def has_bias(params) -> bool:
 def update_biases(before, after, loads, rate: float):
   """`after` (the parameters the optimizer updated) with every router's bias set anew from its
   value in `before` and its loads (the `balance_loads` collection: per bias path, the loads of
-  each call, summed): `bias_update`, or the bias of `before` unchanged where `rate` is 0 (frozen).
-  So whatever the optimizer did to a bias (weight decay) is undone."""
+  each call, summed): `bias_update`, or the bias of `before` unchanged where `rate` is 0 (frozen)
+  or where the router sowed no loads (it did not route in training: LiT's locked image tower runs
+  in inference mode). So whatever the optimizer did to a bias (weight decay) is undone. `loads`
+  None (the objective did not collect them) with a rate is an error."""
+  if rate and loads is None:
+    raise ValueError(f"a balance bias and no loads: the objective must apply the model with the "
+                     f"{LOADS!r} collection mutable and return it (runner/train/objectives.py)")
   counts: dict[tuple[str, ...], jax.Array] = {}
   for path, value in jax.tree_util.tree_flatten_with_path(loads or {})[0]:
     names = _names(path)
@@ -140,11 +145,7 @@ def update_biases(before, after, loads, rate: float):
     names = _names(path)
     if names[-1:] != (BIAS,):
       return leaf
-    if not rate:
+    if not rate or names not in counts:
       return old[names]
-    if names not in counts:
-      raise ValueError(f"no loads for the balance bias {'/'.join(names)}: the objective must "
-                       f"apply the model with the {LOADS!r} collection mutable and return it "
-                       "(runner/train/objectives.py)")
     return bias_update(old[names], counts[names], rate)
   return jax.tree_util.tree_map_with_path(replace, after)
