@@ -116,6 +116,22 @@ def router(model: ModelConfig):
   return split
 
 
+DEFAULT_BIAS_UPDATE_RATE = 0.001  # Wang et al. 2024's u, for pretraining
+
+
+def bias_update_rate(model: ModelConfig, stage: str) -> float:
+  """u, the step of the per-expert bias of auxiliary-loss-free balancing (model.router.balance=
+  bias) after every train step of `stage`: model.router.bias_update_rate as given, else 0.001 in
+  pretrain and 0 (the bias frozen as loaded) in any other stage (finetune). 0 for a model
+  without such a bias (a dense ViT, another router, balance=aux_loss)."""
+  balance = getattr(model.router, "balance", None)  # token-choice's keys
+  if not num_experts(model) or str(getattr(balance, "value", balance)) != "bias":
+    return 0.0
+  if model.router.bias_update_rate is not None:
+    return float(model.router.bias_update_rate)
+  return DEFAULT_BIAS_UPDATE_RATE if stage == "pretrain" else 0.0
+
+
 def pre_logits_width(model: ModelConfig) -> int:
   """The width of the representation the classifier head reads."""
   return int(model.representation_size or model.hidden_size)

@@ -121,7 +121,7 @@ class SlotPlan:
 
 
 def plan_top_k(gates: torch.Tensor, k: int, capacity: int, batch_priority: bool = False,
-               priority: str = "max") -> SlotPlan:
+               priority: str = "max", select: torch.Tensor | None = None) -> SlotPlan:
   """V-MoE's assignment of tokens to expert slots, for gates (G, S, E) (softmax outputs).
 
   Each token goes to its TOP-k experts. Every token's first choice is placed before any second
@@ -129,9 +129,11 @@ def plan_top_k(gates: torch.Tensor, k: int, capacity: int, batch_priority: bool 
   with Batch Prioritized Routing by decreasing max gate (`priority` "max") or sum of their k
   gates ("sum"), ties in token order (Algorithm 2). An assignment that finds its expert's
   `capacity` slots full is dropped. The combine weight is the gate itself (not renormalised).
+  `select` (G, S, E), when given, chooses the TOP-k in place of the gates (a bias-balanced
+  router's scores plus its bias); the gates still weigh the chosen experts.
   """
   g, s, e = gates.shape
-  experts = top_k(gates, k)  # (G, S, k)
+  experts = top_k(gates if select is None else select, k)  # (G, S, k)
   weights = gates.gather(-1, experts)
   if batch_priority:
     score = weights[..., 0] if priority == "max" else weights.sum(-1)

@@ -12,6 +12,9 @@ Rules, applied by parameter name:
   choice to Soft MoE, say), every router starts fresh and the checkpoint's routers are left out,
   while the experts are kept; `routers_fit` tells it for a checkpoint without a config;
 - a class token the model does not have (it pools its tokens) is left out;
+- a router's balance bias (model.router.balance=bias) that the checkpoint lacks starts at its
+  initialisation, zeros (a V-MoE fine-tuned into auxiliary-loss-free balancing); one the model
+  lacks is refused with a hint (it chose the checkpoint's experts);
 - everything else is copied and must match in shape. All mismatches are reported together, by
   parameter name, before any training.
 """
@@ -23,6 +26,7 @@ import jax
 from runner.checkpoint import CheckpointError
 
 _ROUTER = "/moe/router/"  # the scope of an MoE layer's router parameters
+_BIAS = _ROUTER + "balance_bias"  # auxiliary-loss-free balancing's (runner/models/moe/balance.py)
 _EXPERT_FROM_DENSE = {"fc1_kernel": "fc1/kernel", "fc1_bias": "fc1/bias",
                       "fc2_kernel": "fc2/kernel", "fc2_bias": "fc2/bias"}
 
@@ -156,6 +160,9 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
     if dense_to_experts and _ROUTER in name:
       out[name] = np.asarray(target)
       continue
+    if name.endswith(_BIAS):  # a checkpoint balanced otherwise: the bias starts at zeros
+      out[name] = np.asarray(target)
+      continue
     if dense is not None and dense in old:
       problems.append(f"{name}: missing in the checkpoint, which has a dense MLP here "
                       "(set init.dense_to_experts=true to copy it into every expert)")
@@ -167,7 +174,9 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
   if "cls" not in new:
     dropped += ("cls",)
   unused = sorted(n for n in old if n not in used and not n.startswith(dropped))
-  problems += [f"{n}: in the checkpoint but not in the model" for n in unused]
+  problems += [f"{n}: in the checkpoint but not in the model"
+               + (" (its routers balanced with a bias: set model.router.balance=bias)"
+                  if n.endswith(_BIAS) else "") for n in unused]
   problems.sort(key=lambda p: (" vs model " not in p, p))  # shape mismatches first
   if problems:
     shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")

@@ -4,11 +4,30 @@ Classification: the cross-entropy of the labels (a partitioned batch ensemble: t
 members' cross-entropies, E³ App. D.1) plus the MoE auxiliary loss. Contrastive: the symmetric
 softmax loss (with HET-XL's noisy samples) or SigLIP's sigmoid loss of image-text pairs
 (runner/train/contrastive.py), plus the image tower's auxiliary loss.
+
+A model whose routers balance with a bias (model.router.balance=bias) adds no auxiliary loss
+(its routers' `auxiliary_loss` is 0) and is applied with the `balance_loads` collection mutable:
+the objective returns those loads in its metrics under `balance_loads` (a tree of the bias
+parameters' paths), which the train step takes out to move the biases (runner/train/step.py).
 """
 from __future__ import annotations
 
+from runner.models.moe import balance
 from runner.train import contrastive
 from runner.train.losses import LOSSES, precision_at_1
+
+
+def apply_for_training(model, params, *args, **kwargs):
+  """(model.apply({"params": params}, *args, **kwargs), the `balance_loads` it sowed, or None
+  where no router of `params` has a balance bias: then the call is exactly model.apply's)."""
+  if not balance.has_bias(params):
+    return model.apply({"params": params}, *args, **kwargs), None
+  out, sown = model.apply({"params": params}, *args, mutable=[balance.LOADS], **kwargs)
+  return out, sown.get(balance.LOADS, {})
+
+
+def _with_loads(metrics: dict, loads) -> dict:
+  return metrics if loads is None else {**metrics, balance.LOADS: loads}
 
 
 def _routing(extras: dict) -> dict:
@@ -21,7 +40,7 @@ def classification(model, *, loss: str, aux_loss_weight: float):
 
   def objective(params, batch, rngs):
     images, labels = batch["image"], batch["labels"]
-    logits, extras = model.apply({"params": params}, images, train=True, rngs=rngs)
+    (logits, extras), loads = apply_for_training(model, params, images, train=True, rngs=rngs)
     if "member_logits" in extras:  # an ensemble learns from the mean of its members' losses
       cls_loss = loss_fn(extras["member_logits"], labels[:, None, :]).mean()
     else:
@@ -32,7 +51,7 @@ def classification(model, *, loss: str, aux_loss_weight: float):
                "train/prec@1": precision_at_1(logits, labels).mean()}
     if "temperature" in extras:  # a heteroscedastic head's τ (learned, or fixed)
       metrics["train/temperature"] = extras["temperature"]
-    return total, {**metrics, **_routing(extras)}
+    return total, _with_loads({**metrics, **_routing(extras)}, loads)
   return objective
 
 
@@ -41,8 +60,8 @@ def contrastive_pairs(model, *, loss: str, aux_loss_weight: float, chunk: int = 
   least memory, and on CPU also the fastest; benchmarks/contrastive_memory.py)."""
 
   def objective(params, batch, rngs):
-    zimg, extras = model.apply({"params": params}, batch["image"], batch["tokens"], train=True,
-                               rngs=rngs)
+    (zimg, extras), loads = apply_for_training(model, params, batch["image"], batch["tokens"],
+                                               train=True, rngs=rngs)
     ztxt, scale = extras["text_embedding"], extras["temperature"]
     if loss == "sigmoid":
       pair_loss, metrics = contrastive.sigmoid_loss(zimg, ztxt, scale, extras["bias"])
@@ -54,5 +73,5 @@ def contrastive_pairs(model, *, loss: str, aux_loss_weight: float, chunk: int = 
     total = pair_loss + aux_loss_weight * aux
     out = {"train/loss": total, "train/contrastive_loss": pair_loss, "train/aux_loss": aux,
            "train/temperature": scale, **{f"train/{k}": v for k, v in metrics.items()}}
-    return total, {**out, **_routing(extras)}
+    return total, _with_loads({**out, **_routing(extras)}, loads)
   return objective

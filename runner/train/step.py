@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from runner.models.heads import NOISE_RNG
+from runner.models.moe import balance
 from runner.train import objectives
 from runner.train.losses import LOSSES, precision_at_1, softmax_xent
 from runner.train.state import TrainState
@@ -19,13 +20,19 @@ from runner.train.state import TrainState
 
 def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: str,
                     aux_loss_weight: float, accum_steps: int = 1, seed: int = 0,
-                    objective=None):
+                    objective=None, bias_update_rate: float = 0.0):
   """Returns step(state, batch). Randomness (router noise, dropout, heteroscedastic draws) is a
   function of (seed, step), so a resumed run draws exactly what an uninterrupted one would.
 
   `objective(params, batch, rngs) -> (loss, metrics)` (runner/train/objectives.py): by default
   the classification of `loss`, where a partitioned batch ensemble trains on the mean of its
   members' cross-entropies (E³, App. D.1), not on the cross-entropy of their mean prediction.
+
+  Routers that balance with a bias (model.router.balance=bias; runner/models/moe/balance.py):
+  after the optimizer's update every `balance_bias` parameter is set to its value before the
+  step plus `bias_update_rate` * sign(mean load - load), from the loads the objective returns
+  (summed over the micro-batches with gradient accumulation), so that only this rule moves it;
+  a rate of 0 keeps it frozen. Without such a router the step is what it always was.
   """
   objective = objective or objectives.classification(model, loss=loss,
                                                      aux_loss_weight=aux_loss_weight)
@@ -45,6 +52,7 @@ def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: 
     batch = {k: v for k, v in batch.items() if not k.startswith("_")}
     if accum_steps == 1:
       (_, metrics), grads = grad_fn(state.params, batch, rng)
+      loads = metrics.pop(balance.LOADS, None)
     else:
       # Micro-batch i takes examples i, i + accum, ...: each is spread over all devices.
       def split(x):
@@ -59,9 +67,14 @@ def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: 
       zeros = jax.tree.map(jnp.zeros_like, state.params)
       grads, per_micro = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
       grads = jax.tree.map(lambda g: g / accum_steps, grads)
+      loads = per_micro.pop(balance.LOADS, None)
+      if loads is not None:  # the loads of the whole batch
+        loads = jax.tree.map(lambda n: n.sum(axis=0), loads)
       metrics = jax.tree.map(lambda m: m.mean(axis=0), per_micro)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    if balance.has_bias(state.params):
+      params = balance.update_biases(state.params, params, loads, bias_update_rate)
     metrics["train/grad_norm"] = optax.global_norm(grads)
     metrics["train/lr"] = schedule(state.step)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics

@@ -8,7 +8,8 @@ GAP, MAP with qk-norm, pre-logits), token-choice V-MoEs at an inference capacity
 assignments (vanilla routing, Batch Prioritized Routing by max and by sum, the reference's
 capacity rounding, one routing group or several), experts-choice, Soft MoE, partitioned batch
 ensembles (pbe, tiling_only, partition_only; at the first block too), DeepSeekMoE's shared and
-fine-grained experts, dropless token choice, sigmoid outputs; and
+fine-grained experts, auxiliary-loss-free balancing's bias (softmax and sigmoid gates, an
+ensemble's partitions), dropless token choice, sigmoid outputs; and
 batches of any size (12 and 3 images), whose short last routing group the exported model
 completes with zero images as `vmoe eval` completes its last batch.
 
@@ -58,7 +59,7 @@ from runner.models import build_model, heads  # noqa: E402
 from runner.models.moe import routing  # noqa: E402
 from runner.models.moe.routers import RouterFamily  # noqa: E402
 from runner.models.moe.routers.base import TorchRouting  # noqa: E402
-from runner.models.moe.routers.token_choice import Gate, TokenChoice  # noqa: E402
+from runner.models.moe.routers.token_choice import Balance, Gate, TokenChoice  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("export_torch_parity")
 
@@ -78,8 +79,9 @@ def moe(layers=(1,), experts=4, group=2, router=DROPPING, **moe_keys) -> dict:
                             **moe_keys), router=router)
 
 
-def pbe(variant: EnsembleVariant, layers=(1,)) -> dict:
-  return moe(layers, router=RouterConfig(k=1, capacity_ratio=1.0, eval_capacity_ratio=0.5),
+def pbe(variant: EnsembleVariant, layers=(1,), **router_keys) -> dict:
+  return moe(layers, router=RouterConfig(k=1, capacity_ratio=1.0, eval_capacity_ratio=0.5,
+                                         **router_keys),
              ensemble_size=2, ensemble_variant=variant)
 
 
@@ -99,6 +101,12 @@ CASES = {
     # DeepSeek-V3's sigmoid gates: TOP-k on the scores, weights normalized (BPR reads them).
     "token_choice_sigmoid_bpr": (dict(classifier=Classifier.gap, **moe(router=dataclasses.replace(
         DROPPING, batch_priority=True, gate=Gate.sigmoid))), "softmax"),
+    # Auxiliary-loss-free balancing: a (random) per-expert bias chooses, the scores weigh.
+    "token_choice_bias": (dict(classifier=Classifier.gap, **moe(router=dataclasses.replace(
+        DROPPING, balance=Balance.bias))), "softmax"),
+    "token_choice_bias_sigmoid_bpr": (dict(classifier=Classifier.gap, **moe(
+        router=dataclasses.replace(DROPPING, batch_priority=True, gate=Gate.sigmoid,
+                                   balance=Balance.bias))), "softmax"),
     "token_choice_reference_rounding": (
         dict(num_layers=3, **moe(layers=(1, 2), router=RouterConfig(
             k=2, capacity_ratio=1.0, eval_capacity_ratio=0.3,
@@ -124,11 +132,15 @@ CASES = {
     "token_choice_dropless_sigmoid_shared_split": (dict(classifier=Classifier.gap, **moe(
         router=RouterConfig(k=2, dropless=True, gate=Gate.sigmoid), shared_experts=1,
         expert_split=2)), "softmax"),
+    "token_choice_dropless_bias": (dict(classifier=Classifier.gap, **moe(
+        router=RouterConfig(k=2, dropless=True, balance=Balance.bias))), "softmax"),
     "pbe": (pbe(EnsembleVariant.pbe), "softmax"),
     "pbe_first_block": (pbe(EnsembleVariant.pbe, layers=(0, 1)), "softmax"),
     "pbe_sigmoid": (pbe(EnsembleVariant.pbe), "sigmoid"),
     "tiling_only": (pbe(EnsembleVariant.tiling_only), "softmax"),
     "partition_only": (pbe(EnsembleVariant.partition_only), "softmax"),
+    "pbe_bias": (dict(classifier=Classifier.gap, **pbe(EnsembleVariant.pbe, balance=Balance.bias)),
+                 "softmax"),
 }
 
 # Heteroscedastic heads: (ModelConfig keys over BASE, output). The draws of each case's noise
@@ -256,6 +268,7 @@ def test_probabilities_match_flax(export, name):
 
 @pytest.mark.parametrize("name", ["token_choice_vanilla", "token_choice_bpr",
                                   "token_choice_bpr_sum", "token_choice_sigmoid_bpr",
+                                  "token_choice_bias", "token_choice_bias_sigmoid_bpr",
                                   "token_choice_reference_rounding",
                                   "token_choice_shared_split",
                                   "experts_choice", "pbe", "partition_only"])
@@ -271,7 +284,8 @@ def test_the_cases_drop_at_the_inference_capacity(export, name):
 def test_the_dropless_cases_drop_nothing_where_capacity_would(export):
   """Dropless: nothing dropped, and the same weights at an inference capacity of C = 0.5 (what
   the capacity cases use) predict otherwise: the dropless routing shows in the parity."""
-  for name in ("token_choice_dropless", "token_choice_dropless_sigmoid_shared_split"):
+  for name in ("token_choice_dropless", "token_choice_dropless_sigmoid_shared_split",
+               "token_choice_dropless_bias"):
     e = export(name)
     assert all(float(m["fraction_dropped_assignments"]) == 0
                for m in e.extras["routing"].values())
@@ -436,12 +450,37 @@ def test_every_tensor_reaches_the_output(export, name):
   if isinstance(model.head, e.modeling.HeteroscedasticHead):
     model.head.mc_samples = 256  # enough to reach every parameter, and quick
   model(nchw(e.images)).sum().backward()
-  missing = [n for n, p in model.named_parameters() if p.grad is None]
+  # A balance bias only chooses experts (no gradient in Flax either): its effect is checked by
+  # test_the_balance_bias_changes_the_choices.
+  missing = [n for n, p in model.named_parameters()
+             if p.grad is None and not n.endswith(".balance_bias")]
   assert not missing
   from safetensors.numpy import load_file
   stored = load_file(str(e.folder / "model.safetensors"))
   assert set(stored) == {n for n, _ in model.named_parameters()}
   assert all(v.dtype == np.float32 for v in stored.values())
+
+
+@pytest.mark.parametrize("name", ["token_choice_bias", "token_choice_bias_sigmoid_bpr",
+                                  "pbe_bias", "token_choice_dropless_bias"])
+def test_the_balance_bias_changes_the_choices(export, name):
+  """With the bias zeroed on both sides the predictions change, and still agree: the exported
+  bias is what chooses (the partitions' slices of it in an ensemble)."""
+  e = export(name)
+  model = e.torch_model()
+  biases = [n for n, _ in model.named_parameters() if n.endswith(".balance_bias")]
+  assert biases
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, a: np.zeros_like(a) if "balance_bias" in jax.tree_util.keystr(path) else a,
+      e.params)
+  with torch.no_grad():
+    for n, p in model.named_parameters():
+      if n.endswith(".balance_bias"):
+        p.zero_()
+    ours = model.predict_proba(nchw(e.images)).numpy()
+  flax = probabilities(e.model.apply({"params": params}, e.images, train=False)[0], e.output)
+  np.testing.assert_allclose(ours, flax, atol=TOLERANCE, rtol=0)
+  assert np.abs(flax - e.probs).max() > 10 * TOLERANCE
 
 
 def test_every_flax_parameter_is_written(export):
@@ -591,6 +630,14 @@ def test_config_json_holds_the_inference_settings(export):
   assert het == {"type": "het", "num_factors": 3, "parameter_efficient": True,
                  "mc_samples": HET_SAMPLES, "temperature": None, "temperature_bounds": [0.05, 5.0],
                  "mc_chunk_size": 4096, "share_samples_across_batch": False}
+
+
+def test_config_json_holds_the_balance_bias(export):
+  router = json.loads((export("token_choice_bias").folder / "config.json").read_text())["moe"][
+      "router"]
+  assert router["balance"] == "bias"
+  assert "balance" not in json.loads((export("token_choice_vanilla").folder / "config.json")
+                                     .read_text())["moe"]["router"]
 
 
 def test_config_json_holds_deepseek_experts(export):

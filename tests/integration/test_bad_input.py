@@ -141,6 +141,21 @@ TRAINING_CASES = [
       "model.router.priority=sum"],
      ["model.router.priority=sum means nothing with model.router.gate=sigmoid",
       "model.router.priority=max"]),
+    # auxiliary-loss-free balancing (a per-expert bias for choosing): token choice's alone
+    (["model.router.bias_update_rate=0.01"],
+     ["model.router.bias_update_rate=0.01 means nothing with model.router.balance=aux_loss",
+      "model.router.balance=bias"]),
+    (["model.router.balance=bias", "model.router.bias_update_rate=-0.001"],
+     ["model.router.bias_update_rate=-0.001", ">= 0"]),
+    (["model.router.balance=loss_free"], ["model.router.balance", "'loss_free'",
+                                          "aux_loss, bias"]),
+    (["model=vit_tiny", "model.router.balance=bias"],
+     ["model.router.balance=bias", "dense ViT"]),
+    (["model=softmoe_tiny", "model.router.balance=bias"],
+     ["model.router.balance=bias means nothing for model.router.type=soft"]),
+    (["model=ecmoe_tiny", "model.router.balance=bias", "model.router.bias_update_rate=0.01"],
+     ["model.router.balance=bias, model.router.bias_update_rate=0.01 means nothing for "
+      "model.router.type=experts_choice"]),
     # DeepSeekMoE's shared and fine-grained experts
     (["model=vit_tiny", "model.moe.shared_experts=1"],
      ["model.moe.shared_experts=1 means nothing for a dense ViT"]),

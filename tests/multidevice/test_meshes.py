@@ -2,7 +2,8 @@
 
 For a V-MoE and for a partitioned batch ensemble (E³), whose members' tokens travel to the devices
 of their partition's experts under expert parallelism; for the experts-choice and Soft MoE router
-families; for DeepSeekMoE's shared and fine-grained experts; and for a HET-XL head. Every model is the catalog's at the suite's tiny size
+families; for DeepSeekMoE's shared and fine-grained experts; for auxiliary-loss-free balancing's
+bias; and for a HET-XL head. Every model is the catalog's at the suite's tiny size
 (tests/conftest.py's TINY_MODEL): it keeps its 8 experts on block 1, its router and its members.
 
 Runs in its own process with XLA_FLAGS=--xla_force_host_platform_device_count=8
@@ -20,8 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import TINY_MODEL
 from runner.checkpoint import Checkpointer
+from runner.config import derived
 from runner.config.schema import HeadConfig, HeadType
 from runner.models import build_model, heads, model_config
+from runner.models.moe.routers.token_choice import Balance
 from runner.parallel import Placement, RULES, logical_rules, make_mesh, placement as make_placement
 from runner.train import optimizers, schedules, state as state_lib
 from runner.loop import initial_state
@@ -54,6 +57,9 @@ MODELS = {
     "softmoe_tiny": _tiny("softmoe_tiny"),
     # DeepSeekMoE: 16 fine-grained experts of width 32 (4 chosen) and a shared expert.
     "vmoe_tiny_s1_f2": _tiny("vmoe_tiny_s1_f2"),
+    # Auxiliary-loss-free balancing: a per-expert bias moved by 0.01 a step from the batch's loads.
+    "vmoe_tiny_bias": _tiny("vmoe_tiny", router=dataclasses.replace(
+        model_config("vmoe_tiny").router, balance=Balance.bias, bias_update_rate=0.01)),
     # HET-XL head (learned τ, 8 MC samples): its noise draws (B, S, R) are sharded with the batch.
     "vmoe_tiny_het_xl": _tiny("vmoe_tiny", head=HeadConfig(
         type=HeadType.het_xl, num_factors=4, train_mc_samples=8, eval_mc_samples=8)),
@@ -93,7 +99,8 @@ def _train(placement: Placement, workdir, config) -> Training:
   with placement.context():
     state, shardings, _, _ = initial_state(Checkpointer(workdir), model=model, tx=tx,
                                            image_shape=SHAPE, placement=placement, seed=0)
-    step = jax.jit(make_train_step(model, tx, schedule, loss="softmax_xent", aux_loss_weight=0.01),
+    step = jax.jit(make_train_step(model, tx, schedule, loss="softmax_xent", aux_loss_weight=0.01,
+                                   bias_update_rate=derived.bias_update_rate(config, "pretrain")),
                    in_shardings=(shardings, placement.batch_sharding),
                    out_shardings=(shardings, None))
     compiled_text = step.lower(state, placement.put(_batches()[0])).compile().as_text()
@@ -201,6 +208,22 @@ def test_shared_and_fine_grained_experts_train_on_a_mesh_as_on_one_device(traine
   assert moe["shared"]["fc1_kernel"].shape == (1, hidden, width)
   assert all(axis is None for axis in moe["shared"]["fc1_kernel"].sharding.spec)
   assert "all-to-all" in got.compiled_text
+
+
+def test_the_balance_bias_is_global_under_expert_parallelism(trained):
+  """The loads that move the bias count every routing group of every device: under expert
+  parallelism over 8 devices the bias after 3 steps is the one-device run's, and it is whole on
+  every device."""
+  ref = trained("vmoe_tiny_bias", ONE_DEVICE)
+  got = trained("vmoe_tiny_bias", "1 data x 8 expert")
+  bias = got.state.params["block_1"]["moe"]["router"]["balance_bias"]
+  want = np.asarray(ref.state.params["block_1"]["moe"]["router"]["balance_bias"])
+  assert np.abs(want).max() > 0
+  np.testing.assert_allclose(np.asarray(bias), want, rtol=0, atol=1e-4)
+  assert all(axis is None for axis in bias.sharding.spec)
+  assert {s.data.shape for s in bias.addressable_shards} == {(8,)}
+  np.testing.assert_allclose(got.losses, ref.losses, rtol=2e-5)
+  _assert_params_match(got.state.params, ref.state.params)
 
 
 def test_save_on_8_devices_restore_on_1_and_on_2x4(trained, tmp_path):

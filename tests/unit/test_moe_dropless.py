@@ -138,6 +138,34 @@ def test_equal_to_the_capacity_path_when_nothing_drops(train, moe):
   assert np.abs(np.asarray(got_params["router"]["dense"]["kernel"])).max() > 0
 
 
+def test_a_balance_bias_chooses_as_with_capacity():
+  """Auxiliary-loss-free balancing (balance=bias): the bias chooses the TOP-k, the unbiased
+  scores weigh them, and training sows the loads the bias update reads, as the capacity path
+  does where it drops nothing."""
+  x = _inputs(17)
+  biased = {"balance": "bias"}
+  dropless = MoeMlpBlock(num_experts=E, mlp_dim=MLP, group_size=2, router={**DROPLESS, **biased})
+  capacity = MoeMlpBlock(num_experts=E, mlp_dim=MLP, group_size=2, router={**ROOMY, **biased})
+  params = _params(dropless, x, seed=18)
+  run = lambda block: block.apply({"params": params}, x, train=True,
+                                  rngs={"gating": jax.random.key(0)},
+                                  mutable=["balance_loads", "intermediates"])
+  (y, _), sown = run(dropless)
+  (want, _), sown_want = run(capacity)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
+  (loads,) = jax.tree.leaves(sown["balance_loads"])
+  np.testing.assert_array_equal(np.asarray(loads),
+                                np.asarray(jax.tree.leaves(sown_want["balance_loads"])[0]))
+  assert loads.shape == (1, E) and int(loads.sum()) == IMAGES * TOKENS * K
+  unbiased = dict(params, router={"dense": params["router"]["dense"],
+                                  "balance_bias": jnp.zeros(E)})
+  (_, _), sown_unbiased = dropless.apply({"params": unbiased}, x, train=True,
+                                         rngs={"gating": jax.random.key(0)},
+                                         mutable=["balance_loads", "intermediates"])
+  chosen = lambda s: np.asarray(s["intermediates"]["selected_experts"][0])
+  assert (chosen(sown) != chosen(sown_unbiased)).any()  # the bias changed some choices
+
+
 def test_fine_grained_experts():
   """E*m experts of width mlp_dim/m, k*m chosen: the reference with k*m, as the capacity path
   with room for everything."""
@@ -337,17 +365,23 @@ def dropless_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("dropless") / "run"
   assert cli.main(["pretrain", f"workdir={workdir}", *TRAIN, "model.router.dropless=true",
                    "model.router.gate=sigmoid", "model.moe.shared_experts=1",
-                   "model.moe.expert_split=2", "model.moe.expert_dropout=0.1"]) == 0
+                   "model.moe.expert_split=2", "model.moe.expert_dropout=0.1",
+                   "model.router.balance=bias"]) == 0
   return workdir
 
 
 def test_pretrain_logs_no_dropped_token_and_evaluates(dropless_run):
+  """Sigmoid gates, a shared expert, fine-grained experts, expert dropout and the balance bias,
+  dropless."""
   records = [json.loads(line) for line in (dropless_run / "metrics.jsonl").read_text().splitlines()]
   train = [r for r in records if "train/loss" in r]
   assert train and all(r["moe/layer_1/fraction_dropped_tokens"] == 0.0 for r in train)
   assert all(r["moe/layer_1/fraction_dropped_assignments"] == 0.0 for r in train)
   assert len(train[-1]["moe/layer_1/expert_load"]) == 16  # 8 experts split in 2
   assert np.isfinite(train[-1]["train/loss"])
+  from runner import weights
+  bias = weights.load(str(dropless_run))[0]["block_1"]["moe"]["router"]["balance_bias"]
+  assert np.abs(np.asarray(bias)).max() > 0  # the train step moved it from the sown loads
   summary = json.loads((dropless_run / "summary.json").read_text())
   assert 0 <= summary["val/prec@1"] <= 1
   assert summary["val/moe/layer_1/fraction_dropped_tokens"] == 0.0

@@ -18,6 +18,15 @@ before capacity drops, over the whole batch: load_i is how many went to expert i
 
 With P partitions (a partitioned batch ensemble) group g routes among partition g % P's experts:
 sums run over the groups of one partition, and a squared CV is taken per partition, then averaged.
+
+Auxiliary-loss-free balancing (model.router.balance=bias; Wang et al. 2024, DeepSeek-V3): the
+router adds a per-expert bias b (its parameter `balance_bias`, (E,)) to the scores it chooses the
+TOP-k on (never to the combine weights; routing.biased_gates) and, in training, sows the batch's
+loads (the counts above, (P, E/P)) in the collection `balance_loads` at the bias' path. After the
+optimizer's update the train step sets b_i += u * sign(mean_j load_j - load_i), the mean over
+expert i's partition (`bias_update`, `update_biases`): the bias is a parameter only so that it is
+checkpointed, restored, loaded and exported with the others; no gradient, optimizer, weight decay
+or clipping moves it. Inside jit the counts are over the global batch (every group, every device).
 """
 from __future__ import annotations
 
@@ -59,17 +68,84 @@ def load_loss(logits_clean: jax.Array, logits_noisy: jax.Array, noise_std: float
   return routing.squared_cv(expert_sums(p, scope, partitions)).mean()
 
 
-def diagnostics(plan: DispatchPlan, partitions: int = 1) -> dict[str, jax.Array]:
-  """max_violation, dead_experts and saturated_experts of a plan (see the module docstring);
-  with partitions, over the layer's P * E/P experts."""
+def assignment_counts(plan: DispatchPlan, partitions: int = 1) -> jax.Array:
+  """(E,) int: load_i, the (token, choice) assignments of the batch whose TOP-k chose expert i,
+  before capacity drops; with partitions, over the layer's P * E/P experts (p * E/P + e)."""
   groups, experts = plan.experts.shape[0], plan.num_experts
   # Counted per group (O(tokens), not O(tokens x experts) as a one-hot sum): (G, E/P).
   chosen = jax.vmap(functools.partial(jnp.bincount, length=experts))(
       plan.experts.reshape(groups, -1).astype(jnp.int32))
-  load = chosen.reshape(groups // partitions, partitions * experts).sum(axis=0)  # (E,)
+  return chosen.reshape(groups // partitions, partitions * experts).sum(axis=0)
+
+
+def diagnostics(plan: DispatchPlan, partitions: int = 1) -> dict[str, jax.Array]:
+  """max_violation, dead_experts and saturated_experts of a plan (see the module docstring);
+  with partitions, over the layer's P * E/P experts."""
+  groups = plan.experts.shape[0]
+  load = assignment_counts(plan, partitions)  # (E,)
   mean = jnp.mean(load.astype(jnp.float32))
   full = plan.expert_of_slot_filled >= plan.capacity  # (G, E/P)
   often_full = jnp.mean(full.reshape(groups // partitions, -1), axis=0) >= 0.5
   return {"max_violation": (jnp.max(load) - mean) / mean,
           "dead_experts": jnp.sum(load == 0).astype(jnp.float32),
           "saturated_experts": jnp.sum(often_full).astype(jnp.float32)}
+
+
+# Auxiliary-loss-free balancing (see the module docstring).
+BIAS = "balance_bias"  # the router's parameter, (E,)
+LOADS = "balance_loads"  # the collection its training loads are sown in, at the bias' path
+BALANCES = ("aux_loss", "bias")
+
+
+def group_bias(bias: jax.Array, groups: int, partitions: int = 1) -> jax.Array:
+  """(E,) bias -> (G, 1, E/P): group g routes among partition g % P's experts, with their bias."""
+  per_partition = bias.reshape(partitions, -1)
+  return jnp.tile(per_partition, (groups // partitions, 1))[:, None, :]
+
+
+def bias_update(bias: jax.Array, loads: jax.Array, rate: float) -> jax.Array:
+  """b_i + u * sign(mean_j load_j - load_i) (Wang et al. 2024, Algorithm 1), loads (P, E/P):
+  the mean over each partition's experts; an expert at the mean keeps its bias."""
+  loads = loads.astype(jnp.float32)
+  direction = jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads).reshape(bias.shape)
+  return bias + jnp.asarray(rate, bias.dtype) * direction.astype(bias.dtype)
+
+
+def _names(path) -> tuple[str, ...]:
+  return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def has_bias(params) -> bool:
+  """Whether some router of `params` balances with a bias (decided from the tree's structure:
+  static under jit)."""
+  return any(_names(path)[-1:] == (BIAS,)
+             for path, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+
+
+def update_biases(before, after, loads, rate: float):
+  """`after` (the parameters the optimizer updated) with every router's bias set anew from its
+  value in `before` and its loads (the `balance_loads` collection: per bias path, the loads of
+  each call, summed): `bias_update`, or the bias of `before` unchanged where `rate` is 0 (frozen)
+  or where the router sowed no loads (it did not route in training: LiT's locked image tower runs
+  in inference mode). So whatever the optimizer did to a bias (weight decay) is undone. `loads`
+  None (the objective did not collect them) with a rate is an error."""
+  if rate and loads is None:
+    raise ValueError(f"a balance bias and no loads: the objective must apply the model with the "
+                     f"{LOADS!r} collection mutable and return it (runner/train/objectives.py)")
+  counts: dict[tuple[str, ...], jax.Array] = {}
+  for path, value in jax.tree_util.tree_flatten_with_path(loads or {})[0]:
+    names = _names(path)
+    at = len(names) - 1 - names[::-1].index(BIAS)  # sown values are tuples below the name
+    key = names[:at + 1]
+    counts[key] = value if key not in counts else counts[key] + value
+  old = {_names(path): value for path, value in jax.tree_util.tree_flatten_with_path(before)[0]
+         if _names(path)[-1:] == (BIAS,)}
+
+  def replace(path, leaf):
+    names = _names(path)
+    if names[-1:] != (BIAS,):
+      return leaf
+    if not rate or names not in counts:
+      return old[names]
+    return bias_update(old[names], counts[names], rate)
+  return jax.tree_util.tree_map_with_path(replace, after)

@@ -74,24 +74,28 @@ def top_k_indices(values: jax.Array, k: int) -> jax.Array:
   return jnp.stack(picked, axis=-1).astype(jnp.int32)
 
 
-def top_k_gates(gates: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """(weights, experts) of the k largest gates, largest first; ties go to the lower expert id."""
-  experts = top_k_indices(gates, k)
+def top_k_gates(gates: jax.Array, k: int,
+                select: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """(weights, experts) of the k largest gates, largest first; ties go to the lower expert id.
+  With `select` (shaped like `gates`), the k largest of `select` instead, their weights still
+  read from `gates` (auxiliary-loss-free balancing's biased choice, `biased_gates`)."""
+  experts = top_k_indices(gates if select is None else select, k)
   return _pick(gates, experts), experts
 
 
 def plan_dispatch(gates: jax.Array, *, k: int, capacity: int, batch_priority: bool = False,
-                  priority: str = "max") -> DispatchPlan:
+                  priority: str = "max", select: jax.Array | None = None) -> DispatchPlan:
   """Assigns each token's TOP-k experts to buffer slots, dropping what does not fit.
 
   gates: (G, S, E) routing weights (softmax outputs, or `sigmoid_gates`). Implemented with one
   sort per group over the S*k assignments, so the cost grows with tokens * log(tokens), not with
-  the number of experts times the capacity.
+  the number of experts times the capacity. `select` (G, S, E), when given, chooses the TOP-k in
+  place of the gates, which remain the combine weights (`biased_gates`).
   """
   if priority not in PRIORITIES:
     raise ValueError(f"unknown routing priority {priority!r}; valid: {PRIORITIES}")
   num_groups, num_tokens, num_experts = gates.shape
-  weights, experts = top_k_gates(gates, k)  # (G, S, k)
+  weights, experts = top_k_gates(gates, k, select)  # (G, S, k)
   if batch_priority:
     score = weights[..., 0] if priority == "max" else weights.sum(-1)
     # Rank of each token when sorted by decreasing score; stable, so ties keep token order.
@@ -138,10 +142,12 @@ def plan_dispatch(gates: jax.Array, *, k: int, capacity: int, batch_priority: bo
                       capacity=capacity, k=k, experts=experts, gates=gates)
 
 
-def plan_dropless(gates: jax.Array, *, k: int) -> DroplessPlan:
+def plan_dropless(gates: jax.Array, *, k: int, select: jax.Array | None = None) -> DroplessPlan:
   """Each token's TOP-k experts, every assignment kept, with its TOP-k weight as combine weight
-  (the weights `plan_dispatch` gives the assignments it keeps). gates: (G, S, E)."""
-  weights, experts = top_k_gates(gates, k)
+  (the weights `plan_dispatch` gives the assignments it keeps). gates: (G, S, E); `select`, as
+  for `plan_dispatch`, chooses the TOP-k instead (a balance bias), the weights still read from
+  `gates`."""
+  weights, experts = top_k_gates(gates, k, select)
   return DroplessPlan(experts=experts, combine_weights=weights, num_experts=gates.shape[-1], k=k,
                       gates=gates)
 
@@ -210,3 +216,21 @@ def sigmoid_gates(logits: jax.Array, k: int) -> jax.Array:
   scores = jax.nn.sigmoid(logits)
   top = _pick(scores, top_k_indices(scores, k)).sum(axis=-1, keepdims=True)
   return scores / top
+
+
+def biased_gates(logits: jax.Array, gate: str, k: int,
+                 bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Auxiliary-loss-free balancing (Wang et al. 2024, arXiv 2408.15664; DeepSeek-V3, eq. 16):
+  (gates, select) for `plan_dispatch`. The scores s (softmax(logits), or sigmoid(logits)) plus
+  the per-expert `bias` (broadcast against the logits) choose each token's TOP-k (`select`); the
+  bias never weighs: the gates are the unbiased scores, softmax's probabilities, or for sigmoid
+  s / sum_{j in TOP-k of s + b} s_j, the chosen experts' scores normalized to sum to 1. No
+  gradient reaches the bias."""
+  if gate not in GATES:
+    raise ValueError(f"unknown gate {gate!r}; valid: {GATES}")
+  scores = jax.nn.softmax(logits) if gate == "softmax" else jax.nn.sigmoid(logits)
+  select = jax.lax.stop_gradient(scores + jax.lax.stop_gradient(bias))
+  if gate == "softmax":
+    return scores, select
+  top = _pick(scores, top_k_indices(select, k)).sum(axis=-1, keepdims=True)
+  return scores / top, select

@@ -5,8 +5,10 @@ gate=sigmoid, DeepSeek-V3's sigmoid scores with normalized TOP-k weights); each 
 has a buffer of B_e = round(k * tokens * C / E) slots per routing group and drops what does not
 fit, in the order of Algorithm 1 (vanilla) or 2 (Batch Prioritized Routing); auxiliary importance
 and load losses (Appendix A.2), per routing group or over the batch (balance_scope, balance.py),
-and the balance diagnostics MaxVio, dead and saturated experts. With dropless=true every
-(token, choice) assignment is processed instead, no capacity, nothing dropped
+and the balance diagnostics MaxVio, dead and saturated experts; or, with balance=bias,
+auxiliary-loss-free balancing: a per-expert bias on the scores that choose the TOP-k only,
+updated by the train step from the batch's loads (balance.py). With dropless=true every
+(token, choice) assignment is processed, no capacity, nothing dropped
 (`routing.plan_dropless`; the layer runs the experts as grouped matmuls). The policy itself is
 `runner.models.moe.routing`; the reference code names this router `NoisyTopExpertsPerItemRouter`
 (vmoe/nn/routing.py).
@@ -50,6 +52,11 @@ class BalanceScope(str, enum.Enum):
   batch = "batch"  # per-expert sums over the whole batch first (Qiu et al. 2025)
 
 
+class Balance(str, enum.Enum):
+  aux_loss = "aux_loss"  # V-MoE's importance and load losses in the training loss
+  bias = "bias"  # auxiliary-loss-free: a per-expert bias for choosing (Wang et al. 2024)
+
+
 @dataclasses.dataclass
 class TokenChoiceConfig:
   """model.router.* of router type token_choice."""
@@ -65,11 +72,19 @@ class TokenChoiceConfig:
   balance_scope: BalanceScope = key(BalanceScope.group, hint="group: the auxiliary losses per "
                                     "routing group (V-MoE); batch: over the whole batch "
                                     "(global-batch balancing, Qiu et al. 2025)")
+  balance: Balance = key(Balance.aux_loss, hint="aux_loss: V-MoE's auxiliary losses; bias: "
+                         "auxiliary-loss-free, a per-expert bias on the scores that choose the "
+                         "TOP-k, moved after every step towards even loads (Wang et al. 2024)")
+  bias_update_rate: Optional[float] = key(None, at_least(0), "u in b_i += u*sign(mean load - "
+                                          "load_i), the paper's 0.001; null: 0.001 in pretrain, "
+                                          "0 (a frozen bias) in finetune")
   dropless: bool = key(False, hint="true: every chosen assignment is processed, nothing dropped, "
                        "no capacity (the experts as grouped matmuls over tokens sorted by expert)")
 
 
 _KERNEL_INIT = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
+# Whole on every device: every routing group adds all of it.
+_BIAS_INIT = nn.with_logical_partitioning(nn.initializers.zeros, (None,))
 
 
 class _PartitionedKernel(nn.Module):
@@ -91,6 +106,12 @@ class NoisyTopKRouter(nn.Module):
   V-MoE with E/P experts (Allingham et al., eq. 3 and Ω_partition of App. D.2). The plan then
   indexes the E/P experts of each group's partition.
 
+  With `balance="bias"` (auxiliary-loss-free balancing) the router has a parameter
+  `balance_bias` (E,), zeros at first: each group's scores plus its partition's bias choose the
+  TOP-k, the unbiased scores weigh them (routing.biased_gates), the auxiliary loss is 0 (the
+  importance and load losses stay metrics), and in training the batch's loads (P, E/P) are sown
+  in the `balance_loads` collection for the train step to move the bias (balance.py).
+
   The router always computes in float32: routing decisions are discrete and bfloat16 rounding of
   the gates would change them.
   """
@@ -105,6 +126,7 @@ class NoisyTopKRouter(nn.Module):
   partitions: int = 1
   gate: str = "softmax"  # or "sigmoid": routing.sigmoid_gates
   balance_scope: str = "group"  # or "batch": balance.py
+  balance: str = "aux_loss"  # or "bias": auxiliary-loss-free balancing, balance.py
   dropless: bool = False  # every assignment processed: routing.plan_dropless, no capacity
 
   @nn.compact
@@ -126,8 +148,10 @@ class NoisyTopKRouter(nn.Module):
     metrics = {"importance_loss": balance.importance_loss(
         routing.importance_weights(logits, gates_clean, self.gate), self.balance_scope, p)}
     noise_std = self.noise_std / experts
+    routed = logits  # what the TOP-k is chosen on
     if train and noise_std > 0:
-      noisy = logits + noise_std * jax.random.normal(self.make_rng("gating"), logits.shape)
+      noisy = routed = logits + noise_std * jax.random.normal(self.make_rng("gating"),
+                                                              logits.shape)
       gates = routing.gate_weights(noisy, self.gate, self.k)
       metrics["load_loss"] = balance.load_loss(logits, noisy, noise_std, self.k,
                                                self.balance_scope, p)
@@ -139,14 +163,27 @@ class NoisyTopKRouter(nn.Module):
       # lambda / 2 (0.005; vmoe/nn/routing.py, vmoe/configs/vmoe_paper/common.py).
       gates = gates_clean
       metrics["auxiliary_loss"] = 0.5 * metrics["importance_loss"]
+    select = None
+    if self.balance == "bias":  # the losses above are metrics only: none enters the loss
+      bias = self.param(balance.BIAS, _BIAS_INIT, (self.num_experts,), jnp.float32)
+      gates, select = routing.biased_gates(routed, self.gate, self.k,
+                                           balance.group_bias(bias, num_groups, p))
+      metrics["auxiliary_loss"] = jnp.zeros((), jnp.float32)
+      metrics["bias_spread"] = jnp.max(bias) - jnp.min(bias)
+    elif self.balance != "aux_loss":
+      raise ValueError(f"unknown balance {self.balance!r}; valid: {balance.BALANCES}")
     if self.dropless:  # every assignment processed: no capacity, nothing dropped
-      return self._dropless(gates, metrics)
+      return self._dropless(gates, metrics, select, train)
     ratio = self.capacity_ratio
     if not train and self.eval_capacity_ratio is not None:
       ratio = self.eval_capacity_ratio
     capacity = routing.expert_capacity(num_tokens, experts, self.k, ratio, self.capacity_rounding)
     plan = routing.plan_dispatch(gates, k=self.k, capacity=capacity,
-                                 batch_priority=self.batch_priority, priority=self.priority)
+                                 batch_priority=self.batch_priority, priority=self.priority,
+                                 select=select)
+    if select is not None and train:  # the train step moves the bias (balance.update_biases)
+      self.sow(balance.LOADS, balance.BIAS,
+               balance.assignment_counts(plan, p).reshape(p, experts))
     kept = plan.kept
     metrics["fraction_dropped_tokens"] = jnp.mean(~kept.any(axis=-1))
     metrics["fraction_dropped_assignments"] = jnp.mean(~kept)
@@ -156,13 +193,18 @@ class NoisyTopKRouter(nn.Module):
     metrics.update(balance.diagnostics(plan, p))
     return plan, metrics
 
-  def _dropless(self, gates: jax.Array, metrics: dict) -> tuple[routing.DroplessPlan, dict]:
-    """The TOP-k of every token, all kept (`routing.plan_dropless`), and the metrics of a router
-    that drops nothing; an expert's load is its share of the group's S tokens (`capacity`, the
-    buffer that nothing overflows), averaged over groups."""
+  def _dropless(self, gates: jax.Array, metrics: dict, select: jax.Array | None,
+                train: bool) -> tuple[routing.DroplessPlan, dict]:
+    """The TOP-k of every token (chosen on `select` with a balance bias), all kept
+    (`routing.plan_dropless`), and the metrics of a router that drops nothing; an expert's load
+    is its share of the group's S tokens (`capacity`, the buffer that nothing overflows),
+    averaged over groups."""
     if self.partitions > 1:
       raise ValueError("dropless routing does not form partitioned batch ensembles")
-    plan = routing.plan_dropless(gates, k=self.k)
+    plan = routing.plan_dropless(gates, k=self.k, select=select)
+    if select is not None and train:  # the train step moves the bias (balance.update_biases)
+      self.sow(balance.LOADS, balance.BIAS,
+               balance.assignment_counts(plan).reshape(1, self.num_experts))
     metrics["fraction_dropped_tokens"] = jnp.zeros((), jnp.float32)
     metrics["fraction_dropped_assignments"] = jnp.zeros((), jnp.float32)
     metrics["expert_load"] = jnp.mean(plan.expert_of_slot_filled, axis=0) / plan.capacity
@@ -187,11 +229,18 @@ class TokenChoice(RouterFamily):
   def problem(cls, model) -> str | None:
     """k <= the experts a token chooses among (those of its member in an ensemble); Batch
     Prioritized Routing by the sum of the TOP-k weights means nothing with sigmoid gates, whose
-    TOP-k weights sum to 1 for every token (routing.sigmoid_gates)."""
+    TOP-k weights sum to 1 for every token (routing.sigmoid_gates); a bias update rate needs the
+    bias it moves (balance=bias)."""
     router = model.router
     dropless = _dropless_problem(model)
     if dropless:
       return dropless
+    if router.bias_update_rate is not None and _name(router.balance) != "bias":
+      return (f"model.router.bias_update_rate={router.bias_update_rate} means nothing with "
+              f"model.router.balance={_name(router.balance)}: it is the step of the per-expert "
+              "bias of auxiliary-loss-free balancing, which only model.router.balance=bias has "
+              "(V-MoE's auxiliary losses balance the experts otherwise). Set "
+              "model.router.balance=bias, or drop model.router.bias_update_rate.")
     if router.gate == Gate.sigmoid and router.batch_priority and _name(router.priority) == "sum":
       return ("model.router.priority=sum means nothing with model.router.gate=sigmoid: the TOP-k "
               "weights of sigmoid gates sum to 1 for every token, so Batch Prioritized Routing "
@@ -210,6 +259,18 @@ class TokenChoice(RouterFamily):
             f"{model.moe.ensemble_size} = {per_member}); valid: 1 <= k <= {per_member}.")
 
   @classmethod
+  def later_stage_problem(cls, stored: dict, given: dict) -> str | None:
+    """model.router.balance decides whether the router has its bias parameter, so a later stage
+    keeps the checkpoint's."""
+    new, kept = given.get("balance"), stored.get("balance") or Balance.aux_loss.value
+    if new is not None and _name(new) != _name(kept):
+      return (f"model.router.balance={_name(new)} differs from the checkpoint's {_name(kept)}: "
+              "with bias the router has a parameter, balance_bias, fixed when the model is "
+              "trained, so a later stage cannot change it. Drop the override, or fine-tune with "
+              "the new value (vmoe finetune init.checkpoint=... model.router.balance=...).")
+    return super().later_stage_problem(stored, given)
+
+  @classmethod
   def split_router(cls, router, m: int):
     """Fine-grained experts (DeepSeekMoE): each token chooses k*m of the E*m experts, so the
     buffers keep round(k*m*N*C/(E*m)) = round(k*N*C/E) slots each, of a 1/m as wide expert."""
@@ -223,7 +284,8 @@ class TokenChoice(RouterFamily):
                   noise_std=1.0 if router.noise_std is None else router.noise_std)
     if _name(router.capacity_rounding) != "paper":  # the default's arguments stay as they were
       kwargs["capacity_rounding"] = _name(router.capacity_rounding)
-    for option, default in (("gate", "softmax"), ("balance_scope", "group")):
+    for option, default in (("gate", "softmax"), ("balance_scope", "group"),
+                            ("balance", "aux_loss")):
       if _name(getattr(router, option)) != default:
         kwargs[option] = _name(getattr(router, option))
     if _is_dropless(router):
@@ -289,21 +351,27 @@ class TokenChoice(RouterFamily):
   def torch_routing(cls, router, *, tokens: int, experts: int) -> TorchRouting:
     """token_choice_torch.py at the inference capacity ratio (eval_capacity_ratio when set)."""
     del tokens, experts
+    bias = _name(router.balance) == "bias"  # written only where used: the default's is as was
+    parameters = {"dense/kernel": ("dense.weight", (1, 0))}
+    if bias:
+      parameters[balance.BIAS] = (balance.BIAS, None)
     return TorchRouting(
         config=dict(k=int(router.k), capacity_ratio=float(_ratio(router, train=False)),
                     capacity_rounding=_name(router.capacity_rounding),
                     batch_priority=bool(router.batch_priority), priority=_name(router.priority),
                     **({} if _name(router.gate) == "softmax" else {"gate": _name(router.gate)}),
+                    **({"balance": "bias"} if bias else {}),
                     **({"dropless": True} if _is_dropless(router) else {})),
         source=pathlib.Path(__file__).with_name("token_choice_torch.py").read_text(),
-        class_name="TokenChoiceRouter")
+        class_name="TokenChoiceRouter", parameters=parameters)
 
   @classmethod
   def dropped_at_capacity(cls, router, weights: jax.Array, capacity: int
                           ) -> dict[str, jax.Array]:
     """Vanilla routing and Batch Prioritized Routing of the gates, TOP-k as configured; none
+    where a bias chose the TOP-k (balance=bias): the gates alone cannot replan its choices; none
     for a dropless router, which drops nothing at any capacity ratio."""
-    if _is_dropless(router):
+    if _name(getattr(router, "balance", "aux_loss")) == "bias" or _is_dropless(router):
       return {}
     dropped = {}
     for batch_priority in (False, True):
