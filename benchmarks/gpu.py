@@ -3,6 +3,7 @@
     make bench-gpu            # PYTHONPATH=. python -m benchmarks.gpu
     python -m benchmarks.gpu [--small] [--budget-s 400] [--models s32,b16]
                              [--dtypes bfloat16,float32] [--rounds 5] [--output-dir DIR]
+                             [--families vmoe,experts_choice,soft,dropless]
 
 V-MoE-S/32 (`train_step`'s `s32` preset: 32 experts on blocks 5 and 7) and V-MoE-B/16 (`b16`: 32
 experts on every second block), batch 256 at 224 px, each as token-choice (k = 2, C = 1.05),
@@ -12,6 +13,10 @@ step time over rounds in which it alternates with its dense twin, images/s, MFU 
 over the matmul peak of its dtype, measured first), and a sparse model's overhead over the dense
 twin (`train_step.overhead`). Each sparse model is compiled, timed and freed in turn beside the
 dense twin, so at most two models' parameters and Adam states are on the device at once.
+`--families` chooses the sparse models; `dropless` (token-choice with model.router.dropless=true,
+k = 2: the experts as `jax.lax.ragged_dot` grouped matmuls) is measured only when named, as XLA
+may lower ragged_dot to a dense product over every expert (E times the experts' FLOPs, and the
+time and memory that go with it).
 
 It imports jax, flax, optax, numpy and vmoe's source only: no TensorFlow, TFDS, Hydra, OmegaConf
 or W&B, so a CUDA JAX image runs it as it is. Before each model it checks the time budget
@@ -52,7 +57,7 @@ SMALL_MODELS = {
                 num_heads=2, num_classes=10, batch_size=16, num_experts=4, moe_layers=[1, 3]),
 }
 FAMILY_NAMES = {"dense": "dense", "vmoe": "token-choice", "experts_choice": "experts-choice",
-                "soft": "Soft MoE"}
+                "soft": "Soft MoE", "dropless": "token-choice dropless"}
 # A model larger than any measured so far is guessed to take this many times the longest.
 UNSEEN_SIZE_FACTOR = 3.0
 # --small compiles 16 tiny programs and runs each for a few steps: XLA's backend optimisation and
@@ -98,13 +103,24 @@ def _error(exc: Exception) -> str:
   return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
 
 
+def _configs(preset: dict, dtype: str) -> dict[str, ModelConfig]:
+  """`train_step.model_configs`, and "dropless": its token-choice V-MoE routing dropless."""
+  configs = model_configs(preset, dtype)
+  vmoe = configs["vmoe"]
+  configs["dropless"] = dataclasses.replace(vmoe, router=dataclasses.replace(vmoe.router,
+                                                                             dropless=True))
+  return configs
+
+
 def measure_group(size: str, preset: dict, dtype: str, peak_gflops: float, budget: Budget,
-                  report: dict, *, rounds: int, steps: int) -> list[dict]:
+                  report: dict, *, rounds: int, steps: int,
+                  families: tuple[str, ...] = SPARSE) -> list[dict]:
   """The rows of the dense twin and of each sparse family timed beside it; skips and errors go
   into `report`."""
   configs = {}
-  for kind, config in model_configs(preset, dtype).items():
-    configs[kind], report["attention"] = with_auto_attention(config)
+  for kind, config in _configs(preset, dtype).items():
+    if kind in families + ("dense",):
+      configs[kind], report["attention"] = with_auto_attention(config)
   batch = preset["batch_size"]
   flops = {kind: train_flops_per_image(config, preset["num_classes"], batch_size=batch) * batch
            for kind, config in configs.items()}
@@ -135,12 +151,12 @@ def measure_group(size: str, preset: dict, dtype: str, peak_gflops: float, budge
   start = time.monotonic()
   dense = prepare("dense")
   if dense is None:  # skipped or failed: its sparse models would have nothing to compare with
-    report["skipped"] += [f"{size}/{dtype}/{kind}" for kind in SPARSE]
+    report["skipped"] += [f"{size}/{dtype}/{kind}" for kind in families]
     return []
   budget.spent(size, time.monotonic() - start)
   dense_flops = {"analytic_train_flops": flops["dense"], "xla_train_flops": dense.xla_flops}
   dense_rounds, sparse_rows = [], []
-  for kind in SPARSE:
+  for kind in families:
     start = time.monotonic()
     sparse = prepare(kind)
     if sparse is None:
@@ -189,9 +205,17 @@ def main(argv=None) -> dict:
   parser.add_argument("--rounds", type=int, help="alternating rounds (default 5; --small 2)")
   parser.add_argument("--steps", type=int, help="steps per round (default 3; --small 2)")
   parser.add_argument("--output-dir", type=pathlib.Path, default=harness.RESULTS)
+  parser.add_argument("--families", default=",".join(SPARSE),
+                      help="sparse models beside the dense twin: vmoe (token-choice), "
+                           "experts_choice, soft, dropless (token-choice dropless)")
   args = parser.parse_args(argv)
   rounds = args.rounds or (2 if args.small else 5)
   steps = args.steps or (2 if args.small else 3)
+  families = tuple(f for f in args.families.split(",") if f)
+  unknown = sorted(set(families) - set(FAMILY_NAMES) - {"dense"})
+  if unknown:
+    valid = ", ".join(k for k in FAMILY_NAMES if k != "dense")
+    parser.error(f"unknown --families {unknown}; valid: {valid}")
   flags = os.environ.get("XLA_FLAGS", "")
   if args.small and SMALL_XLA_FLAGS not in flags:  # read when JAX starts its backend, just below
     os.environ["XLA_FLAGS"] = f"{flags} {SMALL_XLA_FLAGS}".strip()
@@ -213,11 +237,11 @@ def main(argv=None) -> dict:
             "matmul_precision": str(jax.config.jax_default_matmul_precision),
             "rounds": rounds, "steps_per_round": steps, "budget_s": args.budget_s,
             "presets": {m: models[m] for m in args.models.split(",")}, "attention": None,
-            "rows": [], "skipped": [], "errors": []}
+            "families": list(families), "rows": [], "skipped": [], "errors": []}
   for dtype in dtypes:  # bfloat16 first: on an accelerator it matters most
     for size in args.models.split(","):
       rows = measure_group(size, models[size], dtype, peaks[dtype], budget, report,
-                           rounds=rounds, steps=steps)
+                           rounds=rounds, steps=steps, families=families)
       report["rows"] += rows
       for r in rows:
         print(f"{size}/{dtype}/{r['family']}: compile {r['compile_s']:.1f} s, "

@@ -20,6 +20,18 @@ RULES = {
 }
 
 
+def expert_mesh_axes(bundle: str, rules: list | None = None) -> tuple[str, ...]:
+  """The mesh axes the experts' weights are split over, as the rules map their logical `expert`
+  axis (the first rule naming it, as flax reads them; explicit `rules` replace the bundle's);
+  () where the experts are replicated (sharding=dp)."""
+  for logical, axes in (rules if rules is not None else RULES.get(bundle, ())):
+    if logical == "expert":
+      if axes is None:
+        return ()
+      return (axes,) if isinstance(axes, str) else tuple(a for a in axes if a is not None)
+  return ()
+
+
 def mesh_shape(data: int, expert: int, num_devices: int, num_experts: int = 0) -> tuple[int, int]:
   """Resolves -1 entries: expert=-1 takes the most devices that divide both the device count and
   the number of experts; data=-1 takes the rest. Errors name the numbers that do not fit."""

@@ -24,7 +24,7 @@ from runner.config.schema import (ContrastiveLoss, DataConfig,
                                   HeadType, ModelConfig, MoeConfig, Objective, ObjectiveConfig,
                                   OptimConfig, RouterConfig, RunFields, ScheduleConfig, TextConfig,
                                   TokenizerKind, TrainConfig, TrainTask)
-from runner.config.mesh import mesh_shape
+from runner.config.mesh import expert_mesh_axes, mesh_shape
 from runner.errors import ConfigError, UserError
 
 
@@ -785,6 +785,25 @@ def inference_batch_fits(run: RunFields, devices: int):
     problem = batch_problem(size, what, model, devices)
     if problem:
       return problem
+  return None
+
+
+@relation
+def experts_split_for_the_router(run: RunFields):
+  """Sharding rules that split the experts' weights over devices (sharding=ep, fsdp_ep, or
+  sharding.rules mapping the logical `expert` axis) for a router that cannot run so
+  (`RouterFamily.expert_parallel_problem`: dropless token choice). Said of the config, whatever
+  the device count, so that a run refused on a cluster is refused on a laptop too."""
+  sharding = run.sharding
+  if not expert_mesh_axes(sharding.name, sharding.rules):
+    return None
+  where = (f"sharding={sharding.name}" if sharding.rules is None
+           else f"sharding.rules={_show(sharding.rules)}")
+  for model in derived.held_models(run):
+    if derived.num_experts(model):
+      problem = derived.router_family(model).expert_parallel_problem(model.router, where)
+      if problem:
+        return problem
   return None
 
 

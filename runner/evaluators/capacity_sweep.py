@@ -86,6 +86,10 @@ def capacity_sweep_needs_experts(run: RunFields):
             "is trained, so the capacity cannot change at inference; drop eval.capacity_sweep "
             "(it applies to the routers model.router.type="
             f"{'|'.join(n for n, f in registries.ROUTERS.items() if f.capacity_at_inference)}).")
+  for model in sparse:
+    why = derived.router_family(model).without_capacity(model.router)
+    if why:
+      return f"eval.capacity_sweep={eval.capacity_sweep} has nothing to sweep: {why}."
   if sparse:
     return None
   if getattr(run, "members", None) is None:

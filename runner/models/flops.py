@@ -6,7 +6,8 @@ expert slots per routing group plus the router's own matmuls — token-choice an
 and E * P slots per group whatever the number of tokens.
 
 Conventions (the V-MoE / MFU convention): a (m x k) @ (k x n) matmul costs 2*m*k*n FLOPs; experts
-are counted at their padded capacity (every buffer slot is computed, filled or not); dispatch
+are counted at their padded capacity (every buffer slot is computed, filled or not; dropless
+token choice has no buffers: k expert MLPs per token exactly, `RouterFamily.expert_rows`); dispatch
 bookkeeping, softmax, normalisation and activations are not counted. A training step costs three
 forward passes (forward, and two matmuls per matmul in the backward pass).
 
@@ -105,9 +106,9 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
     capacity = family.capacity(router, block_tokens, experts, train=train)
     router_flops = blocks * family.router_flops(group * replicas * tokens, d, experts,
                                                 capacity) / group
-    slots_per_image = blocks * experts * capacity / group
+    slots_per_image = blocks * family.expert_rows(router, block_tokens, experts, capacity) / group
     flops += router_flops
-    flops += 2 * 2.0 * slots_per_image * d * expert_width  # experts at padded capacity
+    flops += 2 * 2.0 * slots_per_image * d * expert_width  # experts at padded capacity (or none)
     flops += rows * shared_mlp  # shared experts: every token, K_s MLPs of the experts' width
   if config.classifier == Classifier.map:  # one probe query attending to every token, then an MLP
     flops += rows * (2.0 * d * d + 2.0 * tokens * d * 2 * d + 2 * 2.0 * tokens * d + 2.0 * d * d

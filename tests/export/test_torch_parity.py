@@ -9,7 +9,7 @@ assignments (vanilla routing, Batch Prioritized Routing by max and by sum, the r
 capacity rounding, one routing group or several), experts-choice, Soft MoE, partitioned batch
 ensembles (pbe, tiling_only, partition_only; at the first block too), DeepSeekMoE's shared and
 fine-grained experts, auxiliary-loss-free balancing's bias (softmax and sigmoid gates, an
-ensemble's partitions), sigmoid outputs; and
+ensemble's partitions), dropless token choice, sigmoid outputs; and
 batches of any size (12 and 3 images), whose short last routing group the exported model
 completes with zero images as `vmoe eval` completes its last batch.
 
@@ -125,6 +125,15 @@ CASES = {
         shared_experts=1, expert_split=2)), "softmax"),
     "soft_shared": (moe(router=RouterConfig(type="soft", capacity_ratio=1.0), shared_experts=2),
                     "softmax"),
+    # Dropless token choice (every assignment processed): PyTorch routes at a capacity of S slots
+    # per expert, which nothing overflows; with sigmoid gates and DeepSeekMoE's experts too.
+    "token_choice_dropless": (dict(classifier=Classifier.gap, **moe(
+        router=RouterConfig(k=2, dropless=True))), "softmax"),
+    "token_choice_dropless_sigmoid_shared_split": (dict(classifier=Classifier.gap, **moe(
+        router=RouterConfig(k=2, dropless=True, gate=Gate.sigmoid), shared_experts=1,
+        expert_split=2)), "softmax"),
+    "token_choice_dropless_bias": (dict(classifier=Classifier.gap, **moe(
+        router=RouterConfig(k=2, dropless=True, balance=Balance.bias))), "softmax"),
     "pbe": (pbe(EnsembleVariant.pbe), "softmax"),
     "pbe_first_block": (pbe(EnsembleVariant.pbe, layers=(0, 1)), "softmax"),
     "pbe_sigmoid": (pbe(EnsembleVariant.pbe), "sigmoid"),
@@ -270,6 +279,21 @@ def test_the_cases_drop_at_the_inference_capacity(export, name):
   dropped = [float(m.get("fraction_dropped_assignments", m["fraction_dropped_tokens"]))
              for m in routing.values()]
   assert max(dropped) > 0
+
+
+def test_the_dropless_cases_drop_nothing_where_capacity_would(export):
+  """Dropless: nothing dropped, and the same weights at an inference capacity of C = 0.5 (what
+  the capacity cases use) predict otherwise: the dropless routing shows in the parity."""
+  for name in ("token_choice_dropless", "token_choice_dropless_sigmoid_shared_split",
+               "token_choice_dropless_bias"):
+    e = export(name)
+    assert all(float(m["fraction_dropped_assignments"]) == 0
+               for m in e.extras["routing"].values())
+    config = dataclasses.replace(e.config, router=dataclasses.replace(
+        e.config.router, dropless=False, eval_capacity_ratio=0.5))
+    logits, _ = build_model(config, CLASSES, e.output).apply({"params": e.params}, e.images,
+                                                             train=False)
+    assert np.abs(probabilities(logits, e.output) - e.probs).max() > 1e-3
 
 
 def test_routing_orders_change_the_predictions(export):
@@ -438,7 +462,7 @@ def test_every_tensor_reaches_the_output(export, name):
 
 
 @pytest.mark.parametrize("name", ["token_choice_bias", "token_choice_bias_sigmoid_bpr",
-                                  "pbe_bias"])
+                                  "pbe_bias", "token_choice_dropless_bias"])
 def test_the_balance_bias_changes_the_choices(export, name):
   """With the bias zeroed on both sides the predictions change, and still agree: the exported
   bias is what chooses (the partitions' slices of it in an ensemble)."""

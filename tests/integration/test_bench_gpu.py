@@ -1,6 +1,7 @@
 """`make bench-gpu` (benchmarks/gpu.py) as it runs on an accelerator image: `--small` in a process
 where TensorFlow, TFDS, Hydra, OmegaConf and W&B cannot be imported, every model of both sizes and
-dtypes measured, every number finite and positive; and a spent budget still writes the result."""
+dtypes measured, every number finite and positive; a spent budget still writes the result; and
+`--families dropless` measures token-choice dropless, which the default run leaves out."""
 from __future__ import annotations
 
 import json
@@ -59,3 +60,14 @@ def test_a_spent_budget_skips_every_model_and_still_writes_the_result(tmp_path, 
   assert len(report["skipped"]) == 2 * 2 * len(FAMILIES)
   assert json.loads((tmp_path / "gpu_small.json").read_text())["skipped"] == report["skipped"]
   assert "s32/bfloat16/dense: skipped" in capsys.readouterr().out
+
+
+def test_dropless_is_measured_when_named(tmp_path):
+  """`--families dropless`: token-choice dropless beside the dense twin (not in the default run,
+  whose families the test above checks)."""
+  report = gpu.main(["--small", "--models", "s32", "--dtypes", "float32", "--families",
+                     "dropless", "--output-dir", str(tmp_path)])
+  assert report["errors"] == [] and report["skipped"] == []
+  rows = {r["family"]: r for r in report["rows"]}
+  assert set(rows) == {"dense", "dropless"}
+  assert all(_positive(rows["dropless"].get(name)) for name in NUMBERS + SPARSE_NUMBERS)

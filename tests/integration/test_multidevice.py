@@ -15,7 +15,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HALVES = {
     "meshes": ["test_meshes.py", "test_ensemble_meshes.py"],
-    "cli": ["test_cli_mesh.py", "test_contrastive_meshes.py", "test_plugin_router_mesh.py"],
+    "cli": ["test_cli_mesh.py", "test_contrastive_meshes.py", "test_plugin_router_mesh.py",
+            "test_dropless_mesh.py"],
 }
 
 

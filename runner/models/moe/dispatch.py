@@ -13,10 +13,16 @@ Two implementations of the same contract, chosen by name:
 - "einsum": the one-hot formulation of GShard and the reference V-MoE. Its dispatch tensor has
   G * S * E * C entries, so time and memory grow with tokens x experts x capacity. Kept as an
   independent reference for tests and benchmarks.
+
+A `DroplessPlan` (dropless token choice) has no buffers: the layer sorts the assignments by
+expert into rows (`DroplessPlan.layout`, `rows`), runs the experts on them as a grouped matmul
+(experts.apply_experts_ragged) and brings them back (`combine_rows`), with the same custom-VJP
+row gathers as "indices".
 """
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -173,3 +179,88 @@ def _dispatch_tensor(plan: DispatchPlan, num_tokens: int, dtype, weights=None) -
   if weights is not None:
     onehot = onehot * weights[..., None]
   return onehot.sum(axis=2).reshape(g, num_tokens, e, c)
+
+
+class RaggedLayout(typing.NamedTuple):
+  """A dropless plan's M = G*S*k assignments laid out as rows sorted by expert.
+
+  Row r holds assignment order[r] (a = (group * S + token) * k + choice); rows of one expert are
+  contiguous, in assignment order, and the experts come in ascending order, as
+  `jax.lax.ragged_dot` reads them: group_sizes[e] rows of expert e. inverse[a] is the row of
+  assignment a, experts[r] the expert of row r.
+  """
+  order: jax.Array  # (M,) int32
+  inverse: jax.Array  # (M,) int32
+  experts: jax.Array  # (M,) int32, ascending
+  group_sizes: jax.Array  # (E,) int32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DroplessPlan:
+  """Dropless token choice: every (token, choice) assignment is processed, none dropped.
+
+  experts[g, t, i] is token t's i-th choice and combine_weights[g, t, i] its gate (the TOP-k
+  weight, none zeroed), gates[g, t, e] the routing weights. There are no buffers: the MoE layer
+  (layer.py) asks for the `layout`, runs the experts on the assignments' rows sorted by expert
+  with a grouped matmul (experts.apply_experts_ragged) and combines them back (`combine_rows`).
+  `dispatch` and `combine` are not defined.
+
+  `capacity` is S, the tokens of a group: an expert takes each token at most once, so a buffer
+  of S slots is one nothing can overflow (what `expert_load` divides by, and what an exported
+  PyTorch router uses to drop nothing).
+  """
+  experts: jax.Array
+  combine_weights: jax.Array
+  num_experts: int = dataclasses.field(metadata=dict(static=True))
+  k: int = dataclasses.field(metadata=dict(static=True))
+  gates: jax.Array | None = None
+
+  ragged: typing.ClassVar[bool] = True  # the MoE layer runs it as sorted rows, not buffers
+
+  @property
+  def capacity(self) -> int:
+    return self.combine_weights.shape[1]
+
+  def expert_weights(self) -> jax.Array:
+    return self.gates
+
+  def expert_mask(self, routed: bool = False) -> jax.Array:
+    """(G, S, E): each token's TOP-k experts, which all process it (`routed` changes nothing)."""
+    del routed
+    return jnp.any(jax.nn.one_hot(self.experts, self.num_experts, dtype=jnp.bool_), axis=-2)
+
+  @property
+  def kept(self) -> jax.Array:
+    """(G, S, k) bool: every assignment."""
+    return jnp.ones(self.combine_weights.shape, jnp.bool_)
+
+  @property
+  def expert_of_slot_filled(self) -> jax.Array:
+    """(G, E) the assignments each expert processes in each group."""
+    g = self.experts.shape[0]
+    return jax.vmap(lambda e: jnp.bincount(e, length=self.num_experts))(
+        self.experts.reshape(g, -1).astype(jnp.int32))
+
+  def layout(self) -> RaggedLayout:
+    """The assignments (of the groups this device holds) sorted by expert: one sort of G*S*k
+    keys, so every expert's rows from every group are contiguous for one grouped matmul."""
+    flat = self.experts.reshape(-1).astype(jnp.int32)
+    ids = jnp.arange(flat.shape[0], dtype=jnp.int32)
+    experts, order = jax.lax.sort((flat, ids), num_keys=2)
+    inverse = jnp.zeros_like(order).at[order].set(ids, unique_indices=True)
+    group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+    return RaggedLayout(order=order, inverse=inverse, experts=experts, group_sizes=group_sizes)
+
+  def rows(self, x: jax.Array, layout: RaggedLayout) -> jax.Array:
+    """(G, S, D) tokens -> (G*S*k, D): row r is the token of assignment layout.order[r]."""
+    g, s, d = x.shape
+    return gather_rows(x.reshape(g * s, d), layout.order // self.k,
+                       layout.inverse.reshape(g * s, self.k))
+
+  def combine_rows(self, y: jax.Array, layout: RaggedLayout) -> jax.Array:
+    """(G*S*k, D) expert outputs in the rows' order -> (G, S, D): sum_i gate_i * y[row of i]."""
+    g, s, k = self.combine_weights.shape
+    picked = gather_rows(y, layout.inverse, layout.order[:, None])
+    return jnp.einsum("gskd,gsk->gsd", picked.reshape(g, s, k, -1),
+                      self.combine_weights.astype(y.dtype))

@@ -1,7 +1,8 @@
 """E independent two-layer GELU MLPs, each applied to its own buffer, as one batched matmul.
 
 The module only owns the parameters; `apply_experts` is a pure function so that the MoE layer can
-run it inside `shard_map` on each device's share of the experts.
+run it inside `shard_map` on each device's share of the experts. `apply_experts_ragged` applies
+them to rows sorted by expert instead (dropless routing), as grouped matmuls.
 """
 from __future__ import annotations
 
@@ -59,3 +60,21 @@ def apply_experts(weights, x: jax.Array, *, dropout_rate: float = 0.0, rng=None,
   if dropout_rate and rng is not None:
     y = jnp.where(jax.random.bernoulli(rng, 1 - dropout_rate, y.shape), y / (1 - dropout_rate), 0)
   return y.reshape(e, g, c, d)
+
+
+def apply_experts_ragged(weights, rows: jax.Array, experts: jax.Array, group_sizes: jax.Array, *,
+                         dropout_rate: float = 0.0, rng=None, dtype=jnp.float32) -> jax.Array:
+  """rows: (M, D) sorted by expert, group_sizes[e] of them expert e's, experts[r] the expert of
+  row r -> (M, D), row r through its expert's MLP. Each layer is one grouped matmul
+  (`jax.lax.ragged_dot`: (M, D) rows by (E, D, H) kernels); the biases are gathered per row.
+  Expert dropout draws its masks per row, as `apply_experts` does per buffer slot."""
+  w1, b1, w2, b2 = (w.astype(dtype) for w in weights)
+  x = rows.astype(dtype)
+  h = nn.gelu(jax.lax.ragged_dot(x, w1, group_sizes) + jnp.take(b1, experts, axis=0))
+  if dropout_rate and rng is not None:
+    rng, sub = jax.random.split(rng)
+    h = jnp.where(jax.random.bernoulli(sub, 1 - dropout_rate, h.shape), h / (1 - dropout_rate), 0)
+  y = jax.lax.ragged_dot(h, w2, group_sizes) + jnp.take(b2, experts, axis=0)
+  if dropout_rate and rng is not None:
+    y = jnp.where(jax.random.bernoulli(rng, 1 - dropout_rate, y.shape), y / (1 - dropout_rate), 0)
+  return y

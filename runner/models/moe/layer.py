@@ -5,6 +5,12 @@ partitioner, and dispatch -> experts -> combine runs under `shard_map`: each dev
 own routing groups locally; when the expert weights are split over the `expert` mesh axis, an
 all-to-all sends each expert's buffer slice to the device holding that expert and another brings
 the outputs back. The per-device code is the single-device code.
+
+A dropless plan (`plan.ragged`, dropless token choice) has no buffers: the layer sorts the
+assignments by expert into rows and runs the experts as grouped matmuls on them; on a mesh, each
+device does so on its own routing groups with the experts replicated (data parallelism; a mesh
+that splits the experts is refused, as rows of varying count per expert cannot go through the
+all-to-all of fixed-size buffers).
 """
 from __future__ import annotations
 
@@ -15,7 +21,8 @@ from flax.linen import partitioning
 from jax.sharding import PartitionSpec as P
 
 from runner.models.moe import routers
-from runner.models.moe.experts import LOGICAL_AXES, SHARED_AXES, MlpExperts, apply_experts
+from runner.models.moe.experts import (LOGICAL_AXES, SHARED_AXES, MlpExperts, apply_experts,
+                                       apply_experts_ragged)
 
 BATCH_AXES = ("data", "expert")
 
@@ -220,6 +227,9 @@ class MoeMlpBlock(nn.Module):
 
   def _experts_local(self, blocks, plan, weights, rng, partitions, *, expert_axis):
     """Dispatch, experts, combine on this device's groups; all-to-all over `expert_axis`."""
+    if getattr(plan, "ragged", False):
+      return self._experts_ragged(blocks, plan, weights, rng, partitions,
+                                  expert_axis=expert_axis)
     buffers = plan.dispatch(blocks, self.dispatcher)  # (E/P, G*P, C, D)
     if partitions > 1:
       buffers = _partition_major(buffers, partitions)  # (E, G, C, D)
@@ -232,6 +242,19 @@ class MoeMlpBlock(nn.Module):
     if partitions > 1:
       outputs = _partition_blocks(outputs, partitions)
     return plan.combine(outputs, self.dispatcher)
+
+  def _experts_ragged(self, blocks, plan, weights, rng, partitions, *, expert_axis):
+    """A dropless plan on this device's groups: every assignment's token, sorted by expert, through
+    its expert as one grouped matmul per layer, then weighted back into its token."""
+    if partitions > 1 or expert_axis is not None:
+      raise ValueError("dropless routing runs with every expert on every device and without "
+                       "ensemble partitions: its rows sorted by expert vary in number per "
+                       "expert, which the all-to-all of expert parallelism cannot exchange")
+    layout = plan.layout()
+    outputs = apply_experts_ragged(weights, plan.rows(blocks, layout), layout.experts,
+                                   layout.group_sizes, dropout_rate=self.expert_dropout, rng=rng,
+                                   dtype=self.dtype)
+    return plan.combine_rows(outputs, layout)
 
   def _experts_sharded(self, mesh, groups, plan, weights, rng, partitions):
     weight_axes = [_mesh_axes(axes) for axes in LOGICAL_AXES]

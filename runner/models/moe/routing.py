@@ -7,7 +7,8 @@ B_e = round(k * tokens_per_group * C / E) (§2.4), or the reference code's round
 within one choice rank, tokens go in their natural order (Algorithm 1, "vanilla") or sorted by a
 routing score (Algorithm 2, Batch Prioritized Routing).
 
-The result is a `DispatchPlan`: a partial bijection between assignments and buffer slots. How
+The result is a `DispatchPlan`: a partial bijection between assignments and buffer slots; or,
+for dropless routing (`plan_dropless`), a `DroplessPlan` that keeps every assignment. How
 tokens are physically moved into the buffers is the dispatcher's business: the plan and its
 mechanics are in `dispatch.py`, which knows nothing of how the plan was chosen.
 """
@@ -19,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from runner.models.moe.dispatch import DispatchPlan
+from runner.models.moe.dispatch import DispatchPlan, DroplessPlan
 
 PRIORITIES = ("max", "sum")
 
@@ -139,6 +140,16 @@ def plan_dispatch(gates: jax.Array, *, k: int, capacity: int, batch_priority: bo
                       assignment_of_slot=assignment_of_slot.astype(jnp.int32),
                       combine_weights=combine_weights, num_experts=num_experts,
                       capacity=capacity, k=k, experts=experts, gates=gates)
+
+
+def plan_dropless(gates: jax.Array, *, k: int, select: jax.Array | None = None) -> DroplessPlan:
+  """Each token's TOP-k experts, every assignment kept, with its TOP-k weight as combine weight
+  (the weights `plan_dispatch` gives the assignments it keeps). gates: (G, S, E); `select`, as
+  for `plan_dispatch`, chooses the TOP-k instead (a balance bias), the weights still read from
+  `gates`."""
+  weights, experts = top_k_gates(gates, k, select)
+  return DroplessPlan(experts=experts, combine_weights=weights, num_experts=gates.shape[-1], k=k,
+                      gates=gates)
 
 
 def squared_cv(values: jax.Array) -> jax.Array:

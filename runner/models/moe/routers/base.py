@@ -33,6 +33,10 @@ class Plan(Protocol):
     it after capacity (`routed=True`). Asked only of a `discrete` family's plan; None for a
     router without discrete choices (soft)."""
 
+  # A plan whose class sets `ragged = True` (token choice's dropless `DroplessPlan`) has no
+  # buffers: the layer asks it for `layout()`, `rows(x, layout)` and `combine_rows(y, layout)`
+  # instead of `dispatch` and `combine` (runner/models/moe/layer.py).
+
 
 @dataclasses.dataclass(frozen=True)
 class TorchRouting:
@@ -99,10 +103,15 @@ class RouterFamily:
   - `later_stage_problem(stored, given)`: a stored key a later stage may not change; by default,
     where the capacity is fixed at training, capacity_ratio and slots_per_expert (they size the
     slots, parameters).
+  - `expert_parallel_problem(router, sharding)` (None): why the router cannot run with its
+    experts' weights split over devices (token-choice: dropless routing).
+  - `without_capacity(router)` (None): why the router has no capacity for the capacity sweep to
+    vary (token-choice: dropless routing).
 
-  What it costs (class methods): `capacity` (slots per expert), `router_flops`, and
-  `experts_per_token` (active parameters). FLOP counting asks them per routing block, so they
-  also cost partitioned batch ensembles.
+  What it costs (class methods): `capacity` (slots per expert), `expert_rows` (the rows its
+  experts compute per group: E * capacity by default), `router_flops`, and `experts_per_token`
+  (active parameters). FLOP counting asks them per routing block, so they also cost partitioned
+  batch ensembles.
 
   What it sows besides the expert weights and masks (runner/models/introspection.py):
   - `expert_ids(plan, routed)` (None): each token's k chosen expert ids, or those that process
@@ -196,6 +205,22 @@ class RouterFamily:
     return None
 
   @classmethod
+  def expert_parallel_problem(cls, router, sharding: str) -> str | None:
+    """Why `router` cannot run where the experts' weights are split over devices (`sharding`:
+    the setting that splits them, as one would type it, e.g. "sharding=ep"); None: it can, as
+    buffers of a fixed capacity travel by all-to-all."""
+    del router, sharding
+    return None
+
+  @classmethod
+  def without_capacity(cls, router) -> str | None:
+    """Why `router` has no capacity for the capacity sweep to vary, a clause naming its key (the
+    sweep refuses it with it); None: it has one (or it is fixed at training, which
+    `capacity_at_inference` says)."""
+    del router
+    return None
+
+  @classmethod
   def module_kwargs(cls, router, *, tokens: int, experts: int) -> dict:
     """The Flax module's keyword arguments (besides num_experts) from the config; `tokens` are
     those of a full routing group, `experts` the layer's."""
@@ -205,6 +230,13 @@ class RouterFamily:
   def capacity(cls, router, tokens: int, experts: int, *, train: bool) -> int:
     """Slots per expert for a routing group of `tokens` tokens."""
     raise NotImplementedError
+
+  @classmethod
+  def expert_rows(cls, router, tokens: int, experts: int, capacity: int) -> float:
+    """Rows the experts compute for a routing group of `tokens` tokens: every buffer slot,
+    filled or not, E * capacity (FLOP counting's padded capacity)."""
+    del router, tokens
+    return experts * capacity
 
   @classmethod
   def router_flops(cls, tokens: int, dim: int, experts: int, capacity: int) -> float:

@@ -7,7 +7,9 @@ fit, in the order of Algorithm 1 (vanilla) or 2 (Batch Prioritized Routing); aux
 and load losses (Appendix A.2), per routing group or over the batch (balance_scope, balance.py),
 and the balance diagnostics MaxVio, dead and saturated experts; or, with balance=bias,
 auxiliary-loss-free balancing: a per-expert bias on the scores that choose the TOP-k only,
-updated by the train step from the batch's loads (balance.py). The policy itself is
+updated by the train step from the batch's loads (balance.py). With dropless=true every
+(token, choice) assignment is processed, no capacity, nothing dropped
+(`routing.plan_dropless`; the layer runs the experts as grouped matmuls). The policy itself is
 `runner.models.moe.routing`; the reference code names this router `NoisyTopExpertsPerItemRouter`
 (vmoe/nn/routing.py).
 """
@@ -76,6 +78,8 @@ class TokenChoiceConfig:
   bias_update_rate: Optional[float] = key(None, at_least(0), "u in b_i += u*sign(mean load - "
                                           "load_i), the paper's 0.001; null: 0.001 in pretrain, "
                                           "0 (a frozen bias) in finetune")
+  dropless: bool = key(False, hint="true: every chosen assignment is processed, nothing dropped, "
+                       "no capacity (the experts as grouped matmuls over tokens sorted by expert)")
 
 
 _KERNEL_INIT = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
@@ -123,6 +127,7 @@ class NoisyTopKRouter(nn.Module):
   gate: str = "softmax"  # or "sigmoid": routing.sigmoid_gates
   balance_scope: str = "group"  # or "batch": balance.py
   balance: str = "aux_loss"  # or "bias": auxiliary-loss-free balancing, balance.py
+  dropless: bool = False  # every assignment processed: routing.plan_dropless, no capacity
 
   @nn.compact
   def __call__(self, x: jax.Array, *, train: bool) -> tuple[routing.DispatchPlan, dict]:
@@ -167,6 +172,8 @@ class NoisyTopKRouter(nn.Module):
       metrics["bias_spread"] = jnp.max(bias) - jnp.min(bias)
     elif self.balance != "aux_loss":
       raise ValueError(f"unknown balance {self.balance!r}; valid: {balance.BALANCES}")
+    if self.dropless:  # every assignment processed: no capacity, nothing dropped
+      return self._dropless(gates, metrics, select, train)
     ratio = self.capacity_ratio
     if not train and self.eval_capacity_ratio is not None:
       ratio = self.eval_capacity_ratio
@@ -184,6 +191,24 @@ class NoisyTopKRouter(nn.Module):
     filled = plan.expert_of_slot_filled.reshape(num_groups // p, self.num_experts)
     metrics["expert_load"] = jnp.mean(filled, axis=0) / capacity
     metrics.update(balance.diagnostics(plan, p))
+    return plan, metrics
+
+  def _dropless(self, gates: jax.Array, metrics: dict, select: jax.Array | None,
+                train: bool) -> tuple[routing.DroplessPlan, dict]:
+    """The TOP-k of every token (chosen on `select` with a balance bias), all kept
+    (`routing.plan_dropless`), and the metrics of a router that drops nothing; an expert's load
+    is its share of the group's S tokens (`capacity`, the buffer that nothing overflows),
+    averaged over groups."""
+    if self.partitions > 1:
+      raise ValueError("dropless routing does not form partitioned batch ensembles")
+    plan = routing.plan_dropless(gates, k=self.k, select=select)
+    if select is not None and train:  # the train step moves the bias (balance.update_biases)
+      self.sow(balance.LOADS, balance.BIAS,
+               balance.assignment_counts(plan).reshape(1, self.num_experts))
+    metrics["fraction_dropped_tokens"] = jnp.zeros((), jnp.float32)
+    metrics["fraction_dropped_assignments"] = jnp.zeros((), jnp.float32)
+    metrics["expert_load"] = jnp.mean(plan.expert_of_slot_filled, axis=0) / plan.capacity
+    metrics.update(balance.diagnostics(plan))
     return plan, metrics
 
 
@@ -207,6 +232,9 @@ class TokenChoice(RouterFamily):
     TOP-k weights sum to 1 for every token (routing.sigmoid_gates); a bias update rate needs the
     bias it moves (balance=bias)."""
     router = model.router
+    dropless = _dropless_problem(model)
+    if dropless:
+      return dropless
     if router.bias_update_rate is not None and _name(router.balance) != "bias":
       return (f"model.router.bias_update_rate={router.bias_update_rate} means nothing with "
               f"model.router.balance={_name(router.balance)}: it is the step of the per-expert "
@@ -260,12 +288,52 @@ class TokenChoice(RouterFamily):
                             ("balance", "aux_loss")):
       if _name(getattr(router, option)) != default:
         kwargs[option] = _name(getattr(router, option))
+    if _is_dropless(router):
+      kwargs["dropless"] = True
     return kwargs
 
   @classmethod
   def capacity(cls, router, tokens: int, experts: int, *, train: bool) -> int:
+    if _is_dropless(router):  # no buffer; an expert takes each token at most once
+      return tokens
     return routing.expert_capacity(tokens, experts, router.k, _ratio(router, train),
                                    router.capacity_rounding)
+
+  @classmethod
+  def expert_rows(cls, router, tokens: int, experts: int, capacity: int) -> float:
+    """Dropless: the k * tokens assignments themselves, no padding; else every buffer slot."""
+    if _is_dropless(router):
+      return float(router.k * tokens)
+    return super().expert_rows(router, tokens, experts, capacity)
+
+  @classmethod
+  def at_inference(cls, given: dict) -> dict:
+    """As any family's; and a later stage's model.router.dropless=true sets the keys of capacity
+    routing that the checkpoint was trained with back to their defaults (those given stay, and
+    are refused): dropless routing reads none of them."""
+    given = super().at_inference(given)
+    if given.get("dropless") in (True, "true"):
+      return {**_CAPACITY_DEFAULTS, **given}
+    return given
+
+  @classmethod
+  def expert_parallel_problem(cls, router, sharding: str) -> str | None:
+    if not _is_dropless(router):
+      return None
+    return (f"model.router.dropless=true cannot run under {sharding}, which splits the experts' "
+            "weights over the devices (expert parallelism): dropless routing sorts each "
+            "device's assignments by expert into rows whose number per expert changes from "
+            "batch to batch, and the all-to-all that sends each expert its tokens exchanges "
+            "buffers of a fixed capacity. Use sharding=dp (every expert on every device, the "
+            "routing groups split over the devices), or model.router.dropless=false.")
+
+  @classmethod
+  def without_capacity(cls, router) -> str | None:
+    if not _is_dropless(router):
+      return None
+    return ("model.router.dropless=true processes every chosen assignment, with no capacity to "
+            "vary; to sweep the capacities of this checkpoint (an ordinary token-choice one), "
+            "evaluate it with model.router.dropless=false")
 
   @classmethod
   def experts_per_token(cls, router, tokens: int, experts: int, capacity: int) -> float:
@@ -273,8 +341,9 @@ class TokenChoice(RouterFamily):
 
   @classmethod
   def expert_ids(cls, plan: routing.DispatchPlan, routed: bool) -> jax.Array:
-    """Each token's TOP-k, or (`routed`) -1 where its buffer was full (combine weight 0)."""
-    if routed:
+    """Each token's TOP-k, or (`routed`) -1 where its buffer was full (combine weight 0); a
+    dropless plan processes every choice."""
+    if routed and not isinstance(plan, routing.DroplessPlan):
       return jnp.where(plan.combine_weights > 0, plan.experts, -1)
     return plan.experts
 
@@ -291,7 +360,8 @@ class TokenChoice(RouterFamily):
                     capacity_rounding=_name(router.capacity_rounding),
                     batch_priority=bool(router.batch_priority), priority=_name(router.priority),
                     **({} if _name(router.gate) == "softmax" else {"gate": _name(router.gate)}),
-                    **({"balance": "bias"} if bias else {})),
+                    **({"balance": "bias"} if bias else {}),
+                    **({"dropless": True} if _is_dropless(router) else {})),
         source=pathlib.Path(__file__).with_name("token_choice_torch.py").read_text(),
         class_name="TokenChoiceRouter", parameters=parameters)
 
@@ -299,8 +369,9 @@ class TokenChoice(RouterFamily):
   def dropped_at_capacity(cls, router, weights: jax.Array, capacity: int
                           ) -> dict[str, jax.Array]:
     """Vanilla routing and Batch Prioritized Routing of the gates, TOP-k as configured; none
-    where a bias chose the TOP-k (balance=bias): the gates alone cannot replan its choices."""
-    if _name(getattr(router, "balance", "aux_loss")) == "bias":
+    where a bias chose the TOP-k (balance=bias): the gates alone cannot replan its choices; none
+    for a dropless router, which drops nothing at any capacity ratio."""
+    if _name(getattr(router, "balance", "aux_loss")) == "bias" or _is_dropless(router):
       return {}
     dropped = {}
     for batch_priority in (False, True):
@@ -312,6 +383,53 @@ class TokenChoice(RouterFamily):
 
 def _name(option) -> str:
   return str(getattr(option, "value", option))
+
+
+def _is_dropless(router) -> bool:
+  return bool(getattr(router, "dropless", False))
+
+
+# The keys of capacity routing, at their defaults: what a later stage's dropless=true leaves of a
+# checkpoint's (TokenChoice.at_inference).
+_CAPACITY_DEFAULTS = {"capacity_ratio": SHARED_KEYS["capacity_ratio"]().default,
+                      "eval_capacity_ratio": None,
+                      "capacity_rounding": CapacityRounding.paper.value, "batch_priority": False}
+
+
+def _dropless_problem(model) -> str | None:
+  """What model.router.dropless=true refuses: the keys of capacity routing, given other values
+  than their defaults, and partitioned batch ensembles; one rule each."""
+  router = model.router
+  if not _is_dropless(router):
+    return None
+  if router.batch_priority:
+    return ("model.router.batch_priority=true means nothing with model.router.dropless=true: "
+            "Batch Prioritized Routing decides which tokens a full buffer drops, and dropless "
+            "routing drops none. Drop it, or route at a capacity with "
+            "model.router.dropless=false.")
+  default = _CAPACITY_DEFAULTS["capacity_ratio"]
+  if router.capacity_ratio != default:
+    return (f"model.router.capacity_ratio={router.capacity_ratio:g} means nothing with "
+            "model.router.dropless=true: dropless routing processes every chosen assignment and "
+            f"has no buffer to size. Drop it (its default {default:g} is kept), or route at "
+            "that capacity with model.router.dropless=false.")
+  if router.eval_capacity_ratio is not None:
+    return (f"model.router.eval_capacity_ratio={router.eval_capacity_ratio:g} means nothing with "
+            "model.router.dropless=true: dropless routing processes every chosen assignment at "
+            "evaluation as in training. Drop it; to evaluate the model at a capacity, evaluate "
+            "it with model.router.dropless=false model.router.capacity_ratio=<C> (a dropless "
+            "checkpoint is an ordinary token-choice one).")
+  if _name(router.capacity_rounding) != _CAPACITY_DEFAULTS["capacity_rounding"]:
+    return (f"model.router.capacity_rounding={_name(router.capacity_rounding)} means nothing "
+            "with model.router.dropless=true: it rounds the buffers' slots, and dropless routing "
+            "has no buffers. Drop it, or model.router.dropless=false.")
+  if model.moe.ensemble_size > 1:
+    return (f"model.router.dropless=true cannot be used with a partitioned batch ensemble "
+            f"(model.moe.ensemble_size={model.moe.ensemble_size}): vmoe's dropless routing runs "
+            "all of a layer's experts on rows sorted by expert and does not route each member "
+            "among its own partition of them. Use model.router.dropless=false (capacity "
+            "routing), or model.moe.ensemble_size=1.")
+  return None
 
 
 def _ratio(router, train: bool) -> float:

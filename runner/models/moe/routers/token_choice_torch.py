@@ -11,10 +11,12 @@ class TokenChoiceRouter(nn.Module):
   config: k, capacity_ratio (the one in force at inference), capacity_rounding, batch_priority,
   priority ("max" or "sum"), and gate when it is "sigmoid" (DeepSeek-V3): scores sigmoid(x W),
   TOP-k chosen on them, and each row divided by its TOP-k's sum, so that the chosen weights sum
-  to 1 (routing.py `sigmoid_gates`); and balance when it is "bias" (auxiliary-loss-free
+  to 1 (routing.py `sigmoid_gates`); balance when it is "bias" (auxiliary-loss-free
   balancing): the per-expert `balance_bias` is added to the scores that choose the TOP-k only,
   the weights being the unbiased scores (for sigmoid normalized over the chosen experts;
-  routing.py `biased_gates`).
+  routing.py `biased_gates`); and dropless when it is true: every assignment processed, as a
+  capacity of S slots per expert (the group's tokens; an expert takes each token at most once,
+  so nothing can drop) does.
   """
 
   def __init__(self, config: dict, dim: int, num_experts: int):
@@ -40,7 +42,10 @@ class TokenChoiceRouter(nn.Module):
     else:
       gates = torch.softmax(logits, dim=-1)  # over the `count` experts routed among
       select = None
-    capacity = expert_capacity(x.shape[1], count, c["k"], c["capacity_ratio"],
-                               c["capacity_rounding"])
+    if c.get("dropless"):
+      capacity = x.shape[1]
+    else:
+      capacity = expert_capacity(x.shape[1], count, c["k"], c["capacity_ratio"],
+                                 c["capacity_rounding"])
     return plan_top_k(gates, c["k"], capacity, c["batch_priority"], c["priority"],
                       select=select)
