@@ -8,10 +8,11 @@
    expert's kernel and masks what is not its own (each row pays for E experts).
 2. One `MoeMlpBlock` (hidden 128, MLP 512, k = 2, groups of 512 tokens, 8,192 tokens in all),
    forward + backward, at capacity ratio 1.05 (some tokens dropped), at C = E/k (buffers of S
-   slots: nothing can drop, the capacity path's own way of dropping nothing) and dropless, in
+   slots: nothing can drop, the capacity path's own way of dropping nothing) and dropless with
+   each grouped matmul (runner/models/moe/grouped_matmul.py: ragged_dot, and by blocks), in
    alternating rounds: median time, XLA's FLOPs and temporary memory.
 3. The `tiny` preset's train step (benchmarks/train_step.py: 4 blocks of 128, 8 experts on blocks
-   1 and 3, batch 128) at C = 1.05 and dropless, alternating rounds; analytic FLOPs (dropless: k
+   1 and 3, batch 128) at C = 1.05 and dropless (this backend's grouped matmul), alternating rounds; analytic FLOPs (dropless: k
    experts per token exactly) and XLA's.
 
 Writes results/dropless.json and prints a markdown table of each part.
@@ -19,9 +20,11 @@ Writes results/dropless.json and prints a markdown table of each part.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import statistics
 import time
+from unittest import mock
 
 import flax.linen as nn
 import jax
@@ -31,6 +34,7 @@ import numpy as np
 from benchmarks import harness
 from benchmarks.train_step import PRESETS, model_configs, prepare_train_step
 from runner.models.flops import train_flops_per_image
+from runner.models.moe import grouped_matmul
 from runner.models.moe.layer import MoeMlpBlock
 
 TOTAL_TOKENS, TOKENS_PER_GROUP, HIDDEN, MLP, K = 8_192, 512, 128, 512, 2
@@ -59,7 +63,14 @@ def ragged_dot_lowering(num_experts: int, rows: int = TOTAL_TOKENS * K) -> dict:
           "dense_fallback": dense}
 
 
-def _layer_fn(num_experts: int, router: dict):
+def _method(method: str | None):
+  """Compiles with the grouped matmul `method` instead of this backend's default."""
+  if method is None:
+    return contextlib.nullcontext()
+  return mock.patch.object(grouped_matmul, "default_method", lambda: method)
+
+
+def _layer_fn(num_experts: int, router: dict, method: str | None = None):
   groups = TOTAL_TOKENS // TOKENS_PER_GROUP
   layer = MoeMlpBlock(num_experts=num_experts, mlp_dim=MLP, group_size=1, router=router)
   x = jnp.asarray(np.random.default_rng(0).standard_normal((groups, TOKENS_PER_GROUP, HIDDEN)),
@@ -71,15 +82,18 @@ def _layer_fn(num_experts: int, router: dict):
     y, metrics = layer.apply({"params": params}, x, train=True,
                              rngs={"gating": jax.random.key(2)})
     return jnp.sum(y * y) + metrics["auxiliary_loss"]
-  compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
+  with _method(method):
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
   return (lambda: compiled(params, x)), _cost(compiled)
 
 
 def measure_layer(num_experts: int, rounds: int) -> list[dict]:
   variants = {"C=1.05": dict(k=K, capacity_ratio=1.05),
               f"C=E/k={num_experts / K:g}": dict(k=K, capacity_ratio=num_experts / K),
-              "dropless": dict(k=K, dropless=True)}
-  prepared = {name: _layer_fn(num_experts, router) for name, router in variants.items()}
+              "dropless, ragged_dot": (dict(k=K, dropless=True), "ragged_dot"),
+              "dropless, blocks": (dict(k=K, dropless=True), "blocks")}
+  prepared = {name: _layer_fn(num_experts, *(v if isinstance(v, tuple) else (v,)))
+              for name, v in variants.items()}
   per_round = harness.interleaved_rounds_ms({n: p[0] for n, p in prepared.items()},
                                             rounds=rounds, steps=3)
   base = per_round["C=1.05"]

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from runner.models.moe.grouped_matmul import grouped_matmul
+
 # Logical axes of the four expert parameters, in the order MlpExperts returns them.
 LOGICAL_AXES = (("expert", "embed", "mlp"), ("expert", "mlp"), ("expert", "mlp", "embed"),
                 ("expert", "embed"))
@@ -67,14 +69,15 @@ def apply_experts_ragged(weights, rows: jax.Array, experts: jax.Array, group_siz
   """rows: (M, D) sorted by expert, group_sizes[e] of them expert e's, experts[r] the expert of
   row r -> (M, D), row r through its expert's MLP. Each layer is one grouped matmul
   (`jax.lax.ragged_dot`: (M, D) rows by (E, D, H) kernels); the biases are gathered per row.
-  Expert dropout draws its masks per row, as `apply_experts` does per buffer slot."""
+  Expert dropout draws its masks per row, as `apply_experts` does per buffer slot. On CPU the
+  grouped matmul runs by blocks of rows (grouped_matmul.py), where ragged_dot would be dense."""
   w1, b1, w2, b2 = (w.astype(dtype) for w in weights)
   x = rows.astype(dtype)
-  h = nn.gelu(jax.lax.ragged_dot(x, w1, group_sizes) + jnp.take(b1, experts, axis=0))
+  h = nn.gelu(grouped_matmul(x, w1, group_sizes) + jnp.take(b1, experts, axis=0))
   if dropout_rate and rng is not None:
     rng, sub = jax.random.split(rng)
     h = jnp.where(jax.random.bernoulli(sub, 1 - dropout_rate, h.shape), h / (1 - dropout_rate), 0)
-  y = jax.lax.ragged_dot(h, w2, group_sizes) + jnp.take(b2, experts, axis=0)
+  y = grouped_matmul(h, w2, group_sizes) + jnp.take(b2, experts, axis=0)
   if dropout_rate and rng is not None:
     y = jnp.where(jax.random.bernoulli(rng, 1 - dropout_rate, y.shape), y / (1 - dropout_rate), 0)
   return y

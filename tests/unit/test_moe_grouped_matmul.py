@@ -1,0 +1,59 @@
+"""The grouped matmul of dropless routing (runner/models/moe/grouped_matmul.py) against NumPy: row
+r of x times the kernel of its group, by blocks and by ragged_dot, values and gradients, for group
+sizes with empty groups, one group holding every row, and sizes that are not multiples of a block."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from runner.models.moe import grouped_matmul as gm
+
+SIZES = {"uneven": [5, 0, 17, 1, 0, 9, 31, 1], "one group": [0, 0, 64, 0, 0, 0, 0, 0],
+         "even": [8] * 8}
+
+
+def _numpy(x, w, sizes):
+  group = np.repeat(np.arange(len(sizes)), sizes)
+  return np.einsum("md,mdh->mh", x, w[group])
+
+
+@pytest.mark.parametrize("sizes", list(SIZES.values()), ids=list(SIZES))
+@pytest.mark.parametrize("method", gm.METHODS)
+def test_each_row_is_multiplied_by_its_groups_kernel(sizes, method):
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((sum(sizes), 6)).astype(np.float32)
+  w = rng.standard_normal((len(sizes), 6, 5)).astype(np.float32)
+  out = gm.grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes, jnp.int32), method)
+  np.testing.assert_allclose(np.asarray(out), _numpy(x, w, sizes), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [1, 4, 16])
+def test_blocks_of_any_size_give_ragged_dots_values_and_gradients(block):
+  rng = np.random.default_rng(1)
+  sizes = jnp.asarray(SIZES["uneven"], jnp.int32)
+  x = jnp.asarray(rng.standard_normal((64, 6)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((8, 6, 5)), jnp.float32)
+  target = jnp.asarray(rng.standard_normal((64, 5)), jnp.float32)
+
+  def loss(fn):
+    return lambda x, w: jnp.sum((fn(x, w) - target) ** 2)
+  by_blocks = loss(lambda x, w: gm._by_blocks(x, w, sizes, block))
+  ragged = loss(lambda x, w: jax.lax.ragged_dot(x, w, sizes))
+  np.testing.assert_allclose(by_blocks(x, w), ragged(x, w), rtol=1e-5)
+  for a, b in zip(jax.grad(by_blocks, (0, 1))(x, w), jax.grad(ragged, (0, 1))(x, w)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_the_block_keeps_padding_within_a_quarter_of_the_rows():
+  assert gm.block_rows(16384, 8) == 512 and gm.block_rows(16384, 32) == 128
+  assert gm.block_rows(100, 8) == 16  # never below 16 rows
+  for rows, experts in ((16384, 8), (16384, 32), (65536, 8), (4096, 16)):
+    assert experts * gm.block_rows(rows, experts) <= rows // 4
+
+
+def test_cpu_runs_by_blocks_and_an_unknown_method_is_an_error():
+  assert gm.default_method() == ("blocks" if jax.default_backend() == "cpu" else "ragged_dot")
+  with pytest.raises(ValueError, match="valid"):
+    gm.grouped_matmul(jnp.ones((2, 2)), jnp.ones((1, 2, 2)), jnp.asarray([2]), "dense")
