@@ -12,7 +12,7 @@ comma := ,
 JEMALLOC := $(firstword $(wildcard $(VENV)/lib/libjemalloc.so.2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2))
 WITH_JEMALLOC := $(if $(JEMALLOC),LD_PRELOAD=$(abspath $(JEMALLOC)) MALLOC_CONF=oversize_threshold:0$(comma)dirty_decay_ms:60000$(comma)muzzy_decay_ms:60000 VMOE_ALLOCATOR=jemalloc,)
 
-.PHONY: install browser demo test test-full test-cluster test-export test-install bench bench-gpu study-ensembles study-heads study-routers study-contrastive clean
+.PHONY: install browser demo test test-full test-cluster test-export test-install bench bench-gpu study-ensembles study-heads study-routers study-balance study-contrastive clean
 
 # JAX's CUDA build at constraints.txt's versions, into the same environment: make install GPU=cuda12
 # (or GPU=cuda13, for a driver of CUDA 13). Empty: the CPU build only.
@@ -88,6 +88,10 @@ study-heads: install
 # Router families at matched compute (docs/routers.md): ViT, token-choice k=1/k=2, experts-choice, Soft MoE.
 study-routers: install
 	$(WITH_JEMALLOC) $(BIN)/python -m runner.studies.routers
+
+# Load balancing and DeepSeek-style routing at matched compute, three seeds (docs/routers.md).
+study-balance: install
+	$(WITH_JEMALLOC) $(BIN)/python -m runner.studies.balance
 
 # DET vs HET-XL contrastive learning, LiT from the demo's V-MoE, zero-shot on held-out prompts (docs/contrastive.md).
 study-contrastive: install

@@ -1,0 +1,103 @@
+"""`make study-balance`: load balancing and DeepSeek-style routing at matched compute.
+
+The balancing papers claim that auxiliary-loss-free balancing (Wang et al. 2024) balances the
+experts better than the auxiliary loss without hurting quality, and DeepSeekMoE (Dai et al. 2024)
+that shared and fine-grained experts beat top-2 routing at equal compute. Stages, each a real
+`vmoe` command run in this process (rerunning resumes or skips finished ones):
+1. `vmoe pretrain -cd sweeps -cn balance`: token-choice k = 2 with the auxiliary loss, with
+   loss-free bias balancing, with sigmoid gates, dropless; shared + fine-grained experts at the
+   expert FLOPs of k = 2; experts-choice and Soft MoE; vmoe_tiny-shaped with a GAP head, on
+   MNIST-5k, seeds 0, 1 and 2;
+2. `vmoe finetune` of every run on the UCI digits (the same routing), then `vmoe eval`;
+3. a Markdown table (mean ± standard deviation over the seeds) in results.md, and the upstream
+   sweep's `vmoe report` page (pretrain/report.html, shown in docs/routers.md).
+Extra arguments go to every stage (e.g. `logger.wandb.mode=disabled`).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+from runner import report, summarize
+from runner.studies import driver
+from runner.summarize import Column
+
+ROOT = pathlib.Path("runs/studies/balance")
+SEEDS = (0, 1, 2)
+ROWS = [  # (experiment overlay, row label)
+    ("router_tc_k2", "token-choice k=2, auxiliary loss"),
+    ("balance_bias", "token-choice k=2, loss-free bias"),
+    ("balance_sigmoid", "token-choice k=2, sigmoid gates"),
+    ("balance_dropless", "token-choice k=2, dropless"),
+    ("balance_shared_fine", "2 shared + 2 of 16 half-width experts"),
+    ("router_ec", "experts-choice, C=1"),
+    ("router_soft", "Soft MoE, P=8"),
+]
+
+
+def _vmoe(sub: str, args: list[str], extra: list[str]) -> None:
+  driver.vmoe("study-balance", sub, args, extra)
+
+
+def _dir(stage: str, experiment: str, seed: int) -> pathlib.Path:
+  return ROOT / stage / experiment / f"seed_{seed}"
+
+
+def _done(workdir: pathlib.Path) -> bool:
+  return (workdir / "summary.json").exists()
+
+
+def stages(extra: list[str]) -> None:
+  _vmoe("pretrain", ["-cd", "sweeps", "-cn", "balance"], extra)
+  for experiment, _ in ROWS:
+    for seed in SEEDS:
+      if not _done(_dir("finetune", experiment, seed)):
+        _vmoe("finetune", [f"workdir={_dir('finetune', experiment, seed)}",
+                           f"init.checkpoint={_dir('pretrain', experiment, seed)}",
+                           f"experiment={experiment}", f"seed={seed}"], extra)
+      if not _done(_dir("eval", experiment, seed)):
+        _vmoe("eval", [f"workdir={_dir('eval', experiment, seed)}",
+                       f"init.checkpoint={_dir('finetune', experiment, seed)}"], extra)
+
+
+def _balance(name: str, reduce):
+  """The upstream run's balance measure over its MoE layers at the last logged step (None for a
+  router family that logs none: experts-choice and Soft MoE)."""
+  def read(summary: dict):
+    values = [v for k, v in summary.items()
+              if k.startswith("upstream/moe/") and k.endswith("/" + name)]
+    return reduce(values) if values else None
+  return read
+
+
+def table() -> str:
+  rows = []
+  for experiment, label in ROWS:
+    replicates = []
+    for seed in SEEDS:
+      read = lambda stage: json.loads((_dir(stage, experiment, seed) / "summary.json").read_text())
+      up, ev = read("pretrain"), read("eval")
+      replicates.append({**ev, **{f"upstream/{k}": v for k, v in up.items()}})
+    rows.append((label, replicates))
+  header, body = summarize.grouped(rows, [
+      Column("MFLOPs/image", lambda s: s["compute/gflops_per_image"] * 1e3, 1),
+      Column("upstream val prec@1", "upstream/val/prec@1", 3),
+      Column("upstream val NLL", "upstream/val/nll", 3),
+      Column("MaxVio (worst layer)", _balance("max_violation", max), 2),
+      Column("dead experts", _balance("dead_experts", sum), 1),
+      Column("train images/s", "upstream/train/images_per_s", 0),
+      Column("fine-tuned prec@1", "uci_digits/prec@1", 3),
+      Column("NLL", "uci_digits/nll", 3)], label="routing")
+  return summarize.markdown(header, body)
+
+
+def main(extra: list[str]) -> int:
+  code = driver.main(ROOT, stages, table, extra)
+  page = report.write_sweep_page(ROOT / "pretrain")[-1]
+  print(f"The upstream sweep's page: {page}")
+  return code
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
