@@ -66,8 +66,9 @@ def model_configs(preset: dict, dtype: str) -> dict[str, ModelConfig]:
 SPARSE = ("vmoe", "experts_choice", "soft")  # compared with "dense"
 
 
-def jitted_train_step(model, shape: tuple, batch_size: int, classes: int):
-  """(jitted Adam train step, its initial state, a synthetic batch), not compiled yet."""
+def jitted_train_step(model, shape: tuple, batch_size: int, classes: int, **step_options):
+  """(jitted Adam train step, its initial state, a synthetic batch), not compiled yet;
+  `step_options` go to make_train_step (e.g. a balance bias's update rate)."""
   params, _ = state_lib.init_params(model, shape, seed=0)
   schedule = schedules.make_schedule("linear", 1e-3, 10_000, 100)
   tx = optimizers.make_optimizer("adam", schedule, params, grad_clip_norm=1.0)
@@ -76,8 +77,8 @@ def jitted_train_step(model, shape: tuple, batch_size: int, classes: int):
   rng = np.random.default_rng(0)
   batch = {"image": jnp.asarray(rng.standard_normal((batch_size,) + shape), jnp.float32),
            "labels": jax.nn.one_hot(rng.integers(0, classes, batch_size), classes)}
-  step = jax.jit(make_train_step(model, tx, schedule, loss="softmax_xent", aux_loss_weight=0.01),
-                 donate_argnums=0)
+  step = jax.jit(make_train_step(model, tx, schedule, loss="softmax_xent", aux_loss_weight=0.01,
+                                 **step_options), donate_argnums=0)
   return step, state, batch
 
 
@@ -105,13 +106,13 @@ class TrainStep:
     return metrics["train/loss"]
 
 
-def prepare_train_step(config: ModelConfig, preset: dict) -> TrainStep:
+def prepare_train_step(config: ModelConfig, preset: dict, **step_options) -> TrainStep:
   """The train step of `config` at the preset's image size, batch and classes, compiled and
   warmed up."""
   batch_size, classes = preset["batch_size"], preset["num_classes"]
   model = build_model(config, classes)
   shape = (preset["image_size"], preset["image_size"], 3)
-  step, state, batch = jitted_train_step(model, shape, batch_size, classes)
+  step, state, batch = jitted_train_step(model, shape, batch_size, classes, **step_options)
   start = time.perf_counter()
   compiled = step.lower(state, batch).compile()
   compile_s = time.perf_counter() - start
