@@ -280,7 +280,7 @@ class _Run:
         f"{state_lib.count_params(self.abstract):,} parameters, {origin}; {self.steps} steps of "
         f"{self.batch_size} images on {placement.mesh.size} device(s) -> {config.workdir}")
     self.history = []
-    self.last_train = (self.writer.last_logged("train/", self.start_step) if self.start_step
+    self.last_train = (self.writer.last_logged_training(self.start_step) if self.start_step
                        else {})
     self.guard = _DivergenceGuard(config, self.checkpointer)
 

@@ -65,9 +65,10 @@ class MetricWriter:
         logged[k] = wandb.Histogram(v) if v.ndim else v.item()
       self.run.log(logged, step=int(step))
 
-  def last_logged(self, prefix: str, up_to_step: int) -> dict:
-    """The `prefix` metrics of the latest record at or before `up_to_step`: a resumed run that
-    has nothing left to train still reports its last training metrics."""
+  def last_logged_training(self, up_to_step: int) -> dict:
+    """The metrics of the latest training record at or before `up_to_step` (the record that has
+    `train/` keys: with them the MoE layers' `moe/...` metrics of the same steps): a resumed run
+    that has nothing left to train still reports its last training metrics, all of them."""
     if not self.active:
       return {}
     latest = {}
@@ -76,8 +77,9 @@ class MetricWriter:
         record = json.loads(line)
       except json.JSONDecodeError:  # a line cut short by a kill
         continue
-      if record.get("step", math.inf) <= up_to_step and any(k.startswith(prefix) for k in record):
-        latest = {k: v for k, v in record.items() if k.startswith(prefix)}
+      if (record.get("step", math.inf) <= up_to_step
+          and any(k.startswith("train/") for k in record)):
+        latest = {k: v for k, v in record.items() if k != "step"}
     return latest
 
   def log_image(self, step: int | None, key: str, path: str) -> None:

@@ -72,10 +72,13 @@ def test_rerun_of_a_finished_run_resumes_without_training(pretrained, tmp_path, 
   assert all("train/loss" not in r for r in after)  # no step was trained again
   assert any("val/prec@1" in r for r in after)
   assert (pretrained / "metrics.jsonl").read_text() == before  # the shared run is untouched
-  # The summary still reports the last training metrics, as the first run's did.
+  # The summary still reports the last training metrics, as the first run's did: the train/ ones
+  # and the MoE layers' moe/ ones logged with them; no key is lost.
   rerun = json.loads((run / "summary.json").read_text())
-  train = {k: v for k, v in summary.items() if k.startswith("train/")}
-  assert train and {k: rerun.get(k) for k in train} == train
+  assert set(rerun) == set(summary)
+  train = {k: v for k, v in summary.items() if k.startswith(("train/", "moe/"))}
+  assert any(k.startswith("moe/") for k in train) and any(k.startswith("train/") for k in train)
+  assert {k: rerun.get(k) for k in train} == train
 
 
 def test_finetune_from_pretrain_then_eval(pretrained, tmp_path, run_cli):
