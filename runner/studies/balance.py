@@ -81,7 +81,7 @@ def table() -> str:
       replicates.append({**ev, **{f"upstream/{k}": v for k, v in up.items()}})
     rows.append((label, replicates))
   header, body = summarize.grouped(rows, [
-      Column("MFLOPs/image", lambda s: s["compute/gflops_per_image"] * 1e3, 1),
+      Column("MFLOPs/image", lambda s: s["compute/gflops_per_image_analytic"] * 1e3, 1),
       Column("upstream val prec@1", "upstream/val/prec@1", 3),
       Column("upstream val NLL", "upstream/val/nll", 3),
       Column("MaxVio (worst layer)", _balance("max_violation", max), 2),
