@@ -19,7 +19,7 @@ import json
 import pathlib
 import sys
 
-from runner import report, summarize
+from runner import summarize
 from runner.studies import driver
 from runner.summarize import Column
 
@@ -41,22 +41,18 @@ def _vmoe(sub: str, args: list[str], extra: list[str]) -> None:
 
 
 def _dir(stage: str, experiment: str, seed: int) -> pathlib.Path:
-  return ROOT / stage / experiment / f"seed_{seed}"
-
-
-def _done(workdir: pathlib.Path) -> bool:
-  return (workdir / "summary.json").exists()
+  return driver.job_dir(ROOT, stage, experiment, seed)
 
 
 def stages(extra: list[str]) -> None:
   _vmoe("pretrain", ["-cd", "sweeps", "-cn", "balance"], extra)
   for experiment, _ in ROWS:
     for seed in SEEDS:
-      if not _done(_dir("finetune", experiment, seed)):
+      if not driver.finished(_dir("finetune", experiment, seed)):
         _vmoe("finetune", [f"workdir={_dir('finetune', experiment, seed)}",
                            f"init.checkpoint={_dir('pretrain', experiment, seed)}",
                            f"experiment={experiment}", f"seed={seed}"], extra)
-      if not _done(_dir("eval", experiment, seed)):
+      if not driver.finished(_dir("eval", experiment, seed)):
         _vmoe("eval", [f"workdir={_dir('eval', experiment, seed)}",
                        f"init.checkpoint={_dir('finetune', experiment, seed)}"], extra)
 
@@ -93,10 +89,7 @@ def table() -> str:
 
 
 def main(extra: list[str]) -> int:
-  code = driver.main(ROOT, stages, table, extra)
-  page = report.write_sweep_page(ROOT / "pretrain")[-1]
-  print(f"The upstream sweep's page: {page}")
-  return code
+  return driver.main(ROOT, stages, table, extra, sweep_page=ROOT / "pretrain")
 
 
 if __name__ == "__main__":

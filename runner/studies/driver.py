@@ -6,7 +6,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from runner import cli
+from runner import cli, report
 
 
 def vmoe(study: str, sub: str, args: list[str], extra: list[str]) -> None:
@@ -20,14 +20,27 @@ def vmoe(study: str, sub: str, args: list[str], extra: list[str]) -> None:
     raise SystemExit(f"{study}: vmoe {sub} failed (exit {code})")
 
 
+def job_dir(root: pathlib.Path, stage: str, experiment: str, seed: int) -> pathlib.Path:
+  """Where a study's stage writes the run of one experiment overlay and seed (the upstream
+  sweep's `<experiment>/seed_<seed>` subfolders, and the same below the later stages)."""
+  return root / stage / experiment / f"seed_{seed}"
+
+
+def finished(workdir: pathlib.Path) -> bool:
+  """Whether the run in `workdir` ended (it wrote its summary): a rerun of the study skips it."""
+  return (workdir / "summary.json").exists()
+
+
 def main(root: pathlib.Path, stages: Callable[[list[str]], None], table: Callable[[], str],
-         extra: list[str]) -> int:
+         extra: list[str], sweep_page: pathlib.Path | None = None) -> int:
   """Runs the stages (finished ones resume or are skipped), prints the table and writes it to
-  `<root>/results.md`."""
+  `<root>/results.md`; with `sweep_page`, a sweep's folder, also writes its `vmoe report` page."""
   start = time.perf_counter()
   stages(extra)
-  report = table()
-  (root / "results.md").write_text(report + "\n")
-  print("\n" + report + f"\n\n(also in {root / 'results.md'}; "
+  text = table()
+  (root / "results.md").write_text(text + "\n")
+  print("\n" + text + f"\n\n(also in {root / 'results.md'}; "
         f"{(time.perf_counter() - start) / 60:.1f} min)")
+  if sweep_page is not None:
+    print(f"The upstream sweep's page: {report.write_sweep_page(sweep_page)[-1]}")
   return 0
