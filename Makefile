@@ -9,8 +9,10 @@ export TF_ENABLE_ONEDNN_OPTS := 0
 export WANDB_SILENT := true
 comma := ,
 # Tests and benchmarks run in this process tree: preload jemalloc for them too when it is there.
-JEMALLOC := $(firstword $(wildcard $(VENV)/lib/libjemalloc.so.2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2))
-WITH_JEMALLOC := $(if $(JEMALLOC),LD_PRELOAD=$(abspath $(JEMALLOC)) MALLOC_CONF=oversize_threshold:0$(comma)dirty_decay_ms:60000$(comma)muzzy_decay_ms:60000 VMOE_ALLOCATOR=jemalloc,)
+# Expanded where a recipe uses them (`=`, not `:=`): after `install` has put the library in the
+# venv, so the first `make test` or `make demo` of a fresh clone preloads it too.
+JEMALLOC = $(firstword $(wildcard $(VENV)/lib/libjemalloc.so.2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2))
+WITH_JEMALLOC = $(if $(JEMALLOC),LD_PRELOAD=$(abspath $(JEMALLOC)) MALLOC_CONF=oversize_threshold:0$(comma)dirty_decay_ms:60000$(comma)muzzy_decay_ms:60000 VMOE_ALLOCATOR=jemalloc,)
 
 .PHONY: install browser demo test test-full test-cluster test-export test-install bench bench-gpu study-ensembles study-heads study-routers study-balance study-contrastive clean
 
