@@ -53,7 +53,22 @@ def test_the_block_keeps_padding_within_a_quarter_of_the_rows():
     assert experts * gm.block_rows(rows, experts) <= rows // 4
 
 
-def test_cpu_runs_by_blocks_and_an_unknown_method_is_an_error():
-  assert gm.default_method() == ("blocks" if jax.default_backend() == "cpu" else "ragged_dot")
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's lowering of ragged_dot")
+def test_on_cpu_the_default_costs_about_the_rows_own_flops_not_e_times_them():
+  """XLA's count of the compiled default: within the blocks' padding of 2*M*D*H, where the
+  CPU's ragged_dot multiplies every row by all E kernels."""
+  rows, dim, hidden, experts = 4096, 32, 64, 16
+  args = (jnp.ones((rows, dim)), jnp.ones((experts, dim, hidden)),
+          jnp.full((experts,), rows // experts, jnp.int32))
+
+  def flops(fn):
+    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+  own = 2 * rows * dim * hidden
+  assert flops(gm.grouped_matmul) <= 1.5 * own
+  assert flops(jax.lax.ragged_dot) >= 0.9 * experts * own  # what the blocks avoid
+
+
+def test_an_unknown_method_is_an_error():
   with pytest.raises(ValueError, match="valid"):
     gm.grouped_matmul(jnp.ones((2, 2)), jnp.ones((1, 2, 2)), jnp.asarray([2]), "dense")
