@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
+from runner.config import sections
 from runner.config.resolve import as_dict
 from runner.config.schema import TASK_SCHEMAS
 from runner.models import catalog
@@ -24,6 +25,7 @@ def register_model(name: str) -> None:
 
 
 def register_configs() -> None:
+  sections.complete()  # every module has registered its keys: the schema is made, once
   store = ConfigStore.instance()
   for task, schema in TASK_SCHEMAS.items():
     store.store(name=f"{task}_schema", node=schema)

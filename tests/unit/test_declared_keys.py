@@ -123,3 +123,54 @@ def test_a_taken_name_is_refused_before_its_keys_join_the_schema():
   assert {section: _keys(section) for section in before} == before
   assert OPTIMIZERS.get("adam") is not another_adam and ROUTERS.get("token_choice") is not \
       AnotherTokenChoice
+
+
+@dataclasses.dataclass
+class _Late:
+  late_key: int = key(1, at_least(1))
+
+
+def test_keys_declared_after_the_schema_is_made_are_refused():
+  """This process has composed configs: the sections are dataclasses, made once; a registration
+  that would add keys now is refused and adds nothing, a re-registration of the same keys is a
+  no-op."""
+  from runner.config import sections
+  sections.complete()
+  made = {section: section.__init__ for section in (OptimConfig, ScheduleConfig, RouterConfig)}
+  before = {section: _keys(section) for section in made}
+  with pytest.raises(ConfigError, match=r"^optimizer 'late' declares keys \(late_key\) after the "
+                     r"schema was made .* load the module with plugins=\[\.\.\.\]"):
+    optimizers.register("late", _Late)(lambda **_: optax.identity())
+  family = type("Late", (RouterFamily,), {"name": "late", "Config": _Late})
+  with pytest.raises(ConfigError, match=r"^router family 'late' declares keys \(late_key\)"):
+    register_router(family)
+  token_choice = ROUTERS.get("token_choice")
+  register_router(token_choice)  # the same family's keys again (a module imported twice): no-op
+  assert ROUTERS.get("token_choice") is token_choice
+  sections.complete()
+  assert {section: _keys(section) for section in made} == before
+  assert {section: section.__init__ for section in made} == made
+  assert "late" not in OPTIMIZERS and "late" not in ROUTERS
+
+
+_BEFORE_USE = """
+import dataclasses
+from runner.config import schema
+from runner.train import optimizers
+assert not dataclasses.is_dataclass(schema.OptimConfig), "made before its first use"
+assert "b1" in [f.name for f in dataclasses.fields(optimizers.AdamConfig)]
+optim = schema.OptimConfig(lr=0.5)  # the first use makes every open section, once
+assert dataclasses.is_dataclass(schema.RouterConfig) and optim.b1 == 0.9 and optim.lr == 0.5
+print([f.name for f in dataclasses.fields(schema.OptimConfig)])
+"""
+
+
+def test_the_sections_are_made_at_their_first_use_with_the_keys_registered_by_then():
+  import json
+  import subprocess
+  import sys
+  done = subprocess.run([sys.executable, "-c", _BEFORE_USE], capture_output=True, text=True,
+                        timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  names = json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"'))
+  assert names[:4] == ["name", "lr", "weight_decay", "grad_clip_norm"] and "b1" in names
