@@ -24,8 +24,20 @@ def register_model(name: str) -> None:
   ConfigStore.instance().store(group="model", name=name, node=as_dict(catalog.model_config(name)))
 
 
+def _copies_share_the_store() -> None:
+  """Hydra deep-copies its config repository at every composition (CachingConfigRepository), and
+  with it the ConfigStore singleton that the repository's structured source holds: every schema
+  and model option stored here, half the time of a composition (0.136 s -> 0.061 s per checked
+  command on 2 CPU cores, 2026-11-27), and `--help` composes once per config group. Hydra's own
+  fix (facebookresearch/hydra#2928) has the source read the live store instead of holding it;
+  this does the same here: a copy of the singleton is the singleton. Composition never writes to
+  the store through that copy, and `ConfigStore.load` deep-copies each node it returns."""
+  ConfigStore.__deepcopy__ = lambda self, memo: self
+
+
 def register_configs() -> None:
   sections.complete()  # every module has registered its keys: the schema is made, once
+  _copies_share_the_store()
   store = ConfigStore.instance()
   for task, schema in TASK_SCHEMAS.items():
     store.store(name=f"{task}_schema", node=schema)

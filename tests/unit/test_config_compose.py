@@ -121,3 +121,20 @@ def test_eval_overrides_are_optional():
   cfg = _compose("eval", ["init.checkpoint=runs/x", "model.router.k=1", "data=uci_digits"])
   assert cfg.model.router.k == 1 and cfg.model.hidden_size is None
   assert cfg.data.name == "uci_digits"
+
+
+def test_compositions_share_the_store_and_never_change_it():
+  """Hydra copies its repository at every composition; the ConfigStore it holds is shared, not
+  copied (runner/config_store.py), and what one composition's config changes reaches neither
+  the store nor the next composition."""
+  import copy
+
+  from hydra.core.config_store import ConfigStore
+  store = ConfigStore.instance()
+  assert copy.deepcopy(store) is store
+  first = _compose("pretrain", ["model=vmoe_tiny"])
+  first.model.hidden_size, first.optim.lr = 7, 0.5
+  again = _compose("pretrain", ["model=vmoe_tiny"])
+  assert again.model.hidden_size == catalog.model_config("vmoe_tiny").hidden_size != 7
+  assert again.optim.lr != 0.5
+  assert store.load("model/vmoe_tiny.yaml").node.hidden_size != 7
