@@ -120,8 +120,7 @@ def initial_state(checkpointer: Checkpointer, *, model, tx, image_shape, placeme
     params = jax.device_put(init_params, param_shardings)
     origin = "initialised from an earlier stage"
   else:
-    params = jax.jit(lambda: state_lib.init_params(model, image_shape, seed)[0],
-                     out_shardings=param_shardings)()
+    params = state_lib.fresh_params(model, image_shape, seed, out_shardings=param_shardings)
     origin = "initialised from scratch"
   state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                                opt_state=opt_init(params))

@@ -78,7 +78,7 @@ def _image_tower_init(config: TrainTask, model, image_shape, start: weights.Open
   the rest fresh."""
   init = config.init
   restored, stored, step = start.load(ensemble_size=derived.ensemble_size(config.model))
-  fresh, _ = state_lib.init_params(model, image_shape, config.seed)
+  fresh = state_lib.fresh_params(model, image_shape, config.seed)
   if (stored or {}).get("objective", {}).get("name") == Objective.contrastive.value:
     return transfer.adapt_params(restored, fresh, reinit_head=False,  # a contrastive run, on
                                  source=f"checkpoint {init.checkpoint} (step {step})")

@@ -73,8 +73,8 @@ def init_from_checkpoint(config: TrainTask, model, source: data.Source, start: w
   what = f"checkpoint {init.checkpoint} (step {step})"
   if init.tower is not None:  # a contrastive run's (relations.classifier_from_a_tower)
     restored, what = restored[init.tower.value], f"the {init.tower.value} tower of {what}"
-  fresh, _ = state_lib.init_params(model, data.image_shape(source, config.data.split,
-                                                           config.data.pp_train), config.seed)
+  fresh = state_lib.fresh_params(model, data.image_shape(source, config.data.split,
+                                                         config.data.pp_train), config.seed)
   try:
     return transfer.adapt_params(restored, fresh, reinit_head=init.reinit_head,
                                  dense_to_experts=init.dense_to_experts,

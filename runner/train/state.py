@@ -28,6 +28,13 @@ def init_params(model: nn.Module, image_shape: tuple[int, ...], seed: int):
     return nn.meta.unbox(variables["params"]), nn.get_partition_spec(variables)["params"]
 
 
+def fresh_params(model: nn.Module, image_shape: tuple[int, ...], seed: int, **jit_options):
+  """`init_params`'s parameters computed by one compiled program, as every stage starts them
+  (`jit_options`: e.g. out_shardings). Run eagerly, each operation of the init compiles on its
+  own: seconds for a model the process has not initialised before."""
+  return jax.jit(lambda: init_params(model, image_shape, seed)[0], **jit_options)()
+
+
 def abstract_params(model: nn.Module, image_shape: tuple[int, ...]):
   """Shapes and logical specs of the parameters without allocating them."""
   def init():
