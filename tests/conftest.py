@@ -1,7 +1,8 @@
 """Shared test set-up: a quiet, offline, self-contained environment for every test process.
 
 Environment variables are set here, before any test module imports TensorFlow or JAX:
-TFDS data, W&B and XLA caches live under one temporary folder per pytest worker; W&B is disabled.
+TFDS data and W&B's folders live under one temporary folder per pytest worker (W&B is disabled);
+the XLA compilation cache is shared (below).
 """
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ os.environ.update({
     "WANDB_CONFIG_DIR": str(_ROOT / "wandb-config"),
     "KERAS_HOME": str(_ROOT / "keras"),
 })
-# One XLA cache for the whole test session (shared by xdist workers): identical tiny models in
-# different tests compile once.
+# One XLA cache for the test processes (both xdist workers and the processes they start), kept in
+# the system's temporary folder between sessions: identical tiny models in different tests compile
+# once. Delete it to measure a cold suite.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(tempfile.gettempdir()) / "vmoe-tests-xla-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
