@@ -174,34 +174,3 @@ def test_the_sections_are_made_at_their_first_use_with_the_keys_registered_by_th
   assert done.returncode == 0, done.stderr[-2000:]
   names = json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"'))
   assert names[:4] == ["name", "lr", "weight_decay", "grad_clip_norm"] and "b1" in names
-
-
-_JOB_PROCESS = """
-import dataclasses, pickle, sys
-cfg = pickle.loads(open(sys.argv[1], 'rb').read())  # as SLURM's job process receives it
-from runner.config import schema
-assert not dataclasses.is_dataclass(schema.RouterConfig)
-from runner import builtins, config as config_layer, plugins
-builtins.register()
-plugins.load([])
-typed = config_layer.load("pretrain", cfg, "unused", check=False)
-print(type(typed.model.router).__name__, typed.model.router.k, typed.optim.b1)
-"""
-
-
-def test_a_job_in_a_process_of_its_own_types_its_config_after_its_plugins(tmp_path):
-  """The job of a launcher that pickles it (submitit) starts in a fresh process, registers and
-  loads its plug-ins (runner/command/job.py), then types the composed config: that makes the
-  schema there, with every key."""
-  import pickle
-  import subprocess
-  import sys
-
-  from runner.command import compose
-  cfg = compose.compose(None, "pretrain", ["model=vmoe_tiny", "model.router.k=1", "optim.b1=0.8",
-                                          f"workdir={tmp_path / 'run'}"])
-  (tmp_path / "cfg.pkl").write_bytes(pickle.dumps(cfg))
-  done = subprocess.run([sys.executable, "-c", _JOB_PROCESS, str(tmp_path / "cfg.pkl")],
-                        capture_output=True, text=True, timeout=300)
-  assert done.returncode == 0, done.stderr[-2000:]
-  assert done.stdout.split() == ["RouterConfig", "1", "0.8"]
