@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from runner.config import sections
 from runner.config.resolve import as_dict
 from runner.config.schema import TASK_SCHEMAS
 from runner.models import catalog
@@ -36,7 +35,6 @@ def _copies_share_the_store() -> None:
 
 
 def register_configs() -> None:
-  sections.complete()  # every module has registered its keys: the schema is made, once
   _copies_share_the_store()
   store = ConfigStore.instance()
   for task, schema in TASK_SCHEMAS.items():
