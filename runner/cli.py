@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vmoe {sub}: error: {e}", file=sys.stderr)
     return 2
   builtins.register()
-  import runner.config_store  # noqa: F401  (registers the schemas and model names with Hydra)
+  from runner import config_store  # lazily, as weights above
+  config_store.register_configs()  # the schemas, made once now that everything has registered
   if not any(arg.lstrip("+").lower() in ("debug=true", "debug=1") for arg in rest):
     job.quiet_library_noise()
   checked = preflight.check(sub, rest, checkpoints)
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
   existed = None if shows_only else refused_workdir.nearest_existing(checked.workdir)
   try:
     hydra.main(config_path=str(conf_dir()), config_name=sub, version_base=None)(
-        job.make_job(sub, existed, checked.devices_checked))()
+        job.Job(sub, existed, checked.devices_checked))()
   finally:  # Hydra exits as soon as it has printed its help, or a sweep's job has failed
     sweep_table.print_stopped_sweep()  # a sweep that a failed job stopped: its table all the same
     if shows_help:

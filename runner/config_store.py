@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
+from runner.config import sections
 from runner.config.resolve import as_dict
 from runner.config.schema import TASK_SCHEMAS
 from runner.models import catalog
@@ -34,7 +35,17 @@ def _copies_share_the_store() -> None:
   ConfigStore.__deepcopy__ = lambda self, memo: self
 
 
+_registered = False
+
+
 def register_configs() -> None:
+  """Gives Hydra the schemas and model names, once per process, after the built-ins and the
+  plug-ins have registered (runner/builtins.py, runner/plugins.py)."""
+  global _registered
+  if _registered:
+    return
+  _registered = True
+  sections.complete()  # every module has registered its keys: the schema is made, once
   _copies_share_the_store()
   store = ConfigStore.instance()
   for task, schema in TASK_SCHEMAS.items():
@@ -44,6 +55,3 @@ def register_configs() -> None:
   for name, (width, depth, mlp_dim, num_heads) in TEXT_SIZES.items():  # text=<size>: the tower
     store.store(group="text", name=name, node=dict(name=name, width=width, depth=depth,
                                                    mlp_dim=mlp_dim, num_heads=num_heads))
-
-
-register_configs()

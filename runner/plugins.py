@@ -48,6 +48,11 @@ def _where_it_failed(error: BaseException, module: str) -> str:
   return f" at {frame.filename}:{frame.lineno}" if frame else ""
 
 
+def loaded() -> list[str]:
+  """The plug-in modules this process has loaded, in order (a job started elsewhere loads them)."""
+  return list(_loaded)
+
+
 def load(names=(), *, entry_points: bool = True) -> list[str]:
   """Imports each named module once (the working directory is searched first, as `python -m`
   does) and the entry-point group's; returns the modules loaded, in order."""

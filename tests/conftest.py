@@ -51,8 +51,11 @@ import pytest  # noqa: E402
 import runner.builtins  # noqa: E402
 
 # The built-in router families, evaluators, optimizers, schedules, ops and corruptions register
-# their names and keys, as the CLI registers them.
+# their names and keys, then the schema is made and given to Hydra, as the CLI does.
 runner.builtins.register()
+import runner.config_store  # noqa: E402
+
+runner.config_store.register_configs()
 
 # absl's root handler holds whatever sys.stderr was at import (pytest's capture stream) and closes
 # that stream when logging is reconfigured (Hydra does), unless it is the real stderr.

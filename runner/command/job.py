@@ -66,21 +66,35 @@ def _sweep_identity(typed) -> None:
   wandb.overrides = overrides
 
 
-def make_job(sub: str, existed: pathlib.Path | None = None, devices_checked: bool = False):
+class Job:
   """The Hydra task function of stage `sub`. `existed`: the deepest folder of the workdir's path
   that existed before Hydra created it (what a refused run removes stops there);
   `devices_checked`: the pre-flight checks validated the config against this process's devices
-  (runner/command/preflight.py), so the task need not again."""
-  def job(cfg):
+  (runner/command/preflight.py), so the task need not again.
+
+  A launcher that runs the job in a process of its own (SLURM's, through submitit) pickles it
+  with the composed config and Hydra's store. Unpickled there, it registers the built-ins and
+  loads the plug-ins this process loaded before the launcher composes the job's config there:
+  that composition is the schema's first use, which makes it once (runner/config/sections.py)."""
+
+  def __init__(self, sub: str, existed: pathlib.Path | None = None,
+               devices_checked: bool = False):
+    self.sub, self.existed, self.devices_checked = sub, existed, devices_checked
+
+  def __reduce__(self):
+    return (_unpickled_job, (self.sub, self.existed, self.devices_checked, plugins.loaded()))
+
+  def __call__(self, cfg):
     from runner import weights
     from runner.tasks import run_task
+    sub = self.sub
     hydra_config = HydraConfig.get()
     workdir = hydra_config.runtime.output_dir
     new_workdir = (hydra_config.mode == RunMode.RUN
                    and refused_workdir.is_new(workdir, hydra_config.job.name))
     try:
-      # A job in a process of its own (SLURM's) registers the built-ins and loads the plug-ins it
-      # was composed with before its config is typed (in the CLI's process: done already).
+      # Registered when it was unpickled, or by the CLI in this process; the config's plug-ins
+      # again, in case a launcher composed it with others.
       builtins.register()
       plugins.load(cfg.get("plugins") or [])
       # Checked before launch; in the job it is checked once more, with its devices, as the
@@ -88,13 +102,13 @@ def make_job(sub: str, existed: pathlib.Path | None = None, devices_checked: boo
       checkpoints = weights.Checkpoints()  # the job opens each checkpoint path once
       typed = config_layer.load(sub, cfg, workdir, check=False, checkpoints=checkpoints)
       _sweep_identity(typed)
-      metric = run_task(sub, typed, checkpoints, devices_checked=devices_checked)
+      metric = run_task(sub, typed, checkpoints, devices_checked=self.devices_checked)
       if typed.logger.report and sub not in _NO_PAGE:
         _write_report(typed.workdir)
       return metric
     except VmoeError as e:
       if isinstance(e, UserError) and new_workdir:
-        refused_workdir.remove(workdir, existed)  # nothing a later run could take for one
+        refused_workdir.remove(workdir, self.existed)  # nothing a later run could take for one
       if cfg.get("debug"):
         raise
       print(f"vmoe {sub}: error: {e}", file=sys.stderr)
@@ -105,7 +119,13 @@ def make_job(sub: str, existed: pathlib.Path | None = None, devices_checked: boo
       print(f"vmoe {sub}: interrupted before training started; nothing was saved.",
             file=sys.stderr)
       sys.exit(130)
-  return job
+
+
+def _unpickled_job(sub: str, existed, devices_checked: bool, plugin_names: list[str]) -> Job:
+  """A job arriving in a process of its own: what registers keys registers before any config."""
+  builtins.register()
+  plugins.load(plugin_names)
+  return Job(sub, existed, devices_checked)
 
 
 # Stages whose folder gets no report page: an export's is a model folder (its README.md is the card).

@@ -22,7 +22,7 @@ from runner.config.schema import (DataConfig, EnsembleMember, EnsembleRun, EvalR
                                   ExportRun, FewshotMember, FewshotRun, InitConfig, Loss, ModelConfig,
                                   Objective, ObjectiveConfig, RouterConfig, RunFields, TextConfig,
                                   TrainConfig, TrainTask)
-from runner.config import registries
+from runner.config import registries, sections
 from runner.config.validate import validate
 from runner.errors import ConfigError
 
@@ -282,6 +282,9 @@ def load(task: str, cfg: DictConfig, workdir: str | None = None, *, check: bool 
   """The typed config of subcommand `task`, validated unless `check` is off (a job validates
   once, against its devices, when it starts). eval, fewshot and ensemble read their checkpoints'
   stored configs with `checkpoints` (runner.weights.Checkpoints)."""
+  # Typing a composed config is a use of the schema: in a job's own process (SLURM's), after its
+  # plug-ins have loaded, nothing has made it yet.
+  sections.complete()
   if workdir is None:
     workdir = "" if OmegaConf.is_missing(cfg, "workdir") else str(cfg.workdir)
   checked = validate if check else (lambda config: config)

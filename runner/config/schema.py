@@ -167,13 +167,16 @@ def _is_sharding_rules(value) -> bool:
 _DEVICES = Rule(lambda v: v == -1 or v >= 1, "-1 (infer from the device count) or >= 1")
 
 
-@dataclass
+DEFAULT_ROUTER = "token_choice"  # the router family model.router.type chooses by default
+
+
+@sections.open_section
 class RouterConfig:
   """model.router: `type` chooses a router family; each family declares its own keys in its own
   `Config` (runner/models/moe/routers), which registering the family adds here, so that
   `model.router.<key>` overrides are typed and range-checked like any key. A key that the chosen
   family does not declare must keep its default (runner/config/relations.py)."""
-  type: str = key("token_choice", Choice(registries.ROUTERS.names), "a registered router family")
+  type: str = key(DEFAULT_ROUTER, Choice(registries.ROUTERS.names), "a registered router family")
 
 
 @dataclass
@@ -314,7 +317,7 @@ class ObjectiveConfig:
   noise_post_norm: bool = False  # het_xl: and again after it (the HET-XL paper's Table 7)
 
 
-@dataclass
+@sections.open_section
 class OptimConfig:
   """optim: what every optimizer reads; each optimizer declares the keys it reads besides in its
   own `Config` (runner/train/optimizers.py, or a plug-in's), which registering it adds here."""
@@ -328,7 +331,7 @@ class OptimConfig:
   grad_clip_norm: Optional[float] = key(1.0, positive(), "null: no clipping")
 
 
-@dataclass
+@sections.open_section
 class ScheduleConfig:
   """schedule: what every schedule reads; a schedule that reads keys of its own declares them in
   its `Config` (runner/train/schedules.py, or a plug-in's), which registering it adds here."""
@@ -348,7 +351,7 @@ class TrainConfig:
   log_every_steps: int = key(50, at_least(1))
 
 
-@dataclass
+@sections.open_section
 class EvalSuiteConfig:
   """vmoe eval: which measurements to take, on which datasets. These are the keys of the whole
   evaluation; each evaluator declares its own in its module (runner/evaluators), and registering
@@ -361,7 +364,7 @@ class EvalSuiteConfig:
   plots: bool = True
 
 
-@dataclass
+@sections.open_section
 class EvalConfig(EvalSuiteConfig):
   """pretrain and finetune: the validation split every `every_steps` and at the end, with the
   measurements eval.* enables beyond classification (OOD, corruptions, PGD, routing analysis),
@@ -497,9 +500,11 @@ def optional_copy(cls, prefix: str = "Optional"):
   fields = []
   for f in dataclasses.fields(cls):
     ftype = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # noqa: S307
-    if dataclasses.is_dataclass(ftype):
+    if sections.is_open(ftype):  # its copy takes the keys declared to it (router families')
+      sub = sections.optional_copy(ftype, prefix + ftype.__name__)
+      fields.append((f.name, sub, field(default_factory=sub)))
+    elif dataclasses.is_dataclass(ftype):
       sub = optional_copy(ftype, prefix)
-      sections.mirror(ftype, sub)  # keys registered later (router families) are added to both
       fields.append((f.name, sub, field(default_factory=sub)))
     else:
       fields.append((f.name, Optional[ftype], field(default=None, metadata=f.metadata)))

@@ -56,7 +56,8 @@ class ZeroShotConfig:
 
 add_fields(EvalSuiteConfig, {"zero_shot": (ZeroShotConfig, dataclasses.field(
     default_factory=ZeroShotConfig, metadata={CONTRASTIVE_ONLY: True,
-                                              "declared_by": f"{__name__}.ZeroShotConfig"}))})
+                                              "declared_by": f"{__name__}.ZeroShotConfig"}))},
+           owner=f"{__name__}.ZeroShotConfig")
 
 
 def prompts(class_names: list[str], templates: list[str]) -> list[str]:

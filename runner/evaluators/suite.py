@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
+import types
 import typing
 from typing import Callable, Protocol
 
@@ -20,7 +21,7 @@ import jax
 from runner import data
 from runner.config.registries import EVALUATORS
 from runner.config.schema import DataConfig, EvalSuiteConfig
-from runner.config.sections import add_fields
+from runner.config.sections import add_fields, default_of, fields_of
 from runner.evaluators import predictions
 
 
@@ -270,7 +271,7 @@ def _declaration_problem(cls) -> str | None:
     if declared is not None and not dataclasses.is_dataclass(declared):
       where = f"eval.{_section(cls)}.*" if what == "Config" else "eval.<key>"
       return f"its {what} {declared!r} must be a dataclass (its keys, {where})"
-  fields = {f.name: f for f in dataclasses.fields(EvalSuiteConfig)}
+  fields = {name: f for name, (_, f) in fields_of(EvalSuiteConfig).items()}
   own = _origin(cls)
   if cls.Config is not None and _section(cls) in fields and _declared_by(
       fields[_section(cls)]) != own:
@@ -291,7 +292,8 @@ def _names_an_eval_key(cls) -> bool:
   """Whether `cls.enabling_key` is a key of eval.* once `cls`'s keys are added."""
   if not cls.enabling_key.startswith("eval."):
     return False
-  probe = EvalSuiteConfig()
+  probe = types.SimpleNamespace(**{name: default_of(f)
+                                   for name, (_, f) in fields_of(EvalSuiteConfig).items()})
   if cls.Config is not None:
     setattr(probe, _section(cls), cls.Config())
   for f in _fields(cls.Keys):
@@ -324,8 +326,9 @@ def register(cls: type[Evaluator]) -> type[Evaluator]:
   problem = _declaration_problem(cls)
   if problem:
     raise TypeError(f"evaluator {_origin(cls)} cannot be registered: {problem}.")
+  EVALUATORS.check(cls.name, cls)  # before its keys join the schema
+  add_fields(EvalSuiteConfig, _keys(cls), owner=f"evaluator {_origin(cls)}")
   EVALUATORS.add(cls.name, cls)
-  add_fields(EvalSuiteConfig, _keys(cls))
   return cls
 
 

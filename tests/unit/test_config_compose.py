@@ -6,7 +6,6 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import runner.config_store  # noqa: F401  (registers the schemas and model names with Hydra)
 from runner.config import conf_dir, validate
 from runner.config.resolve import train_task
 from runner.models import catalog

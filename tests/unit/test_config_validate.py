@@ -15,7 +15,6 @@ import typing
 import pytest
 from hydra import compose, initialize_config_dir
 
-import runner.config_store  # noqa: F401  (registers the schemas and model names with Hydra)
 from runner.config import conf_dir, schema, validate
 from runner.config.checks import Check
 from runner.config.resolve import train_task

@@ -123,3 +123,117 @@ def test_a_taken_name_is_refused_before_its_keys_join_the_schema():
   assert {section: _keys(section) for section in before} == before
   assert OPTIMIZERS.get("adam") is not another_adam and ROUTERS.get("token_choice") is not \
       AnotherTokenChoice
+
+
+@dataclasses.dataclass
+class _Late:
+  late_key: int = key(1, at_least(1))
+
+
+def test_keys_declared_after_the_schema_is_made_are_refused():
+  """This process has composed configs: the sections are dataclasses, made once; a registration
+  that would add keys now is refused and adds nothing, a re-registration of the same keys is a
+  no-op."""
+  from runner.config import sections
+  sections.complete()
+  made = {section: section.__init__ for section in (OptimConfig, ScheduleConfig, RouterConfig)}
+  before = {section: _keys(section) for section in made}
+  with pytest.raises(ConfigError, match=r"^optimizer 'late' declares keys \(late_key\) after the "
+                     r"schema was made .* load the module with plugins=\[\.\.\.\]"):
+    optimizers.register("late", _Late)(lambda **_: optax.identity())
+  family = type("Late", (RouterFamily,), {"name": "late", "Config": _Late})
+  with pytest.raises(ConfigError, match=r"^router family 'late' declares keys \(late_key\)"):
+    register_router(family)
+  token_choice = ROUTERS.get("token_choice")
+  register_router(token_choice)  # the same family's keys again (a module imported twice): no-op
+  assert ROUTERS.get("token_choice") is token_choice
+  sections.complete()
+  assert {section: _keys(section) for section in made} == before
+  assert {section: section.__init__ for section in made} == made
+  assert "late" not in OPTIMIZERS and "late" not in ROUTERS
+
+
+_BEFORE_USE = """
+import dataclasses
+from runner.config import schema
+from runner.train import optimizers
+assert not dataclasses.is_dataclass(schema.OptimConfig), "made before its first use"
+assert "b1" in [f.name for f in dataclasses.fields(optimizers.AdamConfig)]
+optim = schema.OptimConfig(lr=0.5)  # the first use makes every open section, once
+assert dataclasses.is_dataclass(schema.RouterConfig) and optim.b1 == 0.9 and optim.lr == 0.5
+print([f.name for f in dataclasses.fields(schema.OptimConfig)])
+"""
+
+
+def test_the_sections_are_made_at_their_first_use_with_the_keys_registered_by_then():
+  import json
+  import subprocess
+  import sys
+  done = subprocess.run([sys.executable, "-c", _BEFORE_USE], capture_output=True, text=True,
+                        timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  names = json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"'))
+  assert names[:4] == ["name", "lr", "weight_decay", "grad_clip_norm"] and "b1" in names
+
+
+_JOB_PROCESS = """
+import dataclasses, pickle, sys
+cfg = pickle.loads(open(sys.argv[1], 'rb').read())  # as SLURM's job process receives it
+from runner.config import schema
+assert not dataclasses.is_dataclass(schema.RouterConfig)
+from runner import builtins, config as config_layer, plugins
+builtins.register()
+plugins.load([])
+typed = config_layer.load("pretrain", cfg, "unused", check=False)
+print(type(typed.model.router).__name__, typed.model.router.k, typed.optim.b1)
+"""
+
+
+def test_a_job_in_a_process_of_its_own_types_its_config_after_its_plugins(tmp_path):
+  """The job of a launcher that pickles it (submitit) starts in a fresh process, registers and
+  loads its plug-ins (runner/command/job.py), then types the composed config: that makes the
+  schema there, with every key."""
+  import pickle
+  import subprocess
+  import sys
+
+  from runner.command import compose
+  cfg = compose.compose(None, "pretrain", ["model=vmoe_tiny", "model.router.k=1", "optim.b1=0.8",
+                                          f"workdir={tmp_path / 'run'}"])
+  (tmp_path / "cfg.pkl").write_bytes(pickle.dumps(cfg))
+  done = subprocess.run([sys.executable, "-c", _JOB_PROCESS, str(tmp_path / "cfg.pkl")],
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.split() == ["RouterConfig", "1", "0.8"]
+
+
+_UNPICKLED_JOB = """
+import dataclasses, pickle, sys
+job = pickle.loads(open(sys.argv[1], 'rb').read())  # what submitit's job process unpickles first
+from runner.config import schema
+assert not dataclasses.is_dataclass(schema.OptimConfig), "made before the launcher composed"
+import runner.config_store
+runner.config_store.register_configs()  # Hydra's store, as the launcher's pickled state brings it
+from runner.command import compose
+from runner import config as config_layer
+cfg = compose.compose(None, "pretrain", ["model=vmoe_tiny", "optim.b1=0.8", "workdir=unused"])
+typed = config_layer.load(job.sub, cfg, "unused", check=False)
+print(type(job).__name__, job.sub, job.devices_checked, typed.optim.b1)
+"""
+
+
+def test_a_pickled_job_registers_the_builtins_before_its_launcher_composes(tmp_path):
+  """SLURM's launcher (submitit) unpickles the task function in the job's own process and
+  composes the job's config there before calling it: unpickling the job registers the built-ins
+  (and the plug-ins this process loaded) first, so the schema made at that composition has
+  every optimizer's keys."""
+  import pickle
+  import subprocess
+  import sys
+
+  from runner.command.job import Job
+  (tmp_path / "job.pkl").write_bytes(pickle.dumps(Job("pretrain", tmp_path, True)))
+  done = subprocess.run([sys.executable, "-c", _UNPICKLED_JOB, str(tmp_path / "job.pkl")],
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.split()[-4:] == ["Job", "pretrain", "True", "0.8"]

@@ -157,12 +157,13 @@ def test_commands_are_found():
 
 _PLUGIN_CHECK = """
 import json, sys
-from runner import builtins, plugins
+from runner import builtins, config_store, plugins
 from runner.command import preflight
 builtins.register()
 commands = json.loads(sys.argv[1])
 # All before the first composition, as `vmoe` loads a command's before it gives Hydra the schemas.
 plugins.load([m for line in commands for m in plugins.requested(line[1:])])
+config_store.register_configs()
 problems = {}
 for line in commands:
   sub, *rest = line
@@ -245,7 +246,8 @@ def test_the_recipes_numbers_that_pages_and_messages_state():
   """docs/howto.md's first try, and the message of a batch larger than the training split
   (runner/tasks/fit.py), state each stage's recipe (conf/<stage>.yaml): its batch, its steps and
   its warm-up."""
-  import runner.config_store  # noqa: F401  (the schemas, as the CLI registers them)
+  import runner.config_store
+  runner.config_store.register_configs()  # the schemas, as the CLI registers them (conftest has)
   from runner.command import compose
   from runner.tasks import fit
   up, down = (compose.compose(None, sub, []) for sub in ("pretrain", "finetune"))

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from runner.config import relations, schema
+from runner.config import relations, schema, sections
 from runner.config.checks import Items, at_least, key
 from runner.config.validate import field_problems, validate
 from runner.errors import ConfigError
@@ -30,18 +30,20 @@ class ProbeConfig:
 
 @pytest.fixture
 def schemas(monkeypatch):
-  """(eval.* of vmoe eval, eval.* of training) for this test alone: copies that `register` adds
-  sections to, with the registry's entries copied too."""
+  """(eval.* of vmoe eval, eval.* of training) for this test alone: open copies that `register`
+  adds keys to and that are made at their first use, as the process's own sections are, with the
+  registry's entries and the sections' bookkeeping copied too."""
   monkeypatch.setattr(EVALUATORS, "_entries", dict(EVALUATORS._entries))
-  Eval = dataclasses.make_dataclass("Eval", [
-      (f.name, f.type, dataclasses.field(default=f.default, default_factory=f.default_factory,
-                                         metadata=f.metadata))
-      for f in dataclasses.fields(schema.EvalSuiteConfig)])
-
-  @dataclasses.dataclass
-  class TrainingEval(Eval):
-    every_steps: int = 0
-
+  own = sections.fields_of(schema.EvalSuiteConfig)
+  for name, fresh in (("_OPEN", []), ("_OWN", {}), ("_DECLARED", {}), ("_OPTIONAL_COPIES", {}),
+                      ("_completed", False)):
+    monkeypatch.setattr(sections, name, fresh)
+  Eval = sections.open_section(type("Eval", (), {
+      "__annotations__": {name: kind for name, (kind, _) in own.items()},
+      **{name: dataclasses.field(default=f.default, default_factory=f.default_factory,
+                                 metadata=f.metadata) for name, (_, f) in own.items()}}))
+  TrainingEval = sections.open_section(type("TrainingEval", (Eval,), {
+      "__annotations__": {"every_steps": int}, "every_steps": 0}))
   monkeypatch.setattr(suite_lib, "EvalSuiteConfig", Eval)
   return Eval, TrainingEval
 

@@ -10,7 +10,7 @@ from typing import Mapping, Protocol
 import jax
 
 from runner.config import registries, sections
-from runner.config.schema import RouterConfig
+from runner.config.schema import DEFAULT_ROUTER, RouterConfig
 
 
 class Plan(Protocol):
@@ -298,7 +298,7 @@ def register(family_cls: type[RouterFamily]) -> type[RouterFamily]:
   return family_cls
 
 
-DEFAULT = RouterConfig.type  # the schema's default family
+DEFAULT = DEFAULT_ROUTER  # the schema's default family
 
 
 def names() -> list[str]:
