@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
   # The deepest folder of the workdir's path that exists before Hydra creates the workdir.
   existed = None if shows_only else refused_workdir.nearest_existing(checked.workdir)
   try:
-    hydra.main(config_path=str(conf_dir()), config_name=sub, version_base=None)(
-        job.Job(sub, existed, checked.devices_checked))()
+    with compose.mode_known(checked.mode):  # composed by the checks already
+      hydra.main(config_path=str(conf_dir()), config_name=sub, version_base=None)(
+          job.Job(sub, existed, checked.devices_checked))()
   finally:  # Hydra exits as soon as it has printed its help, or a sweep's job has failed
     sweep_table.print_stopped_sweep()  # a sweep that a failed job stopped: its table all the same
     if shows_help:
@@ -110,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
   """The `vmoe` console script."""
   allocator.reexec_with_jemalloc()
+  allocator.pause_collector()
   sys.exit(main())
 
 
 if __name__ == "__main__":
+  allocator.pause_collector()
   sys.exit(main())

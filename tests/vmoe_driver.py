@@ -78,4 +78,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+  from runner.command import allocator
+  allocator.pause_collector()  # as `vmoe` does at its entry, until its first job starts
   main()

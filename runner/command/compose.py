@@ -2,12 +2,14 @@
 (what was wrong and what is valid); `--multirun ... --cfg job` shows every job's config."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
 import sys
 
 from hydra import compose as hydra_compose, initialize_config_dir
+from hydra._internal.hydra import Hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict
@@ -95,6 +97,20 @@ def compose(config_dir: str | None, config_name: str, overrides: list[str],
                          return_hydra_config=with_hydra)
 
 
+@contextlib.contextmanager
+def mode_known(mode):
+  """Hydra composes the whole config once more before a run or sweep only to read its
+  `hydra.mode` (`Hydra.get_mode`, a third of the compositions of a command that runs); the
+  pre-flight checks composed the same overrides already, so that one is skipped: `mode` is what
+  they found (None where the config sets none, as Hydra's own would return)."""
+  read = Hydra.get_mode
+  Hydra.get_mode = lambda self, config_name, overrides: mode
+  try:
+    yield
+  finally:
+    Hydra.get_mode = read
+
+
 def study_params(choices: dict) -> dict:
   """A sweep study's `hydra.sweeper.params` (empty for the primary configs)."""
   params = choices["params"]
@@ -117,6 +133,7 @@ def hydra_choices(config_dir: str | None, config_name: str, overrides: list[str]
           "plugins": {section: OmegaConf.to_container(node[section], resolve=False,
                                                       enum_to_str=True)
                       for section in ("launcher", "sweeper")},
+          "mode": node.get("mode"),
           "job": first, "composed": composed}  # the job without sweep values, composed
 
 

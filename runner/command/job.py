@@ -13,6 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 from runner import builtins, config as config_layer, plugins, refused_workdir
+from runner.command import allocator
 from runner.config import registries
 from runner.errors import UserError, VmoeError
 
@@ -102,6 +103,7 @@ class Job:
       checkpoints = weights.Checkpoints()  # the job opens each checkpoint path once
       typed = config_layer.load(sub, cfg, workdir, check=False, checkpoints=checkpoints)
       _sweep_identity(typed)
+      allocator.resume_collector()  # the libraries have loaded
       metric = run_task(sub, typed, checkpoints, devices_checked=self.devices_checked)
       if typed.logger.report and sub not in _NO_PAGE:
         _write_report(typed.workdir)

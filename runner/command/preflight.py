@@ -19,10 +19,12 @@ class Preflight:
   """What the checks found: the error paragraph (None: none), and whether every job was checked
   against this process's devices too (then the job, run here by the basic launcher, does not
   check them again); `workdir`: the run's workdir as composed without sweep values (None when
-  nothing was composed)."""
+  nothing was composed); `mode`: `hydra.mode` as composed (Hydra's RunMode, or None: the command
+  line decides)."""
   problem: str | None = None
   devices_checked: bool = False
   workdir: str | None = None
+  mode: object = None
 
 
 def _devices_here(composed, launcher: str) -> int | None:
@@ -86,7 +88,7 @@ def check(sub: str, args: list[str], checkpoints=None) -> Preflight:
   if not compose_only and arguments.multirun(args):
     problem = _submission_problem(choices["plugins"]["launcher"])
   return Preflight(problem, devices_checked=checked_here and not compose_only and not problem,
-                   workdir=str(choices["composed"].workdir))
+                   workdir=str(choices["composed"].workdir), mode=choices["mode"])
 
 
 def _submission_problem(launcher: dict) -> str | None:

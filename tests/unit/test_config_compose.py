@@ -137,3 +137,24 @@ def test_compositions_share_the_store_and_never_change_it():
   assert again.model.hidden_size == catalog.model_config("vmoe_tiny").hidden_size != 7
   assert again.optim.lr != 0.5
   assert store.load("model/vmoe_tiny.yaml").node.hidden_size != 7
+
+
+@pytest.mark.parametrize("args, mode, jobs", [
+    ([], "RUN", 1),
+    (["-cd", str(SWEEPS), "-cn", "pretrain_k"], "MULTIRUN", 4),  # the study sets hydra.mode
+    (["hydra.mode=MULTIRUN", "seed=0,1"], "MULTIRUN", 2),
+])
+def test_the_run_mode_is_the_one_the_checks_composed(args, mode, jobs, run_cli, monkeypatch,
+                                                     tmp_path):
+  """`vmoe` gives Hydra the `hydra.mode` its pre-flight checks composed instead of composing the
+  config once more for it (runner/command/compose.mode_known): a study that sets MULTIRUN sweeps
+  without --multirun, a plain command runs once."""
+  from hydra.core.hydra_config import HydraConfig
+  from runner import tasks
+  seen = []
+  monkeypatch.setattr(tasks, "run_task", lambda sub, typed, checkpoints, devices_checked:
+                      seen.append(HydraConfig.get().mode.name) or 0.0)
+  code, _, err = run_cli("pretrain", *args, f"workdir={tmp_path / 'run'}",
+                         f"hydra.sweep.dir={tmp_path / 'sweep'}", "logger.wandb.mode=disabled")
+  assert code == 0, err
+  assert seen == [mode] * jobs
