@@ -243,8 +243,12 @@ def _pad_batch(batch, batch_size):
 
 
 def image_shape(source: Source, split: str, pp: str) -> tuple[int, ...]:
-  """Shape of one preprocessed image, found by running the pipeline on one example."""
+  """Shape of one preprocessed image: the pipeline's static shape where its ops fix every
+  dimension (a resize, a crop), else found by running it on one example."""
   preprocess = _finish(source, pp_ops.parse(pp), pp)
   ds = tf.data.Dataset.zip(tf.data.Dataset.range(1), source.read(split).take(1))
-  example = next(iter(ds.map(_with_rng(0)).map(preprocess)))
-  return tuple(example["image"].shape)
+  ds = ds.map(_with_rng(0)).map(preprocess)
+  static = ds.element_spec["image"].shape
+  if static.is_fully_defined():
+    return tuple(static.as_list())
+  return tuple(next(iter(ds))["image"].shape)

@@ -199,6 +199,8 @@ def test_lit_locks_the_image_tower_and_trains_the_rest(lit, upstream):
 KILL_AT = 6
 _KILLED_RUN = f"""
 import os, signal, sys
+from runner.command import allocator
+allocator.pause_collector()  # as `vmoe` starts
 from runner import checkpoint, cli
 save = checkpoint.Checkpointer.save
 def save_then_die(self, step, *args, **kwargs):

@@ -31,6 +31,8 @@ ARGS = ["pretrain", *TINY_MODEL, *QUIET, "train.steps=40", "schedule.warmup_step
 # before it returns. Where the signal lands depends on nothing but the step.
 _SIGNALLED_RUN = """
 import os, sys
+from runner.command import allocator
+allocator.pause_collector()  # as `vmoe` starts
 from runner import checkpoint, cli
 signal_at, signals = int(sys.argv[1]), [int(s) for s in sys.argv[2].split(",")]
 should_save = checkpoint.Checkpointer.should_save

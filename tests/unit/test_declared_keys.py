@@ -178,62 +178,40 @@ def test_the_sections_are_made_at_their_first_use_with_the_keys_registered_by_th
 
 _JOB_PROCESS = """
 import dataclasses, pickle, sys
-cfg = pickle.loads(open(sys.argv[1], 'rb').read())  # as SLURM's job process receives it
+job = pickle.loads(open(sys.argv[1], 'rb').read())  # what submitit's job process unpickles first
+cfg = pickle.loads(open(sys.argv[2], 'rb').read())  # the config composed before submission
 from runner.config import schema
-assert not dataclasses.is_dataclass(schema.RouterConfig)
-from runner import builtins, config as config_layer, plugins
-builtins.register()
-plugins.load([])
-typed = config_layer.load("pretrain", cfg, "unused", check=False)
+assert not dataclasses.is_dataclass(schema.RouterConfig), "made before the config was typed"
+assert not dataclasses.is_dataclass(schema.OptimConfig), "made before the launcher composed"
+from runner import config as config_layer
+typed = config_layer.load("pretrain", cfg, "unused", check=False)  # makes the schema here
 print(type(typed.model.router).__name__, typed.model.router.k, typed.optim.b1)
+import runner.config_store
+runner.config_store.register_configs()  # Hydra's store, as the launcher's pickled state brings it
+from runner.command import compose
+composed = compose.compose(None, "pretrain", ["model=vmoe_tiny", "optim.b1=0.7", "workdir=unused"])
+typed = config_layer.load(job.sub, composed, "unused", check=False)
+print(type(job).__name__, job.sub, job.devices_checked, typed.optim.b1)
 """
 
 
-def test_a_job_in_a_process_of_its_own_types_its_config_after_its_plugins(tmp_path):
-  """The job of a launcher that pickles it (submitit) starts in a fresh process, registers and
-  loads its plug-ins (runner/command/job.py), then types the composed config: that makes the
-  schema there, with every key."""
+def test_a_job_in_a_process_of_its_own_registers_before_its_config_is_composed_or_typed(tmp_path):
+  """SLURM's launcher (submitit) unpickles the task function in the job's own process, and
+  composes the job's config there before calling it: unpickling the job registers the built-ins
+  (and the plug-ins this process loaded) first (runner/command/job.py), so the schema, made at
+  the first use there, has every optimizer's and router family's keys, whether that use is
+  typing a config composed before submission or composing one."""
   import pickle
   import subprocess
   import sys
 
   from runner.command import compose
+  from runner.command.job import Job
   cfg = compose.compose(None, "pretrain", ["model=vmoe_tiny", "model.router.k=1", "optim.b1=0.8",
                                           f"workdir={tmp_path / 'run'}"])
   (tmp_path / "cfg.pkl").write_bytes(pickle.dumps(cfg))
-  done = subprocess.run([sys.executable, "-c", _JOB_PROCESS, str(tmp_path / "cfg.pkl")],
-                        capture_output=True, text=True, timeout=300)
-  assert done.returncode == 0, done.stderr[-2000:]
-  assert done.stdout.split() == ["RouterConfig", "1", "0.8"]
-
-
-_UNPICKLED_JOB = """
-import dataclasses, pickle, sys
-job = pickle.loads(open(sys.argv[1], 'rb').read())  # what submitit's job process unpickles first
-from runner.config import schema
-assert not dataclasses.is_dataclass(schema.OptimConfig), "made before the launcher composed"
-import runner.config_store
-runner.config_store.register_configs()  # Hydra's store, as the launcher's pickled state brings it
-from runner.command import compose
-from runner import config as config_layer
-cfg = compose.compose(None, "pretrain", ["model=vmoe_tiny", "optim.b1=0.8", "workdir=unused"])
-typed = config_layer.load(job.sub, cfg, "unused", check=False)
-print(type(job).__name__, job.sub, job.devices_checked, typed.optim.b1)
-"""
-
-
-def test_a_pickled_job_registers_the_builtins_before_its_launcher_composes(tmp_path):
-  """SLURM's launcher (submitit) unpickles the task function in the job's own process and
-  composes the job's config there before calling it: unpickling the job registers the built-ins
-  (and the plug-ins this process loaded) first, so the schema made at that composition has
-  every optimizer's keys."""
-  import pickle
-  import subprocess
-  import sys
-
-  from runner.command.job import Job
   (tmp_path / "job.pkl").write_bytes(pickle.dumps(Job("pretrain", tmp_path, True)))
-  done = subprocess.run([sys.executable, "-c", _UNPICKLED_JOB, str(tmp_path / "job.pkl")],
-                        capture_output=True, text=True, timeout=300)
+  done = subprocess.run([sys.executable, "-c", _JOB_PROCESS, str(tmp_path / "job.pkl"),
+                         str(tmp_path / "cfg.pkl")], capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
-  assert done.stdout.split()[-4:] == ["Job", "pretrain", "True", "0.8"]
+  assert done.stdout.split()[-7:] == ["RouterConfig", "1", "0.8", "Job", "pretrain", "True", "0.7"]
