@@ -21,9 +21,13 @@ from runner.errors import UserError, VmoeError
 def quiet_library_noise() -> None:
   """Orbax/TensorStore report a failed read by absl ERROR lines and, after the error has reached
   us, "Event loop is closed" tracebacks from their callback threads and one "Exception ignored"
-  traceback per array whose concurrent read was abandoned (dozens for a damaged checkpoint): the
-  one-paragraph message says it all, so these are dropped (debug=true keeps them)."""
+  traceback per array whose concurrent read was abandoned (dozens for a damaged checkpoint), and
+  asyncio's "exception was never retrieved" for each abandoned read's future whenever the
+  collector reaches it (after a refused run's workdir, and its job.log, are gone): the
+  one-paragraph message says it all, so these are dropped (debug=true keeps them). vmoe itself
+  uses no asyncio; Orbax's event loops do."""
   logging.getLogger("absl").setLevel(logging.CRITICAL)
+  logging.getLogger("asyncio").setLevel(logging.CRITICAL)
   default = sys.unraisablehook
   if getattr(default, "vmoe_quiet", False):
     return  # installed by an earlier command in this process (the demo, tests)
