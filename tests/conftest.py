@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import gc
 import json
 import os
 import pathlib
@@ -18,12 +17,14 @@ import subprocess
 import sys
 import tempfile
 
+from runner.command import allocator  # gc, os and sys only: before TensorFlow and JAX load
+
 # Python's cycle collector rescans every object it tracks at each full collection: while JAX,
 # TensorFlow, Flax and the test modules import, a dozen such scans of a growing heap (1-2 s per
 # process), then, as tests run, scans of the half million objects those imports made and that
-# live as long as the process. So it is paused until collection ends, and what exists then is
-# frozen out of its scans (`pytest_collection_finish` below).
-gc.disable()
+# live as long as the process. So it is paused until collection ends, then resumes with what
+# exists frozen out of its scans, as `vmoe`'s does (runner/command/allocator.py).
+allocator.pause_collector()
 _ROOT = pathlib.Path(tempfile.mkdtemp(prefix=f"vmoe-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-"))
 os.environ.update({
     "TF_CPP_MIN_LOG_LEVEL": "3",
@@ -56,7 +57,6 @@ import absl.logging  # noqa: E402
 import pytest  # noqa: E402
 
 import runner.builtins  # noqa: E402
-from runner.command import allocator  # noqa: E402
 
 # The built-in router families, evaluators, optimizers, schedules, ops and corruptions register
 # their names and keys, then the schema is made and given to Hydra, as the CLI does.
@@ -92,12 +92,13 @@ SHARED_RUNS = {
 }
 
 
+def pytest_sessionstart(session):
+  if session.config.pluginmanager.hasplugin("dsession"):  # xdist's controller collects nothing
+    allocator.resume_collector()
+
+
 def pytest_collection_finish(session):
-  """The collector resumes as `vmoe`'s does when its job starts (runner/command/allocator.py)."""
-  gc.collect()
-  gc.freeze()
-  gc.set_threshold(*allocator.COLLECTOR_THRESHOLDS)
-  gc.enable()
+  allocator.resume_collector()
 
 
 @pytest.fixture(scope="session")

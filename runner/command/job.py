@@ -98,9 +98,8 @@ class Job:
     new_workdir = (hydra_config.mode == RunMode.RUN
                    and refused_workdir.is_new(workdir, hydra_config.job.name))
     try:
-      # Registered when it was unpickled, or by the CLI in this process; the config's plug-ins
-      # again, in case a launcher composed it with others.
-      builtins.register()
+      # The built-ins registered when it was unpickled, or by the CLI in this process; the
+      # config's plug-ins again, in case a launcher composed it with others.
       plugins.load(cfg.get("plugins") or [])
       # Checked before launch; in the job it is checked once more, with its devices, as the
       # task starts (runner/tasks/common.py).
