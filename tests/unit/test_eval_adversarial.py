@@ -289,6 +289,12 @@ VMOE_DROP = VisionTransformer(**TINY, moe_layers=(0, 2), moe=dict(
     num_experts=4, group_size=2, router=dict(k=K, capacity_ratio=0.5)))
 
 
+@jax.jit
+def _drop_model_records(params, images):
+  """VMOE_DROP's outputs and sown records, one compiled program per batch shape."""
+  return VMOE_DROP.apply({"params": params}, images, mutable=["intermediates"])
+
+
 def vmoe_stateless_attack_pgd(images, labels, *, max_epsilon, num_updates, apply_fn, loss_fn):
   """A transcription of attacks.py `stateless_attack_pgd` (no rngs: a deterministic model)."""
   delta = max_epsilon / num_updates
@@ -367,8 +373,8 @@ def test_reference_routing_change_is_vmoe_iou_of_combine_weights(vmoe_params,
   _, cw_0 = _drop_model_combine_weights(vmoe_params, images)
   _, cw_m = _drop_model_combine_weights(vmoe_params, adv)
   # The default protocol on the same images: TOP-k sets before the capacity drops.
-  (_, _), state0 = VMOE_DROP.apply({"params": vmoe_params}, images, mutable=["intermediates"])
-  (_, _), state_m = VMOE_DROP.apply({"params": vmoe_params}, adv, mutable=["intermediates"])
+  (_, _), state0 = _drop_model_records(vmoe_params, images)
+  (_, _), state_m = _drop_model_records(vmoe_params, adv)
   top_0, top_m = (selected_experts(s["intermediates"]) for s in (state0, state_m))
   dropped = 0
   for layer in ("layer_0", "layer_2"):
@@ -396,7 +402,7 @@ def test_reference_routing_change_is_vmoe_iou_of_combine_weights(vmoe_params,
 
 def test_routed_experts_sow_marks_the_dropped_assignments(vmoe_params):
   images, _ = _data(BATCH)
-  (_, _), state = VMOE_DROP.apply({"params": vmoe_params}, images, mutable=["intermediates"])
+  (_, _), state = _drop_model_records(vmoe_params, images)
   selected = selected_experts(state["intermediates"])
   routed = selected_experts(state["intermediates"], "routed_experts")
   _, cw = _drop_model_combine_weights(vmoe_params, images)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import numpy as np
 
@@ -16,7 +17,7 @@ def test_fresh_params_are_the_init_of_the_seed():
   config = dataclasses.replace(model_config("vmoe_tiny"), num_layers=1, hidden_size=8, mlp_dim=16,
                                num_heads=1, image_size=8, patch_size=4)
   model = build_model(config, 3)
-  eager, _ = state_lib.init_params(model, (8, 8, 1), seed=3)
+  eager = nn.meta.unbox(state_lib.init_variables(model, (8, 8, 1), seed=3)["params"])
   fresh = state_lib.fresh_params(model, (8, 8, 1), seed=3)
   assert jax.tree.structure(fresh) == jax.tree.structure(eager)
   for got, want in zip(jax.tree.leaves(fresh), jax.tree.leaves(eager)):

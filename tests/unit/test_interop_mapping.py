@@ -26,7 +26,7 @@ from runner.interop import mapping
 from runner.models import build_model, model_config
 from runner.models.moe import routers
 from runner.models.transfer import flatten, unflatten
-from runner.train.state import init_params
+from runner.train.state import abstract_params
 
 D, LAYERS, MLP, HEADS, PATCH, IMAGE, CLASSES = 32, 4, 64, 2, 4, 16, 10
 TOKENS = (IMAGE // PATCH) ** 2
@@ -55,7 +55,7 @@ def images(seed=1):
 def run_ours(model, ours: dict, x):
   """Our (logits, extras) with the mapped parameters, after checking they are exactly the
   model's parameter names and shapes."""
-  fresh = flatten(init_params(model, (IMAGE, IMAGE, 3), 0)[0])
+  fresh = flatten(abstract_params(model, (IMAGE, IMAGE, 3))[0])
   assert sorted(ours) == sorted(fresh)
   assert {n: v.shape for n, v in ours.items()} == {n: v.shape for n, v in fresh.items()}
   assert all(v.dtype == np.float32 for v in ours.values())

@@ -147,10 +147,15 @@ def _whole_model_parity(monkeypatch, model, inputs, **kwargs):
       params = nn.meta.unbox(model.init(jax.random.key(0), inputs, train=False))["params"]
     previous_shapes = jax.tree.map(jnp.shape, params)
     params = _randomised(params, 2)
-    before = model.apply({"params": params}, inputs, train=False, **kwargs)
+    before = _apply(model, params, inputs, **kwargs)
   fresh = jax.eval_shape(lambda: model.init(jax.random.key(0), inputs, train=False))["params"]
   assert jax.tree.map(jnp.shape, nn.meta.unbox(fresh)) == previous_shapes
-  return model.apply({"params": params}, inputs, train=False, **kwargs), before
+  return _apply(model, params, inputs, **kwargs), before
+
+
+def _apply(model, params, inputs, **kwargs):
+  """model.apply as one compiled program (traced now: with whatever attention is patched in)."""
+  return jax.jit(lambda p, x: model.apply({"params": p}, x, train=False, **kwargs))(params, inputs)
 
 
 @pytest.mark.parametrize("classifier, qk_norm, moe", [
@@ -189,7 +194,7 @@ def test_auto_and_xla_agree_on_cpu():
   models = [build_model(dataclasses.replace(config, attention=a), 10) for a in Attention
             if a != Attention.cudnn]
   params, _ = init_params(models[0], (16, 16, 3), seed=0)
-  auto, xla = (m.apply({"params": params}, images, train=False)[0] for m in models)
+  auto, xla = (_apply(m, params, images)[0] for m in models)
   np.testing.assert_allclose(np.asarray(auto), np.asarray(xla), atol=TOL, rtol=TOL)
 
 

@@ -83,7 +83,7 @@ def test_bfloat16_computes_in_bfloat16_and_keeps_precision_in_float32(router, cl
   reduced = {v.aval.dtype for e in equations(jaxpr.jaxpr) if e.primitive.name in REDUCTIONS
              for v in e.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)}
   assert reduced == {F32}
-  loss, metrics = objective(params, batch, rngs)
+  loss, metrics = jax.jit(lambda p: objective(p, batch, rngs))(params)
   assert loss.dtype == F32 and all(v.dtype == F32 for k, v in metrics.items() if "loss" in k)
 
 
@@ -91,9 +91,9 @@ def test_bfloat16_computes_in_bfloat16_and_keeps_precision_in_float32(router, cl
 def test_bfloat16_router_records_are_float32(router):
   model = tiny_vmoe("bfloat16", router)
   params, _ = state_lib.init_params(model, (16, 16, 3), seed=0)
-  (logits, extras), sown = model.apply({"params": params}, _images(), train=True,
-                                       rngs={"gating": jax.random.key(1)},
-                                       mutable=["intermediates"])
+  (logits, extras), sown = jax.jit(lambda p: model.apply(
+      {"params": p}, _images(), train=True, rngs={"gating": jax.random.key(1)},
+      mutable=["intermediates"]))(params)
   records = sown["intermediates"]["block_1"]["moe"]
   assert records["expert_weights"][0].dtype == F32  # the routing probabilities
   assert all(v.dtype == F32 for v in extras["routing"]["layer_1"].values())
@@ -201,7 +201,8 @@ def test_float32_released_checkpoint_runs_in_bfloat16(tmp_path, kind):
   logits = {}
   for dtype in ("float32", "bfloat16"):
     model = build_model(dataclasses.replace(base, dtype=DType(dtype)), CLASSES)
-    logits[dtype] = np.asarray(model.apply({"params": params}, _images(), train=False)[0])
+    apply = jax.jit(lambda p: model.apply({"params": p}, _images(), train=False)[0])
+    logits[dtype] = np.asarray(apply(params))
   assert logits["bfloat16"].dtype == np.float32 and np.all(np.isfinite(logits["bfloat16"]))
   # bfloat16 keeps 8 significant bits (2^-9 relative rounding per operation); measured through the
   # two blocks: 0.9% (vmoe) and 2.1% (big_vision) of the largest logit.

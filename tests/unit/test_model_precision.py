@@ -35,7 +35,7 @@ def test_bfloat16_compute_keeps_float32_parameters_and_router():
   text = str(jaxpr)
   assert "bf16[8,17,64]" in text  # the MLP activations are computed in bfloat16
   assert "f32[2,68,4]" in text  # router logits: 2 groups x 68 tokens x 4 experts, float32
-  logits, extras = model.apply({"params": params}, images, train=False)
+  logits, extras = jax.jit(lambda p: model.apply({"params": p}, images, train=False))(params)
   assert logits.dtype == jnp.float32 and extras["pre_logits"].dtype == jnp.float32
 
 
