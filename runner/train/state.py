@@ -15,20 +15,17 @@ class TrainState:
   opt_state: optax.OptState
 
 
-def _init_rngs(seed: int) -> dict:
-  return {"params": jax.random.key(seed), "gating": jax.random.key(seed + 1),
-          "dropout": jax.random.key(seed + 2)}
-
-
 def init_variables(model: nn.Module, image_shape: tuple[int, ...], seed: int) -> dict:
   """The seed's boxed variables, from one small forward pass (traced by the functions below; run
   eagerly, each of its operations compiles on its own).
 
   The batch used for initialisation has one routing group of images; shapes do not depend on it.
   """
+  rngs = {"params": jax.random.key(seed), "gating": jax.random.key(seed + 1),
+          "dropout": jax.random.key(seed + 2)}
   images = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
   with nn.logical_axis_rules(()):  # placement is the caller's business (jit out_shardings)
-    return model.init(_init_rngs(seed), images, train=False)
+    return model.init(rngs, images, train=False)
 
 
 def fresh_params(model: nn.Module, image_shape: tuple[int, ...], seed: int, **jit_options):
@@ -40,8 +37,10 @@ def fresh_params(model: nn.Module, image_shape: tuple[int, ...], seed: int, **ji
 
 
 def init_params(model: nn.Module, image_shape: tuple[int, ...], seed: int):
-  """`fresh_params`'s parameters and their logical partition specs."""
-  return fresh_params(model, image_shape, seed), abstract_params(model, image_shape)[1]
+  """`fresh_params`'s parameters and their logical partition specs, from one compiled init (the
+  boxed variables keep their axis names through jit)."""
+  variables = jax.jit(lambda: init_variables(model, image_shape, seed))()
+  return nn.meta.unbox(variables["params"]), nn.get_partition_spec(variables)["params"]
 
 
 def abstract_params(model: nn.Module, image_shape: tuple[int, ...]):
