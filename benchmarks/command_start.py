@@ -1,13 +1,16 @@
-"""A `vmoe` command in a fresh process, with Python's cycle collector as `vmoe` sets it (paused
-while the libraries import, their objects then frozen out of its scans: runner/command/allocator.py)
-and as Python leaves it (the same command through `cli.main` from `python -c`).
+"""A `vmoe` command in a fresh process as `vmoe` starts it, and two ways that each undo one of the
+things it does to start sooner: with Python's cycle collector as Python leaves it (the same
+command through `cli.main` from `python -c`; `vmoe` pauses it while the libraries import and then
+freezes their objects out of its scans: runner/command/allocator.py), and with TensorFlow
+importing Keras 3 as it loads (TF_USE_LEGACY_KERAS=0; runner/data/__init__.py stops it).
 
     python -m benchmarks.command_start [--rounds 5] [--steps 3]
 
-Each round runs both, alternating, in processes of their own: a tiny V-MoE pretrained `--steps`
-steps (compiled programs come from a warm XLA cache, as on a researcher's second run) and a
-command refused for a bad value (what a typo costs). Wall seconds per process; the medians and
-each round's ratio are printed and written to results/command_start.json.
+Each round runs the three, alternating, in processes of their own: a tiny V-MoE pretrained
+`--steps` steps (compiled programs come from a warm XLA cache, as on a researcher's second run)
+and a command refused for a bad value (what a typo costs). Wall seconds per process; the medians
+and each round's ratio to `vmoe`'s own start are printed and written to
+results/command_start.json.
 """
 from __future__ import annotations
 
@@ -24,16 +27,20 @@ from benchmarks import harness
 TINY = ["model.num_layers=2", "model.hidden_size=32", "model.mlp_dim=64", "model.num_heads=2",
         "model.image_size=16", "data.batch_size=16", "schedule.warmup_steps=0",
         "logger.wandb.mode=disabled", "logger.progress=false", "logger.report=false"]
-WAYS = {  # how the process starts the command
-    "vmoe (collector paused, then frozen)": ["-m", "runner.cli"],
-    "Python's default collector": ["-c", "import sys; from runner import cli; "
-                                         "sys.exit(cli.main(sys.argv[1:]))"],
+VMOE = "as vmoe starts it"
+WAYS = {  # how the process starts the command, and what it changes in the environment
+    VMOE: (["-m", "runner.cli"], {}),
+    "Python's default collector": (["-c", "import sys; from runner import cli; "
+                                          "sys.exit(cli.main(sys.argv[1:]))"], {}),
+    "TensorFlow importing Keras": (["-m", "runner.cli"], {"TF_USE_LEGACY_KERAS": "0"}),
 }
 
 
-def _seconds(way: list[str], args: list[str], env: dict, expect: int) -> float:
+def _seconds(way: tuple[list[str], dict], args: list[str], env: dict, expect: int) -> float:
+  start_args, changes = way
   start = time.perf_counter()
-  done = subprocess.run([sys.executable, *way, *args], env=env, capture_output=True, text=True)
+  done = subprocess.run([sys.executable, *start_args, *args], env={**env, **changes},
+                        capture_output=True, text=True)
   seconds = time.perf_counter() - start
   if done.returncode != expect:
     raise SystemExit(f"{' '.join(args[:2])} exited {done.returncode}: {done.stderr[-2000:]}")
@@ -56,22 +63,24 @@ def main(argv: list[str] | None = None) -> dict:
                                              "optim.lr=-1", *TINY], 2),
   }
   for command, (make, expect) in commands.items():  # warm the XLA cache and the TFDS folder
-    _seconds(WAYS["Python's default collector"], make("warm"), env, expect)
+    _seconds(WAYS[VMOE], make("warm"), env, expect)
   seconds = {(c, w): [] for c in commands for w in WAYS}
   for r in range(args.rounds):
     for command, (make, expect) in commands.items():
-      for way, start in WAYS.items():
-        seconds[command, way].append(_seconds(start, make(f"{r}-{len(way)}"), env, expect))
-  paused, default = WAYS
+      for n, (way, start) in enumerate(WAYS.items()):
+        seconds[command, way].append(_seconds(start, make(f"{r}-{n}"), env, expect))
   rows = []
   for command in commands:
-    a, b = seconds[command, paused], seconds[command, default]
-    rows.append({"command": command, "paused_s": statistics.median(a),
-                 "default_s": statistics.median(b),
-                 "ratio_per_round": [x / y for x, y in zip(a, b)]})
-    print(f"{command}: {statistics.median(a):.2f} s as vmoe starts it, "
-          f"{statistics.median(b):.2f} s with Python's default collector "
-          f"(ratio per round {', '.join(f'{x / y:.2f}' for x, y in zip(a, b))})", flush=True)
+    own = seconds[command, VMOE]
+    row = {"command": command, "seconds": {w: statistics.median(seconds[command, w]) for w in WAYS},
+           "ratio_per_round": {w: [x / y for x, y in zip(own, seconds[command, w])]
+                               for w in WAYS if w != VMOE}}
+    rows.append(row)
+    print(f"{command}: " + "; ".join(
+        f"{row['seconds'][w]:.2f} s {w}" + (f" (vmoe's / this, per round: "
+                                             f"{', '.join(f'{r:.2f}' for r in row['ratio_per_round'][w])})"
+                                             if w != VMOE else "")
+        for w in WAYS), flush=True)
   report = {"machine": harness.machine(), "date": time.strftime("%Y-%m-%d"),
             "rounds": args.rounds, "steps": args.steps, "rows": rows}
   harness.write("command_start", report)

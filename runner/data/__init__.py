@@ -8,6 +8,11 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+# TensorFlow imports Keras 3 as it loads (and scikit-learn with it), 1.5 s of CPU in every process
+# that reads data; vmoe uses no Keras. Asking for the legacy Keras package, which is not installed,
+# makes TensorFlow skip that import (tf.keras would then fail to import; setting the variable
+# yourself keeps your choice).
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import logging  # noqa: E402
 
