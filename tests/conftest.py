@@ -101,6 +101,16 @@ def pytest_collection_finish(session):
   allocator.resume_collector()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups into the node ids
+def pytest_collection_modifyitems(items):
+  """A test without an `xdist_group` joins its module's: under `--dist loadgroup` a module then
+  runs in one worker, which builds its module fixtures and compiles its programs (JAX compiles
+  each operation run eagerly once per process and shape) once instead of once per worker."""
+  for item in items:
+    if item.get_closest_marker("xdist_group") is None:
+      item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(scope="session")
 def tfds_dir() -> pathlib.Path:
   return pathlib.Path(os.environ["TFDS_DATA_DIR"])

@@ -20,3 +20,16 @@ def test_a_grouped_test_carries_its_group_under_loadgroup(request):
   assert request.node.nodeid.endswith("@suite_grouping"), (
       f"{request.node.nodeid}: pytest-xdist's loadgroup does not group tests with this pytest; "
       "pin a pytest that it supports (constraints.txt)")
+
+
+def test_a_test_without_a_group_runs_with_its_module(request):
+  """tests/conftest.py gives every test without an `xdist_group` its module's, so that a module's
+  fixtures and eagerly compiled operations are built in one worker, not in both."""
+  if not hasattr(request.config, "workerinput"):
+    pytest.skip("only meaningful under pytest-xdist (make test)")
+  if not getattr(request.config.option, "loadgroup", False):
+    pytest.skip("the run does not use --dist loadgroup")
+  for item in request.session.items:
+    module = item.nodeid.split("::")[0]
+    own = sorted({m.args[0] for m in item.iter_markers("xdist_group")} - {module})
+    assert item.nodeid.rsplit("@", 1)[-1] == ("_".join(own) if own else module), item.nodeid
