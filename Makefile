@@ -55,11 +55,15 @@ demo: install
 
 # Fast suite: every subcommand end to end on tiny configs (slow tests are in test-full), and the
 # import contracts of pyproject.toml (lint-imports, tests/unit/test_import_contracts.py).
+# Groups (a module, or an xdist_group) go to the workers in the order they are collected: the
+# integration modules, the 8-device processes among them, before the shorter unit modules (xdist
+# would order them by their number of tests, which says nothing of their time).
+PYTEST_XDIST = -n 2 --dist loadgroup --no-loadscope-reorder
 test: install browser
-	$(WITH_JEMALLOC) $(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadgroup
+	$(WITH_JEMALLOC) $(BIN)/python -m pytest -q -m "not slow" $(PYTEST_XDIST)
 
 test-full: install browser
-	$(WITH_JEMALLOC) $(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(WITH_JEMALLOC) $(BIN)/python -m pytest -q $(PYTEST_XDIST)
 
 # Sweeps, multi-process jobs, preemption and searches on a real single-node SLURM started here
 # (installed with apt when missing; needs root, else the tests say why and skip).
