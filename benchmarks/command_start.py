@@ -76,11 +76,11 @@ def main(argv: list[str] | None = None) -> dict:
            "ratio_per_round": {w: [x / y for x, y in zip(own, seconds[command, w])]
                                for w in WAYS if w != VMOE}}
     rows.append(row)
-    print(f"{command}: " + "; ".join(
-        f"{row['seconds'][w]:.2f} s {w}" + (f" (vmoe's / this, per round: "
-                                             f"{', '.join(f'{r:.2f}' for r in row['ratio_per_round'][w])})"
-                                             if w != VMOE else "")
-        for w in WAYS), flush=True)
+    parts = [f"{row['seconds'][VMOE]:.2f} s {VMOE}"]
+    for way, ratios in row["ratio_per_round"].items():
+      parts.append(f"{row['seconds'][way]:.2f} s {way} (vmoe's / this, per round: "
+                   f"{', '.join(f'{r:.2f}' for r in ratios)})")
+    print(f"{command}: " + "; ".join(parts), flush=True)
   report = {"machine": harness.machine(), "date": time.strftime("%Y-%m-%d"),
             "rounds": args.rounds, "steps": args.steps, "rows": rows}
   harness.write("command_start", report)

@@ -8,10 +8,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-# TensorFlow imports Keras 3 as it loads (and scikit-learn with it), 1.5 s of CPU in every process
-# that reads data; vmoe uses no Keras. Asking for the legacy Keras package, which is not installed,
-# makes TensorFlow skip that import (tf.keras would then fail to import; setting the variable
-# yourself keeps your choice).
+# TensorFlow imports Keras 3 as it loads (and scikit-learn with it), about 1 s of every command
+# that reads data; vmoe uses no Keras. Asking for the legacy Keras package (tf_keras, not among
+# vmoe's dependencies) makes TensorFlow skip that import when it is absent (tf.keras would then
+# fail to import; setting the variable yourself keeps your choice: docs/speed.md).
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import logging  # noqa: E402
