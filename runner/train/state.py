@@ -45,9 +45,8 @@ def init_params(model: nn.Module, image_shape: tuple[int, ...], seed: int):
 
 def abstract_params(model: nn.Module, image_shape: tuple[int, ...]):
   """Shapes and logical specs of the parameters without allocating them."""
-  with nn.logical_axis_rules(()):
-    boxed = jax.eval_shape(lambda: init_variables(model, image_shape, 0))
-    return nn.meta.unbox(boxed["params"]), nn.get_partition_spec(boxed)["params"]
+  boxed = jax.eval_shape(lambda: init_variables(model, image_shape, 0))
+  return nn.meta.unbox(boxed["params"]), nn.get_partition_spec(boxed)["params"]
 
 
 def count_params(params) -> int:
