@@ -36,17 +36,22 @@ def fresh_params(model: nn.Module, image_shape: tuple[int, ...], seed: int, **ji
                  **jit_options)()
 
 
+def _params_and_specs(variables: dict):
+  """Unboxed parameters and their logical specs. Unboxing applies the active logical rules as
+  sharding constraints; a caller's rules (under its mesh) do not apply here."""
+  with nn.logical_axis_rules(()):
+    return nn.meta.unbox(variables["params"]), nn.get_partition_spec(variables)["params"]
+
+
 def init_params(model: nn.Module, image_shape: tuple[int, ...], seed: int):
   """`fresh_params`'s parameters and their logical partition specs, from one compiled init (the
   boxed variables keep their axis names through jit)."""
-  variables = jax.jit(lambda: init_variables(model, image_shape, seed))()
-  return nn.meta.unbox(variables["params"]), nn.get_partition_spec(variables)["params"]
+  return _params_and_specs(jax.jit(lambda: init_variables(model, image_shape, seed))())
 
 
 def abstract_params(model: nn.Module, image_shape: tuple[int, ...]):
   """Shapes and logical specs of the parameters without allocating them."""
-  boxed = jax.eval_shape(lambda: init_variables(model, image_shape, 0))
-  return nn.meta.unbox(boxed["params"]), nn.get_partition_spec(boxed)["params"]
+  return _params_and_specs(jax.eval_shape(lambda: init_variables(model, image_shape, 0)))
 
 
 def count_params(params) -> int:
