@@ -7,6 +7,10 @@ STAMP  := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL := 3
 export TF_ENABLE_ONEDNN_OPTS := 0
 export WANDB_SILENT := true
+# Python writes a module's bytecode the first time a process imports it, even where the caller's
+# environment sets PYTHONDONTWRITEBYTECODE: otherwise every process of the suite or a demo stage
+# compiles TensorFlow's and JAX's modules again (about 6 s each; uv installs none).
+unexport PYTHONDONTWRITEBYTECODE
 comma := ,
 # Tests and benchmarks run in this process tree: preload jemalloc for them too when it is there.
 # Expanded where a recipe uses them (`=`, not `:=`): after `install` has put the library in the
@@ -25,10 +29,10 @@ install: $(STAMP) $(if $(GPU),$(VENV)/.installed-$(GPU))
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	@# uv installs the pinned set in parallel (about 40 s on 2 cores against pip's 70, README's
-	@# installation notes); pip installs the same set where uv cannot be had.
+	@# uv installs the pinned set in parallel and leaves the bytecode to the first import (below):
+	@# seconds instead of pip's minute (README's installation notes). pip where uv cannot be had.
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt uv \
-	  && $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode -c constraints.txt -e '.[test,cluster]' \
+	  && $(BIN)/uv pip install -q --python $(BIN)/python -c constraints.txt -e '.[test,cluster]' \
 	  || $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,cluster]'
 	@# jemalloc makes CPU training 1.4-1.6x faster (docs/speed.md); optional, Debian/Ubuntu only.
 	@cd $(VENV) && (apt-get download libjemalloc2 >/dev/null 2>&1 \
