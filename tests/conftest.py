@@ -51,23 +51,24 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
-import logging  # noqa: E402
-
-import absl.logging  # noqa: E402
 import pytest  # noqa: E402
 
-import runner.builtins  # noqa: E402
 
-# The built-in router families, evaluators, optimizers, schedules, ops and corruptions register
-# their names and keys, then the schema is made and given to Hydra, as the CLI does.
-runner.builtins.register()
-import runner.config_store  # noqa: E402
-
-runner.config_store.register_configs()
-
-# absl's root handler holds whatever sys.stderr was at import (pytest's capture stream) and closes
-# that stream when logging is reconfigured (Hydra does), unless it is the real stderr.
-absl.logging.get_absl_handler().python_handler.stream = sys.__stderr__
+def pytest_configure(config):
+  """In each process that runs tests (not xdist's controller, which runs none: the workers
+  start seconds sooner), the built-in router families, evaluators, optimizers, schedules, ops and
+  corruptions register their names and keys, then the schema is made and given to Hydra, as the
+  CLI does."""
+  if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+    return
+  import absl.logging
+  import runner.builtins
+  import runner.config_store
+  runner.builtins.register()
+  runner.config_store.register_configs()
+  # absl's root handler holds whatever sys.stderr was at import (pytest's capture stream) and
+  # closes that stream when logging is reconfigured (Hydra does), unless it is the real stderr.
+  absl.logging.get_absl_handler().python_handler.stream = sys.__stderr__
 
 # A model small enough that an end-to-end run compiles and trains in seconds on 2 CPU cores.
 TINY_MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.mlp_dim=64",
