@@ -45,11 +45,9 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # The suite compiles hundreds of tiny programs and runs each for a few steps: XLA's backend
 # (LLVM) optimisation and its CPU fusion emitters cost more than they save there (together, half
-# the CPU time of compile-heavy modules). Each operation runs on one thread: two workers share 2
-# cores, and Eigen's pool splitting tiny operations across both cost 4-8 % of the integration
-# modules' time. Subprocesses the tests start inherit them. The functions computed are the same.
-FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
-                "--xla_cpu_multi_thread_eigen=false")
+# the CPU time of compile-heavy modules). Subprocesses the tests start inherit them. The
+# functions computed are the same.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
