@@ -29,7 +29,7 @@ install: $(STAMP) $(if $(GPU),$(VENV)/.installed-$(GPU))
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	@# uv installs the pinned set in parallel and leaves the bytecode to the first import (below):
+	@# uv installs the pinned set in parallel and leaves the bytecode to the first import (above):
 	@# seconds instead of pip's minute (README's installation notes). pip where uv cannot be had.
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt uv \
 	  && $(BIN)/uv pip install -q --python $(BIN)/python -c constraints.txt -e '.[test,cluster]' \

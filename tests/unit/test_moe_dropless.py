@@ -50,8 +50,8 @@ def _inputs(seed: int = 0) -> jax.Array:
 
 def _params(block: MoeMlpBlock, x: jax.Array, seed: int) -> dict:
   """Random parameters of the block's shapes, biases and router too (none trivially zero)."""
-  shapes = nn.meta.unbox(jax.eval_shape(lambda: block.init(jax.random.key(0), x, train=False))
-                         )["params"]
+  boxed = jax.eval_shape(lambda: block.init(jax.random.key(0), x, train=False))
+  shapes = nn.meta.unbox(boxed)["params"]
   rng = np.random.default_rng(seed)
   return jax.tree_util.tree_map(
       lambda a: jnp.asarray(0.5 * rng.normal(size=a.shape), jnp.float32), shapes)
