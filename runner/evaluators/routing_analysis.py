@@ -387,6 +387,10 @@ def dropped_patches(weights: np.ndarray, info: LayerInfo, capacities: list[float
   for c in capacities:
     router = dataclasses.replace(info.router, eval_capacity_ratio=float(c))
     capacity = family.capacity(router, group * rows, e, train=False)
-    for routing, dropped in family.dropped_at_capacity(router, gates, capacity).items():
+
+    def replan(g, router=router, capacity=capacity):
+      return family.dropped_at_capacity(router, g, capacity)
+    # One compiled program, not each of its dozens of operations compiled and run on its own.
+    for routing, dropped in jax.jit(replan)(gates).items():
       out[f"{c:g}/{routing}"] = np.asarray(dropped).reshape(images, rows)[:, :t]
   return out
