@@ -60,10 +60,12 @@ FAMILY_NAMES = {"dense": "dense", "vmoe": "token-choice", "experts_choice": "exp
                 "soft": "Soft MoE", "dropless": "token-choice dropless"}
 # A model larger than any measured so far is guessed to take this many times the longest.
 UNSEEN_SIZE_FACTOR = 3.0
-# --small compiles 16 tiny programs and runs each for a few steps: XLA's backend optimisation and
-# CPU fusion emitters cost more than they save there (half the run; tests/conftest.py sets the
-# same). The functions computed are the same; the flags are in the result's machine.xla_flags.
-SMALL_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# --small compiles 16 tiny programs and runs each for a few steps: XLA's backend optimisation,
+# CPU fusion emitters and parallel code generation cost more than they save there (half the run;
+# tests/conftest.py sets the same). The functions computed are the same; the flags are in the
+# result's machine.xla_flags.
+SMALL_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                   "--xla_cpu_parallel_codegen_split_count=1")
 
 
 def with_auto_attention(config: ModelConfig) -> tuple[ModelConfig, str | None]:
