@@ -116,8 +116,9 @@ def pytest_runtest_setup(item):
   after each failed checkpoint read, runner/checkpoint.py) then scans only what this module made.
   Young garbage is collected first; measured on six GC-heavy modules, 9-17 % less CPU time and
   2 % more peak memory."""
-  if item.module is not _frozen_module[0]:
-    _frozen_module[0] = item.module
+  module = getattr(item, "module", None)
+  if module is not _frozen_module[0]:
+    _frozen_module[0] = module
     gc.collect(1)
     gc.freeze()
 
