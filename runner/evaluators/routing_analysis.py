@@ -366,6 +366,19 @@ def analyse(totals: dict, info: LayerInfo) -> dict:
   return {"scalars": scalars, "arrays": arrays}
 
 
+# (family, router, capacity) -> the family's replanning of a group's gates at that capacity, jitted:
+# one compiled program (per gates' shape), not each of its dozens of operations compiled and run
+# on its own, and compiled once per process however often a run evaluates.
+_replans: dict = {}
+
+
+def _replan(family, router, capacity: int):
+  key = (family, repr(router), capacity)
+  if key not in _replans:
+    _replans[key] = jax.jit(lambda gates: family.dropped_at_capacity(router, gates, capacity))
+  return _replans[key]
+
+
 def dropped_patches(weights: np.ndarray, info: LayerInfo, capacities: list[float]) -> dict:
   """{"<C>/<routing>": (images, tokens) bool, True where no expert processes the token}: the
   first routing group replanned by the router family at each capacity ratio (Fig. 5), in each
@@ -387,10 +400,6 @@ def dropped_patches(weights: np.ndarray, info: LayerInfo, capacities: list[float
   for c in capacities:
     router = dataclasses.replace(info.router, eval_capacity_ratio=float(c))
     capacity = family.capacity(router, group * rows, e, train=False)
-
-    def replan(g, router=router, capacity=capacity):
-      return family.dropped_at_capacity(router, g, capacity)
-    # One compiled program, not each of its dozens of operations compiled and run on its own.
-    for routing, dropped in jax.jit(replan)(gates).items():
+    for routing, dropped in _replan(family, router, capacity)(gates).items():
       out[f"{c:g}/{routing}"] = np.asarray(dropped).reshape(images, rows)[:, :t]
   return out
