@@ -48,8 +48,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # (LLVM) optimisation and its CPU fusion emitters cost more than they save there (together, half
 # the CPU time of compile-heavy modules). XLA also splits each program's LLVM module into parts
 # to compile on parallel threads, which two busy workers on 2 cores cannot use: one part cost
-# 4-7 % less CPU time on the 8-device processes (test_multidevice.py). Subprocesses the tests
-# start inherit them. The functions computed are the same.
+# 4-7 % less CPU time on the 8-device processes (test_multidevice.py) with test_model_heads.py.
+# Subprocesses the tests start inherit them. The functions computed are the same.
 FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
                 "--xla_cpu_parallel_codegen_split_count=1")
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
@@ -110,16 +110,16 @@ _frozen_module = [None]
 
 
 def pytest_runtest_setup(item):
-  """As each test module starts, what earlier modules left (compiled programs, JAX's and Flax's
-  caches, module fixtures: most of a worker's heap by the end) is frozen out of the collector's
-  scans, as `vmoe` freezes what its imports made: a full collection (Python's own, or the one
-  after each failed checkpoint read, runner/checkpoint.py) then scans only what this module made.
-  Young garbage is collected first; measured on six GC-heavy modules, 9-17 % less CPU time and
-  2 % more peak memory."""
+  """As each test module starts, the garbage earlier modules left is collected and what lives on
+  (compiled programs, JAX's and Flax's caches, session fixtures: most of a worker's heap by the
+  end) is frozen out of the collector's scans, as `vmoe` freezes what its imports made. A full
+  collection (Python's own, or the one after each failed checkpoint read, runner/checkpoint.py)
+  then scans what this module made, not the whole heap; the one here scans what the module
+  before made. Measured on six GC-heavy modules: 9-17 % less CPU time."""
   module = getattr(item, "module", None)
   if module is not _frozen_module[0]:
     _frozen_module[0] = module
-    gc.collect(1)
+    gc.collect()
     gc.freeze()
 
 
