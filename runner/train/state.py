@@ -5,6 +5,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -28,12 +29,38 @@ def init_variables(model: nn.Module, image_shape: tuple[int, ...], seed: int) ->
     return model.init(rngs, images, train=False)
 
 
+# The last models' inits, each one jitted function of the seed: a run asks for a model's shapes,
+# specs and values several times (Flax traces a model's init in a tenth of a second or more).
+_INITS: list[tuple[nn.Module, tuple[int, ...], object]] = []
+_KEPT_INITS = 4
+
+
+def _traced_init(model: nn.Module, image_shape: tuple[int, ...]):
+  """`init_variables` of this model object and shape as a jitted function of a uint32 seed,
+  traced once however often it is asked for (identity, not equality: a Flax module cannot be
+  hashed)."""
+  image_shape = tuple(image_shape)
+  for kept, shape, init in _INITS:
+    if kept is model and shape == image_shape:
+      return init
+  init = jax.jit(lambda seed: init_variables(model, image_shape, seed))
+  _INITS.append((model, image_shape, init))
+  del _INITS[:-_KEPT_INITS]
+  return init
+
+
+def _seed(seed: int) -> np.uint32:
+  """The seed as the traced init takes it: `jax.random.key` of any Python int equals the key of
+  this uint32 (checked in tests/unit/test_fresh_params.py), seed + 1 and + 2 wrapping alike."""
+  return np.uint32(seed % 2**32)
+
+
 def fresh_params(model: nn.Module, image_shape: tuple[int, ...], seed: int, **jit_options):
   """The parameters (unboxed) of the seed's init, computed by one compiled program, as every stage
   starts them (`jit_options`: e.g. out_shardings). Run eagerly, each operation of the init would
   compile on its own: seconds for a model the process has not initialised before."""
-  return jax.jit(lambda: nn.meta.unbox(init_variables(model, image_shape, seed)["params"]),
-                 **jit_options)()
+  init = _traced_init(model, image_shape)
+  return jax.jit(lambda s: nn.meta.unbox(init(s)["params"]), **jit_options)(_seed(seed))
 
 
 def _params_and_specs(variables: dict):
@@ -46,12 +73,12 @@ def _params_and_specs(variables: dict):
 def init_params(model: nn.Module, image_shape: tuple[int, ...], seed: int):
   """`fresh_params`'s parameters and their logical partition specs, from one compiled init (the
   boxed variables keep their axis names through jit)."""
-  return _params_and_specs(jax.jit(lambda: init_variables(model, image_shape, seed))())
+  return _params_and_specs(_traced_init(model, image_shape)(_seed(seed)))
 
 
 def abstract_params(model: nn.Module, image_shape: tuple[int, ...]):
   """Shapes and logical specs of the parameters without allocating them."""
-  return _params_and_specs(jax.eval_shape(lambda: init_variables(model, image_shape, 0)))
+  return _params_and_specs(jax.eval_shape(_traced_init(model, image_shape), _seed(0)))
 
 
 def count_params(params) -> int:
