@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
   # The deepest folder of the workdir's path that exists before Hydra creates the workdir.
   existed = None if shows_only else refused_workdir.nearest_existing(checked.workdir)
   try:
-    with compose.mode_known(checked.mode):  # composed by the checks already
+    with compose.composed_by_checks(checked.mode, checked.composition):
       hydra.main(config_path=str(conf_dir()), config_name=sub, version_base=None)(
           job.Job(sub, existed, checked.devices_checked))()
   finally:  # Hydra exits as soon as it has printed its help, or a sweep's job has failed

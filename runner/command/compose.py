@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import itertools
 import os
 import re
 import sys
 
 from hydra import compose as hydra_compose, initialize_config_dir
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.hydra import Hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobRuntime
+from hydra.types import RunMode
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner.command import arguments
 from runner.config import conf_dir, launchers
@@ -97,18 +102,41 @@ def compose(config_dir: str | None, config_name: str, overrides: list[str],
                          return_hydra_config=with_hydra)
 
 
+@dataclasses.dataclass(frozen=True)
+class Composition:
+  """A config the pre-flight checks composed, with its `hydra` node: `overrides` exactly as
+  composed (a run whose Hydra composes the same list can take it instead)."""
+  config_name: str
+  overrides: tuple[str, ...]
+  config: DictConfig
+
+
 @contextlib.contextmanager
-def mode_known(mode):
-  """Hydra composes the whole config once more before a run or sweep only to read its
-  `hydra.mode` (`Hydra.get_mode`, a third of the compositions of a command that runs); the
-  pre-flight checks composed the same overrides already, so that one is skipped: `mode` is what
-  they found (None where the config sets none, as Hydra's own would return)."""
-  read = Hydra.get_mode
+def composed_by_checks(mode, composition: Composition | None = None):
+  """Hydra composes the whole config before a run or sweep to read its `hydra.mode`
+  (`Hydra.get_mode`), and a run composes it again for the job (`load_configuration`). The
+  pre-flight checks composed the same overrides already, so neither is composed again: `mode` is
+  what they found (None where the config sets none, as Hydra's own would return), and a run whose
+  config name and overrides are exactly `composition`'s takes its config, once, with the job name
+  Hydra gives (the compose API names its job `app`). Each composition costs about 0.1 s."""
+  read, load = Hydra.get_mode, ConfigLoaderImpl.load_configuration
+  unused = [composition] if composition is not None else []
+
+  def load_configuration(self, config_name, overrides, run_mode, *args, **kwargs):
+    if unused and run_mode == RunMode.RUN and config_name == unused[0].config_name \
+        and tuple(overrides) == unused[0].overrides:
+      config = unused.pop().config
+      if not any(o.lstrip("+~").partition("=")[0] == "hydra.job.name" for o in overrides):
+        config.hydra.job.name = JobRuntime.instance().get("name")
+      return config
+    return load(self, config_name, overrides, run_mode, *args, **kwargs)
+
   Hydra.get_mode = lambda self, config_name, overrides: mode
+  ConfigLoaderImpl.load_configuration = load_configuration
   try:
     yield
   finally:
-    Hydra.get_mode = read
+    Hydra.get_mode, ConfigLoaderImpl.load_configuration = read, load
 
 
 def study_params(choices: dict) -> dict:
@@ -124,6 +152,10 @@ def hydra_choices(config_dir: str | None, config_name: str, overrides: list[str]
   first = arguments.sweep_axes(overrides, {})[0]
   hydra_given = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
   composed = compose(config_dir, config_name, first + hydra_given, with_hydra=True)
+  # Hydra's run of the same overrides can take it (composed_by_checks); with -cd, compose() adds
+  # a search path that Hydra's own composition does not have.
+  composition = None if config_dir else Composition(config_name, tuple(first + hydra_given),
+                                                    copy.deepcopy(composed))
   node = composed.hydra
   with open_dict(composed):
     del composed["hydra"]
@@ -134,7 +166,8 @@ def hydra_choices(config_dir: str | None, config_name: str, overrides: list[str]
                                                       enum_to_str=True)
                       for section in ("launcher", "sweeper")},
           "mode": node.get("mode"),
-          "job": first, "composed": composed}  # the job without sweep values, composed
+          "job": first, "composed": composed,  # the job without sweep values, composed
+          "composition": composition}
 
 
 def show_sweep(sub: str, args: list[str]) -> int:

@@ -8,6 +8,8 @@ import dataclasses
 import re
 import sys
 
+from hydra.types import RunMode
+
 from runner import config as config_layer, plugins
 from runner.command import arguments, compose
 from runner.config import launchers
@@ -20,11 +22,13 @@ class Preflight:
   against this process's devices too (then the job, run here by the basic launcher, does not
   check them again); `workdir`: the run's workdir as composed without sweep values (None when
   nothing was composed); `mode`: `hydra.mode` as composed (Hydra's RunMode, or None: the command
-  line decides)."""
+  line decides); `composition`: a run's config with its `hydra` node, which Hydra's run of the
+  same overrides takes (compose.composed_by_checks; None for a sweep, whose jobs Hydra composes)."""
   problem: str | None = None
   devices_checked: bool = False
   workdir: str | None = None
   mode: object = None
+  composition: compose.Composition | None = None
 
 
 def _devices_here(composed, launcher: str) -> int | None:
@@ -85,10 +89,12 @@ def check(sub: str, args: list[str], checkpoints=None) -> Preflight:
       swept = [o for o in job if o not in overrides]
       return Preflight((f"in the sweep job {' '.join(swept)}: " if swept else "") + str(err))
   problem = None
+  sweeps = arguments.multirun(args) or choices["mode"] == RunMode.MULTIRUN
   if not compose_only and arguments.multirun(args):
     problem = _submission_problem(choices["plugins"]["launcher"])
   return Preflight(problem, devices_checked=checked_here and not compose_only and not problem,
-                   workdir=str(choices["composed"].workdir), mode=choices["mode"])
+                   workdir=str(choices["composed"].workdir), mode=choices["mode"],
+                   composition=None if sweeps else choices["composition"])
 
 
 def _submission_problem(launcher: dict) -> str | None:

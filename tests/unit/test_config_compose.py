@@ -1,6 +1,7 @@
 """Every file in conf/ and sweeps/ composes against the typed schemas, and resolves."""
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -147,8 +148,8 @@ def test_compositions_share_the_store_and_never_change_it():
 def test_the_run_mode_is_the_one_the_checks_composed(args, mode, jobs, run_cli, monkeypatch,
                                                      tmp_path):
   """`vmoe` gives Hydra the `hydra.mode` its pre-flight checks composed instead of composing the
-  config once more for it (runner/command/compose.mode_known): a study that sets MULTIRUN sweeps
-  without --multirun, a plain command runs once."""
+  config once more for it (runner/command/compose.composed_by_checks): a study that sets MULTIRUN
+  sweeps without --multirun, a plain command runs once."""
   from hydra.core.hydra_config import HydraConfig
   from runner import tasks
   seen = []
@@ -158,3 +159,34 @@ def test_the_run_mode_is_the_one_the_checks_composed(args, mode, jobs, run_cli, 
                          f"hydra.sweep.dir={tmp_path / 'sweep'}", "logger.wandb.mode=disabled")
   assert code == 0, err
   assert seen == [mode] * jobs
+
+
+@pytest.mark.parametrize("args, reused", [
+    ([], True),
+    (["model=vmoe_tiny", "seed=3", "hydra.job.name=mine"], True),
+    (["hydra.job.name=mine", "seed=3"], False),  # Hydra's order differs from the checks'
+])
+def test_a_run_takes_the_config_the_checks_composed(args, reused, run_cli, monkeypatch,
+                                                    tmp_path):
+  """Hydra's run takes the config the pre-flight checks composed of the same overrides
+  (runner/command/compose.composed_by_checks) instead of composing it again: all that `--cfg all`
+  shows, Hydra's own node and job name included, is what Hydra composes itself."""
+  from hydra._internal.config_loader_impl import ConfigLoaderImpl
+  from runner.command import preflight
+  loads = []
+  load = ConfigLoaderImpl.load_configuration
+  monkeypatch.setattr(ConfigLoaderImpl, "load_configuration",
+                      lambda self, *a, **k: loads.append(a) or load(self, *a, **k))
+  command = ["pretrain", f"workdir={tmp_path}", *args, "--cfg", "all"]
+  code, taken, err = run_cli(*command)
+  assert code == 0, err
+  with_reuse = len(loads)
+  check = preflight.check
+  monkeypatch.setattr(preflight, "check", lambda *a, **k: dataclasses.replace(
+      check(*a, **k), composition=None))
+  code, composed, err = run_cli(*command)
+  assert code == 0, err
+  assert len(loads) - with_reuse == with_reuse + (1 if reused else 0)
+  assert taken == composed
+  job_name = "mine" if args else "job"  # Hydra's for the task; the compose API's is `app`
+  assert f"\n  job:\n    name: {job_name}\n" in taken
