@@ -23,6 +23,7 @@ from runner.command import arguments
 from runner.config import conf_dir, launchers
 
 MAX_SHOWN_JOBS = 64  # `--multirun --cfg job` prints this many jobs' configs at most
+_RUN_MODE = "hydra.mode=RUN"  # what Hydra's run adds to the overrides of a config with no mode
 
 
 # Options of hydra/launcher and hydra/sweeper that plugins of the cluster extra provide.
@@ -110,6 +111,13 @@ class Composition:
   overrides: tuple[str, ...]
   config: DictConfig
 
+  def runs(self, config_name: str, overrides: list[str]) -> bool:
+    """Whether Hydra's run of `config_name` with `overrides` composes this config: the same
+    overrides, and `hydra.mode=RUN` after them where Hydra adds it (a config with no mode)."""
+    n = len(self.overrides)
+    return (config_name == self.config_name and tuple(overrides[:n]) == self.overrides
+            and tuple(overrides[n:]) in ((), (_RUN_MODE,)))
+
 
 @contextlib.contextmanager
 def composed_by_checks(mode, composition: Composition | None = None):
@@ -117,19 +125,23 @@ def composed_by_checks(mode, composition: Composition | None = None):
   (`Hydra.get_mode`), and a run composes it again for the job (`load_configuration`). The
   pre-flight checks composed the same overrides already, so neither is composed again: `mode` is
   what they found (None where the config sets none, as Hydra's own would return), and a run whose
-  config name and overrides are exactly `composition`'s takes its config, once, with the job name
-  Hydra gives (the compose API names its job `app`). Each composition costs about 0.1 s."""
+  config name and overrides are `composition`'s takes its config, once. Hydra's run adds
+  `hydra.mode=RUN` to the overrides where the config sets no mode, and names the job after the
+  task (the compose API names it `app`): both are done to the config as Hydra's composition does
+  them. Each composition costs about 0.1 s."""
   read, load = Hydra.get_mode, ConfigLoaderImpl.load_configuration
   unused = [composition] if composition is not None else []
 
   def load_configuration(self, config_name, overrides, run_mode, *args, **kwargs):
-    if unused and run_mode == RunMode.RUN and config_name == unused[0].config_name \
-        and tuple(overrides) == unused[0].overrides:
-      config = unused.pop().config
-      if not any(o.lstrip("+~").partition("=")[0] == "hydra.job.name" for o in overrides):
-        config.hydra.job.name = JobRuntime.instance().get("name")
-      return config
-    return load(self, config_name, overrides, run_mode, *args, **kwargs)
+    if not (unused and run_mode == RunMode.RUN and unused[0].runs(config_name, overrides)):
+      return load(self, config_name, overrides, run_mode, *args, **kwargs)
+    config = unused.pop().config
+    if list(overrides[-1:]) == [_RUN_MODE] and config.hydra.mode is None:
+      config.hydra.mode = RunMode.RUN
+      config.hydra.overrides.hydra.append(_RUN_MODE)
+    if not any(o.lstrip("+~").partition("=")[0] == "hydra.job.name" for o in overrides):
+      config.hydra.job.name = JobRuntime.instance().get("name")
+    return config
 
   Hydra.get_mode = lambda self, config_name, overrides: mode
   ConfigLoaderImpl.load_configuration = load_configuration

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -169,24 +170,39 @@ def test_the_run_mode_is_the_one_the_checks_composed(args, mode, jobs, run_cli, 
 def test_a_run_takes_the_config_the_checks_composed(args, reused, run_cli, monkeypatch,
                                                     tmp_path):
   """Hydra's run takes the config the pre-flight checks composed of the same overrides
-  (runner/command/compose.composed_by_checks) instead of composing it again: all that `--cfg all`
-  shows, Hydra's own node and job name included, is what Hydra composes itself."""
+  (runner/command/compose.composed_by_checks) instead of composing it again: the job gets the
+  config, and the run's folder the .hydra files (Hydra's node, its mode and job name included),
+  that Hydra's own composition gives; so does `--cfg all`."""
   from hydra._internal.config_loader_impl import ConfigLoaderImpl
-  from runner.command import preflight
-  loads = []
+  from hydra.core.hydra_config import HydraConfig
+  from runner.command import job, preflight
+  loads, jobs = [], []
   load = ConfigLoaderImpl.load_configuration
   monkeypatch.setattr(ConfigLoaderImpl, "load_configuration",
                       lambda self, *a, **k: loads.append(a) or load(self, *a, **k))
-  command = ["pretrain", f"workdir={tmp_path}", *args, "--cfg", "all"]
-  code, taken, err = run_cli(*command)
-  assert code == 0, err
-  with_reuse = len(loads)
+  monkeypatch.setattr(job.Job, "__call__", lambda self, cfg: jobs.append(
+      (OmegaConf.to_yaml(cfg), OmegaConf.to_yaml(HydraConfig.get()))) or 0.0)
+  workdir = tmp_path / "run"
+
+  def run() -> tuple:
+    """(the job's config and Hydra node, the .hydra files, `--cfg all`) and the compositions."""
+    before = len(loads)
+    code, _, err = run_cli("pretrain", f"workdir={workdir}", *args)
+    assert code == 0, err
+    files = {p.name: p.read_text() for p in sorted((workdir / ".hydra").iterdir())}
+    shutil.rmtree(workdir)
+    code, shown, err = run_cli("pretrain", f"workdir={workdir}", *args, "--cfg", "all")
+    assert code == 0, err
+    return (jobs.pop(), files, shown), len(loads) - before
+
+  taken, with_reuse = run()
   check = preflight.check
   monkeypatch.setattr(preflight, "check", lambda *a, **k: dataclasses.replace(
       check(*a, **k), composition=None))
-  code, composed, err = run_cli(*command)
-  assert code == 0, err
-  assert len(loads) - with_reuse == with_reuse + (1 if reused else 0)
+  composed, without = run()
+  assert without - with_reuse == (2 if reused else 0)  # one composition fewer per command
   assert taken == composed
+  assert sorted(taken[1]) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
   job_name = "mine" if args else "job"  # Hydra's for the task; the compose API's is `app`
-  assert f"\n  job:\n    name: {job_name}\n" in taken
+  assert f"\n  job:\n    name: {job_name}\n" in taken[2]
+  assert "mode: RUN" in taken[0][1]
