@@ -14,9 +14,9 @@ from hydra import compose as hydra_compose, initialize_config_dir
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.hydra import Hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobRuntime
 from hydra.types import RunMode
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runner.command import arguments
@@ -135,8 +135,9 @@ def composed_by_checks(mode, composition: Composition | None = None):
   def load_configuration(self, config_name, overrides, run_mode, *args, **kwargs):
     if not (unused and run_mode == RunMode.RUN and unused[0].runs(config_name, overrides)):
       return load(self, config_name, overrides, run_mode, *args, **kwargs)
-    config = unused.pop().config
-    if list(overrides[-1:]) == [_RUN_MODE] and config.hydra.mode is None:
+    taken = unused.pop()
+    config = taken.config
+    if len(overrides) > len(taken.overrides):  # Hydra's `hydra.mode=RUN` (runs() checked)
       config.hydra.mode = RunMode.RUN
       config.hydra.overrides.hydra.append(_RUN_MODE)
     if not any(o.lstrip("+~").partition("=")[0] == "hydra.job.name" for o in overrides):
