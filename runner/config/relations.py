@@ -163,6 +163,23 @@ def router_options_apply(model: ModelConfig):
 
 
 @relation
+def grouped_matmul_applies(model: ModelConfig):
+  """model.moe.grouped_matmul chooses how experts run rows sorted by expert; a router that fills
+  fixed-capacity buffers runs none."""
+  chosen = model.moe.grouped_matmul
+  if chosen == MoeConfig().grouped_matmul or not _moe_layers(model):
+    return None  # the default, or a dense ViT (dense_model_has_no_router)
+  family = derived.router_family(model)
+  if family.runs_grouped_matmul(model.router):
+    return None
+  return (f"model.moe.grouped_matmul={_show(chosen)} means nothing for model.router.type="
+          f"{family.name} with these keys: it chooses how routing without capacity (dropless "
+          "token choice) runs its experts' rows, and this router runs its experts on "
+          "fixed-capacity buffers. Drop it, or route dropless (model.router.type=token_choice "
+          "model.router.dropless=true).")
+
+
+@relation
 def router_family_rules(model: ModelConfig):
   """The chosen router family's own rules (`RouterFamily.problem`, stated in its module: e.g.
   token-choice's k <= experts)."""

@@ -49,6 +49,13 @@ class Dispatcher(str, enum.Enum):
   einsum = "einsum"
 
 
+class GroupedMatmul(str, enum.Enum):
+  """How dropless routing's experts run their rows (runner/models/moe/grouped_matmul.py)."""
+  auto = "auto"  # the method measured to be a grouped kernel on the backend: blocks, today
+  blocks = "blocks"  # every expert's rows padded to blocks, one batched matmul
+  ragged_dot = "ragged_dot"  # jax.lax.ragged_dot, dense over every expert in XLA (jaxlib 0.10)
+
+
 class EnsembleVariant(str, enum.Enum):
   """Partitioned batch ensembles and the two ablations of the E³ paper's Table 3."""
   pbe = "pbe"  # tiled representations, experts partitioned between the members
@@ -187,6 +194,8 @@ class MoeConfig:
   group_size: int = key(8, at_least(1), "images per routing group")
   expert_dropout: float = key(0.0, rate())
   dispatcher: Dispatcher = Dispatcher.indices
+  grouped_matmul: GroupedMatmul = key(GroupedMatmul.auto, hint="dropless routing's grouped "
+                                      "matmul: auto (measured best: blocks), blocks, ragged_dot")
   # Partitioned batch ensembles (E³): M members, each with E/M of the experts and its own router.
   ensemble_size: int = key(1, at_least(1), "1: a V-MoE; M > 1: a partitioned batch ensemble")
   ensemble_variant: EnsembleVariant = EnsembleVariant.pbe

@@ -38,6 +38,8 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
     moe = dict(num_experts=experts, group_size=config.moe.group_size,
                expert_dropout=config.moe.expert_dropout,
                dispatcher=_name(config.moe.dispatcher), router=router)
+    if _name(config.moe.grouped_matmul) != "auto":  # dropless plans' grouped matmul, if forced
+      moe.update(grouped_matmul=_name(config.moe.grouped_matmul))
     if config.moe.ensemble_size > 1:  # a V-MoE's module arguments stay exactly as they were
       moe.update(ensemble_size=config.moe.ensemble_size,
                  ensemble_variant=_name(config.moe.ensemble_variant))

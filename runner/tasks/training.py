@@ -20,7 +20,7 @@ from runner.loop import train_and_evaluate
 def _model_differences(stored: dict, current: dict, prefix: str = "model.") -> str:
   """'model.hidden_size 32 -> 48, ...' for the architecture keys that differ."""
   ignore = {"name", "dropout_rate", "attention_dropout_rate", "dtype", "router", "image_size",
-            "expert_dropout", "dispatcher", "group_size"}
+            "expert_dropout", "dispatcher", "grouped_matmul", "group_size"}
   out = []
   for key in sorted(set(stored) | set(current)):
     if key in ignore:

@@ -138,6 +138,10 @@ def _fewshot_without_datasets(task):
   task.fewshot.datasets = []
 
 
+def _grouped_matmul_without_dropless(task):
+  task.model.moe.grouped_matmul = "ragged_dot"
+
+
 RELATION_CASES = [
     (_experts_then_k, ["model.router.k=9", "model.moe.num_experts=8", "1 <= k <= 8"]),
     (_heads, ["model.hidden_size=130", "not divisible by model.num_heads=4"]),
@@ -146,6 +150,9 @@ RELATION_CASES = [
                     "num_processes=None"]),
     (_no_duration, ["train.steps=<n>", "train.epochs=<x>"]),
     (_fewshot_without_datasets, ["fewshot.every_steps=5", "fewshot.datasets=[uci_digits]"]),
+    (_grouped_matmul_without_dropless,
+     ["model.moe.grouped_matmul=ragged_dot means nothing for model.router.type=token_choice",
+      "fixed-capacity buffers", "model.router.dropless=true"]),
 ]
 
 

@@ -1,13 +1,18 @@
 """The grouped matmul of dropless routing (runner/models/moe/grouped_matmul.py) against NumPy: row
 r of x times the kernel of its group, by blocks and by ragged_dot, values and gradients, for group
-sizes with empty groups, one group holding every row, and sizes that are not multiples of a block."""
+sizes with empty groups, one group holding every row, and sizes that are not multiples of a block;
+what "auto" takes, and that `model.moe.grouped_matmul` reaches the compiled program."""
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from runner.config.schema import GroupedMatmul
+from runner.models import build_model, model_config
 from runner.models.moe import grouped_matmul as gm
 
 SIZES = {"uneven": [5, 0, 17, 1, 0, 9, 31, 1], "one group": [0, 0, 64, 0, 0, 0, 0, 0],
@@ -72,3 +77,29 @@ def test_on_cpu_the_default_costs_about_the_rows_own_flops_not_e_times_them():
 def test_an_unknown_method_is_an_error():
   with pytest.raises(ValueError, match="valid"):
     gm.grouped_matmul(jnp.ones((2, 2)), jnp.ones((1, 2, 2)), jnp.asarray([2]), "dense")
+
+
+def test_auto_takes_ragged_dot_only_where_it_is_measured_to_be_grouped(monkeypatch):
+  assert gm.resolve("auto") == "blocks" and gm.resolve("ragged_dot") == "ragged_dot"
+  monkeypatch.setattr(gm, "RAGGED_DOT_IS_GROUPED", frozenset({jax.default_backend()}))
+  assert gm.resolve("auto") == "ragged_dot" and gm.resolve("blocks") == "blocks"
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's lowering of ragged_dot")
+def test_the_config_key_chooses_the_compiled_method():
+  """model.moe.grouped_matmul reaches the dropless layer: XLA counts E times the experts' FLOPs
+  in the forward pass with ragged_dot (the CPU's dense lowering), not with auto (blocks)."""
+  config = model_config("vmoe_tiny")
+  config = dataclasses.replace(config, router=dataclasses.replace(config.router, dropless=True))
+
+  def flops(method: str) -> float:
+    model = build_model(dataclasses.replace(config, moe=dataclasses.replace(
+        config.moe, grouped_matmul=GroupedMatmul(method))), 10)
+    images = jnp.ones((8, 32, 32, 3))
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), images, train=False))
+    forward = jax.jit(lambda p, x: model.apply(p, x, train=False)[0])
+    cost = forward.lower(params, images).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+  blocks, ragged = flops("auto"), flops("ragged_dot")
+  assert flops("blocks") == blocks
+  assert ragged > 2 * blocks  # 8 experts: the dense product is 8x the experts' own

@@ -65,19 +65,20 @@ def apply_experts(weights, x: jax.Array, *, dropout_rate: float = 0.0, rng=None,
 
 
 def apply_experts_ragged(weights, rows: jax.Array, experts: jax.Array, group_sizes: jax.Array, *,
-                         dropout_rate: float = 0.0, rng=None, dtype=jnp.float32) -> jax.Array:
+                         dropout_rate: float = 0.0, rng=None, dtype=jnp.float32,
+                         method: str = "auto") -> jax.Array:
   """rows: (M, D) sorted by expert, group_sizes[e] of them expert e's, experts[r] the expert of
-  row r -> (M, D), row r through its expert's MLP. Each layer is one grouped matmul
-  (`jax.lax.ragged_dot`: (M, D) rows by (E, D, H) kernels); the biases are gathered per row.
-  Expert dropout draws its masks per row, as `apply_experts` does per buffer slot. On CPU the
-  grouped matmul runs by blocks of rows (grouped_matmul.py), where ragged_dot would be dense."""
+  row r -> (M, D), row r through its expert's MLP. Each layer is one grouped matmul ((M, D) rows
+  by (E, D, H) kernels, as `jax.lax.ragged_dot`; `method`: grouped_matmul.py's, by blocks unless
+  ragged_dot is measured to be a grouped kernel); the biases are gathered per row. Expert
+  dropout draws its masks per row, as `apply_experts` does per buffer slot."""
   w1, b1, w2, b2 = (w.astype(dtype) for w in weights)
   x = rows.astype(dtype)
-  h = nn.gelu(grouped_matmul(x, w1, group_sizes) + jnp.take(b1, experts, axis=0))
+  h = nn.gelu(grouped_matmul(x, w1, group_sizes, method) + jnp.take(b1, experts, axis=0))
   if dropout_rate and rng is not None:
     rng, sub = jax.random.split(rng)
     h = jnp.where(jax.random.bernoulli(sub, 1 - dropout_rate, h.shape), h / (1 - dropout_rate), 0)
-  y = grouped_matmul(h, w2, group_sizes) + jnp.take(b2, experts, axis=0)
+  y = grouped_matmul(h, w2, group_sizes, method) + jnp.take(b2, experts, axis=0)
   if dropout_rate and rng is not None:
     y = jnp.where(jax.random.bernoulli(rng, 1 - dropout_rate, y.shape), y / (1 - dropout_rate), 0)
   return y

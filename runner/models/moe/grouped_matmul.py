@@ -1,24 +1,35 @@
 """The grouped matmul of dropless routing: rows sorted by expert, each through its expert's kernel.
 
-`jax.lax.ragged_dot(x, w, group_sizes)` is the operation, but what XLA makes of it depends on the
-backend: on CPU (JAX 0.10) it is rewritten as a dense product of every row with every expert's
-kernel, the other experts masked to zero, E times the rows' own FLOPs (benchmarks/dropless.py).
-There `grouped_matmul` computes the same product by blocks instead (as MegaBlocks does on GPUs):
+`jax.lax.ragged_dot(x, w, group_sizes)` is the operation, but XLA's lowering of it in jaxlib 0.10
+is a dense product of every row with every expert's kernel, the other experts masked to zero: E
+times the rows' own FLOPs, measured on CPU (benchmarks/dropless.py) and reported on H100 and B200
+GPUs. `grouped_matmul` computes the same product by blocks instead (as MegaBlocks does on GPUs):
 each expert's rows are padded to a multiple of a block of B rows, and one batched matmul runs
 every block through the kernel of its expert, at most E*B padding rows more than the rows' own.
-Elsewhere it is `ragged_dot`, which a backend with a grouped kernel runs as one.
+
+The method is chosen by measurement, not by the backend's name: "auto" takes ragged_dot only on
+a backend where it has been measured to run as a grouped kernel (`bench-gpu --families dropless`
+times both), and blocks everywhere else, which is every backend today.
+`model.moe.grouped_matmul=blocks|ragged_dot` forces one.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-METHODS = ("ragged_dot", "blocks")
+METHODS = ("auto", "blocks", "ragged_dot")
+# Backends (jax.default_backend()) whose ragged_dot has been measured to be a grouped kernel,
+# not the dense fallback: none yet with jaxlib 0.10.
+RAGGED_DOT_IS_GROUPED: frozenset[str] = frozenset()
 
 
-def default_method() -> str:
-  """blocks on CPU, where ragged_dot is dense over the experts; ragged_dot on other backends."""
-  return "blocks" if jax.default_backend() == "cpu" else "ragged_dot"
+def resolve(method: str = "auto") -> str:
+  """The method "auto" stands for on this backend; any other method as given."""
+  if method not in METHODS:
+    raise ValueError(f"unknown grouped matmul {method!r}; valid: {METHODS}")
+  if method != "auto":
+    return method
+  return "ragged_dot" if jax.default_backend() in RAGGED_DOT_IS_GROUPED else "blocks"
 
 
 def block_rows(rows: int, experts: int) -> int:
@@ -29,14 +40,11 @@ def block_rows(rows: int, experts: int) -> int:
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
-                   method: str | None = None) -> jax.Array:
+                   method: str = "auto") -> jax.Array:
   """x: (M, D) rows sorted by group, group_sizes[e] of them group e's; w: (E, D, H) -> (M, H),
   row r times the kernel of its group: `jax.lax.ragged_dot(x, w, group_sizes)`."""
-  method = method or default_method()
-  if method == "ragged_dot":
+  if resolve(method) == "ragged_dot":
     return jax.lax.ragged_dot(x, w, group_sizes)
-  if method != "blocks":
-    raise ValueError(f"unknown grouped matmul {method!r}; valid: {METHODS}")
   return _by_blocks(x, w, group_sizes, block_rows(x.shape[0], w.shape[0]))
 
 

@@ -105,6 +105,7 @@ class MoeMlpBlock(nn.Module):
   group_size: int = 8
   expert_dropout: float = 0.0
   dispatcher: str = "indices"
+  grouped_matmul: str = "auto"  # dropless plans: grouped_matmul.py's method
   router: dict | None = None  # "type" (a router family) and its module's keyword arguments
   ensemble_size: int = 1
   ensemble_variant: str = "pbe"
@@ -253,7 +254,7 @@ class MoeMlpBlock(nn.Module):
     layout = plan.layout()
     outputs = apply_experts_ragged(weights, plan.rows(blocks, layout), layout.experts,
                                    layout.group_sizes, dropout_rate=self.expert_dropout, rng=rng,
-                                   dtype=self.dtype)
+                                   dtype=self.dtype, method=self.grouped_matmul)
     return plan.combine_rows(outputs, layout)
 
   def _experts_sharded(self, mesh, groups, plan, weights, rng, partitions):

@@ -85,6 +85,9 @@ class RouterFamily:
     analysis its processed-assignment views (load, dropped tokens, experts per token). False: no
     masks, so neither.
   - `uses_dispatcher` (True): model.moe.dispatcher (indices or einsum) applies.
+  - `runs_grouped_matmul(router)` (False): its experts run on rows sorted by expert, as grouped
+    matmuls, rather than on fixed-capacity buffers, so model.moe.grouped_matmul applies
+    (token-choice: dropless routing).
   - `supports_expert_split` (False): DeepSeekMoE's fine-grained experts (model.moe.expert_split
     m > 1: E*m experts of width mlp_dim/m); `split_router(router, m)` then says how the router
     routes them (token-choice: k*m choices).
@@ -154,6 +157,12 @@ class RouterFamily:
     """What is wrong with `model` (a ModelConfig with MoE layers and this family's router)."""
     del model
     return None
+
+  @classmethod
+  def runs_grouped_matmul(cls, router) -> bool:
+    """Whether, with the keys of `router`, its experts run as grouped matmuls."""
+    del router
+    return False
 
   @classmethod
   def split_router(cls, router, m: int):

@@ -271,6 +271,10 @@ class TokenChoice(RouterFamily):
     return super().later_stage_problem(stored, given)
 
   @classmethod
+  def runs_grouped_matmul(cls, router) -> bool:
+    return _is_dropless(router)
+
+  @classmethod
   def split_router(cls, router, m: int):
     """Fine-grained experts (DeepSeekMoE): each token chooses k*m of the E*m experts, so the
     buffers keep round(k*m*N*C/(E*m)) = round(k*N*C/E) slots each, of a 1/m as wide expert."""
