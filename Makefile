@@ -18,17 +18,24 @@ comma := ,
 JEMALLOC = $(firstword $(wildcard $(VENV)/lib/libjemalloc.so.2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2))
 WITH_JEMALLOC = $(if $(JEMALLOC),LD_PRELOAD=$(abspath $(JEMALLOC)) MALLOC_CONF=oversize_threshold:0$(comma)dirty_decay_ms:60000$(comma)muzzy_decay_ms:60000 VMOE_ALLOCATOR=jemalloc,)
 
-.PHONY: install browser demo test test-full test-cluster test-export test-install bench bench-gpu study-ensembles study-heads study-routers study-balance study-contrastive clean
+.PHONY: install gpu browser demo test test-full test-cluster test-export test-install bench bench-gpu study-ensembles study-heads study-routers study-balance study-contrastive clean
 
-# JAX's CUDA build at constraints.txt's versions, into the same environment: make install GPU=cuda12
-# (or GPU=cuda13, for a driver of CUDA 13). Empty: the CPU build only.
+# JAX's CUDA build, pinned with its NVIDIA libraries in constraints.txt: `make install GPU=auto`
+# installs cuda13 for an NVIDIA driver of R580 or newer, cuda12 for R525+, and says which and why
+# (without a GPU it says so and keeps the CPU install). GPU=cuda12 or GPU=cuda13 forces a build.
+# Either way the install fails, saying why, where JAX then sees no GPU (runner/accelerator.py).
+# Empty: the CPU build only.
 GPU ?=
 GPU_BUILDS := cuda12 cuda13
+GPU_STAMPS := $(GPU_BUILDS:%=$(VENV)/.installed-%)
 
-install: $(STAMP) $(if $(GPU),$(VENV)/.installed-$(GPU))
+install: $(STAMP) $(if $(GPU),gpu)
 
 $(STAMP): pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
+	@# A Python the pinned set has wheels for: python3, else the newest python3.X on PATH that
+	@# runs, or PYTHON=... where it is given (install/python.py; one line says which, or why none).
+	@python=$$(python3 install/python.py $(if $(filter file,$(origin PYTHON)),,'$(PYTHON)')) \
+	  && echo "$$python -m venv $(VENV)" && "$$python" -m venv $(VENV)
 	@# uv installs the pinned set in parallel and leaves the bytecode to the first import (above):
 	@# seconds instead of pip's minute (README's installation notes). pip where uv cannot be had.
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt uv \
@@ -42,11 +49,18 @@ $(STAMP): pyproject.toml constraints.txt
 	  rm -rf jemalloc-pkg libjemalloc2_*.deb
 	touch $(STAMP)
 
-$(VENV)/.installed-%: $(STAMP)
-	@case " $(GPU_BUILDS) " in *" $* "*) ;; *) echo "GPU=$* is not one of JAX's CUDA builds;" \
-	  "use GPU=cuda12 or GPU=cuda13 (docs/scaling.md)"; exit 2;; esac
+# The build GPU names, or the one the driver runs (GPU=auto): nothing where there is no GPU.
+gpu: $(STAMP)
+	@build=$$($(BIN)/python -m runner.accelerator build '$(GPU)') \
+	  && if [ -n "$$build" ]; then $(MAKE) --no-print-directory $(VENV)/.installed-$$build; fi
+
+$(GPU_STAMPS): $(VENV)/.installed-%: $(STAMP)
+	@# One build at a time: both builds' plugins register JAX's cuda backend, the last loaded wins.
+	@$(BIN)/pip uninstall -q -y $(foreach b,$(filter-out $*,$(GPU_BUILDS)),jax-$(b)-plugin \
+	  jax-$(b)-pjrt) 2>/dev/null; rm -f $(filter-out $@,$(GPU_STAMPS))
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt "jax[$*]"
-	$(BIN)/python -c "import jax; print('JAX', jax.__version__, 'sees', jax.devices())"
+	@# The stamp only once JAX sees the GPU, so that a rerun checks again; exit 1 says why not.
+	$(BIN)/python -m runner.accelerator check
 	touch $@
 
 # Headless Chromium for the report pages' browser test (tests/integration/test_report_browser.py):
@@ -82,8 +96,9 @@ test-cluster: install
 test-export: install $(VENV)/.installed-torch
 	$(WITH_JEMALLOC) $(BIN)/python -m pytest -q -p no:cacheprovider tests/export
 
-# The CUDA builds `make install GPU=...` installs resolve at constraints.txt's versions (pip's
-# resolver on the registry's metadata; nothing of CUDA is downloaded).
+# The CUDA builds `make install GPU=...` installs resolve at constraints.txt's versions, with every
+# NVIDIA library pinned, and pyproject's requires-python is the Pythons the pinned wheels exist
+# for (the registry's metadata only; nothing of CUDA is downloaded).
 test-install: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/install
 

@@ -12,6 +12,8 @@ import subprocess
 
 import jax
 
+from runner import accelerator
+
 FILE = "environment.json"
 # The libraries whose versions change what a run computes or how fast.
 PACKAGES = ("vmoe", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy",
@@ -41,10 +43,6 @@ def _git_commit() -> str | None:
   return commit + (" +changes" if changed else "")
 
 
-# JAX's CUDA builds: installed, they should find a GPU (docs/scaling.md, `make install GPU=...`).
-CUDA_PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin")
-
-
 def devices() -> str:
   """'8 x NVIDIA H100 80GB HBM3 (gpu)': what the run computes on."""
   found = jax.devices()
@@ -54,16 +52,15 @@ def devices() -> str:
 
 def gpu_not_found() -> str | None:
   """Why a CUDA install runs on the CPU, or None: said as a stage starts, so that a run that fell
-  back to the CPU is seen at once rather than from its speed."""
+  back to the CPU is seen at once rather than from its speed. A CPU install says nothing."""
   if jax.default_backend() != "cpu":
     return None
-  installed = [f"{p} {_version(p)}" for p in CUDA_PLUGINS if _version(p)]
-  if not installed:
+  installed = accelerator.installed_build()
+  if installed is None:
     return None
-  return (f"{installed[0]} is installed, but JAX found no GPU and runs on the CPU; check that "
-          "nvidia-smi lists a GPU, that its driver supports that CUDA version, and "
-          "CUDA_VISIBLE_DEVICES (python -c 'import jax; print(jax.devices())' shows what JAX "
-          "sees)")
+  build, version = installed
+  return (f"jax-{build}-plugin {version} is installed, but JAX found no GPU and runs on the CPU: "
+          f"{accelerator.gpu_problem()}")
 
 
 def describe() -> dict:

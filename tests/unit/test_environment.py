@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import jax
 
+from runner import accelerator
 from runner.tasks import environment
 
 
@@ -12,14 +13,16 @@ def test_devices_name_the_count_kind_and_backend():
                                    f"({jax.default_backend()})")
 
 
-def test_a_cuda_plugin_on_the_cpu_is_said(monkeypatch):
-  versions = {"jax-cuda12-plugin": "0.10.2"}
-  monkeypatch.setattr(environment, "_version", versions.get)
+def test_a_cuda_plugin_on_the_cpu_is_said_with_the_reason(monkeypatch):
+  installed = [("cuda12", "0.10.2")]
+  monkeypatch.setattr(accelerator, "installed_build", lambda: installed[0] if installed else None)
+  monkeypatch.setattr(accelerator, "gpu_problem", lambda: "no NVIDIA GPU here (no nvidia-smi)")
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-  message = environment.gpu_not_found()
-  assert message.startswith("jax-cuda12-plugin 0.10.2 is installed, but JAX found no GPU")
+  assert environment.gpu_not_found() == ("jax-cuda12-plugin 0.10.2 is installed, but JAX found no "
+                                         "GPU and runs on the CPU: no NVIDIA GPU here (no "
+                                         "nvidia-smi)")
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert environment.gpu_not_found() is None
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-  versions.clear()  # a CPU-only install runs on the CPU as it should
+  installed.clear()  # a CPU-only install runs on the CPU as it should
   assert environment.gpu_not_found() is None
