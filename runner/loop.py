@@ -266,11 +266,13 @@ class _Run:
                                       protocol=f.protocol)
       self.feature_step = jax.jit(make_feature_fn(model))
     d = config.data
-    self.batches = data.train_batches(
+    # On the devices one batch ahead, its copy overlapping the step (images as uint8 pixels:
+    # runner/models/inputs.py); `position` counts the batches taken, not those put ahead.
+    self.batches = placement.prefetch(data.train_batches(
         self.source, d.split, d.pp_train, self.batch_size // self.processes["process_count"],
         seed=self.seed, start=self.position, shuffle_buffer=d.shuffle_buffer,
         label_noise=d.label_noise, num_shards=d.num_shards,
-        text=self.pairs.text if self.pairs else None, **self.processes)
+        text=self.pairs.text if self.pairs else None, **self.processes))
     self.start_step = int(self.state.step)
     self.progress = Progress(self.steps, self.start_step, self.batch_size, desc=self.stage,
                              enabled=config.logger.progress)
@@ -302,7 +304,7 @@ class _Run:
 
   def train(self, step: int) -> None:
     """One step on the next batch; the divergence check trails it by one."""
-    batch = self.placement.put(next(self.batches))
+    batch = next(self.batches)
     self.position += self.batch_size // self.processes["process_count"]
     self.state, metrics = self.step_fn(self.state, batch)
     self.guard.dispatched(step, metrics)

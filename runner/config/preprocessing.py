@@ -63,3 +63,29 @@ def build(spec: str) -> list:
     except TypeError as e:
       raise PreprocessError(f"bad arguments for preprocessing op {part!r}: {e}") from None
   return ops
+
+
+# value_range's arguments in order, with their defaults (runner/data/pp_ops.py registers the op):
+# [0, 255] pixels onto [-1, 1], on the "image".
+VALUE_RANGE_ARGUMENTS = (("vmin", -1.0), ("vmax", 1.0), ("in_min", 0.0), ("in_max", 255.0),
+                         ("key", "image"))
+# The batch key under which each row carries the value_range left to the device (runner/models/
+# inputs.py applies it): vmin, vmax - vmin, in_min, in_max - in_min, as value_range computes them.
+DEVICE_VALUE_RANGE = "_value_range"
+
+
+def value_range_arguments(args: list, kwargs: dict) -> dict:
+  """A value_range op's arguments by name, defaults filled in."""
+  given = dict(zip((name for name, _ in VALUE_RANGE_ARGUMENTS), args)) | kwargs
+  return {name: given.get(name, default) for name, default in VALUE_RANGE_ARGUMENTS}
+
+
+def device_tail(spec: str) -> dict | None:
+  """The arguments of the value_range that ends `spec`, the op the jitted step may apply instead
+  of the host, so that images cross to the device as uint8 pixels (a quarter of float32's
+  bytes); None where the spec ends in another op."""
+  parts = [p for p in (p.strip() for p in spec.split("|")) if p]
+  if not parts:
+    return None
+  name, args, kwargs = _parse_call(parts[-1])
+  return value_range_arguments(args, kwargs) if name == "value_range" else None

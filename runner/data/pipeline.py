@@ -19,6 +19,7 @@ from typing import Iterator
 import numpy as np
 import tensorflow as tf
 
+from runner.config import preprocessing
 from runner.data import pp_ops
 from runner.data.sources import DataError, Source, text_of
 from runner.data.tokenizers import PAD, Tokenizer
@@ -37,22 +38,40 @@ class TextSpec:
   max_length: int
 
 
-def _finish(source: Source, pp, spec: str, text: TextSpec | None = None,
+def _finish(source: Source, spec: str, text: TextSpec | None = None,
             train: bool = False) -> callable:
   """User preprocessing, then one/multi-hot `labels` unless the spec made them, then drop extras.
 
-  With `text`, also the caption's `tokens`; `labels` only if the dataset has classes.
+  A spec that ends in value_range on a uint8 image leaves that op to the jitted step: the image
+  stays uint8 (a quarter of float32's bytes to the device) and each example carries the op's
+  constants under `DEVICE_VALUE_RANGE` (runner/models/inputs.py applies them). Any other image
+  leaves as float32, every op applied here. With `text`, also the caption's `tokens`; `labels`
+  only if the dataset has classes.
   """
+  ops = preprocessing.build(spec)
+  tail = preprocessing.device_tail(spec)
+  if tail is not None and tail["key"] != source.image_key:
+    tail = None
+  host, last = (ops[:-1], ops[-1]) if tail is not None else (ops, None)
+
   def fn(example):
     if text:
       caption = _pick_caption(text_of(example, text.key), example["_rng"], train)
-    example = pp(example)
+    for op in host:
+      example = op(example)
     image = example.get(source.image_key)
     if image is None or image.dtype == tf.string:
       raise pp_ops.PreprocessError(
           f"preprocessing {spec!r} leaves no decoded image under {source.image_key!r}; start it "
           "with decode (e.g. 'decode(3)|resize(224)|value_range(-1,1)') and keep the image.")
-    out = {"image": tf.cast(image, tf.float32)}
+    if last is not None and image.dtype == tf.uint8:
+      vmin, vmax, in_min, in_max = (float(tail[n]) for n in ("vmin", "vmax", "in_min", "in_max"))
+      out = {"image": image, preprocessing.DEVICE_VALUE_RANGE: tf.constant(
+          [vmin, vmax - vmin, in_min, in_max - in_min], tf.float32)}
+    else:
+      if last is not None:
+        example = last(example)
+      out = {"image": tf.cast(example[source.image_key], tf.float32)}
     if text:  # tokenized as batches are read (_tokenized)
       out["_caption"] = caption
     if source.num_classes:  # (train_batches and eval_batches check there are classes, or text)
@@ -153,7 +172,9 @@ def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed:
   and augmented on its own, and every global batch is the shards' equal parts in shard order;
   a process reads its own consecutive shards. So a run's batches depend on the number of shards,
   not of processes: `num_shards=2` in one process gives the batches of a 2-process job.
-  Each batch dict holds `image` (B, H, W, C) float32 and `labels` (B, num_classes) float32; with
+  Each batch dict holds `image` (B, H, W, C), uint8 pixels where the spec ends in value_range
+  (with that op's constants per row, `_finish`; runner/models/inputs.py makes them float32 model
+  inputs in the step) and float32 otherwise, and `labels` (B, num_classes) float32; with
   `text`, also `tokens` (B, max_length) int32, and `labels` only if the dataset has classes.
   `label_noise` replaces that fraction of the training labels by random classes (`noisy_labels`).
   """
@@ -183,7 +204,7 @@ def _shard_stream(source: Source, split: str, pp: str, batch_size: int, *, seed:
                   shuffle_buffer: int, shard: int, shards: int, label_noise: float,
                   text: TextSpec | None = None) -> tf.data.Dataset:
   """Endless batches of one shard of the split from position `start` (counted in the shard)."""
-  preprocess = _finish(source, pp_ops.parse(pp), pp, text, train=True)
+  preprocess = _finish(source, pp, text, train=True)
   if label_noise:
     raw = source.read(split, shard, shards, with_index=True).map(
         noisy_labels(source, label_noise))
@@ -220,7 +241,7 @@ def eval_batches(source: Source, split: str, pp: str, batch_size: int, *, proces
   `tokens` of each example's first caption too (and `labels` only if the dataset has classes).
   """
   _check_labels(source, text)
-  preprocess = _finish(source, pp_ops.parse(pp), pp, text)
+  preprocess = _finish(source, pp, text)
   raw = source.read(split, process_index, process_count, drop_remainder=False)
   total = source.num_examples(split)
   if cache and total <= _CACHE_MAX_EXAMPLES:
@@ -245,7 +266,7 @@ def _pad_batch(batch, batch_size):
 def image_shape(source: Source, split: str, pp: str) -> tuple[int, ...]:
   """Shape of one preprocessed image: the pipeline's static shape where its ops fix every
   dimension (a resize, a crop), else found by running it on one example."""
-  preprocess = _finish(source, pp_ops.parse(pp), pp)
+  preprocess = _finish(source, pp)
   ds = tf.data.Dataset.zip(tf.data.Dataset.range(1), source.read(split).take(1))
   ds = ds.map(_with_rng(0)).map(preprocess)
   static = ds.element_spec["image"].shape

@@ -47,10 +47,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from runner.config import checks
+from runner.config.preprocessing import DEVICE_VALUE_RANGE
 from runner.config.relations import relation
 from runner.config.schema import EvalSuiteConfig
 from runner.evaluators import suite as suite_lib
 from runner.logging.progress import Progress
+from runner.models import inputs
 from runner.models.introspection import apply_with_routing, routing_records
 from runner.train.losses import LOSSES, precision_at_1
 
@@ -216,6 +218,9 @@ def make_measure_step(model, loss_name: str = "softmax_xent", protocol="default"
   return jax.jit(step)
 
 
+_float_images = jax.jit(inputs.with_images)
+
+
 def _layer_order(key: str) -> int:
   return int(key.rsplit("_", 1)[1])
 
@@ -265,7 +270,9 @@ class AdversarialEvaluator:
           if first_row >= self.max_examples:
             break
           mask = mask & (first_row + np.arange(len(mask)) < self.max_examples)
-        batch = self.put({"image": batch["image"], "labels": batch["labels"], "_mask": mask})
+        kept = ("image", "labels", DEVICE_VALUE_RANGE)
+        batch = self.put({**{k: v for k, v in batch.items() if k in kept}, "_mask": mask})
+        batch = _float_images(batch)  # PGD moves the model's inputs: uint8 pixels made float
         for i, epsilon in enumerate(self.epsilons):
           adversarial = self.attack(params, batch["image"], batch["labels"], np.float32(epsilon))
           sums = jax.device_get(self.measure(params, batch, adversarial))

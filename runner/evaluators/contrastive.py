@@ -26,6 +26,7 @@ from runner.config.checks import Items, Rule, key, matches
 from runner.config.relations import CONTRASTIVE_ONLY
 from runner.config.schema import EvalSuiteConfig
 from runner.config.sections import add_fields
+from runner.models import inputs
 from runner.train import contrastive
 
 RECALL_AT = (1, 5, 10)
@@ -76,7 +77,8 @@ def make_pair_step(model, *, sigmoid: bool):
   """(params, batch, classes) -> sums over the batch's real pairs (runner/train/contrastive.py
   masked_sums), plus zero-shot correct predictions when `classes` (C, E) and labels are given."""
   def step(params, batch, classes):
-    zimg, extras = model.apply({"params": params}, batch["image"], batch["tokens"], train=False)
+    zimg, extras = model.apply({"params": params}, inputs.images(batch), batch["tokens"],
+                               train=False)
     sums = contrastive.masked_sums(zimg, extras["text_embedding"], extras["temperature"],
                                    batch["_mask"], bias=extras.get("bias") if sigmoid else None)
     if classes is not None and "labels" in batch:

@@ -1,6 +1,6 @@
 """Linear few-shot evaluation of frozen features, shared by `vmoe fewshot` and training.
 
-Padded eval batches stream through one or more feature extractors (jitted images -> pre-logits);
+Padded eval batches stream through one or more feature extractors (jitted batch -> pre-logits);
 their features are concatenated per image, so an ensemble is probed as one representation. The
 ridge classifiers, shot sampling and L2 selection are `fewshot_math`'s.
 """
@@ -13,17 +13,20 @@ from typing import Callable, Iterable, Sequence
 import jax
 import numpy as np
 
+from runner.config.preprocessing import DEVICE_VALUE_RANGE
 from runner.evaluators import fewshot_math
 from runner.evaluators.predictions import to_host
 from runner.logging import Progress
+from runner.models import inputs
 
 _ACCURACY_KEY = re.compile(r"^(?P<name>.+)/(?P<shots>\d+)shot/accuracy$")
 
 
 def make_feature_fn(model) -> Callable:
-  """(params, images) -> pre-logits in eval mode: the representation a linear probe sees."""
-  def features(params, images):
-    _, extras = model.apply({"params": params}, images, train=False)
+  """(params, batch) -> pre-logits of the batch's images in eval mode: the representation a
+  linear probe sees."""
+  def features(params, batch):
+    _, extras = model.apply({"params": params}, inputs.images(batch), train=False)
     return extras["pre_logits"]
   return features
 
@@ -68,14 +71,14 @@ def extract_features(feature_fns: Sequence[Callable], batches: Iterable[dict],
     mask = np.asarray(batch["_mask"], bool)
     position = seen + np.cumsum(mask) - 1
     seen += int(mask.sum())
-    placed = put({"image": batch["image"],
-                  "labels": np.argmax(batch["labels"], axis=-1).astype(np.int32),
+    images = {k: v for k, v in batch.items() if k in ("image", DEVICE_VALUE_RANGE)}
+    placed = put({**images, "labels": np.argmax(batch["labels"], axis=-1).astype(np.int32),
                   "_mask": mask, "_position": position.astype(np.int32),
                   "_process": np.full(len(mask), jax.process_index(), np.int32)})
-    outs = [fn(placed["image"]) for fn in feature_fns]
+    outs = [fn({k: placed[k] for k in images}) for fn in feature_fns]
     if pending is not None:
       fetch(pending)
-    pending = (outs, {k: v for k, v in placed.items() if k != "image"})
+    pending = (outs, {k: v for k, v in placed.items() if k not in images})
     if progress is not None:
       progress.step_done(i + 1)
   if pending is not None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from runner.evaluators.calibration import CalibrationAccumulator
 from runner.evaluators.ood import MahalanobisFit, logit_scores
+from runner.models import inputs
 from runner.models.introspection import apply_with_routing
 
 
@@ -30,10 +31,11 @@ def make_predict_step(model, hooks: dict | None = None):
   `hooks[name]`, what each hook computes from the routing records of the batch.
   """
   def step(params, batch):
+    images = inputs.images(batch)
     if hooks:
-      logits, extras, records = apply_with_routing(model, params, batch["image"], train=False)
+      logits, extras, records = apply_with_routing(model, params, images, train=False)
     else:
-      logits, extras = model.apply({"params": params}, batch["image"], train=False)
+      logits, extras = model.apply({"params": params}, images, train=False)
     real = batch["_mask"].astype(jnp.float32).sum()
     dropped = {f"moe/{layer}/fraction_dropped_tokens": m["fraction_dropped_tokens"] * real
                for layer, m in extras["routing"].items()}

@@ -21,12 +21,14 @@ from runner.data.pipeline import TextSpec
 from runner.errors import ConfigError
 from runner.evaluators import predictions, suite as suite_lib
 from runner.evaluators.contrastive import recall_at_k
+from runner.models import inputs
 
 
 def make_embed_step(towers):
   """(towers' params, batch with image and tokens) -> normalised image and text embeddings."""
   def step(params, batch):
-    image, extras = towers.apply({"params": params}, batch["image"], batch["tokens"], train=False)
+    image, extras = towers.apply({"params": params}, inputs.images(batch), batch["tokens"],
+                                 train=False)
     return {"image": image, "text": extras["text_embedding"]}
   return step
 

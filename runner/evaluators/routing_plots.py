@@ -124,6 +124,14 @@ def top_weights(analysed: dict, path: pathlib.Path) -> str:
   return _save(figure, path)
 
 
+def _picture(image: np.ndarray) -> np.ndarray:
+  """An image in [0, 1] to draw: uint8 pixels as they crossed to the device, or float model
+  inputs in value_range(-1, 1)'s range."""
+  if image.dtype == np.uint8:
+    return image.astype(np.float64) / 255
+  return np.clip((image.astype(np.float64) + 1) / 2, 0, 1)
+
+
 def dropped(drops: dict, sample: dict, info, images: int, path: pathlib.Path, title: str) -> str:
   """Rows: capacity ratios; columns: the first images, vanilla and BPR side by side; white
   patches are the tokens no expert processes (the paper's Figure 5)."""
@@ -137,7 +145,7 @@ def dropped(drops: dict, sample: dict, info, images: int, path: pathlib.Path, ti
     for j, kind in enumerate(kinds):
       mask = drops[f"{c}/{kind}"]  # (images, tokens)
       for i in range(shown):
-        picture = np.clip((np.asarray(sample["image"][i], np.float64) + 1) / 2, 0, 1)
+        picture = _picture(np.asarray(sample["image"][i]))
         ph, pw = picture.shape[0] // h, picture.shape[1] // w
         gone = mask[i, first_patch:first_patch + h * w].reshape(h, w)
         picture = picture.copy()

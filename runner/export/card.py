@@ -6,9 +6,6 @@ import json
 
 from runner.config import preprocessing
 
-# value_range's defaults (runner/data/pp_ops.py): [0, 255] pixels onto [-1, 1].
-_VALUE_RANGE = (-1.0, 1.0, 0.0, 255.0)
-
 
 def preprocessing_entry(spec: str, image_size: int, channels: int) -> dict:
   """config.json's `preprocessing`: the spec vmoe evaluates with, and the affine map
@@ -16,9 +13,8 @@ def preprocessing_entry(spec: str, image_size: int, channels: int) -> dict:
   value_range = None
   for name, args, kwargs in preprocessing.steps(spec):
     if name == "value_range":
-      names = ("vmin", "vmax", "in_min", "in_max")
-      given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-      value_range = tuple(float(given.get(n, d)) for n, d in zip(names, _VALUE_RANGE))
+      given = preprocessing.value_range_arguments(args, kwargs)
+      value_range = tuple(float(given[n]) for n in ("vmin", "vmax", "in_min", "in_max"))
   vmin, vmax, in_min, in_max = value_range or (0.0, 255.0, 0.0, 255.0)
   scale = (vmax - vmin) / (in_max - in_min)
   offset = vmin - in_min * scale

@@ -8,8 +8,10 @@ bundles and the mesh's shape are config values (runner/config/mesh.py); this mod
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+from typing import Iterator
 
 import flax.linen as nn
 import jax
@@ -73,6 +75,16 @@ class Placement:
     """This process's rows of a batch -> global arrays split over the batch axes."""
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x), batch)
+
+  def prefetch(self, batches: Iterator[dict], size: int = 2) -> Iterator[dict]:
+    """The batches put on the devices `size` - 1 ahead of their use: JAX copies a batch to the
+    devices asynchronously, so each one's copy overlaps the steps dispatched before it."""
+    queue = collections.deque()
+    for batch in batches:
+      queue.append(self.put(batch))
+      if len(queue) >= size:
+        yield queue.popleft()
+    yield from queue
 
   def shardings(self, logical_specs):
     return shardings_from_logical(logical_specs, self.mesh, self.rules)

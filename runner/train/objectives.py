@@ -12,6 +12,7 @@ parameters' paths), which the train step takes out to move the biases (runner/tr
 """
 from __future__ import annotations
 
+from runner.models import inputs
 from runner.models.moe import balance
 from runner.train import contrastive
 from runner.train.losses import LOSSES, precision_at_1
@@ -39,7 +40,7 @@ def classification(model, *, loss: str, aux_loss_weight: float):
   loss_fn = LOSSES[loss]
 
   def objective(params, batch, rngs):
-    images, labels = batch["image"], batch["labels"]
+    images, labels = inputs.images(batch), batch["labels"]
     (logits, extras), loads = apply_for_training(model, params, images, train=True, rngs=rngs)
     if "member_logits" in extras:  # an ensemble learns from the mean of its members' losses
       cls_loss = loss_fn(extras["member_logits"], labels[:, None, :]).mean()
@@ -60,7 +61,7 @@ def contrastive_pairs(model, *, loss: str, aux_loss_weight: float, chunk: int = 
   least memory, and on CPU also the fastest; benchmarks/contrastive_memory.py)."""
 
   def objective(params, batch, rngs):
-    (zimg, extras), loads = apply_for_training(model, params, batch["image"], batch["tokens"],
+    (zimg, extras), loads = apply_for_training(model, params, inputs.images(batch), batch["tokens"],
                                                train=True, rngs=rngs)
     ztxt, scale = extras["text_embedding"], extras["temperature"]
     if loss == "sigmoid":

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from runner.models import inputs
 from runner.models.heads import NOISE_RNG
 from runner.models.moe import balance
 from runner.train import objectives
@@ -86,7 +87,7 @@ def make_eval_step(model, loss_name: str = "softmax_xent"):
   loss_fn = LOSSES[loss_name]
 
   def step(params, batch):
-    logits, extras = model.apply({"params": params}, batch["image"], train=False)
+    logits, extras = model.apply({"params": params}, inputs.images(batch), train=False)
     mask = batch["_mask"].astype(jnp.float32)
     labels = batch["labels"]
     # NLL of the model's own likelihood: categorical for softmax models, Bernoulli per class

@@ -72,6 +72,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[str, list[str]]]:
 def _eval_batches(eval_dir: pathlib.Path, dataset: str) -> tuple[np.ndarray, np.ndarray]:
   """The images of every batch `vmoe eval` fed its model (NCHW) and which rows are real."""
   from runner import data
+  from runner.models import inputs
   config = yaml.safe_load((eval_dir / "config.yaml").read_text())
   summary = json.loads((eval_dir / "summary.json").read_text())
   d = config["data"]
@@ -80,7 +81,7 @@ def _eval_batches(eval_dir: pathlib.Path, dataset: str) -> tuple[np.ndarray, np.
                               config["eval"]["batch_size"], cache=False)
   images, masks = [], []
   for batch in batches.as_numpy_iterator():
-    images.append(batch["image"].transpose(0, 3, 1, 2))
+    images.append(np.asarray(inputs.images(batch)).transpose(0, 3, 1, 2))  # as the step makes them
     masks.append(batch["_mask"])
   return np.stack(images).astype(np.float32), np.concatenate(masks).astype(bool)
 

@@ -57,6 +57,7 @@ def recomputed(contrastive_run):
   from runner.data.captions import CLASS_NAMES, HELD_OUT_TEMPLATES
   from runner.data.pipeline import TextSpec
   from runner.data.tokenizers import make_tokenizer
+  from runner.models import inputs
   from runner.models.contrastive import build_two_towers
   params, stored, _ = weights.load(str(contrastive_run))
   model, d = stored_model_and_data(stored)
@@ -67,7 +68,7 @@ def recomputed(contrastive_run):
   source = data.open_source(d.name, text_key=d.text_key)
   batches = data.eval_batches(source, d.test_split, d.pp, d.batch_size, cache=False,
                               text=TextSpec(d.text_key, tok, text.max_length))
-  pair = jax.jit(lambda p, b: towers.apply({"params": p}, b["image"], b["tokens"]))
+  pair = jax.jit(lambda p, b: towers.apply({"params": p}, inputs.images(b), b["tokens"]))
   images, texts, labels = [], [], []
   for batch in batches.as_numpy_iterator():
     zimg, extras = jax.device_get(pair(params, batch))

@@ -21,6 +21,7 @@ from runner import data
 from runner.data import corruptions, pp_ops
 from runner.data.pp_ops import PreprocessError
 from runner.errors import UserError
+from runner.models import inputs
 
 # Severity 1..5 -> parameter, copied from make_cifar_c.py (not from the module under test).
 REFERENCE = {
@@ -431,7 +432,7 @@ def digits(tfds_dir):
   """The embedded grey uci_digits source and its first 4 validation images, clean, in [-1, 1]."""
   uci = data.open_source("uci_digits", data_dir=str(tfds_dir))
   clean = data.eval_batches(uci, "validation[:4]", "decode(3)|resize(32)|value_range(-1,1)", 4)
-  return uci, next(clean.as_numpy_iterator())["image"]
+  return uci, np.asarray(inputs.images(next(clean.as_numpy_iterator())))
 
 
 # Every corruption runs in tf.data on unknown-size images above; here, through the real pipeline,

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from runner import data
+from runner.config.preprocessing import DEVICE_VALUE_RANGE
+from runner.models import inputs
 
 SPLIT, N = "validation", 179
 PLAIN = "decode(1)"
@@ -42,17 +44,19 @@ def take(stream, n):
 def assert_same_batches(a, b):
   assert len(a) == len(b)
   for x, y in zip(a, b):
-    assert set(x) == set(y) == {"image", "labels"}
+    assert set(x) == set(y) <= {"image", "labels", DEVICE_VALUE_RANGE}
     np.testing.assert_array_equal(x["image"], y["image"])
     np.testing.assert_array_equal(x["labels"], y["labels"])
 
 
 def test_batch_shapes_and_dtypes(uci):
+  """The spec ends in value_range: its images stay uint8 pixels, which the step maps to [-1, 1]."""
   batch = next(data.train_batches(uci, SPLIT, AUGMENT, 16, seed=0))
-  assert batch["image"].shape == (16, 8, 8, 3) and batch["image"].dtype == np.float32
+  assert batch["image"].shape == (16, 8, 8, 3) and batch["image"].dtype == np.uint8
   assert batch["labels"].shape == (16, 10) and batch["labels"].dtype == np.float32
   np.testing.assert_array_equal(batch["labels"].sum(axis=1), 1.0)
-  assert batch["image"].min() >= -1 and batch["image"].max() <= 1
+  images = np.asarray(inputs.images(batch))
+  assert images.dtype == np.float32 and images.min() >= -1 and images.max() <= 1
 
 
 def test_same_seed_same_stream_and_other_seed_differs(uci):

@@ -39,12 +39,13 @@ def _padded_batches(images, labels, num_classes, batch_size):
   return out
 
 
-def _first(images):
+def _first(batch):
+  images = batch["image"]
   return jnp.reshape(images, (images.shape[0], -1))[:, :3] * 2.0
 
 
-def _second(images):
-  return jnp.mean(images, axis=(1, 2))  # (B, C)
+def _second(batch):
+  return jnp.mean(batch["image"], axis=(1, 2))  # (B, C)
 
 
 @pytest.fixture
@@ -162,7 +163,7 @@ def test_prefix_and_feature_fns_given_at_run_time():
   metrics = evaluator.run([jax.jit(_second)])
   assert set(metrics) == {"fewshot/a/1shot/accuracy", "fewshot/mean/1shot/accuracy",
                           "fewshot/mean/1shot/l2_reg", "fewshot/seconds"}
-  zero = evaluator.run([jax.jit(lambda x: jnp.zeros((x.shape[0], 2)))])
+  zero = evaluator.run([jax.jit(lambda b: jnp.zeros((b["image"].shape[0], 2)))])
   assert zero["fewshot/a/1shot/accuracy"] < metrics["fewshot/a/1shot/accuracy"]
 
 
@@ -179,7 +180,7 @@ def test_feature_fn_returns_the_models_pre_logits():
   model = build_model(cfg, num_classes=5)
   images = jnp.asarray(np.random.default_rng(0).normal(size=(3, 8, 8, 3)), jnp.float32)
   params = model.init(jax.random.key(0), images, train=False)["params"]
-  features = jax.jit(make_feature_fn(model))(params, images)
+  features = jax.jit(make_feature_fn(model))(params, {"image": images})
   _, extras = model.apply({"params": params}, images, train=False)
   assert features.shape == (3, 12)
   np.testing.assert_allclose(features, extras["pre_logits"], rtol=1e-5, atol=1e-6)

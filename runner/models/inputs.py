@@ -1,0 +1,39 @@
+"""Images as the model takes them: float32, made on the device from the uint8 pixels that cross.
+
+A preprocessing spec that ends in value_range leaves that op to the jitted step that reads the
+batch (runner/data/pipeline.py): the batch holds the uint8 `image`, a quarter of float32's bytes
+host to device, and each row the op's constants under `DEVICE_VALUE_RANGE`. `images(batch)`
+applies them in float32 as the op does on the host, vmin + (pixels - in_min) * (vmax - vmin) /
+(in_max - in_min), to within one float32 rounding (XLA multiplies by the reciprocal of a divisor
+broadcast over the image, where TensorFlow divides: at most 1.2e-7 apart for value_range(-1,1),
+tests/unit/test_model_inputs.py). A batch whose image is already float (a spec that ends
+otherwise, a corruption before value_range) passes as it is. Every jitted function that reads a
+batch's images reads them through here.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from runner.config.preprocessing import DEVICE_VALUE_RANGE
+
+
+def images(batch: dict) -> jax.Array:
+  """The batch's images as float32 model inputs (B, H, W, C)."""
+  image = batch["image"]
+  if DEVICE_VALUE_RANGE not in batch:
+    return image
+  ranges = jnp.asarray(batch[DEVICE_VALUE_RANGE], jnp.float32)
+  shape = (ranges.shape[0],) + (1,) * (image.ndim - 1)
+  vmin, span, in_min, in_span = (ranges[:, i].reshape(shape) for i in range(4))
+  pixels = jnp.asarray(image).astype(jnp.float32)
+  # Padding rows (eval batches) carry zeros: their inputs are zeros, as their float images were.
+  return jnp.where(in_span == 0, 0.0,
+                   vmin + (pixels - in_min) * span / jnp.where(in_span == 0, 1.0, in_span))
+
+
+def with_images(batch: dict) -> dict:
+  """The batch with its float32 images and without the device's value_range."""
+  out = {k: v for k, v in batch.items() if k != DEVICE_VALUE_RANGE}
+  out["image"] = images(batch)
+  return out
