@@ -126,8 +126,10 @@ study-balance: install
 study-contrastive: install
 	$(WITH_JEMALLOC) $(BIN)/python -m runner.studies.contrastive
 
+# `make bench ARGS=--record` replaces the tracked records in benchmarks/results/ (otherwise a run's
+# results go to runs/benchmarks/, which git ignores).
 bench: install
-	$(WITH_JEMALLOC) $(BIN)/python -m benchmarks.run_all
+	$(WITH_JEMALLOC) $(BIN)/python -m benchmarks.run_all $(ARGS)
 
 # V-MoE-S/32 and -B/16 train steps on one GPU, within 8 minutes (benchmarks/README.md). It needs
 # only jax, flax, optax and numpy, so it runs on a CUDA JAX image without `install` (TensorFlow):

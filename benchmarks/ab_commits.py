@@ -21,17 +21,24 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import time
 
 HERE = pathlib.Path(__file__).resolve().parents[1]
+# Where a checkout's train_step writes its result: runs/benchmarks/ since benchmarks stopped
+# rewriting tracked files, benchmarks/results/ before.
+WRITTEN_TO = ("runs/benchmarks", "benchmarks/results")
 
 
 def one_round(checkout: pathlib.Path, presets: str, families: str, label: str) -> dict:
   """{preset: {model: step ms}} of one train_step round run in `checkout`."""
   name = f"ab_{label}"
+  started = time.time()
   subprocess.run([sys.executable, "-m", "benchmarks.train_step", "--presets", presets,
                   "--rounds", "1", "--families", families, "--name", name],
                  cwd=checkout, check=True, stdout=subprocess.DEVNULL)
-  record = json.loads((checkout / "benchmarks" / "results" / f"{name}.json").read_text())
+  written = [checkout / folder / f"{name}.json" for folder in WRITTEN_TO]
+  path = next(p for p in written if p.exists() and p.stat().st_mtime >= started)
+  record = json.loads(path.read_text())
   return {preset: {model: r["train_step_ms"] for model, r in result.items()
                    if isinstance(r, dict) and "train_step_ms" in r}
           for preset, result in record["presets"].items()}

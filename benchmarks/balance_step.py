@@ -9,7 +9,8 @@ The study's models (runner/studies/balance.py, conf/experiment/): `vmoe_tiny` wi
 with loss-free bias balancing (its update in the step), with sigmoid gates, dropless; 2 shared +
 2 of 16 half-width experts; experts-choice and Soft MoE (`ecmoe_tiny`, `softmoe_tiny`); each at
 batch 128 with Adam. Reported: the median step time, images/s, and the median of the per-round
-ratios to token-choice with the auxiliary loss. Writes results/balance_step.json.
+ratios to token-choice with the auxiliary loss. Writes runs/benchmarks/balance_step.json
+(`--record`: benchmarks/results/).
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def study_models() -> dict:
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--rounds", type=int, default=5)
+  harness.add_record_option(parser)
   args = parser.parse_args(argv)
   preset = PRESETS["tiny"]
   steps = {name: prepare_train_step(config, preset, bias_update_rate=derived.bias_update_rate(
@@ -69,7 +71,7 @@ def main(argv=None) -> dict:
           f"{step.xla_flops / 1e9:.1f} |", flush=True)
   record = {"machine": harness.machine(), "date": time.strftime("%Y-%m-%d"),
             "rounds": args.rounds, "batch_size": batch, "rows": rows}
-  print(f"written to {harness.write('balance_step', record)}")
+  print(f"written to {harness.write('balance_step', record, record=args.record)}")
   return record
 
 

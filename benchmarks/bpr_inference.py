@@ -27,6 +27,7 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--preset", default="tiny")
   parser.add_argument("--ratios", default="1.05,0.5,0.25,0.1")
+  harness.add_record_option(parser)
   args = parser.parse_args(argv)
   preset = PRESETS[args.preset]
   bs, shape = preset["batch_size"], (preset["image_size"],) * 2 + (3,)
@@ -59,7 +60,7 @@ def main(argv=None) -> dict:
     print(f"C={ratio:<5}: {row['ms_per_image']:.3f} ms/image ({row['images_per_s']:.0f} img/s), "
           f"{row['analytic_forward_gflops_per_image']:.4f} GFLOPs/image", flush=True)
   record = {"machine": harness.machine(), "preset": args.preset, "batch_size": bs, "rows": rows}
-  print(f"written to {harness.write('bpr_inference', record)}")
+  print(f"written to {harness.write('bpr_inference', record, record=args.record)}")
   return record
 
 

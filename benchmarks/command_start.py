@@ -10,7 +10,7 @@ Each round runs the three, alternating, in processes of their own: a tiny V-MoE 
 `--steps` steps (compiled programs come from a warm XLA cache, as on a researcher's second run)
 and a command refused for a bad value (what a typo costs). Wall seconds per process; the medians
 and each round's ratio to `vmoe`'s own start are printed and written to
-results/command_start.json.
+runs/benchmarks/command_start.json (`--record`: benchmarks/results/).
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps", type=int, default=3)
+  harness.add_record_option(parser)
   args = parser.parse_args(argv)
   folder = tempfile.mkdtemp(prefix="vmoe-command-start-")
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(folder, "xla"),
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{command}: " + "; ".join(parts), flush=True)
   report = {"machine": harness.machine(), "date": time.strftime("%Y-%m-%d"),
             "rounds": args.rounds, "steps": args.steps, "rows": rows}
-  harness.write("command_start", report)
+  harness.write("command_start", report, record=args.record)
   return report
 
 

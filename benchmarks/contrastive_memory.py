@@ -266,6 +266,7 @@ def main(argv=None) -> dict:
                       help="time only programs whose XLA peak is at most this")
   parser.add_argument("--train-batch", type=int, default=512, help="0: skip the train step")
   parser.add_argument("--rss-child", help=argparse.SUPPRESS)
+  harness.add_record_option(parser)
   args = parser.parse_args(argv)
   chunks = _ints(args.chunks)
   if args.rss_child:
@@ -279,7 +280,7 @@ def main(argv=None) -> dict:
             "loss_rows": rows, "train_step_rows": steps,
             "train_step_model": "vmoe_tiny at 28 px + text_tiny, Adam",
             "text_max_length": _text_length()}
-  print(f"written to {harness.write('contrastive_memory', record)}")
+  print(f"written to {harness.write('contrastive_memory', record, record=args.record)}")
   return record
 
 

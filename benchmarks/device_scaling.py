@@ -61,6 +61,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--devices", default="1,2,4,8")
   parser.add_argument("--steps", type=int, default=STEPS_DEFAULT)
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  harness.add_record_option(parser)
   args = parser.parse_args(argv)
   if args.worker:
     print("RESULT " + json.dumps(_worker(args.steps)), flush=True)
@@ -80,7 +81,7 @@ def main(argv=None) -> dict:
           f"{[round(x, 5) for x in run['losses']]}, max |diff| vs 1 device "
           f"{run['max_abs_loss_difference']:.2e}", flush=True)
   record = {"machine": harness.machine(), "global_batch": 64, "runs": runs}
-  print(f"written to {harness.write('device_scaling', record)}")
+  print(f"written to {harness.write('device_scaling', record, record=args.record)}")
   return record
 
 

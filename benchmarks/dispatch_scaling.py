@@ -63,6 +63,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--experts", default="8,32,128")
   parser.add_argument("--tokens", default="256,1024,4096")
   parser.add_argument("--dispatchers", default="indices,einsum")
+  harness.add_record_option(parser)
   args = parser.parse_args(argv)
   rows = []
   for dispatcher in args.dispatchers.split(","):
@@ -75,7 +76,8 @@ def main(argv=None) -> dict:
               f"{row['routing_and_dispatch_ms']:7.1f} ms; temp {row['temp_mb']:7.1f} MB", flush=True)
   record = {"machine": harness.machine(), "total_tokens": TOTAL_TOKENS, "hidden": HIDDEN,
             "mlp": MLP, "rows": rows}
-  print(f"written to {harness.write('dispatch_scaling', record)}")
+  path = harness.write("dispatch_scaling", record, record=args.record)
+  print(f"written to {path}")
   return record
 
 

@@ -12,19 +12,18 @@
    each grouped matmul (runner/models/moe/grouped_matmul.py: ragged_dot, and by blocks), in
    alternating rounds: median time, XLA's FLOPs and temporary memory.
 3. The `tiny` preset's train step (benchmarks/train_step.py: 4 blocks of 128, 8 experts on blocks
-   1 and 3, batch 128) at C = 1.05 and dropless (this backend's grouped matmul), alternating rounds; analytic FLOPs (dropless: k
-   experts per token exactly) and XLA's.
+   1 and 3, batch 128) at C = 1.05 and dropless (`model.moe.grouped_matmul=auto`: by blocks),
+   alternating rounds; analytic FLOPs (dropless: k experts per token exactly) and XLA's.
 
-Writes results/dropless.json and prints a markdown table of each part.
+Writes runs/benchmarks/dropless.json (`--record`: benchmarks/results/) and prints a markdown
+table of each part.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import statistics
 import time
-from unittest import mock
 
 import flax.linen as nn
 import jax
@@ -34,7 +33,6 @@ import numpy as np
 from benchmarks import harness
 from benchmarks.train_step import PRESETS, model_configs, prepare_train_step
 from runner.models.flops import train_flops_per_image
-from runner.models.moe import grouped_matmul
 from runner.models.moe.layer import MoeMlpBlock
 
 TOTAL_TOKENS, TOKENS_PER_GROUP, HIDDEN, MLP, K = 8_192, 512, 128, 512, 2
@@ -63,16 +61,11 @@ def ragged_dot_lowering(num_experts: int, rows: int = TOTAL_TOKENS * K) -> dict:
           "dense_fallback": dense}
 
 
-def _method(method: str | None):
-  """Compiles with the grouped matmul `method` instead of this backend's default."""
-  if method is None:
-    return contextlib.nullcontext()
-  return mock.patch.object(grouped_matmul, "default_method", lambda: method)
-
-
-def _layer_fn(num_experts: int, router: dict, method: str | None = None):
+def _layer_fn(num_experts: int, router: dict, method: str = "auto"):
+  """The layer's forward + backward with the grouped matmul `method` (dropless routers)."""
   groups = TOTAL_TOKENS // TOKENS_PER_GROUP
-  layer = MoeMlpBlock(num_experts=num_experts, mlp_dim=MLP, group_size=1, router=router)
+  layer = MoeMlpBlock(num_experts=num_experts, mlp_dim=MLP, group_size=1, router=router,
+                      grouped_matmul=method)
   x = jnp.asarray(np.random.default_rng(0).standard_normal((groups, TOKENS_PER_GROUP, HIDDEN)),
                   jnp.float32)
   params = nn.meta.unbox(layer.init({"params": jax.random.key(0), "gating": jax.random.key(1)},
@@ -82,8 +75,7 @@ def _layer_fn(num_experts: int, router: dict, method: str | None = None):
     y, metrics = layer.apply({"params": params}, x, train=True,
                              rngs={"gating": jax.random.key(2)})
     return jnp.sum(y * y) + metrics["auxiliary_loss"]
-  with _method(method):
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
   return (lambda: compiled(params, x)), _cost(compiled)
 
 
@@ -136,6 +128,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--experts", default="8,32")
   parser.add_argument("--presets", default="tiny")
   parser.add_argument("--rounds", type=int, default=5)
+  harness.add_record_option(parser)
   args = parser.parse_args(argv)
   experts = [int(e) for e in args.experts.split(",") if e]
   record = {"machine": harness.machine(), "date": time.strftime("%Y-%m-%d"),
@@ -163,7 +156,7 @@ def main(argv=None) -> dict:
       print(f"| {name} | {r['routing']} | {r['train_step_ms']:.1f} | "
             f"{r['time_ratio_to_c105']:.2f} | {r['analytic_train_flops'] / 1e9:.1f} | "
             f"{r['xla_train_flops'] / 1e9:.1f} |", flush=True)
-  print(f"written to {harness.write('dropless', record)}")
+  print(f"written to {harness.write('dropless', record, record=args.record)}")
   return record
 
 

@@ -57,6 +57,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--base", type=int, default=4000)
   parser.add_argument("--factor", type=int, default=10)
+  harness.add_record_option(parser)
   args = parser.parse_args()
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
@@ -82,8 +83,7 @@ def main() -> None:
   result = {"machine": harness.machine(), "rows": rows,
             "rss_ratio": rows[-1]["peak_rss_mb"] / rows[0]["peak_rss_mb"],
             "date": time.strftime("%Y-%m-%d")}
-  harness.RESULTS.mkdir(exist_ok=True)
-  (harness.RESULTS / "eval_memory.json").write_text(json.dumps(result, indent=2) + "\n")
+  harness.write("eval_memory", result, record=args.record)
   print(f"peak RSS {rows[0]['peak_rss_mb']:.0f} MB at {rows[0]['test_images']} images, "
         f"{rows[-1]['peak_rss_mb']:.0f} MB at {rows[-1]['test_images']} "
         f"(ratio {result['rss_ratio']:.3f})")

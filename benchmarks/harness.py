@@ -1,6 +1,14 @@
-"""Measurement helpers shared by the benchmarks: machine description, matmul peak, fair timing."""
+"""Measurement helpers shared by the benchmarks: machine description, matmul peak, fair timing,
+and where results go.
+
+A run's results go to runs/benchmarks/ under the checkout (git ignores runs/), so running a
+benchmark leaves the checkout clean; the tracked records in benchmarks/results/, which the docs
+cite, are written only when asked: `add_record_option(parser)` gives a script `--record`, and
+`write(name, result, record=args.record)` honours it.
+"""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -12,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"  # tracked: written with --record
+RUNS = pathlib.Path(__file__).resolve().parents[1] / "runs" / "benchmarks"  # ignored by git
 
 
 def machine() -> dict:
@@ -65,8 +74,20 @@ def interleaved_median_ms(fns: dict, *, rounds: int = 5, steps: int = 4) -> dict
           for name, v in interleaved_rounds_ms(fns, rounds=rounds, steps=steps).items()}
 
 
-def write(name: str, record: dict, results: pathlib.Path = RESULTS) -> pathlib.Path:
-  results.mkdir(parents=True, exist_ok=True)
-  path = results / f"{name}.json"
-  path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+def add_record_option(parser: argparse.ArgumentParser) -> None:
+  """`--record`: the run replaces the tracked record in benchmarks/results/ (what `write` takes
+  as `record`)."""
+  parser.add_argument("--record", action="store_true",
+                      help="write the result to the tracked benchmarks/results/<name>.json "
+                           "instead of runs/benchmarks/<name>.json")
+
+
+def write(name: str, result: dict, directory: pathlib.Path | None = None, *,
+          record: bool = False) -> pathlib.Path:
+  """`result` as <name>.json in `directory` if given, else in the tracked benchmarks/results/ when
+  `record`, else in runs/benchmarks/ (wherever the command runs from); the path written."""
+  directory = pathlib.Path(directory or (RESULTS if record else RUNS))
+  directory.mkdir(parents=True, exist_ok=True)
+  path = directory / f"{name}.json"
+  path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
   return path

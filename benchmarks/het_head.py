@@ -54,6 +54,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--classes", default="10,1000")
   parser.add_argument("--chunk", type=int, default=64)
   parser.add_argument("--rounds", type=int, default=3)
+  harness.add_record_option(parser)
   args = parser.parse_args(argv)
   rows = []
   for classes in map(int, args.classes.split(",")):
@@ -76,7 +77,7 @@ def main(argv=None) -> dict:
       print(f"K={classes:<5} {name:<24} step {row['step_ms']:8.1f} ms, peak {row['peak_mb']:8.1f} "
             f"MB (temp {row['temp_mb']:8.1f} MB), {params:,} parameters", flush=True)
   record = {"machine": harness.machine(), "batch": BATCH, "model": "vit_tiny", "rows": rows}
-  print(f"written to {harness.write('het_head', record)}")
+  print(f"written to {harness.write('het_head', record, record=args.record)}")
   return record
 
 

@@ -5,14 +5,21 @@ a test, and not in `make bench` (it writes a folder of JPEGs).
     .venv/bin/python -m benchmarks.input_pipeline [--images 2000] [--cores 1,2] [--loop-rounds 3]
 
 1. The training stream (runner.data.train_batches, as `vmoe pretrain` reads it: shuffled,
-   decoded, augmented, batched) of an image folder of 320x256 JPEGs, and of the same images as a
-   prepared TFDS dataset, with image_folder's default training preprocessing and with the
-   papers' inception crop, at 224 px; each in a process pinned to 1, 2, ... cores
-   (sched_setaffinity before TensorFlow starts its thread pools).
-2. The loop against the bare step, on this CPU: `vmoe pretrain` of vmoe_tiny (32 px, batch 128,
+   decoded, augmented, batched, the images left as uint8 pixels for the step to normalize) of an
+   image folder of 320x256 JPEGs, of the same images as a prepared TFDS dataset, and of the same
+   images decoded once into TFDS records of raw uint8 pixels (no JPEG decoding in the stream),
+   with image_folder's default training preprocessing and with the papers' inception crop, at
+   224 px; each in a process pinned to 1, 2, ... cores (sched_setaffinity before TensorFlow
+   starts its thread pools).
+2. The train step on uint8 pixels normalized inside it (what crosses to the device when the spec
+   ends in value_range: runner/models/inputs.py) against the same step on float32 images, on
+   this CPU: benchmarks/train_step.py's `tiny` preset (vmoe_tiny), alternating rounds.
+3. The loop against the bare step, on this CPU: `vmoe pretrain` of vmoe_tiny (32 px, batch 128,
    the embedded MNIST) after warm-up, from two whole runs of different lengths, against the same
    model's bare train step (benchmarks/train_step.py's `tiny` preset, which is vmoe_tiny), timed
    in the same process, the two alternating round by round.
+
+Writes runs/benchmarks/input_pipeline.json (benchmarks/results/ with --record).
 """
 from __future__ import annotations
 
@@ -55,39 +62,51 @@ def write_jpegs(root: pathlib.Path, count: int) -> None:
                                                                     quality=90)
 
 
+# The TFDS datasets made of the folder: its JPEGs as records (what `tfds build` writes of a
+# downloaded dataset), and its images decoded once, as records of raw pixels.
+RECORDS = {"tfds": "jpeg_records", "raw_tfds": "pixel_records"}
+
+
 def prepared_tfds(root: pathlib.Path, data_dir: pathlib.Path) -> None:
-  """The folder's JPEGs as a prepared TFDS dataset, `jpeg_records` (records of the encoded
-  bytes, as `tfds build` writes a downloaded dataset)."""
+  """The folder's images as the two prepared TFDS datasets of RECORDS."""
   import tensorflow_datasets as tfds
   tfds.disable_progress_bar()
-  _jpeg_records_builder()(data_dir=str(data_dir), root=str(root)).download_and_prepare()
+  for kind in RECORDS:
+    _records_builder(kind)(data_dir=str(data_dir), root=str(root)).download_and_prepare()
 
 
-def _jpeg_records_builder():
-  """A TFDS builder over the folder's JPEGs (defined on first use: it imports TensorFlow)."""
+def _records_builder(kind: str):
+  """The TFDS builder of RECORDS[kind] over the folder (defined on first use: it imports
+  TensorFlow): the JPEG bytes as they are, or their pixels as a uint8 tensor."""
   import tensorflow_datasets as tfds
+  raw = kind == "raw_tfds"
+  image = (tfds.features.Tensor(shape=(256, 320, 3), dtype=np.uint8) if raw
+           else tfds.features.Image(shape=(None, None, 3), encoding_format="jpeg"))
 
-  class JpegRecords(tfds.core.GeneratorBasedBuilder):
-    VERSION = tfds.core.Version("1.0.0")
-    pkg_dir_path = pathlib.Path(__file__).parent  # a builder outside a dataset package needs it
+  def __init__(self, *, root: str = "", **kwargs):
+    self.root = pathlib.Path(root)
+    tfds.core.GeneratorBasedBuilder.__init__(self, **kwargs)
 
-    def __init__(self, *, root: str = "", **kwargs):
-      self.root = pathlib.Path(root)
-      super().__init__(**kwargs)
+  def _info(self):
+    return self.dataset_info_from_configs(features=tfds.features.FeaturesDict({
+        "image": image, "label": tfds.features.ClassLabel(num_classes=10)}))
 
-    def _info(self):
-      return self.dataset_info_from_configs(features=tfds.features.FeaturesDict({
-          "image": tfds.features.Image(shape=(None, None, 3), encoding_format="jpeg"),
-          "label": tfds.features.ClassLabel(num_classes=10)}))
+  def _split_generators(self, dl_manager):
+    return {split: self._generate_examples(self.root / split) for split in ("train", "test")}
 
-    def _split_generators(self, dl_manager):
-      return {split: self._generate_examples(self.root / split) for split in ("train", "test")}
+  def _generate_examples(self, folder: pathlib.Path):
+    from PIL import Image
+    for path in sorted(folder.glob("*/*.jpg")):
+      pixels = np.asarray(Image.open(path).convert("RGB")) if raw else str(path)
+      yield path.name, {"image": pixels, "label": int(path.parent.name[1:])}
 
-    def _generate_examples(self, folder: pathlib.Path):
-      for path in sorted(folder.glob("*/*.jpg")):
-        yield path.name, {"image": str(path), "label": int(path.parent.name[1:])}
-
-  return JpegRecords
+  # TFDS names a builder after its class (JpegRecords: jpeg_records) as the class is made.
+  name = "".join(word.title() for word in RECORDS[kind].split("_"))
+  return type(name, (tfds.core.GeneratorBasedBuilder,), {
+      "VERSION": tfds.core.Version("1.0.0"),
+      "pkg_dir_path": pathlib.Path(__file__).parent,  # a builder outside a dataset package
+      "__init__": __init__, "_info": _info, "_split_generators": _split_generators,
+      "_generate_examples": _generate_examples})
 
 
 def stream_rate(source_kind: str, root: str, pp: str, batches: int) -> dict:
@@ -96,15 +115,17 @@ def stream_rate(source_kind: str, root: str, pp: str, batches: int) -> dict:
   if source_kind == "image_folder":
     source = data.open_source("image_folder", root=root)
   else:  # the prepared records (prepared_tfds), opened as any prepared TFDS dataset
-    _jpeg_records_builder()  # registers its name with TFDS
-    source = data.open_source("jpeg_records", data_dir=root)
+    _records_builder(source_kind)  # registers its name with TFDS
+    source = data.open_source(RECORDS[source_kind], data_dir=root)
   stream = data.train_batches(source, "train", pp, BATCH, seed=0)
-  next(stream)  # the first batch pays for building the graph and filling the shuffle buffer
+  first = next(stream)  # pays for building the graph and filling the shuffle buffer
   start = time.perf_counter()
   for _ in range(batches):
     next(stream)
   seconds = time.perf_counter() - start
-  return {"images_per_s": batches * BATCH / seconds, "cores": len(os.sched_getaffinity(0))}
+  return {"images_per_s": batches * BATCH / seconds, "cores": len(os.sched_getaffinity(0)),
+          "image_dtype": str(first["image"].dtype),
+          "bytes_per_image": first["image"].nbytes // BATCH}
 
 
 def _pinned(cores: int, args: list[str]) -> dict:
@@ -130,6 +151,45 @@ def _pretrain_seconds(steps: int) -> float:
   seconds = time.perf_counter() - start
   assert code == 0
   return seconds
+
+
+def uint8_against_float32_step(rounds: int, steps: int = 10) -> dict:
+  """Per round, the bare step's ms on a float32 batch and on a batch of uint8 pixels with
+  value_range(-1,1)'s rows (the step converts them), alternating."""
+  import jax
+  from benchmarks import train_step
+  from runner.config.preprocessing import DEVICE_VALUE_RANGE
+  from runner.models import build_model
+  preset = train_step.PRESETS["tiny"]
+  model = build_model(train_step.model_configs(preset, "float32")["vmoe"], preset["num_classes"])
+  shape = (preset["image_size"], preset["image_size"], 3)
+  runs = {}
+  for kind in ("float32", "uint8"):
+    step, state, batch = train_step.jitted_train_step(model, shape, preset["batch_size"],
+                                                      preset["num_classes"])
+    if kind == "uint8":
+      rows = len(batch["image"])
+      batch = {**batch, "image": np.random.default_rng(0).integers(0, 256, (rows, *shape),
+                                                                   np.uint8),
+               DEVICE_VALUE_RANGE: np.tile(np.float32([[-1, 2, 0, 255]]), (rows, 1))}
+    runs[kind] = _Stepper(step, state, jax.device_put(batch))
+    jax.block_until_ready(runs[kind]())  # compiles
+  times = harness.interleaved_rounds_ms(runs, rounds=rounds, steps=steps)
+  ratios = [u / f for u, f in zip(times["uint8"], times["float32"])]
+  return {"float32_step_ms": times["float32"], "uint8_step_ms": times["uint8"],
+          "uint8_over_float32_per_round": ratios,
+          "uint8_over_float32": statistics.median(ratios)}
+
+
+class _Stepper:
+  """One train step per call on the same batch; the state is donated and replaced."""
+
+  def __init__(self, step, state, batch):
+    self.step, self.state, self.batch = step, state, batch
+
+  def __call__(self):
+    self.state, metrics = self.step(self.state, self.batch)
+    return metrics["train/loss"]
 
 
 def loop_against_bare_step(rounds: int, short: int = 10, long: int = 50, steps: int = 10) -> dict:
@@ -165,10 +225,13 @@ def main() -> None:
   parser.add_argument("--batches", type=int, default=8, help="timed batches of 128 per stream")
   parser.add_argument("--cores", default=None, help="comma list; default 1 and all")
   parser.add_argument("--loop-rounds", type=int, default=3, help="0 skips the loop measurement")
+  parser.add_argument("--step-rounds", type=int, default=5,
+                      help="uint8 against float32 step rounds; 0 skips them")
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--kind", default="image_folder", help=argparse.SUPPRESS)
   parser.add_argument("--root", default="", help=argparse.SUPPRESS)
   parser.add_argument("--pp", default="", help=argparse.SUPPRESS)
+  harness.add_record_option(parser)
   args = parser.parse_args()
   if args.child:
     cores = int(os.environ.get("VMOE_BENCH_CORES", "0"))
@@ -185,20 +248,25 @@ def main() -> None:
     write_jpegs(root, args.images)
     records = pathlib.Path(tmp) / "tfds"
     prepared_tfds(root, records)
-    for (kind, where), (name, pp), n in itertools.product(
-        (("image_folder", root), ("tfds", records)), PIPELINES.items(), cores):
+    kinds = (("image_folder", root), ("tfds", records), ("raw_tfds", records))
+    for (kind, where), (name, pp), n in itertools.product(kinds, PIPELINES.items(), cores):
       result = _pinned(n, ["--kind", kind, "--root", str(where), "--pp", pp,
                            "--batches", str(args.batches)])
       key = f"{kind}/{name}/{n}_cores"
       record["streams"][key] = result
       print(f"{key:<40} {result['images_per_s']:8.0f} images/s "
             f"({result['images_per_s'] / n:6.0f} per core)", flush=True)
+  if args.step_rounds:
+    record["uint8_step"] = uint8_against_float32_step(args.step_rounds)
+    print(f"train step on uint8 / on float32 images (vmoe_tiny, batch 128): "
+          f"{record['uint8_step']['uint8_over_float32']:.3f} (per round "
+          f"{', '.join(f'{r:.3f}' for r in record['uint8_step']['uint8_over_float32_per_round'])})")
   if args.loop_rounds:
     record["loop"] = loop_against_bare_step(args.loop_rounds)
     print(f"vmoe pretrain / bare step (vmoe_tiny, batch 128): "
           f"{record['loop']['loop_over_bare']:.3f} (per round "
           f"{', '.join(f'{r:.3f}' for r in record['loop']['loop_over_bare_per_round'])})")
-  print(f"wrote {harness.write('input_pipeline', record)}")
+  print(f"wrote {harness.write('input_pipeline', record, record=args.record)}")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--preset", default="tiny")
   parser.add_argument("--dtype", default="float32")
   parser.add_argument("--rounds", type=int, default=7)
+  harness.add_record_option(parser)
   args = parser.parse_args(argv)
   result = measure(args.preset, args.dtype, args.rounds)
   for name, r in result["models"].items():
@@ -69,7 +70,7 @@ def main(argv=None) -> dict:
           f"{r['analytic_flop_ratio']:.3f} (XLA {r['xla_flop_ratio']:.3f}), pbe_overhead "
           f"{r['pbe_overhead']:.3f}", flush=True)
   record = {"machine": harness.machine(), "preset": args.preset, "dtype": args.dtype, **result}
-  print(f"written to {harness.write('pbe_step', record)}")
+  print(f"written to {harness.write('pbe_step', record, record=args.record)}")
   return record
 
 

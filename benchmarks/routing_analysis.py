@@ -70,6 +70,7 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--models", default="vmoe_tiny,ecmoe_tiny,softmoe_tiny")
   parser.add_argument("--rounds", type=int, default=7)
+  harness.add_record_option(parser)
   args = parser.parse_args(argv)
   record = {"machine": harness.machine(), "models": {}}
   for name in args.models.split(","):
@@ -80,7 +81,7 @@ def main(argv=None) -> dict:
           f"{ms['analysis']:.0f} ms for {result['images']} images: overhead "
           f"{result['overhead']:+.1%}", flush=True)
   record["overhead"] = max(r["overhead"] for r in record["models"].values())
-  print(f"written to {harness.write('routing_analysis', record)}")
+  print(f"written to {harness.write('routing_analysis', record, record=args.record)}")
   return record
 
 

@@ -1,12 +1,22 @@
-"""`make bench`: every benchmark; a summary of all of them in benchmarks/results/latest.json."""
+"""`make bench`: every benchmark, and a summary of all of them (latest.json).
+
+Each writes its JSON to runs/benchmarks/, the summary beside them; `--record`: all of them to the
+tracked benchmarks/results/ instead.
+"""
 from __future__ import annotations
+
+import argparse
 
 from benchmarks import (bpr_inference, device_scaling, dispatch_scaling, harness,
                         routing_analysis, train_step)
 
 
-def main() -> dict:
-  steps = train_step.main(["--presets", "tiny,bigger"])
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  harness.add_record_option(parser)
+  args = parser.parse_args(argv)
+  record = ["--record"] if args.record else []
+  steps = train_step.main(["--presets", "tiny,bigger", *record])
   latest = {
       "machine": steps["machine"],
       "matmul_peak_gflops": steps["matmul_peak_gflops"],
@@ -17,12 +27,12 @@ def main() -> dict:
                      "analytic_flop_ratio": result["analytic_flop_ratio"],
                      "time_ratio": result["time_ratio"]}
                   for name, result in steps["presets"].items()},
-      "dispatch_scaling": dispatch_scaling.main([])["rows"],
-      "bpr_inference": bpr_inference.main([])["rows"],
-      "device_scaling": device_scaling.main([])["runs"],
-      "routing_analysis": routing_analysis.main([])["models"],
+      "dispatch_scaling": dispatch_scaling.main(record)["rows"],
+      "bpr_inference": bpr_inference.main(record)["rows"],
+      "device_scaling": device_scaling.main(record)["runs"],
+      "routing_analysis": routing_analysis.main(record)["models"],
   }
-  print(f"wrote {harness.write('latest', latest)}")
+  print(f"wrote {harness.write('latest', latest, record=args.record)}")
   return latest
 
 

@@ -66,10 +66,14 @@ def model_configs(preset: dict, dtype: str) -> dict[str, ModelConfig]:
 SPARSE = ("vmoe", "experts_choice", "soft")  # compared with "dense"
 
 
-def jitted_train_step(model, shape: tuple, batch_size: int, classes: int, **step_options):
-  """(jitted Adam train step, its initial state, a synthetic batch), not compiled yet;
-  `step_options` go to make_train_step (e.g. a balance bias's update rate)."""
-  params, _ = state_lib.init_params(model, shape, seed=0)
+def jitted_train_step(model, shape: tuple, batch_size: int, classes: int, params=None,
+                      **step_options):
+  """(jitted Adam train step, its initial state, a synthetic batch), not compiled yet. The state
+  starts from `params` if given (the step donates its state: pass a copy to keep them), else
+  from the model's init at seed 0; `step_options` go to make_train_step (e.g. a balance bias's
+  update rate)."""
+  if params is None:
+    params, _ = state_lib.init_params(model, shape, seed=0)
   schedule = schedules.make_schedule("linear", 1e-3, 10_000, 100)
   tx = optimizers.make_optimizer("adam", schedule, params, grad_clip_norm=1.0)
   state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
@@ -106,13 +110,15 @@ class TrainStep:
     return metrics["train/loss"]
 
 
-def prepare_train_step(config: ModelConfig, preset: dict, **step_options) -> TrainStep:
+def prepare_train_step(config: ModelConfig, preset: dict, *, params=None, warmup: int = 2,
+                       **step_options) -> TrainStep:
   """The train step of `config` at the preset's image size, batch and classes, compiled and
-  warmed up."""
+  warmed up by `warmup` steps; `params`: as `jitted_train_step` takes them."""
   batch_size, classes = preset["batch_size"], preset["num_classes"]
   model = build_model(config, classes)
   shape = (preset["image_size"], preset["image_size"], 3)
-  step, state, batch = jitted_train_step(model, shape, batch_size, classes, **step_options)
+  step, state, batch = jitted_train_step(model, shape, batch_size, classes, params,
+                                         **step_options)
   start = time.perf_counter()
   compiled = step.lower(state, batch).compile()
   compile_s = time.perf_counter() - start
@@ -122,7 +128,7 @@ def prepare_train_step(config: ModelConfig, preset: dict, **step_options) -> Tra
                        compile_s=compile_s,
                        xla_flops=float((cost or {}).get("flops", float("nan"))),
                        num_params=sum(x.size for x in jax.tree.leaves(state.params)))
-  for _ in range(2):  # warm up
+  for _ in range(warmup):
     jax.block_until_ready(prepared.run())
   return prepared
 
@@ -190,6 +196,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--families", default=",".join(SPARSE),
                       help="sparse models compared with the ViT: vmoe (token-choice), "
                            "experts_choice, soft")
+  harness.add_record_option(parser)
   args = parser.parse_args(argv)
   families = tuple(f for f in args.families.split(",") if f)
   peak = harness.matmul_peak_gflops()
@@ -214,7 +221,8 @@ def main(argv=None) -> dict:
                         for kind in families}
   if "vmoe" in families:
     record["moe_overhead"] = record["overhead"]["vmoe"]
-  print(f"matmul peak {peak:.0f} GFLOP/s; written to {harness.write(args.name, record)}")
+  path = harness.write(args.name, record, record=args.record)
+  print(f"matmul peak {peak:.0f} GFLOP/s; written to {path}")
   return record
 
 
