@@ -271,7 +271,7 @@ class _Run:
     self.batches = placement.prefetch(data.train_batches(
         self.source, d.split, d.pp_train, self.batch_size // self.processes["process_count"],
         seed=self.seed, start=self.position, shuffle_buffer=d.shuffle_buffer,
-        label_noise=d.label_noise, num_shards=d.num_shards,
+        label_noise=d.label_noise, num_shards=d.num_shards, cache=d.cache,
         text=self.pairs.text if self.pairs else None, **self.processes))
     self.start_step = int(self.state.step)
     self.progress = Progress(self.steps, self.start_step, self.batch_size, desc=self.stage,
@@ -289,6 +289,7 @@ class _Run:
     """The loss and precision (or a contrastive run's measurements) of a split."""
     batches = data.eval_batches(self.source, split, self.config.data.pp,
                                 self.eval_batch_size // self.processes["process_count"],
+                                cache=self.config.data.cache,
                                 text=self.pairs.text if self.pairs else None, **self.processes)
     if self.pairs:
       return self.pairs.evaluator(batches, prefix, self.placement.put)

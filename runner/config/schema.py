@@ -278,6 +278,9 @@ class DataConfig:
   batch_size: int = key(128, at_least(1))
   eval_batch_size: Optional[int] = key(None, at_least(1), "null: batch_size")
   shuffle_buffer: int = key(50_000, at_least(1))
+  cache: Optional[bool] = key(None, hint="keep the split's records in memory after the first "
+                              "epoch: null where it has at most 200,000 examples (per shard), "
+                              "true always, false never")
   num_shards: Optional[int] = key(None, at_least(1), "training reads the split in this many "
                                   "shards, each process its share; null: one per process. A "
                                   "run's batches depend on it, not on the process count")

@@ -163,7 +163,7 @@ def noisy_labels(source: Source, fraction: float):
 def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed: int,
                   start: int = 0, shuffle_buffer: int = 50_000, process_index: int = 0,
                   process_count: int = 1, label_noise: float = 0.0,
-                  num_shards: int | None = None,
+                  num_shards: int | None = None, cache: bool | None = None,
                   text: TextSpec | None = None) -> Iterator[dict[str, np.ndarray]]:
   """Endless batches of this process (`batch_size` rows) from example position `start` (counted
   per process) onwards.
@@ -177,6 +177,9 @@ def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed:
   inputs in the step) and float32 otherwise, and `labels` (B, num_classes) float32; with
   `text`, also `tokens` (B, max_length) int32, and `labels` only if the dataset has classes.
   `label_noise` replaces that fraction of the training labels by random classes (`noisy_labels`).
+  `cache` keeps each shard's records (as read: encoded images stay encoded) in memory after its
+  first epoch, so later epochs read no files: None (data.cache's default) where a shard has at
+  most 200,000 examples.
   """
   _check_labels(source, text)
   if label_noise and not source.num_classes:
@@ -190,7 +193,8 @@ def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed:
   streams = [_shard_stream(source, split, pp, batch_size // mine, seed=seed,
                            start=start // mine, shuffle_buffer=shuffle_buffer,
                            shard=process_index * mine + i, shards=shards,
-                           label_noise=label_noise, text=text) for i in range(mine)]
+                           label_noise=label_noise, cache=cache, text=text)
+             for i in range(mine)]
   if mine == 1:
     ds = streams[0]
   else:
@@ -202,7 +206,7 @@ def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed:
 
 def _shard_stream(source: Source, split: str, pp: str, batch_size: int, *, seed: int, start: int,
                   shuffle_buffer: int, shard: int, shards: int, label_noise: float,
-                  text: TextSpec | None = None) -> tf.data.Dataset:
+                  cache: bool | None = None, text: TextSpec | None = None) -> tf.data.Dataset:
   """Endless batches of one shard of the split from position `start` (counted in the shard)."""
   preprocess = _finish(source, pp, text, train=True)
   if label_noise:
@@ -214,7 +218,7 @@ def _shard_stream(source: Source, split: str, pp: str, batch_size: int, *, seed:
   if num < batch_size:  # the training task checks this first, naming the keys (tasks/fit.py)
     raise DataError(f"split {split!r} of {source.name!r} has {num} examples per shard, fewer "
                     f"than one batch of {batch_size}")
-  if num <= _CACHE_MAX_EXAMPLES:
+  if cache or (cache is None and num <= _CACHE_MAX_EXAMPLES):
     raw = raw.cache()
   buffer = min(shuffle_buffer, num)
   first_epoch, offset = divmod(start, num)
@@ -230,21 +234,22 @@ def _shard_stream(source: Source, split: str, pp: str, batch_size: int, *, seed:
 
 
 def eval_batches(source: Source, split: str, pp: str, batch_size: int, *, process_index: int = 0,
-                 process_count: int = 1, cache: bool = True,
+                 process_count: int = 1, cache: bool | None = None,
                  text: TextSpec | None = None) -> tf.data.Dataset | TokenizedBatches:
   """A re-iterable dataset of full-size batches; `_mask` marks real examples, the rest is padding.
 
   Every example of the split is read by exactly one process, and every process yields the same
   number of batches (the collective eval step needs that), padding with masked-out batches.
-  `cache` keeps the raw split in memory for repeated evaluation during training; a one-pass
-  evaluation turns it off so that memory does not grow with the split. With `text`, batches hold
+  `cache` keeps the raw split in memory for repeated evaluation during training (None: where it
+  has at most 200,000 examples); a one-pass evaluation turns it off (False) so that memory does
+  not grow with the split. With `text`, batches hold
   `tokens` of each example's first caption too (and `labels` only if the dataset has classes).
   """
   _check_labels(source, text)
   preprocess = _finish(source, pp, text)
   raw = source.read(split, process_index, process_count, drop_remainder=False)
   total = source.num_examples(split)
-  if cache and total <= _CACHE_MAX_EXAMPLES:
+  if cache or (cache is None and total <= _CACHE_MAX_EXAMPLES):
     raw = raw.cache()
   ds = tf.data.Dataset.zip(tf.data.Dataset.range(1 << 62), raw).map(_with_rng(0))
   ds = ds.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

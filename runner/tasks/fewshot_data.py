@@ -95,10 +95,10 @@ def open_datasets(fewshot: FewshotConfig, base_data: DataConfig) -> dict[str, Fe
 
 
 def batches(opened: dict[str, FewshotData], batch_size: int, *,
-            cache: bool = True) -> dict[str, tuple]:
+            cache: bool | None = None) -> dict[str, tuple]:
   """name -> (pool batches, test batches, num_classes), as FewshotEvaluator takes them.
 
-  `cache` keeps small splits in memory for the repeated evaluations of training.
+  `cache` (None) keeps small splits in memory for the repeated evaluations of training.
   """
   processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
   per_process = batch_size // processes["process_count"]

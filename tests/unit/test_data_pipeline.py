@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import collections
 import itertools
+import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from runner import data
 from runner.config.preprocessing import DEVICE_VALUE_RANGE
+from runner.data import pipeline
 from runner.models import inputs
 
 SPLIT, N = "validation", 179
@@ -238,3 +241,24 @@ def test_error_raised_while_tracing_keeps_its_type(uci):
     data.eval_batches(uci, SPLIT, "keep('label')", 8)
   with pytest.raises(data.PreprocessError, match="removed the label"):
     data.train_batches(uci, SPLIT, "decode(3)|keep('image')", 8, seed=0)
+
+
+@pytest.mark.parametrize("cache, limit, cached", [(None, 200_000, True), (None, 100, False),
+                                                  (True, 100, True), (False, 200_000, False)])
+def test_data_cache_keeps_the_records_in_memory(uci, monkeypatch, cache, limit, cached):
+  """data.cache: null caches a shard of at most the limit's examples (179 here), true any,
+  false none; the stream is the same either way."""
+  calls = []  # the pipeline's own (a source may cache what it reads too)
+  original = tf.data.Dataset.cache
+
+  def spy(self, *args, **kwargs):
+    calls.append(sys._getframe(1).f_code.co_filename == pipeline.__file__)
+    return original(self, *args, **kwargs)
+  monkeypatch.setattr(tf.data.Dataset, "cache", spy)
+  monkeypatch.setattr(pipeline, "_CACHE_MAX_EXAMPLES", limit)
+  stream = take(data.train_batches(uci, SPLIT, AUGMENT, 16, seed=7, cache=cache), 2)
+  eval_ds = data.eval_batches(uci, SPLIT, PLAIN, 64, cache=cache)
+  assert sum(calls) == (2 if cached else 0)
+  monkeypatch.undo()
+  assert_same_batches(stream, take(data.train_batches(uci, SPLIT, AUGMENT, 16, seed=7), 2))
+  assert len(list(eval_ds.as_numpy_iterator())) == 3
