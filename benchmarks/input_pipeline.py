@@ -15,9 +15,9 @@ a test, and not in `make bench` (it writes a folder of JPEGs).
    ends in value_range: runner/models/inputs.py) against the same step on float32 images, on
    this CPU: benchmarks/train_step.py's `tiny` preset (vmoe_tiny), alternating rounds.
 3. The loop against the bare step, on this CPU: `vmoe pretrain` of vmoe_tiny (32 px, batch 128,
-   the embedded MNIST) after warm-up, from two whole runs of different lengths, against the same
-   model's bare train step (benchmarks/train_step.py's `tiny` preset, which is vmoe_tiny), timed
-   in the same process, the two alternating round by round.
+   the embedded MNIST) after warm-up, the images/s the run logs from the end of its first step
+   to its last, against the same model's bare train step (benchmarks/train_step.py's `tiny`
+   preset, which is vmoe_tiny), timed in the same process, the two alternating round by round.
 
 Writes runs/benchmarks/input_pipeline.json (benchmarks/results/ with --record).
 """
@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 from benchmarks import harness
+from runner import builtins
 
 SIZE = 224
 BATCH = 128
@@ -48,7 +49,7 @@ PIPELINES = {  # what each measures: image_folder's default, and the V-MoE paper
 
 def write_jpegs(root: pathlib.Path, count: int) -> None:
   """train/ of 10 classes of smooth 320x256 images (gradients and noise: JPEG-sized like photos,
-  about 15-25 KB each), and a small test/."""
+  about 27-31 KB each), and a small test/."""
   from PIL import Image
   rng = np.random.default_rng(0)
   y, x = np.mgrid[0:256, 0:320]
@@ -138,21 +139,6 @@ def _pinned(cores: int, args: list[str]) -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _pretrain_seconds(steps: int) -> float:
-  """Wall seconds of a whole `vmoe pretrain` of vmoe_tiny for `steps` steps, in this process
-  (always seed 0: the train step is compiled with its seed, and compiled once here)."""
-  from runner import cli
-  workdir = pathlib.Path(tempfile.mkdtemp(prefix="vmoe-loop-")) / "run"
-  start = time.perf_counter()
-  code = cli.main(["pretrain", f"workdir={workdir}", "model=vmoe_tiny", f"train.steps={steps}",
-                   "train.log_every_steps=10", "schedule.warmup_steps=0", "eval.every_steps=0",
-                   "checkpoint.every_steps=0", "logger.wandb.mode=disabled",
-                   "logger.progress=false", "logger.report=false", "seed=0"])
-  seconds = time.perf_counter() - start
-  assert code == 0
-  return seconds
-
-
 def uint8_against_float32_step(rounds: int, steps: int = 10) -> dict:
   """Per round, the bare step's ms on a float32 batch and on a batch of uint8 pixels with
   value_range(-1,1)'s rows (the step converts them), alternating."""
@@ -192,17 +178,31 @@ class _Stepper:
     return metrics["train/loss"]
 
 
-def loop_against_bare_step(rounds: int, short: int = 10, long: int = 50, steps: int = 10) -> dict:
+def _pretrain_images_per_s(steps: int) -> float:
+  """The images/s a whole `vmoe pretrain` of vmoe_tiny logs after `steps` steps in this process:
+  the run's own rate from the end of its first step (compilation) to its last, its data stream,
+  logging and bookkeeping included (always seed 0: compiled once here)."""
+  from runner import cli
+  workdir = pathlib.Path(tempfile.mkdtemp(prefix="vmoe-loop-")) / "run"
+  code = cli.main(["pretrain", f"workdir={workdir}", "model=vmoe_tiny", f"train.steps={steps}",
+                   f"train.log_every_steps={steps}", "schedule.warmup_steps=0",
+                   "eval.every_steps=0", "checkpoint.every_steps=0",
+                   "logger.wandb.mode=disabled", "logger.progress=false", "logger.report=false",
+                   "seed=0"])
+  assert code == 0
+  logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return next(m["train/images_per_s"] for m in logged if "train/images_per_s" in m)
+
+
+def loop_against_bare_step(rounds: int, loop_steps: int = 40, steps: int = 10) -> dict:
   """Per round: the bare step's images/s (median of `steps` steps on one batch already on the
-  device), then the loop's after warm-up: two whole `vmoe pretrain` runs of `short` and `long`
-  steps, whose difference in wall time is what `long - short` steps cost in the loop (start-up,
-  compilation, the final evaluation and checkpoint cancel out), its data stream, logging and
-  bookkeeping included."""
+  device), then the loop's: a whole `vmoe pretrain` of `loop_steps` steps, its own logged
+  images/s after its first step."""
   import jax
   from benchmarks import train_step
   preset = train_step.PRESETS["tiny"]  # vmoe_tiny: 32 px, batch 128, 8 experts on blocks 1, 3
   bare = train_step.prepare_train_step(train_step.model_configs(preset, "float32")["vmoe"], preset)
-  _pretrain_seconds(short)  # compiles into the persistent cache, prepares the data
+  _pretrain_images_per_s(2)  # compiles into the persistent cache, prepares the data
   loop, step = [], []
   for _ in range(rounds):
     times = []
@@ -211,12 +211,10 @@ def loop_against_bare_step(rounds: int, short: int = 10, long: int = 50, steps: 
       jax.block_until_ready(bare.run())
       times.append(time.perf_counter() - start)
     step.append(BATCH / statistics.median(times))
-    extra = _pretrain_seconds(long) - _pretrain_seconds(short)
-    loop.append((long - short) * BATCH / extra)
+    loop.append(_pretrain_images_per_s(loop_steps))
   ratios = [a / b for a, b in zip(loop, step)]
-  return {"bare_step_images_per_s": step, "loop_images_per_s": loop,
-          "loop_steps": [short, long], "loop_over_bare_per_round": ratios,
-          "loop_over_bare": statistics.median(ratios)}
+  return {"bare_step_images_per_s": step, "loop_images_per_s": loop, "loop_steps": loop_steps,
+          "loop_over_bare_per_round": ratios, "loop_over_bare": statistics.median(ratios)}
 
 
 def main() -> None:
@@ -256,6 +254,9 @@ def main() -> None:
       record["streams"][key] = result
       print(f"{key:<40} {result['images_per_s']:8.0f} images/s "
             f"({result['images_per_s'] / n:6.0f} per core)", flush=True)
+  # Every built-in declares its keys before this process makes a config (the step measurement
+  # makes some; the pretrain runs need every key).
+  builtins.register()
   if args.step_rounds:
     record["uint8_step"] = uint8_against_float32_step(args.step_rounds)
     print(f"train step on uint8 / on float32 images (vmoe_tiny, batch 128): "
