@@ -94,8 +94,11 @@ def test_plugin_router_trains_under_expert_parallelism_as_on_one_device(tmp_path
   assert jax.tree.structure(params_ep) == jax.tree.structure(params_one)
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params_ep)[0],
                           jax.tree.leaves(params_one)):
-    # atol: as in test_meshes.py, Adam turns float noise in exactly-zero gradients (the
-    # attention key bias) into updates of up to ~1e-6; everything else agrees to rounding.
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5,
-                               err_msg=jax.tree_util.keystr(path))
+    a, b, name = np.asarray(a), np.asarray(b), jax.tree_util.keystr(path)
+    if name.endswith("['qkv_bias']"):  # (q, k, v) biases: the key's gradient is exactly zero
+      # (softmax ignores a shift shared by every key), so Adam turns the two runs' different
+      # float noise there into updates of up to about 1e-5: it says nothing of the mesh.
+      a, b = a[[0, 2]], b[[0, 2]]
+    # atol: as in test_meshes.py; everything else agrees to rounding.
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
   assert params_ep["block_1"]["moe"]["router"]["dense"]["kernel"].shape == (32, 8)
