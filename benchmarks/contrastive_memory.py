@@ -3,7 +3,7 @@
 The issue's requirement: "the batch x batch logits and HET-XL's samples never materialise more
 than the loss needs — measure peak memory at batch 512". For B pairs, embedding width E and S MC
 samples per example (HET-XL, the HET-XL paper's Eq. 8), the loss + gradient of
-`runner.train.contrastive.softmax_loss` (which takes the samples `chunk` at a time in a
+`runner.losses.contrastive.softmax_loss` (which takes the samples `chunk` at a time in a
 rematerialised scan, so only one chunk's c x B x B logits exist per direction) is compiled next to
 a naive transcription that builds all S x B x B logits of both directions at once. Memory is XLA's
 own accounting of each compiled program (`memory_analysis()`: arguments + outputs + temporaries -
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
+from runner.losses import contrastive
 from runner.models.contrastive import normalize
-from runner.train import contrastive
 
 EMBED = 128  # objective.embedding_dim's default: the width both towers are projected to
 CHUNK = 8  # the chunk of MC samples the step rows were measured with (training's default is 1)

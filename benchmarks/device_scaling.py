@@ -23,11 +23,11 @@ def _worker(steps: int) -> dict:
   """Runs inside the N-device process; prints one JSON line."""
   import jax
   import numpy as np
-  from runner.checkpoint import Checkpointer
+  from runner.checkpoints.checkpoint import Checkpointer
   from runner.models import build_model, model_config
   from runner.parallel import Placement, RULES, make_mesh
   from runner.train import optimizers, schedules, state as state_lib
-  from runner.loop import initial_state
+  from runner.train.loop import initial_state
   from runner.train.step import make_train_step
   import tempfile
   n = jax.device_count()

@@ -14,11 +14,11 @@ import sys
 
 import hydra
 
-from hydra_plugins.vmoe_launchers import sweep_table
-from runner import builtins, plugins, refused_workdir
-from runner.command import allocator, arguments, compose, job, preflight
+from runner import builtins, plugins
+from runner.command import allocator, arguments, compose, job, preflight, sweep_table
 from runner.config import conf_dir
 from runner.errors import UserError
+from runner.workdirs import refused_workdir
 
 SUBCOMMANDS = {
     "pretrain": "train a ViT or V-MoE upstream (default: V-MoE tiny on embedded MNIST-5k)",
@@ -65,14 +65,14 @@ def main(argv: list[str] | None = None) -> int:
   allocator.quiet_environment()
   try:  # before the schemas reach Hydra: a plug-in adds names and keys to them
     plugins.load(plugins.requested(arguments.split_args(rest)[1]))
-    from runner import weights  # lazily, as runner/command does: `vmoe --help` stays fast
+    from runner.checkpoints import weights  # lazily, as runner/command does: `vmoe --help` stays fast
     checkpoints = weights.Checkpoints()  # the checks open each checkpoint path once
     rest = preflight.with_recorded_plugins(sub, rest, checkpoints)
   except UserError as e:
     print(f"vmoe {sub}: error: {e}", file=sys.stderr)
     return 2
   builtins.register()
-  from runner import config_store  # lazily, as weights above
+  from runner.command import config_store  # lazily, as weights above
   config_store.register_configs()  # the schemas, made once now that everything has registered
   if not any(arg.lstrip("+").lower() in ("debug=true", "debug=1") for arg in rest):
     job.quiet_library_noise()

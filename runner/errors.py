@@ -22,6 +22,15 @@ class ConfigError(UserError, ValueError):
   """A config that composes but does not make sense (k > num_experts, no steps, ...)."""
 
 
+class CheckpointError(UserError):
+  """A checkpoint path that does not exist, holds no checkpoint, is partial, corrupted, or does
+  not fit the model. `reason` is the short what-is-wrong of one unreadable step."""
+
+  def __init__(self, message: str, reason: str | None = None):
+    super().__init__(message)
+    self.reason = reason
+
+
 class RunError(VmoeError):
   """The run stopped on its own: divergence, a failed checkpoint save."""
   exit_code = 1

@@ -67,9 +67,9 @@ def pytest_configure(config):
     return
   import absl.logging
   import runner.builtins
-  import runner.config_store
+  import runner.command.config_store
   runner.builtins.register()
-  runner.config_store.register_configs()
+  runner.command.config_store.register_configs()
   # absl's root handler holds whatever sys.stderr was at import (pytest's capture stream) and
   # closes that stream when logging is reconfigured (Hydra does), unless it is the real stderr.
   absl.logging.get_absl_handler().python_handler.stream = sys.__stderr__
@@ -113,7 +113,7 @@ def pytest_runtest_setup(item):
   """As each test module starts, the garbage earlier modules left is collected and what lives on
   (compiled programs, JAX's and Flax's caches, session fixtures: most of a worker's heap by the
   end) is frozen out of the collector's scans, as `vmoe` freezes what its imports made. A full
-  collection (Python's own, or the one after each failed checkpoint read, runner/checkpoint.py)
+  collection (Python's own, or the one after each failed checkpoint read, runner/checkpoints/checkpoint.py)
   then scans what this module made, not the whole heap; the one here scans what the module
   before made. Measured on six GC-heavy modules: 9-17 % less CPU time."""
   module = getattr(item, "module", None)
@@ -196,7 +196,7 @@ def fails_clearly(result, *expected) -> str:
 
 def nothing_like_a_run(workdir: pathlib.Path) -> None:
   """Nothing a resume could take for a run: a refused command removes the workdir it created,
-  and empties one that was an empty folder before (runner/refused_workdir.py)."""
+  and empties one that was an empty folder before (runner/workdirs/refused_workdir.py)."""
   for artefact in ("checkpoints", "wandb", "summary.json", "metrics.jsonl"):
     assert not (workdir / artefact).exists(), artefact
   assert not workdir.exists() or not any(workdir.iterdir()), sorted(workdir.iterdir())

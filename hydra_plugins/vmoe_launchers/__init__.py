@@ -1,3 +1,3 @@
-"""vmoe's Hydra plug-ins (the hydra_plugins namespace): the `parallel` launcher, which
-Hydra's plug-in discovery finds, and the table a sweep prints when it ends (a callback that
-conf/hydra/env/vmoe.yaml names)."""
+"""vmoe's Hydra plug-in (the hydra_plugins namespace): the `parallel` launcher, which Hydra's
+plug-in discovery finds, and the job it starts pinned to its cores (pinned_job.py). It imports the
+runner package; the runner package imports nothing of it."""

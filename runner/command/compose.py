@@ -34,7 +34,7 @@ _PLUGIN_CONFIGS = {"submitit_slurm": "hydra-submitit-launcher",
 
 def register_requested_models(overrides: list[str]) -> None:
   """model=<name> in the catalog grammar (vmoe_b16_every2_e32_k2) becomes a `model` option."""
-  from runner.config_store import register_model
+  from runner.command.config_store import register_model
   from runner.models import catalog
   for ov in overrides:
     key, _, value = ov.partition("=")

@@ -1,6 +1,6 @@
 """Running a stage as Hydra's task function: its config typed, its task run, its page written,
 and an error ending the process with one paragraph and its exit code (runner/errors.py); a job
-refused for bad input leaves no workdir behind (runner/refused_workdir.py)."""
+refused for bad input leaves no workdir behind (runner/workdirs/refused_workdir.py)."""
 from __future__ import annotations
 
 import json
@@ -12,10 +12,11 @@ import sys
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from runner import builtins, config as config_layer, plugins, refused_workdir
+from runner import builtins, config as config_layer, plugins
 from runner.command import allocator
 from runner.config import registries
 from runner.errors import UserError, VmoeError
+from runner.workdirs import refused_workdir
 
 
 def quiet_library_noise() -> None:
@@ -90,7 +91,7 @@ class Job:
     return (_unpickled_job, (self.sub, self.existed, self.devices_checked, plugins.loaded()))
 
   def __call__(self, cfg):
-    from runner import weights
+    from runner.checkpoints import weights
     from runner.tasks import run_task
     sub = self.sub
     hydra_config = HydraConfig.get()
@@ -102,7 +103,7 @@ class Job:
       # config's plug-ins again, in case a launcher composed it with others.
       plugins.load(cfg.get("plugins") or [])
       # Checked before launch; in the job it is checked once more, with its devices, as the
-      # task starts (runner/tasks/common.py).
+      # task starts (runner/stages/common.py).
       checkpoints = weights.Checkpoints()  # the job opens each checkpoint path once
       typed = config_layer.load(sub, cfg, workdir, check=False, checkpoints=checkpoints)
       _sweep_identity(typed)

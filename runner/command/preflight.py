@@ -45,10 +45,10 @@ def _devices_here(composed, launcher: str) -> int | None:
 
 def check(sub: str, args: list[str], checkpoints=None) -> Preflight:
   """Whether the overrides (every job of a sweep) compose and validate, and the launcher can
-  start the jobs from here. `checkpoints`: the runner.weights.Checkpoints that opens the paths
+  start the jobs from here. `checkpoints`: the runner.checkpoints.weights.Checkpoints that opens the paths
   they name (a new one by default)."""
   if checkpoints is None:
-    from runner import weights  # lazily, as every library module here (runner/command)
+    from runner.checkpoints import weights  # lazily, as every library module here (runner/command)
     checkpoints = weights.Checkpoints()
   flags, overrides, show = arguments.split_args(args)
   compose.register_requested_models(overrides)
@@ -80,7 +80,7 @@ def check(sub: str, args: list[str], checkpoints=None) -> Preflight:
       continue
     try:
       # Once, before anything is launched or submitted; what needs the devices too when this
-      # process runs the job, else the job checks that when it starts (runner/tasks/common.py).
+      # process runs the job, else the job checks that when it starts (runner/stages/common.py).
       typed = config_layer.load(sub, composed, check=False, checkpoints=checkpoints)
       devices = _devices_here(composed, choices["launcher"])
       config_layer.validate(typed, devices=devices, checkpoints=checkpoints)
@@ -115,7 +115,7 @@ def with_recorded_plugins(sub: str, args: list[str], checkpoints) -> list[str]:
   """A stage started from runs trained with plug-ins loads them too, and records them as its own
   `plugins=` (so a job in a process of its own, and the next stage, load them): their router
   families, models and evaluators are what those checkpoints need. Said in one line.
-  `checkpoints` (runner.weights.Checkpoints) opens the paths."""
+  `checkpoints` (runner.checkpoints.weights.Checkpoints) opens the paths."""
   overrides = arguments.split_args(args)[1]
   given = plugins.requested(overrides)
   recorded = {}  # module -> the first run that recorded it

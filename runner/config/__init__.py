@@ -6,7 +6,7 @@ object a task runs. `registries` holds the names a config may choose (router fam
 evaluators, optimizers, schedules), filled by the modules that define them, and `sections` the
 keys those modules declare, added to the schema; `mesh` and `preprocessing` the pure rules of
 meshes and preprocessing specs that the checks need. This layer imports no library code above
-it and no Hydra (runner/config_store.py gives the schemas to Hydra); the library receives typed
+it and no Hydra (runner/command/config_store.py gives the schemas to Hydra); the library receives typed
 objects or plain arguments, never the composed dict.
 """
 from __future__ import annotations

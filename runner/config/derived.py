@@ -78,7 +78,7 @@ def predictions_per_image(model: ModelConfig) -> int:
 
 def tokens_per_image(model: ModelConfig) -> int:
   """Patches, plus the class token of a `token` classifier."""
-  classifier = str(getattr(model.classifier, "value", model.classifier))
+  classifier = str(model.classifier)
   return (model.image_size // model.patch_size) ** 2 + (classifier == "token")
 
 
@@ -125,7 +125,7 @@ def bias_update_rate(model: ModelConfig, stage: str) -> float:
   pretrain and 0 (the bias frozen as loaded) in any other stage (finetune). 0 for a model
   without such a bias (a dense ViT, another router, balance=aux_loss)."""
   balance = getattr(model.router, "balance", None)  # token-choice's keys
-  if not num_experts(model) or str(getattr(balance, "value", balance)) != "bias":
+  if not num_experts(model) or str(balance) != "bias":
     return 0.0
   if model.router.bias_update_rate is not None:
     return float(model.router.bias_update_rate)
@@ -154,7 +154,7 @@ def fewshot_in_training(fewshot: FewshotConfig) -> bool:
 
 def model_output(loss) -> str:
   """How a model's (or its ensemble members') outputs are probabilities: softmax or sigmoid."""
-  return "sigmoid" if getattr(loss, "value", loss) == "sigmoid_xent" else "softmax"
+  return "sigmoid" if loss == "sigmoid_xent" else "softmax"
 
 
 def held_models(run) -> list[ModelConfig]:

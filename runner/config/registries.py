@@ -42,7 +42,7 @@ class Registry(Generic[T]):
     return entry
 
   def get(self, name: str) -> T:
-    name = str(getattr(name, "value", name))
+    name = str(name)
     if name not in self._entries:
       raise ConfigError(f"{self.key}={name!r} is not a known {self.kind}; valid: "
                         f"{', '.join(self._entries)} (a plug-in's with plugins=[<its module>]).")
@@ -55,7 +55,7 @@ class Registry(Generic[T]):
     return iter(list(self._entries.items()))
 
   def __contains__(self, name) -> bool:
-    return str(getattr(name, "value", name)) in self._entries
+    return str(name) in self._entries
 
   def __iter__(self) -> Iterator[str]:
     return iter(self.names())

@@ -32,7 +32,7 @@ def _show(value) -> str:
   """A value as one would type it in an override."""
   if isinstance(value, bool):
     return str(value).lower()
-  return str(getattr(value, "value", value))
+  return str(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,7 +453,7 @@ def optimizer_rules(optim: OptimConfig):
 @relation
 def warmup_fits_the_run(schedule: ScheduleConfig, optim: OptimConfig, train: TrainConfig):
   """With train.steps given; a run of train.epochs is checked once its split size is known
-  (runner/tasks/fit.py)."""
+  (runner/stages/fit.py)."""
   if train.steps is None:
     return None
   return warmup_problem(schedule, optim, train.steps, f"train.steps={train.steps}")
@@ -569,7 +569,7 @@ def _checkpoint_objective(path: str, checkpoints) -> str | None:
 def classifier_from_a_tower(run: TrainTask, checkpoints):
   """A classifier starts from a contrastive checkpoint only from the tower init.tower names, and
   init.tower names a tower only of a contrastive checkpoint. `checkpoints` reads what
-  init.checkpoint was trained for (runner.weights.Checkpoints; given before launch)."""
+  init.checkpoint was trained for (runner.checkpoints.weights.Checkpoints; given before launch)."""
   init, tower = run.init, f"init.tower={_show(run.init.tower)}"
   if init.tower is not None and not init.checkpoint:
     return (f"{tower} names a tower of init.checkpoint, which is not set; give "
@@ -674,7 +674,7 @@ def ensemble_members_agree(run: EnsembleRun):
 # --- vmoe export -------------------------------------------------------------------------------
 
 # What an export folder holds (runner/export, runner/tasks/export.py) besides Hydra's record of
-# the command (.hydra/, a .log) and the workdir lock (.vmoe.lock, runner/workdir_lock.py): a
+# the command (.hydra/, a .log) and the workdir lock (.vmoe.lock, runner/workdirs/workdir_lock.py): a
 # rerun may replace these, nothing else.
 EXPORT_FILES = ("model.safetensors", "config.json", "modeling_vmoe.py", "README.md",
                 "summary.json")
@@ -684,7 +684,7 @@ _EXPORT_BOOKKEEPING = (".hydra", ".vmoe.lock")
 @relation
 def export_a_finished_classifier(run: ExportRun, checkpoints):
   """An export takes a classifier whose run has ended (or a step folder, or a released
-  checkpoint); `checkpoints` (runner.weights.Checkpoints) says whether the run is finished."""
+  checkpoint); `checkpoints` (runner.checkpoints.weights.Checkpoints) says whether the run is finished."""
   if run.objective.name == Objective.contrastive:
     return (f"init.checkpoint={run.init.checkpoint} is a contrastive run (an image and a text "
             "tower): vmoe export writes classifiers; fine-tune its image tower into one (vmoe "

@@ -5,7 +5,7 @@ from the config stored with the checkpoint, with the command line's non-null `mo
 keys on top (interpolations such as `${model.image_size}` in a data option resolve against the
 merged model). Each result is checked by `validate` before it is returned.
 
-The checkpoints are read by the caller's `CheckpointReader` (runner.weights.Checkpoints): the
+The checkpoints are read by the caller's `CheckpointReader` (runner.checkpoints.weights.Checkpoints): the
 config layer sits below everything that knows checkpoint formats.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ def as_dict(config) -> dict:
 
 
 class CheckpointReader(Protocol):
-  """What a checkpoint says about itself; runner.weights.Checkpoints is one."""
+  """What a checkpoint says about itself; runner.checkpoints.weights.Checkpoints is one."""
 
   def stored_config(self, path: str) -> dict | None:
     """The config stored with one of our checkpoints; None for a released one (it has none)."""
@@ -272,7 +272,7 @@ def released_config(path: str, cfg: DictConfig, task: str,
 def _stored(path: str, cfg: DictConfig, task: str, checkpoints: CheckpointReader | None) -> dict:
   if checkpoints is None:
     raise ValueError(f"the config of vmoe {task} comes from its checkpoints: load it with "
-                     "checkpoints=runner.weights.Checkpoints() (or another CheckpointReader)")
+                     "checkpoints=runner.checkpoints.weights.Checkpoints() (or another CheckpointReader)")
   stored = checkpoints.stored_config(path)
   return released_config(path, cfg, task, checkpoints) if stored is None else stored
 
@@ -281,7 +281,7 @@ def load(task: str, cfg: DictConfig, workdir: str | None = None, *, check: bool 
          checkpoints: CheckpointReader | None = None):
   """The typed config of subcommand `task`, validated unless `check` is off (a job validates
   once, against its devices, when it starts). eval, fewshot and ensemble read their checkpoints'
-  stored configs with `checkpoints` (runner.weights.Checkpoints)."""
+  stored configs with `checkpoints` (runner.checkpoints.weights.Checkpoints)."""
   # Typing a composed config is a use of the schema: in a job's own process (SLURM's), after its
   # plug-ins have loaded, nothing has made it yet.
   sections.complete()

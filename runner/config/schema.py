@@ -1,6 +1,6 @@
 """Typed schemas of every config: each key's type, default, valid range and hint, in one place.
 
-Hydra composes the YAML files in conf/ against these dataclasses (runner/config_store.py registers
+Hydra composes the YAML files in conf/ against these dataclasses (runner/command/config_store.py registers
 them), so an unknown key or a value of the wrong type fails at composition. `key(default, check,
 hint)` adds what a type cannot say (steps >= 1, a probability in [0, 1]); relations between keys
 (k <= experts, batch divisible by devices) are in runner/config/relations.py. Both are checked by
@@ -28,100 +28,100 @@ from runner.config.mesh import MESH_AXES, RULES
 MISSING = "???"
 
 
-class Loss(str, enum.Enum):
+class Loss(enum.StrEnum):
   softmax_xent = "softmax_xent"
   sigmoid_xent = "sigmoid_xent"
 
 
-class Classifier(str, enum.Enum):
+class Classifier(enum.StrEnum):
   token = "token"
   gap = "gap"
   map = "map"
 
 
-class Priority(str, enum.Enum):
+class Priority(enum.StrEnum):
   max = "max"
   sum = "sum"
 
 
-class Dispatcher(str, enum.Enum):
+class Dispatcher(enum.StrEnum):
   indices = "indices"
   einsum = "einsum"
 
 
-class GroupedMatmul(str, enum.Enum):
+class GroupedMatmul(enum.StrEnum):
   """How dropless routing's experts run their rows (runner/models/moe/grouped_matmul.py)."""
   auto = "auto"  # the method measured to be a grouped kernel on the backend: blocks, today
   blocks = "blocks"  # every expert's rows padded to blocks, one batched matmul
   ragged_dot = "ragged_dot"  # jax.lax.ragged_dot, dense over every expert in XLA (jaxlib 0.10)
 
 
-class EnsembleVariant(str, enum.Enum):
+class EnsembleVariant(enum.StrEnum):
   """Partitioned batch ensembles and the two ablations of the E³ paper's Table 3."""
   pbe = "pbe"  # tiled representations, experts partitioned between the members
   tiling_only = "tiling_only"  # tiled representations, one router over all experts
   partition_only = "partition_only"  # no tiling: each token picks k experts in every partition
 
 
-class HeadType(str, enum.Enum):
+class HeadType(enum.StrEnum):
   """The classifier head: deterministic, or heteroscedastic (Collier et al., HET-XL paper)."""
   det = "det"  # a linear classifier
   het = "het"  # Gaussian noise on the logits, MC-averaged probabilities
   het_xl = "het_xl"  # Gaussian noise on the pre-logits, through the shared linear classifier
 
 
-class FewshotProtocol(str, enum.Enum):
+class FewshotProtocol(enum.StrEnum):
   """How the few-shot ridge sees the features (runner/evaluators/fewshot_math.py)."""
   reference = "reference"  # standardised by the shots' mean and std, bias feature 100 (vmoe)
   plain = "plain"  # raw features, a bias column of ones
 
 
-class CapacityRounding(str, enum.Enum):
+class CapacityRounding(enum.StrEnum):
   """How an expert's buffer size follows from k * tokens * C / E (runner/models/moe/routing.py)."""
   paper = "paper"  # round half up, at least 1 (V-MoE §2.4)
   reference = "reference"  # ceil, then up to a multiple of 4 (vmoe/moe.py compute_capacity)
 
 
-class Objective(str, enum.Enum):
-  """What a training stage learns (runner/tasks/training.py)."""
+class Objective(enum.StrEnum):
+  """What a training stage learns (runner/stages/training.py)."""
   classification = "classification"  # images -> labels (a ViT / V-MoE classifier)
   contrastive = "contrastive"  # image-text pairs -> aligned embeddings (two towers, LiT)
 
 
-class ContrastiveLoss(str, enum.Enum):
+class ContrastiveLoss(enum.StrEnum):
   softmax = "softmax"  # symmetric cross-entropy over the batch (CLIP, LiT, HET-XL's Eq. 6)
   sigmoid = "sigmoid"  # one binary term per pair (SigLIP)
 
 
-class TokenizerKind(str, enum.Enum):
+class TokenizerKind(enum.StrEnum):
   bytes = "bytes"  # UTF-8 bytes: nothing to train or download
   sentencepiece = "sentencepiece"  # a SentencePiece model file the user gives (text.tokenizer.path)
   train = "train"  # a SentencePiece model trained by vmoe on the training captions
 
 
-class TextPool(str, enum.Enum):
+class TextPool(enum.StrEnum):
   last = "last"  # the end-of-text token's representation (CLIP, LiT)
   mean = "mean"  # the mean over the caption's tokens
   first = "first"
 
 
-class Tower(str, enum.Enum):
+class Tower(enum.StrEnum):
   image = "image"
 
 
-class WandbMode(str, enum.Enum):
+class WandbMode(enum.StrEnum):
   online = "online"
   offline = "offline"
   disabled = "disabled"
 
 
-class DType(str, enum.Enum):
+class DType(enum.StrEnum):
   float32 = "float32"
   bfloat16 = "bfloat16"
   float16 = "float16"
 
 
-class Attention(str, enum.Enum):
+class Attention(enum.StrEnum):
   auto = "auto"
   xla = "xla"
   cudnn = "cudnn"

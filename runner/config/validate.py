@@ -47,7 +47,7 @@ def field_problems(node, prefix: str = "") -> list[str]:
 def problems(config, devices: int | None = None, checkpoints=None, *,
              device_checks_only: bool = False) -> list[str]:
   """Everything wrong with `config`; relations needing the device count run when it is given,
-  relations reading a checkpoint's stored config when `checkpoints` (runner.weights.Checkpoints)
+  relations reading a checkpoint's stored config when `checkpoints` (runner.checkpoints.weights.Checkpoints)
   is.
 
   Before launch the CLI checks what needs no devices; the job then checks only what does

@@ -41,7 +41,7 @@ def make_tokenizer(config: TokenizerConfig, *, texts: Iterable[str] | None = Non
                    workdir: str | None = None) -> Tokenizer:
   """The tokenizer `config` (text.tokenizer.*) describes; kind=train needs the training `texts`
   and trains once per `workdir` (a model already there is reused: a resumed run keeps its ids)."""
-  kind = getattr(config.kind, "value", config.kind)
+  kind = config.kind
   if kind == "bytes":
     return Tokenizer(vocab_size=256 + NUM_SPECIAL,
                      ids=lambda text: [b + NUM_SPECIAL for b in text.encode("utf-8")])

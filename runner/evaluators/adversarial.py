@@ -52,13 +52,13 @@ from runner.config.relations import relation
 from runner.config.schema import EvalSuiteConfig
 from runner.evaluators import suite as suite_lib
 from runner.logging.progress import Progress
+from runner.losses.classification import LOSSES, precision_at_1
 from runner.models import inputs
 from runner.models.introspection import apply_with_routing, routing_records
-from runner.train.losses import LOSSES, precision_at_1
 
 
 
-class AdversarialProtocol(str, enum.Enum):
+class AdversarialProtocol(enum.StrEnum):
   """PGD and routing-change rules (the module docstring)."""
   default = "default"  # step 2.5·ε/steps, clipped to the ball and [-1, 1]; TOP-k before drops
   reference = "reference"  # step ε/steps, no clipping; experts that receive the token
@@ -68,7 +68,7 @@ PROTOCOLS = tuple(p.value for p in AdversarialProtocol)
 
 
 def _protocol(protocol) -> str:
-  name = str(getattr(protocol, "value", protocol))
+  name = str(protocol)
   if name not in PROTOCOLS:
     raise ValueError(f"unknown adversarial protocol {name!r}; valid: {PROTOCOLS}")
   return name

@@ -10,7 +10,7 @@ all images) and reports recall@k: how often the true partner is among the k most
 The class names and prompt templates are keys of their own, eval.zero_shot.*, declared here and
 added to eval.* as a section that only a contrastive checkpoint reads: zero-shot classification is
 no evaluator of its own, but what makes such a checkpoint the classifier the evaluators measure
-(runner/tasks/zero_shot.py in vmoe eval, runner/tasks/contrastive.py in validation).
+(runner/stages/zero_shot.py in vmoe eval, runner/stages/contrastive.py in validation).
 """
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ from runner.config.checks import Items, Rule, key, matches
 from runner.config.relations import CONTRASTIVE_ONLY
 from runner.config.schema import EvalSuiteConfig
 from runner.config.sections import add_fields
+from runner.losses import contrastive
 from runner.models import inputs
-from runner.train import contrastive
+from runner.models.contrastive import normalize
 
 RECALL_AT = (1, 5, 10)
 
@@ -70,11 +71,11 @@ def class_embeddings(model, params, tokens: np.ndarray, num_templates: int) -> j
   """(C, E) normalised mean of each class's prompt embeddings; tokens (C * T, L), class-major."""
   _, extras = model.apply({"params": params}, None, jnp.asarray(tokens), train=False)
   z = extras["text_embedding"].reshape(-1, num_templates, extras["text_embedding"].shape[-1])
-  return contrastive.normalize(z.mean(axis=1))
+  return normalize(z.mean(axis=1))
 
 
 def make_pair_step(model, *, sigmoid: bool):
-  """(params, batch, classes) -> sums over the batch's real pairs (runner/train/contrastive.py
+  """(params, batch, classes) -> sums over the batch's real pairs (runner/losses/contrastive.py
   masked_sums), plus zero-shot correct predictions when `classes` (C, E) and labels are given."""
   def step(params, batch, classes):
     zimg, extras = model.apply({"params": params}, inputs.images(batch), batch["tokens"],

@@ -44,7 +44,7 @@ def _matrix(x) -> np.ndarray:
 
 def protocol_name(protocol) -> str:
   """The protocol's name, from a name or the schema's enum; raises ValueError for an unknown one."""
-  name = str(getattr(protocol, "value", protocol))
+  name = str(protocol)
   if name not in PROTOCOLS:
     raise ValueError(f"unknown few-shot protocol {name!r}; valid: {PROTOCOLS}")
   return name

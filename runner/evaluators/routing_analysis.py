@@ -83,8 +83,7 @@ def layer_info(model_config, batch_size: int) -> LayerInfo:
                    experts=experts, members=tiled,
                    group_size=min(model_config.moe.group_size, batch_size),
                    tokens=tokens_per_image(model_config), grid=(side, side),
-                   class_token=str(getattr(model_config.classifier, "value",
-                                           model_config.classifier)) == "token",
+                   class_token=str(model_config.classifier) == "token",
                    k=max(2, min(k, derived.experts_per_router(model_config))),
                    partitions=experts // derived.experts_per_router(model_config) if experts
                    else 1, views=tuple(family.analysis_views))

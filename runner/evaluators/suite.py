@@ -68,7 +68,7 @@ class Suite:
   """The shared state of one evaluation (see the module docstring).
 
   `model` and `params`: one flax model (an ensemble is one model too) and its placed parameters;
-  `members`: the checkpoints behind it (runner/tasks/members.py), for what only they know
+  `members`: the checkpoints behind it (runner/stages/members.py), for what only they know
   (compute, capacity changes; None in training, which runs neither); `datasets`: eval.datasets,
   the first in-distribution; `ood`: eval.ood_datasets.
   """

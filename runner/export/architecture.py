@@ -19,11 +19,6 @@ OUTPUTS = ("softmax", "sigmoid")
 CHANNELS = 3  # what vmoe's preprocessing decodes; files.write_model reads it off the weights
 
 
-def _name(option) -> str:
-  """An enum option of the schema (or its plain string) as a string."""
-  return str(getattr(option, "value", option))
-
-
 def torch_routing(model: ModelConfig) -> TorchRouting | None:
   """The router family's `TorchRouting` for this model's MoE layers (None: the family gives
   none)."""
@@ -42,7 +37,7 @@ def _head(model: ModelConfig) -> dict:
   h = model.head
   if h.type == HeadType.det:
     return {"type": "det"}
-  return {"type": _name(h.type), "num_factors": int(h.num_factors),
+  return {"type": str(h.type), "num_factors": int(h.num_factors),
           "parameter_efficient": bool(h.parameter_efficient),
           "mc_samples": int(h.eval_mc_samples),
           "temperature": None if h.temperature is None else float(h.temperature),
@@ -60,7 +55,7 @@ def _moe(model: ModelConfig) -> dict | None:
   moe = {"layers": list(derived.moe_layers(model)), "num_experts": derived.num_experts(model),
          "group_size": int(model.moe.group_size),
          "ensemble_size": int(model.moe.ensemble_size),
-         "ensemble_variant": _name(model.moe.ensemble_variant),
+         "ensemble_variant": str(model.moe.ensemble_variant),
          "router": {"type": derived.router_family(model).name, **routing.config}}
   # DeepSeekMoE's experts, only where used (an export of a V-MoE stays as it was): E*m
   # fine-grained experts of width mlp_dim/m, and K_s shared experts of that width.
@@ -81,7 +76,7 @@ def config_json(model: ModelConfig, num_classes: int, output: str) -> dict:
       "image_size": int(model.image_size), "patch_size": int(model.patch_size),
       "num_channels": CHANNELS, "hidden_size": int(model.hidden_size),
       "mlp_dim": int(model.mlp_dim), "num_layers": int(model.num_layers),
-      "num_heads": int(model.num_heads), "classifier": _name(model.classifier),
+      "num_heads": int(model.num_heads), "classifier": str(model.classifier),
       "representation_size": (int(model.representation_size) if model.representation_size
                               else None),
       "attention_qk_norm": bool(model.attention_qk_norm), "layer_norm_eps": LAYER_NORM_EPS,

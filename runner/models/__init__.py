@@ -11,11 +11,6 @@ from runner.models.moe import routers
 from runner.models.vit import VisionTransformer
 
 
-def _name(option) -> str:
-  """An enum option of the schema (or its plain string) as the string the modules take."""
-  return str(getattr(option, "value", option))
-
-
 def is_moe(config: ModelConfig) -> bool:
   return bool(config.moe.num_experts) and bool(moe_layer_indices(config.moe.layers or [],
                                                                  config.num_layers))
@@ -37,12 +32,12 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
       router = {"type": family.name, **router}
     moe = dict(num_experts=experts, group_size=config.moe.group_size,
                expert_dropout=config.moe.expert_dropout,
-               dispatcher=_name(config.moe.dispatcher), router=router)
-    if _name(config.moe.grouped_matmul) != "auto":  # dropless plans' grouped matmul, if forced
-      moe.update(grouped_matmul=_name(config.moe.grouped_matmul))
+               dispatcher=str(config.moe.dispatcher), router=router)
+    if str(config.moe.grouped_matmul) != "auto":  # dropless plans' grouped matmul, if forced
+      moe.update(grouped_matmul=str(config.moe.grouped_matmul))
     if config.moe.ensemble_size > 1:  # a V-MoE's module arguments stay exactly as they were
       moe.update(ensemble_size=config.moe.ensemble_size,
-                 ensemble_variant=_name(config.moe.ensemble_variant))
+                 ensemble_variant=str(config.moe.ensemble_variant))
     if derived.expert_split(config) > 1:  # DeepSeekMoE's experts, only where asked for
       moe.update(mlp_dim=derived.expert_width(config))
     if derived.shared_experts(config):
@@ -58,11 +53,11 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
   return VisionTransformer(
       num_classes=num_classes, patch_size=config.patch_size, hidden_size=config.hidden_size,
       num_layers=config.num_layers, mlp_dim=config.mlp_dim, num_heads=config.num_heads,
-      classifier=_name(config.classifier), representation_size=config.representation_size,
+      classifier=str(config.classifier), representation_size=config.representation_size,
       dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate,
       attention_qk_norm=config.attention_qk_norm, head_bias_init=config.head_bias_init, moe_layers=moe_layers, moe=moe, head=head,
       output=output,
-      dtype=jnp.dtype(_name(config.dtype)), attention=_name(config.attention))
+      dtype=jnp.dtype(str(config.dtype)), attention=str(config.attention))
 
 
 __all__ = ["ModelConfig", "UnknownModelError", "VisionTransformer", "build_model", "is_moe",

@@ -140,17 +140,16 @@ def build_two_towers(model_config, text_config, objective, vocab_size: int, *,
   """The contrastive model of a config: `model` the image tower (any catalog model; its head
   type chooses HET-XL noise), `text` the text tower, `objective` the loss's settings;
   `lock_image`: LiT (the task locks a tower it starts from a checkpoint)."""
-  name = lambda option: str(getattr(option, "value", option))  # noqa: E731
   het = model_config.head.type == HeadType.het_xl
   head = model_config.head
   noise = dict(num_factors=head.num_factors, parameter_efficient=head.parameter_efficient,
                train_mc_samples=head.train_mc_samples, pre_norm=objective.noise_pre_norm,
                post_norm=objective.noise_post_norm) if het else None
   sigmoid = objective.loss == ContrastiveLoss.sigmoid
-  dtype = jnp.dtype(name(model_config.dtype))
+  dtype = jnp.dtype(str(model_config.dtype))
   text = TextTransformer(vocab_size, width=text_config.width, depth=text_config.depth,
                          mlp_dim=text_config.mlp_dim, num_heads=text_config.num_heads,
-                         pool=name(text_config.pool), dtype=dtype)
+                         pool=str(text_config.pool), dtype=dtype)
   return TwoTowers(
       image=build_model(model_config, 0), text=text, embedding_dim=objective.embedding_dim,
       max_length=text_config.max_length,

@@ -45,9 +45,9 @@ S is the training or the evaluation number of samples.
 """
 from __future__ import annotations
 
-from runner.config.schema import Classifier, EnsembleVariant, HeadType, ModelConfig
 from runner.config import derived
 from runner.config.derived import moe_layer_indices
+from runner.config.schema import Classifier, EnsembleVariant, HeadType, ModelConfig
 from runner.models.moe import routers
 
 
@@ -82,7 +82,7 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
   # Per routing group: `blocks` routings of `replicas` rows per image among `experts` experts.
   if members > 1 and variant == EnsembleVariant.tiling_only:
     # One router over the copies; copies of a family that forms no ensembles (MC-dropout's
-    # samples, runner/tasks/members.py) are routed one by one.
+    # samples, runner/stages/members.py) are routed one by one.
     blocks, replicas = (1, members) if family.supports_ensembles else (members, 1)
     experts = e
   elif members > 1:  # pbe (a member's replicas), partition_only (every token, each partition)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import jax
 
-from runner.checkpoint import CheckpointError
+from runner.errors import CheckpointError
 
 _ROUTER = "/moe/router/"  # the scope of an MoE layer's router parameters
 _BIAS = _ROUTER + "balance_bias"  # auxiliary-loss-free balancing's (runner/models/moe/balance.py)

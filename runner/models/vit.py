@@ -68,7 +68,7 @@ def attention_path(attention: str, dtype, head_dim: int, tokens: int, *, masked:
   ConfigError where it cannot run, at trace time, before any compute; "xla" asks
   jax.nn.dot_product_attention for XLA's implementation.
   """
-  attention = str(getattr(attention, "value", attention))
+  attention = str(attention)
   if attention not in ATTENTIONS:
     raise ValueError(f"unknown attention {attention!r}; valid: {ATTENTIONS}")
   if attention != "xla":

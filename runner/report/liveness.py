@@ -1,6 +1,6 @@
 """Whether a run is still going: another process holds its workdir lock.
 
-runner/workdir_lock.py takes an exclusive flock on <workdir>/.vmoe.lock for as long as a vmoe
+runner/workdirs/workdir_lock.py takes an exclusive flock on <workdir>/.vmoe.lock for as long as a vmoe
 process works there, and the kernel drops it when that process ends however it ends; `is_held`
 probes it without changing the file.
 """
@@ -11,7 +11,7 @@ import pathlib
 import socket
 
 from runner.report import workdir
-from runner.workdir_lock import is_held
+from runner.workdirs.workdir_lock import is_held
 
 
 def held_by_another_process(path: str | pathlib.Path) -> bool:

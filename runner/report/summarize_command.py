@@ -1,4 +1,4 @@
-"""`vmoe summarize`: the sweep's table (runner.summarize), then its `vmoe report` page refreshed,
+"""`vmoe summarize`: the sweep's table (runner.report.summarize), then its `vmoe report` page refreshed,
 so that the page of a finished sweep is there without asking (`--no-report` skips it). As
 `vmoe report`, it replaces only pages vmoe wrote: a report.html of anything else is left alone,
 and the table is printed all the same."""
@@ -7,8 +7,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from runner import summarize
-from runner.report import run_page, sweep_page
+from runner.report import run_page, summarize, sweep_page
 
 
 def main(argv: list[str]) -> int:

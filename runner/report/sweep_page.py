@@ -2,7 +2,7 @@
 seeds' mean ± std, an Optuna search's best trial, and a link to every job's own page.
 
 The jobs, the swept keys, the companion metrics and the mean ± std table are `vmoe summarize`'s
-(runner/summarize.py); the main metric is the one each stage returns to Hydra's sweeper
+(runner/report/summarize.py); the main metric is the one each stage returns to Hydra's sweeper
 (runner.tasks.main_metric), so "best" here is what an Optuna search maximises.
 """
 from __future__ import annotations
@@ -14,8 +14,7 @@ import pathlib
 
 import yaml
 
-from runner import summarize
-from runner.report import final_metrics, markup, plots, run_page, workdir
+from runner.report import final_metrics, markup, plots, run_page, summarize, workdir
 from runner.report.markup import Raw, esc
 from runner.tasks import main_metric
 

@@ -1,7 +1,7 @@
 """What a run's workdir records, read into one `Run`: the page is drawn from this alone.
 
 Only what the files say is shown. A workdir records the stage, host, start and command line of
-the last process that held it (.vmoe.lock, runner/workdir_lock.py), the command-line overrides
+the last process that held it (.vmoe.lock, runner/workdirs/workdir_lock.py), the command-line overrides
 (.hydra/overrides.yaml), the resolved config (config.yaml), the final metrics (summary.json,
 whose file time is when the stage finished), what it ran on (environment.json: the vmoe commit,
 package versions, devices, Python; for a run of an older vmoe, W&B's metadata when it wrote
@@ -18,12 +18,11 @@ import re
 
 import yaml
 
-from runner import summarize
-from runner.report import curves as curves_lib
-from runner.workdir_lock import LOCK_FILE
+from runner.report import curves as curves_lib, summarize
+from runner.workdirs.workdir_lock import LOCK_FILE
 
 STAGES = ("pretrain", "finetune", "fewshot", "eval", "ensemble")
-# runner/workdir_lock.py writes this line when a process takes the workdir.
+# runner/workdirs/workdir_lock.py writes this line when a process takes the workdir.
 _HOLDER = re.compile(r"pid (\d+) on host (\S+), started ([\d-]+ [\d:]+): (.*)")
 _TIME = "%Y-%m-%d %H:%M:%S"
 
@@ -196,7 +195,7 @@ def _facts(run: Run) -> list[tuple[str, str]]:
   if run.curves.last_step is not None:
     of = f" of {steps}" if isinstance(steps, int) and run.stage in ("pretrain", "finetune") else ""
     facts.append(("last logged step", f"{run.curves.last_step}{of}"))
-  environment = _json(run.path / "environment.json")  # runner/tasks/environment.py
+  environment = _json(run.path / "environment.json")  # runner/stages/environment.py
   facts += _environment_facts(environment)
   facts += _wandb_facts(run.path, known=bool(environment))
   return facts

@@ -15,15 +15,15 @@ Extra arguments go to every stage (e.g. `logger.wandb.mode=disabled`).
 """
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 
-from runner import summarize
+from runner.report import summarize
+from runner.report.summarize import Column
 from runner.studies import driver
-from runner.summarize import Column
 
 ROOT = pathlib.Path("runs/studies/balance")
+SWEEP = driver.Sweep("study-balance", ROOT)
 SEEDS = (0, 1, 2)
 ROWS = [  # (experiment overlay, row label)
     ("router_tc_k2", "token-choice k=2, auxiliary loss"),
@@ -36,25 +36,15 @@ ROWS = [  # (experiment overlay, row label)
 ]
 
 
-def _vmoe(sub: str, args: list[str], extra: list[str]) -> None:
-  driver.vmoe("study-balance", sub, args, extra)
-
-
-def _dir(stage: str, experiment: str, seed: int) -> pathlib.Path:
-  return driver.job_dir(ROOT, stage, experiment, seed)
-
-
 def stages(extra: list[str]) -> None:
-  _vmoe("pretrain", ["-cd", "sweeps", "-cn", "balance"], extra)
+  SWEEP.vmoe("pretrain", ["-cd", "sweeps", "-cn", "balance"], extra)
   for experiment, _ in ROWS:
     for seed in SEEDS:
-      if not driver.finished(_dir("finetune", experiment, seed)):
-        _vmoe("finetune", [f"workdir={_dir('finetune', experiment, seed)}",
-                           f"init.checkpoint={_dir('pretrain', experiment, seed)}",
-                           f"experiment={experiment}", f"seed={seed}"], extra)
-      if not driver.finished(_dir("eval", experiment, seed)):
-        _vmoe("eval", [f"workdir={_dir('eval', experiment, seed)}",
-                       f"init.checkpoint={_dir('finetune', experiment, seed)}"], extra)
+      SWEEP.stage("finetune", experiment, seed, [
+          f"init.checkpoint={SWEEP.dir('pretrain', experiment, seed)}",
+          f"experiment={experiment}", f"seed={seed}"], extra)
+      SWEEP.stage("eval", experiment, seed,
+                  [f"init.checkpoint={SWEEP.dir('finetune', experiment, seed)}"], extra)
 
 
 def _balance(name: str, reduce):
@@ -72,8 +62,7 @@ def table() -> str:
   for experiment, label in ROWS:
     replicates = []
     for seed in SEEDS:
-      read = lambda stage: json.loads((_dir(stage, experiment, seed) / "summary.json").read_text())
-      up, ev = read("pretrain"), read("eval")
+      up, ev = (SWEEP.summary(stage, experiment, seed) for stage in ("pretrain", "eval"))
       replicates.append({**ev, **{f"upstream/{k}": v for k, v in up.items()}})
     rows.append((label, replicates))
   header, body = summarize.grouped(rows, [

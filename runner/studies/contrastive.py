@@ -25,9 +25,10 @@ import time
 
 import yaml
 
-from runner import demo, summarize
+from runner import demo
+from runner.report import summarize
+from runner.report.summarize import Column
 from runner.studies import driver
-from runner.summarize import Column
 
 ROOT = pathlib.Path("runs/studies/contrastive")
 SEEDS = (0, 1)

@@ -1,6 +1,8 @@
 """What every study driver does: run real `vmoe` commands in this process, then write its table."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import pathlib
 import sys
 import time
@@ -29,6 +31,29 @@ def job_dir(root: pathlib.Path, stage: str, experiment: str, seed: int) -> pathl
 def finished(workdir: pathlib.Path) -> bool:
   """Whether the run in `workdir` ended (it wrote its summary): a rerun of the study skips it."""
   return (workdir / "summary.json").exists()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """A study over experiment overlays and seeds: each stage's run of one goes to
+  `<root>/<stage>/<experiment>/seed_<seed>` (`job_dir`), and a rerun skips the runs that ended."""
+  study: str  # names the study in a failure's message: "study-routers"
+  root: pathlib.Path
+
+  def vmoe(self, sub: str, args: list[str], extra: list[str]) -> None:
+    vmoe(self.study, sub, args, extra)
+
+  def dir(self, stage: str, experiment: str, seed: int) -> pathlib.Path:
+    return job_dir(self.root, stage, experiment, seed)
+
+  def stage(self, sub: str, experiment: str, seed: int, args: list[str], extra: list[str]) -> None:
+    """`vmoe <sub> workdir=<its folder> <args> <extra>`, unless that run already ended."""
+    workdir = self.dir(sub, experiment, seed)
+    if not finished(workdir):
+      self.vmoe(sub, [f"workdir={workdir}", *args], extra)
+
+  def summary(self, stage: str, experiment: str, seed: int) -> dict:
+    return json.loads((self.dir(stage, experiment, seed) / "summary.json").read_text())
 
 
 def main(root: pathlib.Path, stages: Callable[[list[str]], None], table: Callable[[], str],

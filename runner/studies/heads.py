@@ -14,9 +14,9 @@ import json
 import pathlib
 import sys
 
-from runner import summarize
+from runner.report import summarize
+from runner.report.summarize import Column
 from runner.studies import driver
-from runner.summarize import Column
 
 ROOT = pathlib.Path("runs/studies/heads")
 MODELS = ("vit_tiny", "vmoe_tiny")

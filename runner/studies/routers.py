@@ -13,15 +13,15 @@ Extra arguments go to every stage (e.g. `logger.wandb.mode=disabled`).
 """
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 
-from runner import summarize
+from runner.report import summarize
+from runner.report.summarize import Column
 from runner.studies import driver
-from runner.summarize import Column
 
 ROOT = pathlib.Path("runs/studies/routers")
+SWEEP = driver.Sweep("study-routers", ROOT)
 SEEDS = (0, 1)
 ROWS = [  # (experiment overlay, row label)
     ("router_vit", "ViT (dense)"),
@@ -33,30 +33,18 @@ ROWS = [  # (experiment overlay, row label)
 SHOTS = (1, 5, 10, 25)
 
 
-def _vmoe(sub: str, args: list[str], extra: list[str]) -> None:
-  driver.vmoe("study-routers", sub, args, extra)
-
-
-def _dir(stage: str, experiment: str, seed: int) -> pathlib.Path:
-  return driver.job_dir(ROOT, stage, experiment, seed)
-
-
 def stages(extra: list[str]) -> None:
-  _vmoe("pretrain", ["-cd", "sweeps", "-cn", "routers"], extra)
+  SWEEP.vmoe("pretrain", ["-cd", "sweeps", "-cn", "routers"], extra)
   for experiment, _ in ROWS:
     for seed in SEEDS:
-      upstream = _dir("pretrain", experiment, seed)
-      if not driver.finished(_dir("fewshot", experiment, seed)):
-        _vmoe("fewshot", [f"workdir={_dir('fewshot', experiment, seed)}",
-                          f"init.checkpoint={upstream}", "fewshot.datasets=[uci_digits]",
-                          f"fewshot.shots=[{','.join(map(str, SHOTS))}]"], extra)
-      if not driver.finished(_dir("finetune", experiment, seed)):
-        _vmoe("finetune", [f"workdir={_dir('finetune', experiment, seed)}",
-                           f"init.checkpoint={upstream}", f"experiment={experiment}",
-                           f"seed={seed}"], extra)
-      if not driver.finished(_dir("eval", experiment, seed)):
-        _vmoe("eval", [f"workdir={_dir('eval', experiment, seed)}",
-                       f"init.checkpoint={_dir('finetune', experiment, seed)}"], extra)
+      upstream = f"init.checkpoint={SWEEP.dir('pretrain', experiment, seed)}"
+      SWEEP.stage("fewshot", experiment, seed, [
+          upstream, "fewshot.datasets=[uci_digits]",
+          f"fewshot.shots=[{','.join(map(str, SHOTS))}]"], extra)
+      SWEEP.stage("finetune", experiment, seed,
+                  [upstream, f"experiment={experiment}", f"seed={seed}"], extra)
+      SWEEP.stage("eval", experiment, seed,
+                  [f"init.checkpoint={SWEEP.dir('finetune', experiment, seed)}"], extra)
 
 
 def table() -> str:
@@ -64,8 +52,8 @@ def table() -> str:
   for experiment, label in ROWS:
     replicates = []
     for seed in SEEDS:
-      read = lambda stage: json.loads((_dir(stage, experiment, seed) / "summary.json").read_text())
-      up, shots, ev = read("pretrain"), read("fewshot"), read("eval")
+      up, shots, ev = (SWEEP.summary(stage, experiment, seed)
+                       for stage in ("pretrain", "fewshot", "eval"))
       replicates.append({**ev, "upstream": up["val/prec@1"],
                          **{f"shots/{k}": shots[f"uci_digits/{k}shot/accuracy"] for k in SHOTS}})
     rows.append((label, replicates))

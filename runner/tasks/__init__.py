@@ -41,14 +41,14 @@ def main_metric(stage: str, summary: dict) -> float:
 
 def run_task(name: str, config, checkpoints, *, devices_checked: bool = False) -> float:
   """Runs subcommand `name`; returns its main metric (its summary is in the workdir).
-  `checkpoints` (runner.weights.Checkpoints) opens the checkpoint paths of the job, once each;
+  `checkpoints` (runner.checkpoints.weights.Checkpoints) opens the checkpoint paths of the job, once each;
   `devices_checked`: the CLI checked the config against this process's devices already."""
   # Lazily: these load JAX and TensorFlow, and `vmoe summarize` and the Hydra launcher import this
   # package for main_metric alone.
   import jax
 
-  from runner.tasks import common
-  from runner.workdir_lock import WorkdirLock
+  from runner.stages import common
+  from runner.workdirs.workdir_lock import WorkdirLock
   module = importlib.import_module(f"runner.tasks.{name.replace('-', '_')}")
   placement = common.start(config, name, check_devices=not devices_checked)
   with WorkdirLock(config.workdir, " ".join(sys.argv), enabled=jax.process_index() == 0):

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import os
 
-from runner import checkpoint, weights
+from runner.checkpoints import checkpoint, weights
 from runner.config import derived
 from runner.config.schema import EnsembleRun
 from runner.parallel import Placement
-from runner.tasks import members as members_lib
+from runner.stages import members as members_lib
 from runner.tasks.eval import evaluate
 
 

@@ -19,7 +19,8 @@ import pathlib
 import jax
 import numpy as np
 
-from runner import data, weights
+from runner import data
+from runner.checkpoints import weights
 from runner.config import as_dict, derived
 from runner.config.schema import EvalRun, Objective
 from runner.errors import ConfigError
@@ -27,8 +28,7 @@ from runner.evaluators import EVALUATORS, suite as suite_lib
 from runner.evaluators.suite import Suite
 from runner.logging import MetricWriter
 from runner.parallel import Placement
-from runner.tasks import common, dataset_specs, zero_shot
-from runner.tasks import members as members_lib
+from runner.stages import common, dataset_specs, members as members_lib, zero_shot
 
 
 def run(config: EvalRun, placement: Placement, checkpoints: weights.Checkpoints) -> dict:

@@ -17,14 +17,14 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from runner import weights
+from runner.checkpoints import weights
 from runner.config import derived
 from runner.config.schema import ExportRun, HeadType
 from runner.errors import RunError
 from runner.export import card, files, parity
 from runner.models import build_model, heads
 from runner.parallel import Placement
-from runner.tasks import common
+from runner.stages import common
 
 CHECK_IMAGES = 16  # at most; whole routing groups of the model
 

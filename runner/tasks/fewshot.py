@@ -14,7 +14,8 @@ import sys
 
 import jax
 
-from runner import data, weights
+from runner import data
+from runner.checkpoints import weights
 from runner.config import as_dict, derived
 from runner.config.schema import FewshotRun, Objective
 from runner.evaluators.fewshot import (FewshotEvaluator, accuracy_table, format_table,
@@ -22,7 +23,7 @@ from runner.evaluators.fewshot import (FewshotEvaluator, accuracy_table, format_
 from runner.logging import MetricWriter
 from runner.models import build_model, heads
 from runner.parallel import Placement
-from runner.tasks import common, fewshot_data
+from runner.stages import common, fewshot_data
 from runner.train import state as state_lib
 
 PLOT = "fewshot_accuracy.png"

@@ -7,7 +7,7 @@ init.checkpoint it trains from scratch with the fine-tuning recipe (a baseline).
 """
 from __future__ import annotations
 
-from runner.tasks.training import run_training
+from runner.stages.training import run_training
 
 
 def run(config, placement, checkpoints) -> dict:

@@ -5,7 +5,7 @@ Adam, linear decay.
 """
 from __future__ import annotations
 
-from runner.tasks.training import run_training
+from runner.stages.training import run_training
 
 
 def run(config, placement, checkpoints) -> dict:

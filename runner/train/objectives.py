@@ -3,7 +3,7 @@
 Classification: the cross-entropy of the labels (a partitioned batch ensemble: the mean of its
 members' cross-entropies, E³ App. D.1) plus the MoE auxiliary loss. Contrastive: the symmetric
 softmax loss (with HET-XL's noisy samples) or SigLIP's sigmoid loss of image-text pairs
-(runner/train/contrastive.py), plus the image tower's auxiliary loss.
+(runner/losses/contrastive.py), plus the image tower's auxiliary loss.
 
 A model whose routers balance with a bias (model.router.balance=bias) adds no auxiliary loss
 (its routers' `auxiliary_loss` is 0) and is applied with the `balance_loads` collection mutable:
@@ -12,10 +12,10 @@ parameters' paths), which the train step takes out to move the biases (runner/tr
 """
 from __future__ import annotations
 
+from runner.losses import contrastive
+from runner.losses.classification import LOSSES, precision_at_1
 from runner.models import inputs
 from runner.models.moe import balance
-from runner.train import contrastive
-from runner.train.losses import LOSSES, precision_at_1
 
 
 def apply_for_training(model, params, *args, **kwargs):

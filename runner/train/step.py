@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from runner.losses.classification import LOSSES, precision_at_1, softmax_xent
 from runner.models import inputs
 from runner.models.heads import NOISE_RNG
 from runner.models.moe import balance
 from runner.train import objectives
-from runner.train.losses import LOSSES, precision_at_1, softmax_xent
 from runner.train.state import TrainState
 
 

@@ -37,7 +37,7 @@ def _losses(workdir: pathlib.Path) -> dict[int, float]:
 
 
 def _params(workdir: pathlib.Path):
-  from runner import weights
+  from runner.checkpoints import weights
   return weights.load(str(workdir))[0]
 
 

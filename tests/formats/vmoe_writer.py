@@ -1,6 +1,6 @@
 """Writes tiny checkpoints in the sharded format of google-research/vmoe, so that tests can make
 them without TensorFlow or the vmoe package. Written from the format description, apart from the
-reader in runner/interop/vmoe_format.py, so that the two check each other.
+reader in runner/checkpoints/vmoe_format.py, so that the two check each other.
 
 Format: `<prefix>.index` is a msgpack map {"shard_count": N, "index": nested tree, "version"}, each
 tree leaf msgpack extension 8 packing (shaped array, [chunk slices], [chunk shards]); each

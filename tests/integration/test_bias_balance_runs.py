@@ -23,7 +23,7 @@ FINETUNE = ["finetune", *TINY_MODEL, *QUIET, "model.router.balance=bias", "train
 
 
 def _params(workdir):
-  from runner import checkpoint
+  from runner.checkpoints import checkpoint
   params, _, step = checkpoint.load_params(str(workdir))
   return params, step
 

@@ -59,7 +59,7 @@ def _records(workdir: pathlib.Path) -> dict[int, dict]:
 
 def _params(workdir: pathlib.Path, step: int | None = None) -> tuple[dict, int]:
   """({'a/b/c': array}, step) of the newest checkpoint, or of `step`."""
-  from runner import checkpoint
+  from runner.checkpoints import checkpoint
   from runner.models.transfer import flatten
   path = workdir if step is None else workdir / "checkpoints" / str(step)
   params, _, at = checkpoint.load_params(str(path))
@@ -201,7 +201,8 @@ _KILLED_RUN = f"""
 import os, signal, sys
 from runner.command import allocator
 allocator.pause_collector()  # as `vmoe` starts
-from runner import checkpoint, cli
+from runner import cli
+from runner.checkpoints import checkpoint
 save = checkpoint.Checkpointer.save
 def save_then_die(self, step, *args, **kwargs):
   save(self, step, *args, **kwargs)

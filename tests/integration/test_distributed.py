@@ -57,7 +57,7 @@ def test_two_processes_train_together(tmp_path):
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["step"] == 3 and 0 <= summary["val/prec@1"] <= 1
   # The checkpoint written by both processes restores (here, in a single process).
-  from runner import checkpoint
+  from runner.checkpoints import checkpoint
   params, config, step = checkpoint.load_params(str(tmp_path))
   assert step == 3 and config["distributed"]["num_processes"] == 2
   assert params["head"]["kernel"].shape == (32, 10)

@@ -139,7 +139,7 @@ def test_finetune_at_a_new_resolution_resizes_position_embeddings(pretrained, tm
                          "schedule.warmup_steps=0",
                          "data.batch_size=16")
   assert code == 0, err
-  from runner import checkpoint
+  from runner.checkpoints import checkpoint
   shapes = checkpoint.param_shapes(str(tmp_path))
   assert shapes["pos_embedding"] == (1, 36, 32)  # (24 / 4)^2 patches
 

@@ -184,7 +184,7 @@ def _check_ood(workdir: pathlib.Path, summary: dict) -> None:
 # --- 1. fine-tuning a V-MoE into a pBE, and vmoe eval of it ------------------------------------
 
 def test_finetune_makes_a_pbe_of_the_vmoe(pbe, upstream):
-  from runner import checkpoint
+  from runner.checkpoints import checkpoint
   config = yaml.safe_load((pbe / "config.yaml").read_text())
   assert config["model"]["moe"]["ensemble_size"] == 2
   assert config["model"]["moe"]["ensemble_variant"] == "pbe"

@@ -29,7 +29,7 @@ def finished(shared_run, tmp_path_factory) -> pathlib.Path:
 def test_export_writes_every_parameter_once_in_pytorch_layouts(finished, run_cli, tmp_path):
   from safetensors.numpy import load_file
 
-  from runner import weights
+  from runner.checkpoints import weights
   from runner.models import transfer
   out = tmp_path / "exported"
   code, stdout, err = run_cli("export", f"init.checkpoint={finished}", f"workdir={out}", *QUIET)
@@ -66,7 +66,7 @@ def test_export_writes_every_parameter_once_in_pytorch_layouts(finished, run_cli
 
 
 def test_export_refuses_what_it_cannot_take_before_writing(finished, run_cli, tmp_path):
-  from runner.workdir_lock import WorkdirLock
+  from runner.workdirs.workdir_lock import WorkdirLock
   out = tmp_path / "out"
   fails_clearly(run_cli("export", f"workdir={out}", *QUIET), "init.checkpoint=")
   fails_clearly(run_cli("export", f"init.checkpoint={tmp_path / 'nowhere'}", f"workdir={out}",

@@ -36,7 +36,7 @@ def test_divergence_stops_at_once_and_keeps_the_last_good_checkpoint(run_cli, tm
     assert text in err, (text, err)
   diverged_at = int(err.split("diverged at step ")[1].split(":")[0])
   assert _steps(tmp_path) == [5] and diverged_at > 5  # nothing saved from a non-finite state
-  from runner import checkpoint
+  from runner.checkpoints import checkpoint
   params, _, step = checkpoint.load_params(str(tmp_path))
   assert step == 5
   assert all(np.isfinite(np.asarray(x)).all() for x in __import__("jax").tree.leaves(params))
@@ -87,7 +87,7 @@ def test_a_checkpoint_that_cannot_be_saved_stops_the_run(run_cli, tmp_path, monk
     assert text in err, (text, err)
   assert _steps(tmp_path) == [5]
   monkeypatch.undo()
-  from runner import checkpoint
+  from runner.checkpoints import checkpoint
   assert checkpoint.load_params(str(tmp_path))[2] == 5
   assert not (tmp_path / "summary.json").exists()
 

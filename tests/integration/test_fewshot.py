@@ -10,7 +10,7 @@ import yaml
 
 from conftest import QUIET, TINY_MODEL
 
-from runner import checkpoint
+from runner.checkpoints import checkpoint
 from runner.evaluators import fewshot_math
 
 pytestmark = pytest.mark.xdist_group("fewshot")

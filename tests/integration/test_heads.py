@@ -41,7 +41,7 @@ def _lines(path: pathlib.Path) -> list[dict]:
 
 
 def _params(workdir: pathlib.Path) -> dict:
-  from runner import checkpoint
+  from runner.checkpoints import checkpoint
   from runner.models.transfer import flatten
   params, _, _ = checkpoint.load_params(str(workdir))
   return {k: np.asarray(v) for k, v in flatten(params).items()}

@@ -62,7 +62,7 @@ def _train_records(workdir: pathlib.Path) -> list[dict]:
 
 
 def _params(workdir: pathlib.Path) -> dict:
-  from runner import weights
+  from runner.checkpoints import weights
   return weights.load(str(workdir))[0]
 
 

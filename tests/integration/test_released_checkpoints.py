@@ -14,7 +14,7 @@ from conftest import QUIET, TINY_MODEL
 from formats import vmoe_writer
 from formats.reference_tree import Dims, reference_tree
 
-from runner import checkpoint
+from runner.checkpoints import checkpoint
 from runner.models.transfer import flatten
 
 pytestmark = pytest.mark.xdist_group("released")

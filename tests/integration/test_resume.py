@@ -33,7 +33,8 @@ _SIGNALLED_RUN = """
 import os, sys
 from runner.command import allocator
 allocator.pause_collector()  # as `vmoe` starts
-from runner import checkpoint, cli
+from runner import cli
+from runner.checkpoints import checkpoint
 signal_at, signals = int(sys.argv[1]), [int(s) for s in sys.argv[2].split(",")]
 should_save = checkpoint.Checkpointer.should_save
 
@@ -67,7 +68,7 @@ def _logged_steps(workdir) -> list[int]:
 
 
 def _final_params(workdir):
-  from runner import checkpoint
+  from runner.checkpoints import checkpoint
   params, _, step = checkpoint.load_params(str(workdir))
   assert step == 40
   return params

@@ -24,7 +24,7 @@ def _summary(workdir) -> dict:
 
 
 def _params(workdir):
-  from runner import weights
+  from runner.checkpoints import weights
   return weights.load(str(workdir))[0]
 
 
@@ -94,7 +94,7 @@ def test_finetune_keeps_the_experts_and_starts_a_new_router(upstream, tmp_path, 
     return
   # One step of SGD moves the weights a little: the experts are the checkpoint's (every one a
   # copy of the dense MLP for a ViT). That the router starts anew: test_model_transfer.py.
-  from runner import weights
+  from runner.checkpoints import weights
   start = weights.load(str(runs[origin]))[0]["block_1"]
   tuned = np.asarray(_params(down)["block_1"]["moe"]["experts"]["fc1_kernel"])
   experts = np.asarray(start["mlp"]["fc1"]["kernel"] if origin == "vit_tiny" else

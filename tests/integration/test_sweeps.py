@@ -111,7 +111,7 @@ def test_a_sweep_ends_with_its_jobs_table(sweeps, launcher):
 
 
 def test_a_sweep_stopped_by_a_failed_job_still_prints_its_table(tmp_path):
-  from hydra_plugins.vmoe_launchers import sweep_table
+  from runner.command import sweep_table
   root = tmp_path / "sweep"
   (root / "1" / "metrics.jsonl").mkdir(parents=True)  # job 1 cannot write its metrics
   result = _sweep([*SWEEP, f"workdir={root}", "logger.wandb.mode=disabled"])

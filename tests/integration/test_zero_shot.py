@@ -51,7 +51,8 @@ def recomputed(contrastive_run):
   captions' text embeddings, every held-out prompt's text embedding, and the scale t."""
   import jax
   import jax.numpy as jnp
-  from runner import data, weights
+  from runner import data
+  from runner.checkpoints import weights
   from runner.config.resolve import from_dict, stored_model_and_data
   from runner.config.schema import ObjectiveConfig, TextConfig
   from runner.data.captions import CLASS_NAMES, HELD_OUT_TEMPLATES
@@ -161,7 +162,7 @@ def finetuned(contrastive_run, tmp_path_factory):
 
 
 def test_finetune_starts_from_the_image_tower(contrastive_run, finetuned):
-  from runner import weights
+  from runner.checkpoints import weights
   from runner.models import transfer
   tower = transfer.flatten(weights.load(str(contrastive_run))[0]["image"])
   classifier = transfer.flatten(weights.load(str(finetuned))[0])

@@ -57,9 +57,9 @@ def _model():
 def _train(placement, workdir):
   """STEPS contrastive train steps on `placement`: (losses, temperatures, final params, the
   evaluation embeddings of the first batch, the compiled step's text)."""
-  from runner.checkpoint import Checkpointer
+  from runner.checkpoints.checkpoint import Checkpointer
   from runner.train import objectives, optimizers, schedules, state as state_lib
-  from runner.loop import initial_state
+  from runner.train.loop import initial_state
   from runner.train.step import make_train_step
   model = _model()
   schedule = schedules.make_schedule("linear", 1e-3, 100, 2)

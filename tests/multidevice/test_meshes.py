@@ -20,14 +20,14 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import TINY_MODEL
-from runner.checkpoint import Checkpointer
+from runner.checkpoints.checkpoint import Checkpointer
 from runner.config import derived
 from runner.config.schema import HeadConfig, HeadType
 from runner.models import build_model, heads, model_config
 from runner.models.moe.routers.token_choice import Balance
 from runner.parallel import Placement, RULES, logical_rules, make_mesh, placement as make_placement
 from runner.train import optimizers, schedules, state as state_lib
-from runner.loop import initial_state
+from runner.train.loop import initial_state
 from runner.train.step import make_train_step
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8,

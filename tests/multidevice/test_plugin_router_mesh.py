@@ -89,7 +89,7 @@ def test_plugin_router_trains_under_expert_parallelism_as_on_one_device(tmp_path
     for key in a:
       assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
-  from runner import weights
+  from runner.checkpoints import weights
   params_ep, params_one = weights.load(str(ep))[0], weights.load(str(one))[0]
   assert jax.tree.structure(params_ep) == jax.tree.structure(params_one)
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params_ep)[0],

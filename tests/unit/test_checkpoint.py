@@ -1,4 +1,4 @@
-"""Checkpointer (Orbax) round trips, retention, and the path helpers of runner.checkpoint.
+"""Checkpointer (Orbax) round trips, retention, and the path helpers of runner.checkpoints.checkpoint.
 
 One module-scoped fixture writes three steps (keep=2) once; the tests read them back.
 """
@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from runner.checkpoint import (CheckpointError, Checkpointer, load_params, locate, param_shapes,
+from runner.checkpoints.checkpoint import (CheckpointError, Checkpointer, load_params, locate, param_shapes,
                                read_config)
 from runner.errors import UserError
 

@@ -16,7 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from runner.checkpoint import (CheckpointError, Checkpointer, CheckpointSaveError, has_checkpoints,
+from runner.checkpoints.checkpoint import (CheckpointError, Checkpointer, CheckpointSaveError, has_checkpoints,
                                load_params, locate, param_shapes, read_config)
 from runner.errors import RunError, UserError
 

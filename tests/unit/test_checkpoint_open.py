@@ -1,5 +1,5 @@
-"""runner.weights.open: a checkpoint path's kind decided once, from real files (a run's Orbax
-checkpoints written by runner.checkpoint, a big_vision `.npz` and a google-research/vmoe checkpoint
+"""runner.checkpoints.weights.open: a checkpoint path's kind decided once, from real files (a run's Orbax
+checkpoints written by runner.checkpoints.checkpoint, a big_vision `.npz` and a google-research/vmoe checkpoint
 written as the tests' formats write them), and the opened value answering without deciding again.
 """
 from __future__ import annotations
@@ -12,9 +12,8 @@ import pytest
 from formats import vmoe_writer  # tests/ is on sys.path (conftest rootdir)
 from formats.reference_tree import Dims, reference_tree
 
-from runner import checkpoint, weights
-from runner.checkpoint import CheckpointError
-from runner.interop import vmoe_format
+from runner.checkpoints import checkpoint, vmoe_format, weights
+from runner.checkpoints.checkpoint import CheckpointError
 
 DIMS = Dims(hidden=8, layers=1, mlp=16, heads=2, patch=4, image=8, classes=3)
 CONFIG = {"model": {"name": "vit_tiny"}, "stage": "pretrain"}
@@ -44,7 +43,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture
 def decisions(monkeypatch):
-  """How many times the kind of a path is decided (runner.weights.open, and below it the tests
+  """How many times the kind of a path is decided (runner.checkpoints.weights.open, and below it the tests
   of the released formats' files and of our step folders) from now on."""
   counts = {"open": 0, "released": 0, "locate": 0}
 

@@ -16,18 +16,19 @@ from runner.config import schema
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ABSENT = ("tensorflow", "tensorflow_datasets", "hydra", "omegaconf", "wandb")
 
-# Every module of runner.models and runner.train, but the PyTorch sources that `vmoe export`
-# copies into its modeling file (they use that file's names and are never imported).
+# Every module of runner.models, runner.train and runner.losses, but the PyTorch sources that
+# `vmoe export` copies into its modeling file (they use that file's names and are never imported)
+# and the training loop, which feeds the steps from tf.data.
 _IMPORT_EVERYTHING = f"""
 import importlib, pkgutil, sys
 for name in {ABSENT!r}:
   sys.modules[name] = None  # `import name` now raises ImportError
-import runner.config.schema, runner.models, runner.train
+import runner.config.schema, runner.losses, runner.models, runner.train
 from runner.train.step import make_eval_step, make_train_step
 import benchmarks.gpu, benchmarks.train_step
-for package in (runner.models, runner.train):
+for package in (runner.models, runner.train, runner.losses):
   for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-    if not module.name.endswith("_torch"):
+    if not module.name.endswith("_torch") and module.name != "runner.train.loop":
       importlib.import_module(module.name)
 """
 

@@ -126,7 +126,7 @@ def test_eval_overrides_are_optional():
 
 def test_compositions_share_the_store_and_never_change_it():
   """Hydra copies its repository at every composition; the ConfigStore it holds is shared, not
-  copied (runner/config_store.py), and what one composition's config changes reaches neither
+  copied (runner/command/config_store.py), and what one composition's config changes reaches neither
   the store nor the next composition."""
   import copy
 

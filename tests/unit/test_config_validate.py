@@ -298,10 +298,10 @@ def test_overrides_keep_the_checks_of_the_keys_they_override():
 def test_the_library_imports_without_hydra():
   code = ("import sys\n"
           "import runner.config.schema, runner.models, runner.train, runner.evaluators\n"
-          "import runner.data, runner.parallel, runner.checkpoint\n"
+          "import runner.data, runner.parallel, runner.checkpoints.checkpoint\n"
           "loaded = sorted(m for m in sys.modules if m == 'hydra' or m.startswith('hydra.'))\n"
           "assert not loaded, loaded\n"
-          "assert 'runner.config_store' not in sys.modules\n")
+          "assert 'runner.command.config_store' not in sys.modules\n")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]

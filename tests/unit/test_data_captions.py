@@ -19,8 +19,7 @@ from PIL import Image
 
 from runner import data
 from runner.config.schema import DataConfig, TokenizerConfig
-from runner.data import captions, caption_file, tokenizers
-from runner.data import DataError
+from runner.data import caption_file, captions, DataError, tokenizers
 from runner.errors import UserError
 
 BYTES = tokenizers.make_tokenizer(TokenizerConfig())
@@ -185,7 +184,7 @@ def test_caption_file_with_splits(tmp_path, kind):
 
 
 def test_caption_file_in_a_folder_without_split_column_holds_out_a_slice(tmp_path):
-  from runner.tasks import common
+  from runner.stages import common
   rows = write_pairs(tmp_path, 20)
   write_jsonl(tmp_path / "captions.jsonl", rows)
   config = DataConfig(name="captions", root=str(tmp_path), holdout_fraction=0.25,

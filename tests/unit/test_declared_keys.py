@@ -186,8 +186,8 @@ assert not dataclasses.is_dataclass(schema.OptimConfig), "made before the launch
 from runner import config as config_layer
 typed = config_layer.load("pretrain", cfg, "unused", check=False)  # makes the schema here
 print(type(typed.model.router).__name__, typed.model.router.k, typed.optim.b1)
-import runner.config_store
-runner.config_store.register_configs()  # Hydra's store, as the launcher's pickled state brings it
+import runner.command.config_store
+runner.command.config_store.register_configs()  # Hydra's store, as the launcher's pickled state brings it
 from runner.command import compose
 composed = compose.compose(None, "pretrain", ["model=vmoe_tiny", "optim.b1=0.7", "workdir=unused"])
 typed = config_layer.load(job.sub, composed, "unused", check=False)

@@ -157,8 +157,8 @@ def test_commands_are_found():
 
 _PLUGIN_CHECK = """
 import json, sys
-from runner import builtins, config_store, plugins
-from runner.command import preflight
+from runner import builtins, plugins
+from runner.command import config_store, preflight
 builtins.register()
 commands = json.loads(sys.argv[1])
 # All before the first composition, as `vmoe` loads a command's before it gives Hydra the schemas.
@@ -221,7 +221,7 @@ def test_documented_command_composes(path, number, command, error, monkeypatch, 
 
 
 # The module whose function named as the subcommand does its work (stubbed by _check_tool).
-_TOOL_WORK = {"summarize": "runner.summarize", "report": "runner.report.command"}
+_TOOL_WORK = {"summarize": "runner.report.summarize", "report": "runner.report.command"}
 
 
 def _check_tool(cli, sub, args, where, monkeypatch, tmp_path):
@@ -244,12 +244,12 @@ def _check_tool(cli, sub, args, where, monkeypatch, tmp_path):
 
 def test_the_recipes_numbers_that_pages_and_messages_state():
   """docs/howto.md's first try, and the message of a batch larger than the training split
-  (runner/tasks/fit.py), state each stage's recipe (conf/<stage>.yaml): its batch, its steps and
+  (runner/stages/fit.py), state each stage's recipe (conf/<stage>.yaml): its batch, its steps and
   its warm-up."""
-  import runner.config_store
-  runner.config_store.register_configs()  # the schemas, as the CLI registers them (conftest has)
+  import runner.command.config_store
+  runner.command.config_store.register_configs()  # the schemas, as the CLI registers them (conftest has)
   from runner.command import compose
-  from runner.tasks import fit
+  from runner.stages import fit
   up, down = (compose.compose(None, sub, []) for sub in ("pretrain", "finetune"))
   howto = " ".join((ROOT / "docs" / "howto.md").read_text().split())
   assert (f"pretrain's recipe takes {up.data.batch_size} images per step, finetune's "

@@ -17,8 +17,8 @@ import tensorflow as tf
 
 from runner.evaluators.adversarial import (AdversarialEvaluator, make_pgd_attack,
                                            plot_pgd, routing_change, selected_experts)
+from runner.losses.classification import softmax_xent
 from runner.models.vit import VisionTransformer
-from runner.train.losses import softmax_xent
 from runner.train.state import abstract_params
 
 CLASSES, IMAGE, BATCH, K = 5, (8, 8, 3), 8, 2

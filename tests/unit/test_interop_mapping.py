@@ -1,4 +1,4 @@
-"""runner.interop.mapping: released checkpoints' names onto our model, with logits parity.
+"""runner.checkpoints.mapping: released checkpoints' names onto our model, with logits parity.
 
 Random parameter trees under the reference names of google-research/vmoe (V-MoE, E³,
 experts-choice, Soft MoE, query/key-normalised ViTs), big_vision and vision_transformer are mapped
@@ -7,7 +7,7 @@ the reference forward pass (tests/formats/reference_vit.py, float64) to 1e-5. To
 capacities are large enough that no token is dropped, as that reference assumes; experts-choice
 capacities are the reference's `compute_capacity` for the rounding our config names. The
 experts-choice and Soft MoE trees go through the whole released-checkpoint path: written in
-google-research/vmoe's format (tests/formats/vmoe_writer.py) and read back by `runner.weights`.
+google-research/vmoe's format (tests/formats/vmoe_writer.py) and read back by `runner.checkpoints.weights`.
 """
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ import pytest
 from formats import reference_vit, vmoe_writer  # tests/ is on sys.path (conftest rootdir)
 from formats.reference_tree import SUBLAYERS, reference_tree
 
-from runner import weights
-from runner.checkpoint import CheckpointError
-from runner.interop import mapping
+from runner.checkpoints import mapping, weights
+from runner.checkpoints.checkpoint import CheckpointError
 from runner.models import build_model, model_config
 from runner.models.moe import routers
 from runner.models.transfer import flatten, unflatten

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from formats import vmoe_writer
 
-from runner.checkpoint import CheckpointError
+from runner.checkpoints import vmoe_format
+from runner.checkpoints.checkpoint import CheckpointError
 from runner.errors import UserError
-from runner.interop import vmoe_format
 
 BF16 = ml_dtypes.bfloat16
 

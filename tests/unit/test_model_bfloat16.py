@@ -18,7 +18,7 @@ from formats import vmoe_writer  # tests/ is on sys.path (conftest rootdir)
 from formats.reference_tree import Dims, reference_tree
 from jax.extend import core as jax_core
 
-from runner import weights
+from runner.checkpoints import weights
 from runner.config.schema import DType, RouterConfig
 from runner.models import build_model, model_config
 from runner.train import objectives, optimizers, schedules, state as state_lib

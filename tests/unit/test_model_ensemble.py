@@ -25,12 +25,12 @@ import pytest
 
 from runner.config import from_dict, relations
 from runner.config.schema import ModelConfig
+from runner.losses.classification import softmax_xent
 from runner.models import build_model, model_config, transfer
 from runner.models.ensemble import combine_logits
 from runner.models.moe.layer import MoeMlpBlock
 from runner.models.moe.routers.token_choice import NoisyTopKRouter
 from runner.train import optimizers, schedules
-from runner.train.losses import softmax_xent
 from runner.train.state import TrainState, abstract_params
 from runner.train.step import make_train_step
 

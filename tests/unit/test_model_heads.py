@@ -763,7 +763,7 @@ def test_a_linear_head_becomes_the_mean_classifier(head):
 
 
 def test_a_linear_head_of_other_classes_needs_reinit_head():
-  from runner.checkpoint import CheckpointError
+  from runner.checkpoints.checkpoint import CheckpointError
   linear = _tree(from_dict(ModelConfig, SMALL), seed=0, num_classes=10)
   fresh = _tree(small(type="het_xl"), seed=1)
   with pytest.raises(CheckpointError, match="init.reinit_head=true"):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from runner.checkpoint import CheckpointError
+from runner.checkpoints.checkpoint import CheckpointError
 from runner.config import from_dict
 from runner.config.schema import ModelConfig
 from runner.models import build_model

@@ -380,7 +380,7 @@ def test_pretrain_logs_no_dropped_token_and_evaluates(dropless_run):
   assert all(r["moe/layer_1/fraction_dropped_assignments"] == 0.0 for r in train)
   assert len(train[-1]["moe/layer_1/expert_load"]) == 16  # 8 experts split in 2
   assert np.isfinite(train[-1]["train/loss"])
-  from runner import weights
+  from runner.checkpoints import weights
   bias = weights.load(str(dropless_run))[0]["block_1"]["moe"]["router"]["balance_bias"]
   assert np.abs(np.asarray(bias)).max() > 0  # the train step moved it from the sown loads
   summary = json.loads((dropless_run / "summary.json").read_text())

@@ -27,10 +27,9 @@ import pytest
 import yaml
 from conftest import fails_clearly
 
-from runner import summarize
 from runner.evaluators import suite
-from runner.report import curves, markup, run_page, sweep_page
-from runner.workdir_lock import LOCK_FILE, WorkdirLock
+from runner.report import curves, markup, run_page, summarize, sweep_page
+from runner.workdirs.workdir_lock import LOCK_FILE, WorkdirLock
 
 RUN_SECTIONS = {"run", "config", "training", "validation", "routing", "metrics", "pictures",
                 "checkpoints"}
@@ -369,7 +368,7 @@ def _training_section(text: str) -> str:
 
 def test_a_short_training_run_shows_its_one_logged_point_and_how_to_get_curves(tmp_path):
   """train.steps=20 with train.log_every_steps=20: the stage logs training once, at its last
-  step (runner/loop.py), and the page says so rather than calling it a stage that does not
+  step (runner/train/loop.py), and the page says so rather than calling it a stage that does not
   train."""
   run = make_run(tmp_path / "short", steps=20,
                  config={"seed": 0, "train": {"steps": 20, "log_every_steps": 20}})
@@ -472,7 +471,7 @@ def test_summarize_leaves_a_report_html_it_did_not_write(tmp_path, run_cli):
 def _hold_lock(workdir: pathlib.Path) -> subprocess.Popen:
   code = textwrap.dedent(f"""
       import time
-      from runner.workdir_lock import WorkdirLock
+      from runner.workdirs.workdir_lock import WorkdirLock
       with WorkdirLock({str(workdir)!r}, "vmoe pretrain workdir=held"):
         time.sleep(120)
   """)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runner.checkpoint import CheckpointError
+from runner.checkpoints.checkpoint import CheckpointError
 from runner.config import derived, from_dict
 from runner.config.schema import ModelConfig, RouterConfig
 from runner.models import build_model, transfer

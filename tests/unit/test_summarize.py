@@ -9,7 +9,7 @@ import statistics
 import pytest
 import yaml
 
-from runner import summarize
+from runner.report import summarize
 from runner.tasks import main_metric
 
 

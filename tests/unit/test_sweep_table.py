@@ -1,4 +1,4 @@
-"""The table a sweep prints when it ends (hydra_plugins/vmoe_launchers/sweep_table.py), on job
+"""The table a sweep prints when it ends (runner/command/sweep_table.py), on job
 folders made by hand; tests/integration/test_sweeps.py prints it after real sweeps."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pathlib
 
 import yaml
 
-from hydra_plugins.vmoe_launchers.sweep_table import job_files, sweep_table
+from runner.command.sweep_table import job_files, sweep_table
 
 
 def _job(folder: pathlib.Path, overrides: list[str], summary: dict | None) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from runner.evaluators.contrastive import recall_at_k
-from runner.train import contrastive
+from runner.losses import contrastive
 
 B, E = 6, 5
 

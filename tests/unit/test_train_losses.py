@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import log_loss
 
-from runner.train.losses import LOSSES, precision_at_1, sigmoid_xent, softmax_xent
+from runner.losses.classification import LOSSES, precision_at_1, sigmoid_xent, softmax_xent
 
 
 def test_softmax_xent_matches_sklearn_log_loss_on_one_hot_labels():

@@ -14,14 +14,14 @@ import time
 import pytest
 
 from runner.errors import UserError
-from runner.workdir_lock import LOCK_FILE, WorkdirLock
+from runner.workdirs.workdir_lock import LOCK_FILE, WorkdirLock
 
 
 def _hold_lock(workdir) -> subprocess.Popen:
   """Another process that takes the lock on workdir and sleeps; returns once it holds it."""
   code = textwrap.dedent(f"""
       import time
-      from runner.workdir_lock import WorkdirLock
+      from runner.workdirs.workdir_lock import WorkdirLock
       with WorkdirLock({str(workdir)!r}, "vmoe pretrain workdir=held"):
         time.sleep(120)
   """)

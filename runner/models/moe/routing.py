@@ -43,7 +43,7 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_ratio: f
   increased to the next multiple of 4. The ceil is >= 1 for any group with a token, so the
   smallest capacity is 4.
   """
-  rounding = str(getattr(rounding, "value", rounding))
+  rounding = str(rounding)
   if rounding == "reference":
     capacity = max(1, math.ceil(num_tokens * k * float(capacity_ratio) / num_experts))
     return capacity + (-capacity) % CAPACITY_MULTIPLE

@@ -316,4 +316,4 @@ def names() -> list[str]:
 
 def family(name: str | None) -> type[RouterFamily]:
   """The family registered as `name` (None: the schema's default, token-choice)."""
-  return registries.ROUTERS.get(str(getattr(name, "value", name) or DEFAULT))
+  return registries.ROUTERS.get(str(name or DEFAULT))

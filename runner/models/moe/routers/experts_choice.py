@@ -169,8 +169,7 @@ class ExpertsChoice(RouterFamily):
     return dict(capacity_ratio=router.capacity_ratio,
                 eval_capacity_ratio=router.eval_capacity_ratio,
                 noise_std=1.0 if router.noise_std is None else router.noise_std,
-                capacity_rounding=str(getattr(router.capacity_rounding, "value",
-                                              router.capacity_rounding)))
+                capacity_rounding=str(router.capacity_rounding))
 
   @classmethod
   def capacity(cls, router, tokens: int, experts: int, *, train: bool) -> int:
@@ -192,8 +191,7 @@ class ExpertsChoice(RouterFamily):
       ratio = router.eval_capacity_ratio
     return TorchRouting(
         config=dict(capacity_ratio=float(ratio),
-                    capacity_rounding=str(getattr(router.capacity_rounding, "value",
-                                                  router.capacity_rounding))),
+                    capacity_rounding=str(router.capacity_rounding)),
         source=pathlib.Path(__file__).with_name("experts_choice_torch.py").read_text(),
         class_name="ExpertsChoiceRouter")
 

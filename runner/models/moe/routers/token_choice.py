@@ -42,17 +42,17 @@ SHARED_KEYS = {
 }
 
 
-class Gate(str, enum.Enum):
+class Gate(enum.StrEnum):
   softmax = "softmax"  # softmax(Wx + eps), V-MoE
   sigmoid = "sigmoid"  # sigmoid(Wx + eps), TOP-k weights normalized to sum to 1 (DeepSeek-V3)
 
 
-class BalanceScope(str, enum.Enum):
+class BalanceScope(enum.StrEnum):
   group = "group"  # the auxiliary losses per routing group, averaged (V-MoE)
   batch = "batch"  # per-expert sums over the whole batch first (Qiu et al. 2025)
 
 
-class Balance(str, enum.Enum):
+class Balance(enum.StrEnum):
   aux_loss = "aux_loss"  # V-MoE's importance and load losses in the training loss
   bias = "bias"  # auxiliary-loss-free: a per-expert bias for choosing (Wang et al. 2024)
 
@@ -235,13 +235,13 @@ class TokenChoice(RouterFamily):
     dropless = _dropless_problem(model)
     if dropless:
       return dropless
-    if router.bias_update_rate is not None and _name(router.balance) != "bias":
+    if router.bias_update_rate is not None and str(router.balance) != "bias":
       return (f"model.router.bias_update_rate={router.bias_update_rate} means nothing with "
-              f"model.router.balance={_name(router.balance)}: it is the step of the per-expert "
+              f"model.router.balance={str(router.balance)}: it is the step of the per-expert "
               "bias of auxiliary-loss-free balancing, which only model.router.balance=bias has "
               "(V-MoE's auxiliary losses balance the experts otherwise). Set "
               "model.router.balance=bias, or drop model.router.bias_update_rate.")
-    if router.gate == Gate.sigmoid and router.batch_priority and _name(router.priority) == "sum":
+    if router.gate == Gate.sigmoid and router.batch_priority and str(router.priority) == "sum":
       return ("model.router.priority=sum means nothing with model.router.gate=sigmoid: the TOP-k "
               "weights of sigmoid gates sum to 1 for every token, so Batch Prioritized Routing "
               "would order the tokens by rounding noise. Use model.router.priority=max (the "
@@ -263,8 +263,8 @@ class TokenChoice(RouterFamily):
     """model.router.balance decides whether the router has its bias parameter, so a later stage
     keeps the checkpoint's."""
     new, kept = given.get("balance"), stored.get("balance") or Balance.aux_loss.value
-    if new is not None and _name(new) != _name(kept):
-      return (f"model.router.balance={_name(new)} differs from the checkpoint's {_name(kept)}: "
+    if new is not None and str(new) != str(kept):
+      return (f"model.router.balance={str(new)} differs from the checkpoint's {str(kept)}: "
               "with bias the router has a parameter, balance_bias, fixed when the model is "
               "trained, so a later stage cannot change it. Drop the override, or fine-tune with "
               "the new value (vmoe finetune init.checkpoint=... model.router.balance=...).")
@@ -284,14 +284,14 @@ class TokenChoice(RouterFamily):
   def module_kwargs(cls, router, *, tokens: int, experts: int) -> dict:
     kwargs = dict(k=router.k, capacity_ratio=router.capacity_ratio,
                   eval_capacity_ratio=router.eval_capacity_ratio,
-                  batch_priority=router.batch_priority, priority=_name(router.priority),
+                  batch_priority=router.batch_priority, priority=str(router.priority),
                   noise_std=1.0 if router.noise_std is None else router.noise_std)
-    if _name(router.capacity_rounding) != "paper":  # the default's arguments stay as they were
-      kwargs["capacity_rounding"] = _name(router.capacity_rounding)
+    if str(router.capacity_rounding) != "paper":  # the default's arguments stay as they were
+      kwargs["capacity_rounding"] = str(router.capacity_rounding)
     for option, default in (("gate", "softmax"), ("balance_scope", "group"),
                             ("balance", "aux_loss")):
-      if _name(getattr(router, option)) != default:
-        kwargs[option] = _name(getattr(router, option))
+      if str(getattr(router, option)) != default:
+        kwargs[option] = str(getattr(router, option))
     if _is_dropless(router):
       kwargs["dropless"] = True
     return kwargs
@@ -355,18 +355,18 @@ class TokenChoice(RouterFamily):
   def torch_routing(cls, router, *, tokens: int, experts: int) -> TorchRouting:
     """token_choice_torch.py at the inference capacity ratio (eval_capacity_ratio when set)."""
     del tokens, experts
-    bias = _name(router.balance) == "bias"  # written only where used: the default's is as was
+    bias = str(router.balance) == "bias"  # written only where used: the default's is as was
     parameters = {"dense/kernel": ("dense.weight", (1, 0))}
     if bias:
       parameters[balance.BIAS] = (balance.BIAS, None)
     return TorchRouting(
         config=dict(k=int(router.k), capacity_ratio=float(_ratio(router, train=False)),
-                    capacity_rounding=_name(router.capacity_rounding),
-                    batch_priority=bool(router.batch_priority), priority=_name(router.priority),
-                    **({} if _name(router.gate) == "softmax" else {"gate": _name(router.gate)}),
+                    capacity_rounding=str(router.capacity_rounding),
+                    batch_priority=bool(router.batch_priority), priority=str(router.priority),
+                    **({} if str(router.gate) == "softmax" else {"gate": str(router.gate)}),
                     **({"balance": "bias"} if bias else {}),
                     **({"dropless": True} if _is_dropless(router) else {})),
-        source=pathlib.Path(__file__).with_name("token_choice_torch.py").read_text(),
+        source=pathlib.Path(__file__).withstr("token_choice_torch.py").read_text(),
         class_name="TokenChoiceRouter", parameters=parameters)
 
   @classmethod
@@ -375,18 +375,14 @@ class TokenChoice(RouterFamily):
     """Vanilla routing and Batch Prioritized Routing of the gates, TOP-k as configured; none
     where a bias chose the TOP-k (balance=bias): the gates alone cannot replan its choices; none
     for a dropless router, which drops nothing at any capacity ratio."""
-    if _name(getattr(router, "balance", "aux_loss")) == "bias" or _is_dropless(router):
+    if str(getattr(router, "balance", "aux_loss")) == "bias" or _is_dropless(router):
       return {}
     dropped = {}
     for batch_priority in (False, True):
       plan = routing.plan_dispatch(weights, k=router.k, capacity=capacity,
-                                   batch_priority=batch_priority, priority=_name(router.priority))
+                                   batch_priority=batch_priority, priority=str(router.priority))
       dropped["bpr" if batch_priority else "vanilla"] = ~plan.kept.any(-1)
     return dropped
-
-
-def _name(option) -> str:
-  return str(getattr(option, "value", option))
 
 
 def _is_dropless(router) -> bool:
@@ -423,8 +419,8 @@ def _dropless_problem(model) -> str | None:
             "evaluation as in training. Drop it; to evaluate the model at a capacity, evaluate "
             "it with model.router.dropless=false model.router.capacity_ratio=<C> (a dropless "
             "checkpoint is an ordinary token-choice one).")
-  if _name(router.capacity_rounding) != _CAPACITY_DEFAULTS["capacity_rounding"]:
-    return (f"model.router.capacity_rounding={_name(router.capacity_rounding)} means nothing "
+  if str(router.capacity_rounding) != _CAPACITY_DEFAULTS["capacity_rounding"]:
+    return (f"model.router.capacity_rounding={str(router.capacity_rounding)} means nothing "
             "with model.router.dropless=true: it rounds the buffers' slots, and dropless routing "
             "has no buffers. Drop it, or model.router.dropless=false.")
   if model.moe.ensemble_size > 1:

@@ -21,10 +21,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-# The towers normalise their embeddings (runner/models/contrastive.py); imported here only for
-# runner.evaluators.contrastive, which reads it as contrastive.normalize.
-from runner.models.contrastive import normalize  # noqa: F401
-
 
 def _correct_log_probs(queries: jax.Array, keys: jax.Array, scale) -> jax.Array:
   """(B, S) log softmax of query (n, s) over the B keys, at its own pair n."""

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from runner.errors import RunError, UserError
+from runner.errors import CheckpointError, RunError
 
 ITEMS = ("params", "opt_state", "meta", "config")
 # Orbax 0.12 writes this last, just before it renames `<step>.orbax-checkpoint-tmp` to `<step>`
@@ -33,15 +33,6 @@ ITEMS = ("params", "opt_state", "meta", "config")
 COMMIT_MARKER = "commit_success.txt"
 STEP_METADATA = "_CHECKPOINT_METADATA"  # written first, when the save starts
 UNREADABLE = "unreadable_checkpoints"  # next to checkpoints/: steps a resumed run could not read
-
-
-class CheckpointError(UserError):
-  """A checkpoint path that does not exist, holds no checkpoint, is partial, corrupted, or does
-  not fit the model. `reason` is the short what-is-wrong of one unreadable step."""
-
-  def __init__(self, message: str, reason: str | None = None):
-    super().__init__(message)
-    self.reason = reason
 
 
 class CheckpointSaveError(RunError):

@@ -15,7 +15,7 @@ from runner import data
 from runner.config import conf_dir
 from runner.config.schema import DataConfig
 from runner.evaluators.suite import Dataset
-from runner.tasks import common
+from runner.stages import common
 
 _SPLIT_KEYS = ("split", "eval_split", "test_split", "holdout_fraction", "image_key", "label_key",
                "text_key")

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from runner import data
-from runner.checkpoint import Checkpointer
+from runner.checkpoints.checkpoint import Checkpointer
 from runner.config import as_dict, derived
 from runner.config.schema import TrainTask
 from runner.errors import Interrupted, RunError
@@ -397,7 +397,7 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
   The evaluators that `eval.*` enables and that run in training (runner/evaluators, built-in or
   a plug-in's; OOD detection against `ood_datasets`) run on the validation split with the
   evaluation, logged under `val/`; their pictures and files are written at the end.
-  `pairs` (runner/tasks/contrastive.py `PairTraining`): a contrastive model of image-text pairs,
+  `pairs` (runner/stages/contrastive.py `PairTraining`): a contrastive model of image-text pairs,
   with its objective, the captions' tokens in every batch, and its evaluator.
   """
   run = _Run(config, model=model, source=source, placement=placement, stage=stage, pairs=pairs)

@@ -27,7 +27,7 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-from runner.checkpoint import CheckpointError
+from runner.errors import CheckpointError
 
 __all__ = ["is_vmoe_checkpoint", "read"]
 

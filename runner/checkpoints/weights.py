@@ -1,9 +1,9 @@
 """Where a stage's parameters come from: a run of this project, or a released checkpoint.
 
-Our runs are Orbax checkpoints with their config (runner.checkpoint, the one door for them).
+Our runs are Orbax checkpoints with their config (runner.checkpoints.checkpoint, the one door for them).
 Released checkpoints — google-research/vmoe's `<prefix>.index` + `<prefix>.data-*` files and
 big_vision / vision_transformer ViT `.npz` files — hold bare parameters under the reference's
-names; runner.interop reads and renames them. They carry no config, so the stages that read the
+names; runner.checkpoints reads and renames them. They carry no config, so the stages that read the
 model and data from a checkpoint need `model=` and `data=` for them.
 
 A path given by the user is opened once (`open`): its kind is decided there, and the `Opened`
@@ -19,10 +19,10 @@ import zipfile
 
 import numpy as np
 
-from runner import checkpoint, workdir_lock
-from runner.checkpoint import CheckpointError
-from runner.interop import mapping, vmoe_format
+from runner.checkpoints import checkpoint, mapping, vmoe_format
+from runner.errors import CheckpointError
 from runner.models import transfer
+from runner.workdirs import workdir_lock
 
 RUN = "vmoe run's checkpoint"
 VMOE = "google-research/vmoe checkpoint"

@@ -11,7 +11,7 @@ from runner import data
 from runner.config import relations
 from runner.config.schema import TrainTask
 from runner.errors import ConfigError
-from runner.loop import total_steps
+from runner.train.loop import total_steps
 
 # Each stage's recipe sets its own batch (conf/<stage>.yaml), which a small dataset meets first.
 RECIPE_BATCHES = "the pretrain recipe's default is 128, finetune's 64"

@@ -3,7 +3,7 @@
 One checkpoint (a ViT, a V-MoE, a partitioned batch ensemble) is its own flax model; several
 checkpoints (a deep ensemble) or MC-dropout samples become a `runner.models.ensemble.Ensemble`.
 A contrastive checkpoint is one member too: its two towers as a zero-shot classifier
-(`zero_shot`, runner/tasks/zero_shot.py), whose parameters hold the class embeddings.
+(`zero_shot`, runner/stages/zero_shot.py), whose parameters hold the class embeddings.
 Either way the evaluators see "a model" whose logits are the prediction and whose extras carry
 the members' logits when there are several (design principle 12: an ensemble is a list of
 members).
@@ -15,15 +15,14 @@ from typing import Any
 
 import jax
 
-from runner import weights
+from runner.checkpoints import weights
 from runner.config import derived
 from runner.config.schema import EnsembleVariant, ModelConfig
 from runner.errors import ConfigError
 from runner.evaluators import predictions
-from runner.models import build_model, heads, tokens_per_group
-from runner.models import flops as flops_lib
+from runner.models import build_model, flops as flops_lib, heads, tokens_per_group
 from runner.models.ensemble import Ensemble
-from runner.tasks import common
+from runner.stages import common
 from runner.train import state as state_lib
 
 
@@ -33,7 +32,7 @@ class Checkpoint:
   step: int
   config: ModelConfig
   params: dict  # host NumPy arrays
-  zero_shot: Any = None  # a contrastive checkpoint: runner/tasks/zero_shot.py `ZeroShot`
+  zero_shot: Any = None  # a contrastive checkpoint: runner/stages/zero_shot.py `ZeroShot`
 
   def build(self, config: ModelConfig, num_classes: int, output: str):
     """This checkpoint's flax model with `config` (its own, or with inference changes)."""

@@ -20,7 +20,8 @@ import sys
 import jax
 import numpy as np
 
-from runner import checkpoint, data, weights
+from runner import data
+from runner.checkpoints import checkpoint, weights
 from runner.config import derived
 from runner.config.schema import (HeadType, ModelConfig, ObjectiveConfig, TextConfig,
                                   TokenizerKind)
@@ -32,8 +33,8 @@ from runner.evaluators.contrastive import class_embeddings, prompts
 from runner.models import flops as flops_lib
 from runner.models.contrastive import build_two_towers
 from runner.models.zero_shot import ZeroShotClassifier
-from runner.tasks import common, dataset_specs
-from runner.tasks.members import Checkpoint, Members
+from runner.stages import common, dataset_specs
+from runner.stages.members import Checkpoint, Members
 
 PROMPTS_PER_CALL = 4096  # prompts the text tower embeds at once
 

@@ -14,8 +14,8 @@ import numpy as np
 from runner import data
 from runner.config.schema import DataConfig, FewshotConfig
 from runner.evaluators.fewshot_math import FewShotError
-from runner.tasks import common
-from runner.tasks.dataset_specs import dataset_config
+from runner.stages import common
+from runner.stages.dataset_specs import dataset_config
 
 
 @dataclasses.dataclass

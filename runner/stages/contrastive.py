@@ -20,7 +20,8 @@ from typing import Callable
 import jax
 import numpy as np
 
-from runner import data, weights
+from runner import data
+from runner.checkpoints import weights
 from runner.config import derived
 from runner.config.schema import ContrastiveLoss, Objective, TokenizerKind, TrainTask
 from runner.data.captions import HELD_OUT_TEMPLATES
@@ -31,9 +32,9 @@ from runner.evaluators.contrastive import PairEvaluator, make_pair_step, prompts
 from runner.models import transfer
 from runner.models.contrastive import build_two_towers
 from runner.parallel import Placement
-from runner.tasks import common
+from runner.stages import common
 from runner.train import objectives, state as state_lib
-from runner.loop import train_and_evaluate
+from runner.train.loop import train_and_evaluate
 
 
 @dataclasses.dataclass
@@ -89,7 +90,7 @@ def _image_tower_init(config: TrainTask, model, image_shape, start: weights.Open
 
 def run(config: TrainTask, placement: Placement, stage: str, *, source: data.Source,
         resuming: bool, start: weights.Opened | None, fewshot) -> dict:
-  """Called by runner/tasks/training.py once the data (and few-shot datasets) are open; `start`:
+  """Called by runner/stages/training.py once the data (and few-shot datasets) are open; `start`:
   init.checkpoint, opened, when a new run starts from it."""
   if not source.text_key:
     raise ConfigError(f"objective=contrastive trains on image-caption pairs, but data="

@@ -9,11 +9,12 @@ import sys
 import jax
 import yaml
 
-from runner import checkpoint, data, parallel
+from runner import data, parallel
+from runner.checkpoints import checkpoint
 from runner.config import as_dict, derived, validate
 from runner.config.schema import DataConfig, ModelConfig
 from runner.models import transfer
-from runner.tasks import environment
+from runner.stages import environment
 from runner.train import state as state_lib
 
 

@@ -50,7 +50,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from runner.checkpoint import CheckpointError
+from runner.errors import CheckpointError
 
 LAYOUTS = ("vmoe", "big_vision", "vision_transformer")
 # Top-level entries of a saved train state that are not parameters.

@@ -3,7 +3,7 @@
 A Hydra callback (conf/hydra/env/vmoe.yaml) of the process that runs `vmoe <stage> --multirun`,
 so one piece of code serves every launcher: the jobs run in that process (basic), as processes of
 their own (parallel) or on SLURM's nodes, and the command waits for all of them before the sweep
-ends. The jobs are read from their folders as `vmoe summarize` reads them (runner/summarize.py):
+ends. The jobs are read from their folders as `vmoe summarize` reads them (runner/report/summarize.py):
 a job of this sweep is a folder whose .hydra/overrides.yaml was written since the sweep began, and
 it succeeded if it wrote its summary.json since then too (a rerun into an older sweep's folder
 shows only the jobs it ran). A failed job stops the sweep (Hydra's sweepers raise its error; the
@@ -19,7 +19,7 @@ import shlex
 
 from hydra.experimental.callback import Callback
 
-from runner import summarize
+from runner.report import summarize
 from runner.tasks import MAIN_METRICS, main_metric
 
 

@@ -5,16 +5,17 @@ import dataclasses
 
 import jax
 
-from runner import checkpoint, data, weights
+from runner import data
+from runner.checkpoints import checkpoint, weights
 from runner.config import as_dict, derived
 from runner.config.schema import Objective, TrainTask
 from runner.errors import ConfigError
 from runner.models import build_model, transfer
 from runner.models.moe import routers
 from runner.parallel import Placement
-from runner.tasks import common, contrastive, dataset_specs, fewshot_data, fit
+from runner.stages import common, contrastive, dataset_specs, fewshot_data, fit
 from runner.train import state as state_lib
-from runner.loop import train_and_evaluate
+from runner.train.loop import train_and_evaluate
 
 
 def _model_differences(stored: dict, current: dict, prefix: str = "model.") -> str:

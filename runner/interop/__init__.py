@@ -1,1 +1,0 @@
-"""Reading checkpoints written by other code bases."""
