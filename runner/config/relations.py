@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import pathlib
 import typing
 from typing import Callable
 
@@ -28,7 +27,7 @@ from runner.config.mesh import expert_mesh_axes, mesh_shape
 from runner.errors import ConfigError, UserError
 
 
-def _show(value) -> str:
+def shown(value) -> str:
   """A value as one would type it in an override."""
   if isinstance(value, bool):
     return str(value).lower()
@@ -124,10 +123,10 @@ def dense_model_has_no_router(model: ModelConfig):
   if _moe_layers(model) != ():
     return None  # a V-MoE, or invalid layers
   router, moe = RouterConfig(), MoeConfig()
-  given = [f"model.router.{f.name}={_show(getattr(model.router, f.name))}"
+  given = [f"model.router.{f.name}={shown(getattr(model.router, f.name))}"
            for f in dataclasses.fields(RouterConfig)
            if getattr(model.router, f.name) != getattr(router, f.name)]
-  given += [f"model.moe.{f.name}={_show(getattr(model.moe, f.name))}"
+  given += [f"model.moe.{f.name}={shown(getattr(model.moe, f.name))}"
             for f in dataclasses.fields(MoeConfig)
             if f.name not in _DENSE_KEYS and getattr(model.moe, f.name) != getattr(moe, f.name)]
   if given:
@@ -149,12 +148,12 @@ def router_options_apply(model: ModelConfig):
   problem = family.unread_key_problem(model.router)
   if problem:
     return problem
-  ignored = [f"model.router.{f.name}={_show(getattr(model.router, f.name))}"
+  ignored = [f"model.router.{f.name}={shown(getattr(model.router, f.name))}"
              for f in dataclasses.fields(RouterConfig)
              if f.name != "type" and f.name not in family.options
              and getattr(model.router, f.name) != getattr(defaults, f.name)]
   if not family.uses_dispatcher and model.moe.dispatcher != MoeConfig().dispatcher:
-    ignored.append(f"model.moe.dispatcher={_show(model.moe.dispatcher)}")
+    ignored.append(f"model.moe.dispatcher={shown(model.moe.dispatcher)}")
   if ignored:
     return (f"{', '.join(ignored)} means nothing for model.router.type={family.name} "
             f"({family.summary}); its keys are model.router.{{{', '.join(family.options)}}}. "
@@ -172,7 +171,7 @@ def grouped_matmul_applies(model: ModelConfig):
   family = derived.router_family(model)
   if family.runs_grouped_matmul(model.router):
     return None
-  return (f"model.moe.grouped_matmul={_show(chosen)} means nothing for model.router.type="
+  return (f"model.moe.grouped_matmul={shown(chosen)} means nothing for model.router.type="
           f"{family.name} with these keys: it chooses how routing without capacity (dropless "
           "token choice) runs its experts' rows, and this router runs its experts on "
           "fixed-capacity buffers. Drop it, or route dropless (model.router.type=token_choice "
@@ -310,9 +309,9 @@ def cudnn_attention_problem(dtype: str, head_dim: int, *, dropout: bool, tokens:
 def cudnn_attention_applies(model: ModelConfig):
   """The device itself is checked when the model is traced (runner/models/vit.py): relations
   know the device count, not the platform."""
-  if _show(model.attention) != "cudnn" or model.hidden_size % model.num_heads:
+  if shown(model.attention) != "cudnn" or model.hidden_size % model.num_heads:
     return None  # heads_split_the_width reports the latter
-  return cudnn_attention_problem(_show(model.dtype), model.hidden_size // model.num_heads,
+  return cudnn_attention_problem(shown(model.dtype), model.hidden_size // model.num_heads,
                                  dropout=model.attention_dropout_rate > 0)
 
 
@@ -345,7 +344,7 @@ def contrastive_heads(objective: ObjectiveConfig, model: ModelConfig):
     return None
   head, defaults = model.head, HeadConfig()
   if head.type not in (HeadType.det, HeadType.het_xl):
-    return (f"model.head.type={_show(head.type)} means nothing for objective=contrastive: its "
+    return (f"model.head.type={shown(head.type)} means nothing for objective=contrastive: its "
             "towers end in embeddings, not a classifier; valid: det (the deterministic "
             "baseline) or het_xl (HET-XL's noise on the representations, its paper's Sec. 5).")
   if head.type == HeadType.het_xl and objective.loss == ContrastiveLoss.sigmoid:
@@ -478,8 +477,8 @@ def _evaluators() -> list:
 def _given(cls, eval: EvalSuiteConfig) -> str:
   """The key that turned evaluator `cls` on, with its value, as one would type it."""
   value = cls.setting(eval)
-  shown = f"[{', '.join(map(_show, value))}]" if isinstance(value, (list, tuple)) else _show(value)
-  return f"{cls.enabling_key}={shown}"
+  text = f"[{', '.join(map(shown, value))}]" if isinstance(value, (list, tuple)) else shown(value)
+  return f"{cls.enabling_key}={text}"
 
 
 # The metadata flag of an eval.* section that only a contrastive checkpoint reads (the zero-shot
@@ -526,7 +525,7 @@ def _contrastive_keys(eval: EvalSuiteConfig) -> list[str]:
 
 def _listed(value):
   """A list as Python writes it (['a photo of a {}.']), anything else as one would type it."""
-  return list(value) if isinstance(value, (list, tuple)) else _show(value)
+  return list(value) if isinstance(value, (list, tuple)) else shown(value)
 
 
 @relation
@@ -535,7 +534,7 @@ def zero_shot_needs_a_contrastive_checkpoint(run: EvalRun):
   templates and the evaluators not `on_classifier` mean nothing for a classifier's checkpoint,
   and the evaluators not `on_contrastive` nothing for a contrastive one."""
   if run.init.tower is not None:
-    return (f"init.tower={_show(run.init.tower)} means nothing in vmoe eval: a contrastive "
+    return (f"init.tower={shown(run.init.tower)} means nothing in vmoe eval: a contrastive "
             "checkpoint is evaluated whole, as a zero-shot classifier (its image tower's "
             "features by vmoe fewshot); init.tower is for vmoe finetune.")
   given = _contrastive_keys(run.eval)
@@ -553,48 +552,6 @@ def zero_shot_needs_a_contrastive_checkpoint(run: EvalRun):
             f"contrastive run evaluated as a zero-shot classifier, which {which} not measure; "
             f"drop {'them' if len(refused) > 1 else 'it'}, or evaluate a classifier fine-tuned "
             "from its image tower (vmoe finetune init.checkpoint=<the run> init.tower=image).")
-
-
-def _checkpoint_objective(path: str, checkpoints) -> str | None:
-  """What the run at `path` was trained for (released checkpoints are classifiers); None when
-  it cannot be read here (the task then reports why)."""
-  try:
-    stored = checkpoints.stored_config(path)
-  except UserError:
-    return None
-  return str(((stored or {}).get("objective") or {}).get("name") or "classification")
-
-
-@relation
-def classifier_from_a_tower(run: TrainTask, checkpoints):
-  """A classifier starts from a contrastive checkpoint only from the tower init.tower names, and
-  init.tower names a tower only of a contrastive checkpoint. `checkpoints` reads what
-  init.checkpoint was trained for (runner.checkpoints.weights.Checkpoints; given before launch)."""
-  init, tower = run.init, f"init.tower={_show(run.init.tower)}"
-  if init.tower is not None and not init.checkpoint:
-    return (f"{tower} names a tower of init.checkpoint, which is not set; give "
-            "init.checkpoint=<a run of vmoe pretrain objective=contrastive>, or drop init.tower.")
-  if not init.checkpoint:
-    return None
-  if run.objective.name == Objective.contrastive:
-    if init.tower is not None:
-      return (f"{tower} means nothing with objective=contrastive: a contrastive run starts its "
-              "image tower from init.checkpoint (or both towers from a contrastive run) as it "
-              "is; drop init.tower.")
-    return None
-  stored = _checkpoint_objective(init.checkpoint, checkpoints)
-  if stored == Objective.contrastive.value and init.tower is None:
-    return (f"init.checkpoint={init.checkpoint} is a contrastive run (an image and a text tower), "
-            "not a classifier: say which tower the classifier starts from, init.tower=image "
-            "(its image tower, with a new head).")
-  if init.tower is not None and stored is not None and stored != Objective.contrastive.value:
-    return (f"{tower} means nothing for init.checkpoint={init.checkpoint}, a classifier "
-            f"(objective={stored}): init.tower picks a tower of a contrastive run (vmoe pretrain "
-            "objective=contrastive); drop it.")
-  if init.tower is not None and not init.reinit_head:
-    return (f"init.reinit_head=false with {tower}: the image tower of a contrastive run has no "
-            "classifier head to keep; drop init.reinit_head=false.")
-  return None
 
 
 @relation
@@ -669,51 +626,7 @@ def ensemble_members_agree(run: EnsembleRun):
               "preprocessing and loss.")
 
 
-# --- multi-host start-up -----------------------------------------------------------------------
-
 # --- vmoe export -------------------------------------------------------------------------------
-
-# What an export folder holds (runner/export, runner/tasks/export.py) besides Hydra's record of
-# the command (.hydra/, a .log) and the workdir lock (.vmoe.lock, runner/workdirs/workdir_lock.py): a
-# rerun may replace these, nothing else.
-EXPORT_FILES = ("model.safetensors", "config.json", "modeling_vmoe.py", "README.md",
-                "summary.json")
-_EXPORT_BOOKKEEPING = (".hydra", ".vmoe.lock")
-
-
-@relation
-def export_a_finished_classifier(run: ExportRun, checkpoints):
-  """An export takes a classifier whose run has ended (or a step folder, or a released
-  checkpoint); `checkpoints` (runner.checkpoints.weights.Checkpoints) says whether the run is finished."""
-  if run.objective.name == Objective.contrastive:
-    return (f"init.checkpoint={run.init.checkpoint} is a contrastive run (an image and a text "
-            "tower): vmoe export writes classifiers; fine-tune its image tower into one (vmoe "
-            "finetune init.checkpoint=<the run> init.tower=image) and export that.")
-  if run.init.tower is not None:
-    return (f"init.tower={_show(run.init.tower)} means nothing in vmoe export, which writes a "
-            "classifier whole; drop it.")
-  try:
-    return checkpoints.unfinished(run.init.checkpoint)
-  except UserError as e:  # no checkpoint there: said in the words of the checkpoint's reader
-    return str(e)
-
-
-@relation
-def export_folder_holds_no_other_files(run: ExportRun):
-  """workdir= receives the export: it must be new, empty, or a former export of vmoe (which a
-  rerun replaces), never a run's folder or anything else a user keeps there."""
-  folder = pathlib.Path(run.workdir).expanduser() if run.workdir else None
-  if folder is None or not folder.is_dir():
-    return None
-  others = sorted(p.name for p in folder.iterdir()
-                  if p.name not in EXPORT_FILES + _EXPORT_BOOKKEEPING and p.suffix != ".log")
-  if others:
-    shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
-    return (f"workdir={run.workdir} holds files that are not an export of vmoe ({shown}); vmoe "
-            f"export writes {', '.join(EXPORT_FILES)} into a new or empty folder (or replaces "
-            "a former export): choose another workdir=<folder>.")
-  return None
-
 
 def unexportable(model: ModelConfig) -> str | None:
   """What of `model` vmoe export cannot write, or None: a router family says how it routes in
@@ -734,6 +647,8 @@ def unexportable(model: ModelConfig) -> str | None:
 def exporter_expresses_the_router(model: ModelConfig, run: ExportRun):
   return unexportable(model)
 
+
+# --- multi-host start-up -----------------------------------------------------------------------
 
 @relation
 def coordinator_knows_the_processes(distributed: DistributedConfig):
@@ -815,7 +730,7 @@ def experts_split_for_the_router(run: RunFields):
   if not expert_mesh_axes(sharding.name, sharding.rules):
     return None
   where = (f"sharding={sharding.name}" if sharding.rules is None
-           else f"sharding.rules={_show(sharding.rules)}")
+           else f"sharding.rules={shown(sharding.rules)}")
   for model in derived.held_models(run):
     if derived.num_experts(model):
       problem = derived.router_family(model).expert_parallel_problem(model.router, where)

@@ -9,8 +9,17 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from runner.config import derived
-from runner.config.schema import ModelConfig
+from runner.config.relations import relation
+from runner.config.schema import ExportRun, ModelConfig
 from runner.export import architecture, layout
+
+# What an export folder holds (runner/export, runner/tasks/export.py) besides Hydra's record of
+# the command (.hydra/, a .log) and the workdir lock (.vmoe.lock, runner/workdirs/workdir_lock.py): a
+# rerun may replace these, nothing else.
+EXPORT_FILES = ("model.safetensors", "config.json", "modeling_vmoe.py", "README.md",
+                "summary.json")
+_EXPORT_BOOKKEEPING = (".hydra", ".vmoe.lock")
+
 
 TEMPLATE = pathlib.Path(__file__).with_name("modeling_vmoe.py")
 MARKER = "# ---- router families (added by vmoe export) ----"
@@ -56,3 +65,20 @@ def write_model(directory, *, params: Mapping, model: ModelConfig, num_classes: 
   (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
   (directory / "modeling_vmoe.py").write_text(modeling_source(model))
   return config
+
+
+@relation
+def export_folder_holds_no_other_files(run: ExportRun):
+  """workdir= receives the export: it must be new, empty, or a former export of vmoe (which a
+  rerun replaces), never a run's folder or anything else a user keeps there."""
+  folder = pathlib.Path(run.workdir).expanduser() if run.workdir else None
+  if folder is None or not folder.is_dir():
+    return None
+  others = sorted(p.name for p in folder.iterdir()
+                  if p.name not in EXPORT_FILES + _EXPORT_BOOKKEEPING and p.suffix != ".log")
+  if others:
+    shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+    return (f"workdir={run.workdir} holds files that are not an export of vmoe ({shown}); vmoe "
+            f"export writes {', '.join(EXPORT_FILES)} into a new or empty folder (or replaces "
+            "a former export): choose another workdir=<folder>.")
+  return None

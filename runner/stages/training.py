@@ -72,7 +72,7 @@ def init_from_checkpoint(config: TrainTask, model, source: data.Source, start: w
     _check_ensemble_size(config, stored)
   restored, stored, step = start.load(ensemble_size=derived.ensemble_size(config.model))
   what = f"checkpoint {init.checkpoint} (step {step})"
-  if init.tower is not None:  # a contrastive run's (relations.classifier_from_a_tower)
+  if init.tower is not None:  # a contrastive run's (runner/checkpoints/checks.py classifier_from_a_tower)
     restored, what = restored[init.tower.value], f"the {init.tower.value} tower of {what}"
   fresh = state_lib.fresh_params(model, data.image_shape(source, config.data.split,
                                                          config.data.pp_train), config.seed)

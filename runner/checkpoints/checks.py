@@ -1,0 +1,68 @@
+"""The config checks that open a run's inputs: what a starting checkpoint was trained for, and
+whether the run to export has ended. They are relations (runner/config/relations.py) with a
+`checkpoints` parameter, the runner.checkpoints.weights.Checkpoints that the pre-flight checks
+and the job give them; the config layer itself reads no file."""
+from __future__ import annotations
+
+from runner.config.relations import relation, shown
+from runner.config.schema import ExportRun, Objective, TrainTask
+from runner.errors import UserError
+
+
+def _checkpoint_objective(path: str, checkpoints) -> str | None:
+  """What the run at `path` was trained for (released checkpoints are classifiers); None when
+  it cannot be read here (the task then reports why)."""
+  try:
+    stored = checkpoints.stored_config(path)
+  except UserError:
+    return None
+  return str(((stored or {}).get("objective") or {}).get("name") or "classification")
+
+
+@relation
+def classifier_from_a_tower(run: TrainTask, checkpoints):
+  """A classifier starts from a contrastive checkpoint only from the tower init.tower names, and
+  init.tower names a tower only of a contrastive checkpoint. `checkpoints` reads what
+  init.checkpoint was trained for (runner.checkpoints.weights.Checkpoints; given before launch)."""
+  init, tower = run.init, f"init.tower={shown(run.init.tower)}"
+  if init.tower is not None and not init.checkpoint:
+    return (f"{tower} names a tower of init.checkpoint, which is not set; give "
+            "init.checkpoint=<a run of vmoe pretrain objective=contrastive>, or drop init.tower.")
+  if not init.checkpoint:
+    return None
+  if run.objective.name == Objective.contrastive:
+    if init.tower is not None:
+      return (f"{tower} means nothing with objective=contrastive: a contrastive run starts its "
+              "image tower from init.checkpoint (or both towers from a contrastive run) as it "
+              "is; drop init.tower.")
+    return None
+  stored = _checkpoint_objective(init.checkpoint, checkpoints)
+  if stored == Objective.contrastive.value and init.tower is None:
+    return (f"init.checkpoint={init.checkpoint} is a contrastive run (an image and a text tower), "
+            "not a classifier: say which tower the classifier starts from, init.tower=image "
+            "(its image tower, with a new head).")
+  if init.tower is not None and stored is not None and stored != Objective.contrastive.value:
+    return (f"{tower} means nothing for init.checkpoint={init.checkpoint}, a classifier "
+            f"(objective={stored}): init.tower picks a tower of a contrastive run (vmoe pretrain "
+            "objective=contrastive); drop it.")
+  if init.tower is not None and not init.reinit_head:
+    return (f"init.reinit_head=false with {tower}: the image tower of a contrastive run has no "
+            "classifier head to keep; drop init.reinit_head=false.")
+  return None
+
+
+@relation
+def export_a_finished_classifier(run: ExportRun, checkpoints):
+  """An export takes a classifier whose run has ended (or a step folder, or a released
+  checkpoint); `checkpoints` (runner.checkpoints.weights.Checkpoints) says whether the run is finished."""
+  if run.objective.name == Objective.contrastive:
+    return (f"init.checkpoint={run.init.checkpoint} is a contrastive run (an image and a text "
+            "tower): vmoe export writes classifiers; fine-tune its image tower into one (vmoe "
+            "finetune init.checkpoint=<the run> init.tower=image) and export that.")
+  if run.init.tower is not None:
+    return (f"init.tower={shown(run.init.tower)} means nothing in vmoe export, which writes a "
+            "classifier whole; drop it.")
+  try:
+    return checkpoints.unfinished(run.init.checkpoint)
+  except UserError as e:  # no checkpoint there: said in the words of the checkpoint's reader
+    return str(e)
