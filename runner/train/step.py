@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from runner.config.preprocessing import DEVICE_VALUE_RANGE
 from runner.losses.classification import LOSSES, precision_at_1, softmax_xent
 from runner.models import inputs
 from runner.models.heads import NOISE_RNG
@@ -50,7 +51,8 @@ def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: 
 
   def step(state: TrainState, batch: dict):
     rng = jax.random.fold_in(root, state.step)
-    batch = {k: v for k, v in batch.items() if not k.startswith("_")}
+    # The host's bookkeeping (`_mask`, ...) stays out; uint8 images keep their value range.
+    batch = {k: v for k, v in batch.items() if not k.startswith("_") or k == DEVICE_VALUE_RANGE}
     if accum_steps == 1:
       (_, metrics), grads = grad_fn(state.params, batch, rng)
       loads = metrics.pop(balance.LOADS, None)

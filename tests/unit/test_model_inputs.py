@@ -21,9 +21,9 @@ from runner.evaluators.predictions import make_predict_step
 from runner.models import inputs
 from runner.models.vit import VisionTransformer
 from runner.parallel import Placement, make_mesh
-from runner.train import objectives
-from runner.train.state import abstract_params
-from runner.train.step import make_eval_step
+from runner.train import objectives, optimizers, schedules
+from runner.train.state import TrainState, abstract_params
+from runner.train.step import make_eval_step, make_train_step
 
 SPLIT = "validation"  # uci_digits: 179 examples of 8 x 8
 ON_HOST = "|keep('image', 'label')"
@@ -126,6 +126,20 @@ def test_the_training_objective(batches, params):
   loss = jax.jit(lambda b: jax.value_and_grad(
       lambda p: objective(p, b, rngs)[0])(params))
   _same(loss, batches, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_the_train_step(batches, params, accum_steps):
+  """The step the loop runs, with the host's bookkeeping keys (`_mask`) in the batch: it takes
+  them out, and must keep the uint8 images' value range (without it the model would train on
+  raw pixels, 0 to 255)."""
+  schedule = schedules.make_schedule("constant", 0.1, total_steps=10, warmup_steps=0)
+  tx = optimizers.make_optimizer("sgd", schedule, params, momentum=0.0, grad_clip_norm=None)
+  state = TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params))
+  step = jax.jit(make_train_step(MODEL, tx, schedule, loss="softmax_xent", aux_loss_weight=0.01,
+                                 accum_steps=accum_steps))
+  assert "_mask" in batches[0] and DEVICE_VALUE_RANGE in batches[0]
+  _same(lambda b: step(state, b), batches, rtol=1e-5, atol=1e-6)
 
 
 def test_pgd(batches, params):
