@@ -141,7 +141,8 @@ def _soft_moe_paper_model(name: str, m) -> ModelConfig:
     image, patch, qk_norm = 224, int(m["patch"]), True
     placement = list(range(layers - _SOFT_LAST_N[m["size"]], layers))
     experts = int(m["e"] or (256 if patch == 14 else 128))
-  slots = int(m["p"]) if m["p"] else (None if m["tiny"] else 1)
+  # Soft MoE's slots per expert (the paper's 1 at full size); experts-choice reads no such key.
+  slots = None if router_type != "soft" or m["tiny"] and not m["p"] else int(m["p"] or 1)
   router = RouterConfig(type=router_type, capacity_ratio=1.0, slots_per_expert=slots)
   return ModelConfig(name=name, image_size=image, patch_size=patch, hidden_size=hidden,
                      num_layers=layers, mlp_dim=mlp, num_heads=heads, classifier=Classifier.gap,

@@ -119,6 +119,7 @@ def test_each_rows_numbers_follow_from_its_flops_and_its_per_round_times(small_r
   for (model, dtype, family), row in rows.items():
     key = (model, dtype, family)
     flops, ms = _flops(report, row), row["train_step_ms"]
+    assert row["batch_size"] == report["presets"][model]["batch_size"], key
     assert _close(row["analytic_train_flops"], flops), key
     assert _close(ms, statistics.median(row["train_step_ms_per_round"])), key
     assert _close(row["images_per_s"], row["batch_size"] / ms * 1e3), key
@@ -136,8 +137,12 @@ def test_each_rows_numbers_follow_from_its_flops_and_its_per_round_times(small_r
     per_round = [s / d for s, d in zip(row["train_step_ms_per_round"], row["dense_ms_per_round"])]
     assert len(per_round) == report["rounds"], key
     assert _close(row["analytic_flop_ratio"], flop_ratio), key
+    assert _close(row["xla_flop_ratio"], row["xla_train_flops"] / dense["xla_train_flops"]), key
     assert _close(row["time_ratio"], statistics.median(per_round)), key
-    assert _close(row["overhead"], statistics.median(r / flop_ratio for r in per_round)), key
+    overheads = [r / flop_ratio for r in per_round]
+    assert len(row["overhead_per_round"]) == len(overheads), key
+    assert all(map(_close, row["overhead_per_round"], overheads)), key
+    assert _close(row["overhead"], statistics.median(overheads)), key
   for model in ("s32", "b16"):
     for dtype in ("bfloat16", "float32"):
       # The dense twin's rounds are those it ran beside each family, in order.
@@ -149,6 +154,8 @@ def test_each_rows_numbers_follow_from_its_flops_and_its_per_round_times(small_r
       assert vmoe["dense_ms_per_round"] == reference["dense_ms_per_round"]
       ratios = [r / v for r, v in zip(reference["train_step_ms_per_round"],
                                       vmoe["train_step_ms_per_round"])]
+      assert len(vmoe["vs_reference_per_round"]) == len(ratios) == report["rounds"]
+      assert all(map(_close, vmoe["vs_reference_per_round"], ratios)), (model, dtype)
       assert _close(vmoe["vs_reference"], statistics.median(ratios)), (model, dtype)
       assert "vs_reference" not in reference
 

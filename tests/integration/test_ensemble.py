@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -321,17 +322,18 @@ def test_mc_dropout_samples_are_fixed(down_de, run_cli, tmp_path):
 
 
 def test_mc_dropout_of_a_pbe_counts_every_member(pbe, run_cli, tmp_path):
-  """MC-dropout samples of a pBE checkpoint: either refused, or ensemble/size is the number of
-  members it reports (samples x M)."""
+  """MC-dropout samples of a pBE checkpoint (it has expert dropout, the fine-tuning default): an
+  ensemble of samples x M = 3 x 2 members, each with its metrics (runner/stages/members.py,
+  Members.size)."""
   code, _, err = run_cli("ensemble", f"init.checkpoint={pbe}", "ensemble.mc_dropout=3",
-                           f"workdir={tmp_path}", *QUIET)
-  if code == 2:
-    assert "Traceback" not in err and "ensemble.mc_dropout" in err
-    return
+                         f"workdir={tmp_path}", *QUIET)
   assert code == 0, err
   s = _summary(tmp_path)
+  assert s["ensemble/type"] == "mc-dropout" and s["ensemble/size"] == 3 * 2
+  for key in _contract_keys(6):
+    assert key in s and np.isfinite(s[key]), key
   members = {k.split("/")[1] for k in s if k.startswith(f"{DS}/member_") and "mean" not in k}
-  assert s["ensemble/size"] == len(members), (s["ensemble/size"], sorted(members))
+  assert members == {f"member_{m}" for m in range(6)}, sorted(members)
 
 
 def test_deep_ensemble_costs_the_sum_of_its_members(de_ensemble, member0_eval, pbe_eval):
@@ -355,12 +357,22 @@ def test_deep_ensemble_costs_the_sum_of_its_members(de_ensemble, member0_eval, p
 def test_down_de_type_does_not_depend_on_how_the_upstream_is_named(upstream, down_de, run_cli,
                                                                    tmp_path):
   """A member fine-tuned from the upstream run's checkpoint folder (<run>/checkpoints/<step>)
-  starts from the same checkpoint as one fine-tuned from <run>: still a down-DE."""
+  starts from the same checkpoint as one fine-tuned from <run>: still a down-DE.
+
+  The ensemble's type is read from the members' stored configs, and a fine-tune stores
+  init.checkpoint as it was given: such a member is the second down-DE member (seed 1, from
+  <run>) with <run>/checkpoints/20 in its stored init.checkpoint, not a run trained anew."""
   step_dir = upstream / "checkpoints" / "20"
   assert step_dir.is_dir()
-  _main("finetune", f"workdir={tmp_path / 'member'}", f"init.checkpoint={step_dir}", *FINETUNE,
-        "seed=1", "model.router.k=1")
-  code, _, err = run_cli("ensemble", f"init.checkpoint=[{down_de / '0'},{tmp_path / 'member'}]",
+  member = tmp_path / "member"
+  shutil.copytree(down_de / "1", member)
+  [stored_at] = member.glob("checkpoints/*/config/metadata")
+  stored = json.loads(stored_at.read_text())
+  assert (stored["stage"], stored["seed"], stored["init"]["checkpoint"]) == (
+      "finetune", 1, str(upstream))
+  stored["init"]["checkpoint"] = str(step_dir)
+  stored_at.write_text(json.dumps(stored))
+  code, _, err = run_cli("ensemble", f"init.checkpoint=[{down_de / '0'},{member}]",
                          f"workdir={tmp_path / 'ens'}", *QUIET)
   assert code == 0, err
   assert _summary(tmp_path / "ens")["ensemble/type"] == "down-DE"

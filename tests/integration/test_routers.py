@@ -90,16 +90,18 @@ def test_finetune_keeps_the_experts_and_starts_a_new_router(upstream, tmp_path, 
                          "train.steps=1", "schedule.warmup_steps=0")
   assert code == 0, err
   assert _summary(down)["step"] == 1
-  if origin == "ecmoe_tiny":
-    return
-  # One step of SGD moves the weights a little: the experts are the checkpoint's (every one a
-  # copy of the dense MLP for a ViT). That the router starts anew: test_model_transfer.py.
+  # The experts are the checkpoint's (every one a copy of the dense MLP for a ViT), bit for bit:
+  # the new head starts at zero, so the first step's gradient reaches the head alone and leaves
+  # the experts as they were loaded. Nothing looser tells them from a fresh init: the upstream
+  # runs start from seed 0 too, and a fresh experts-choice or Soft MoE init at the fine-tune's
+  # seed 0 is within 0.0012 of vmoe_tiny's experts (2 steps from that same init). That the router
+  # starts anew: test_model_transfer.py.
   from runner.checkpoints import weights
   start = weights.load(str(runs[origin]))[0]["block_1"]
   tuned = np.asarray(_params(down)["block_1"]["moe"]["experts"]["fc1_kernel"])
   experts = np.asarray(start["mlp"]["fc1"]["kernel"] if origin == "vit_tiny" else
                        start["moe"]["experts"]["fc1_kernel"])
-  assert np.abs(tuned - experts).max() < 0.05
+  np.testing.assert_array_equal(tuned, np.broadcast_to(experts, tuned.shape))
 
 
 @pytest.mark.parametrize("name", ["ecmoe_tiny", "softmoe_tiny"])

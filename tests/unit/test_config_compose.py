@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from runner.config import conf_dir, validate
 from runner.config.resolve import train_task
+from runner.errors import ConfigError
 from runner.models import catalog
 
 CONF = conf_dir()
@@ -32,6 +33,13 @@ def _resolved(cfg):
   # data.root is mandatory for image_folder and captions, and tfds needs a name: the tests give
   # them values to resolve.
   return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+def _validated(cfg):
+  """The typed config of a stage that reads no checkpoint, checked as the CLI checks it before
+  launch (runner/command/preflight.py): every key's declared check, then the relations; raises
+  one ConfigError naming each problem."""
+  return validate(train_task(cfg, "/tmp/w"))
 
 
 def test_every_file_in_conf_is_covered():
@@ -65,8 +73,22 @@ def test_launchers_compose(launcher):
 @pytest.mark.parametrize("name", PRIMARY)
 def test_primary_configs_compose_and_resolve(name):
   overrides = ["init.checkpoint=runs/x"] if name in ("eval", "ensemble", "export") else []
-  config = _resolved(_compose(name, overrides))
+  cfg = _compose(name, overrides)
+  config = _resolved(cfg)
   assert set(config) >= {"seed", "workdir", "debug", "logger"}
+  if name in ("pretrain", "finetune"):  # the others are checked with their checkpoints' configs
+    _validated(cfg)
+
+
+# What a group option needs beside it to make a valid run with pretrain's defaults (the checks
+# name it when it is missing): caption data trains the contrastive objective, and rsqrt's warm-up
+# and 50,000-step cooldown must fit the 220-step run (docs/training.md's example).
+COMPANIONS = {
+    ("data", "captions"): (["objective=contrastive"], "objective=contrastive"),
+    ("data", "coco_captions"): (["objective=contrastive"], "objective=contrastive"),
+    ("schedule", "rsqrt"): (["schedule.warmup_steps=100", "schedule.cooldown_steps=50"],
+                            r"warmup_steps \+ cooldown_steps <= 220"),
+}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
@@ -78,7 +100,13 @@ def test_group_options_compose_with_pretrain(group, option):
     overrides.append("data.root=/some/pairs.jsonl")
   if option == "tfds":
     overrides.append("data.name=cifar10")
-  config = _resolved(_compose("pretrain", overrides))
+  companions, refused = COMPANIONS.get((group, option), ([], None))
+  if refused:
+    with pytest.raises(ConfigError, match=refused):
+      _validated(_compose("pretrain", overrides))
+  cfg = _compose("pretrain", overrides + companions)
+  _validated(cfg)
+  config = _resolved(cfg)
   if group == "data":
     assert str(config["model"]["image_size"]) in config["data"]["pp"]
     # an image-text dataset names its caption feature; a classification one names none
@@ -89,9 +117,12 @@ def test_group_options_compose_with_pretrain(group, option):
       assert config["data"]["text_key"]
 
 
-@pytest.mark.parametrize("name", catalog.CPU_MODELS + catalog.PAPER_MODELS)
+@pytest.mark.parametrize("name", catalog.CPU_MODELS + catalog.PAPER_MODELS
+                         + catalog.SOFT_MOE_MODELS)
 def test_every_catalog_model_composes(name):
-  config = _resolved(_compose("pretrain", [f"model={name}"]))
+  cfg = _compose("pretrain", [f"model={name}"])
+  assert _validated(cfg).model.name == name
+  config = _resolved(cfg)
   assert config["model"]["name"] == name
 
 
