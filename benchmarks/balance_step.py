@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
   harness.add_record_option(parser)
   args = parser.parse_args(argv)
   preset = PRESETS["tiny"]
-  steps = {name: prepare_train_step(config, preset, bias_update_rate=derived.bias_update_rate(
+  steps = {name: prepare_train_step(config, preset, param_updates=derived.param_updates(
       config, "pretrain")) for name, config in study_models().items()}
   per_round = harness.interleaved_rounds_ms({n: s.run for n, s in steps.items()},
                                             rounds=args.rounds, steps=3)

@@ -70,8 +70,8 @@ def jitted_train_step(model, shape: tuple, batch_size: int, classes: int, params
                       **step_options):
   """(jitted Adam train step, its initial state, a synthetic batch), not compiled yet. The state
   starts from `params` if given (the step donates its state: pass a copy to keep them), else
-  from the model's init at seed 0; `step_options` go to make_train_step (e.g. a balance bias's
-  update rate)."""
+  from the model's init at seed 0; `step_options` go to make_train_step (e.g. the model's
+  param_updates)."""
   if params is None:
     params, _ = state_lib.init_params(model, shape, seed=0)
   schedule = schedules.make_schedule("linear", 1e-3, 10_000, 100)

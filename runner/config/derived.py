@@ -116,20 +116,14 @@ def router(model: ModelConfig):
   return split
 
 
-DEFAULT_BIAS_UPDATE_RATE = 0.001  # Wang et al. 2024's u, for pretraining
-
-
-def bias_update_rate(model: ModelConfig, stage: str) -> float:
-  """u, the step of the per-expert bias of auxiliary-loss-free balancing (model.router.balance=
-  bias) after every train step of `stage`: model.router.bias_update_rate as given, else 0.001 in
-  pretrain and 0 (the bias frozen as loaded) in any other stage (finetune). 0 for a model
-  without such a bias (a dense ViT, another router, balance=aux_loss)."""
-  balance = getattr(model.router, "balance", None)  # token-choice's keys
-  if not num_experts(model) or str(balance) != "bias":
-    return 0.0
-  if model.router.bias_update_rate is not None:
-    return float(model.router.bias_update_rate)
-  return DEFAULT_BIAS_UPDATE_RATE if stage == "pretrain" else 0.0
+def param_updates(model: ModelConfig, stage: str) -> tuple:
+  """What the train step of `stage` sets after the optimizer: the `ParamUpdate`s
+  (runner/models/param_updates.py) the router family declares for its routers
+  (`RouterFamily.param_updates`; token-choice: loss-free balancing's bias); none for a dense
+  ViT."""
+  if not num_experts(model):
+    return ()
+  return tuple(router_family(model).param_updates(router(model), stage))
 
 
 def pre_logits_width(model: ModelConfig) -> int:

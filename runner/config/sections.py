@@ -49,6 +49,11 @@ def is_open(cls) -> bool:
   return cls in _DECLARED
 
 
+def own_keys(cls) -> tuple[str, ...]:
+  """The keys the class body of the open section `cls` declares (not those registered)."""
+  return tuple(_OWN[cls])
+
+
 def _own(cls) -> dict[str, tuple[type, dataclasses.Field]]:
   """The keys the class body of the open section `cls` declares."""
   hints = typing.get_type_hints(cls)

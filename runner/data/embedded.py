@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow_datasets as tfds
 
+from runner.config import components
 from runner.config.registries import Registry
 
 _SPLIT_SEED = 20210610  # the V-MoE arXiv date; any fixed value works
@@ -135,12 +136,13 @@ def _subset(base, classes: tuple[int, ...], suffix: str):
 
 
 EMBEDDED: Registry = Registry("embedded dataset", "data.name")
+KIND = components.Kind(EMBEDDED)  # no keys: a dataset's keys are data.*
 for _name, _base in (("mnist5k", Mnist5k), ("uci_digits", UciDigits), ("lfw_faces", LfwFaces)):
-  EMBEDDED.add(_name, _base)
+  components.register(KIND, _name, _base)
 for _name, _base in list(EMBEDDED.items()):
   if _base.NUM_CLASSES == 10:
-    EMBEDDED.add(f"{_name}_0to4", _subset(_base, (0, 1, 2, 3, 4), "0to4"))
-    EMBEDDED.add(f"{_name}_5to9", _subset(_base, (5, 6, 7, 8, 9), "5to9"))
+    components.register(KIND, f"{_name}_0to4", _subset(_base, (0, 1, 2, 3, 4), "0to4"))
+    components.register(KIND, f"{_name}_5to9", _subset(_base, (5, 6, 7, 8, 9), "5to9"))
 
 
 EmbeddedBuilder = _ArrayBuilder  # what a plug-in's embedded dataset subclasses
@@ -152,6 +154,6 @@ def register(name: str):
   IMAGE_SHAPE and NUM_CLASSES; vmoe prepares it as a TFDS dataset with stratified splits on
   first use, exactly as the built-in embedded sets."""
   def wrap(builder):
-    EMBEDDED.add(name, builder)
+    components.register(KIND, name, builder)
     return builder
   return wrap

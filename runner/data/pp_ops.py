@@ -14,17 +14,19 @@ from typing import Callable
 
 import tensorflow as tf
 
+from runner.config import components
 # PreprocessError is the grammar's; the ops' callers catch it from here too.
 from runner.config.preprocessing import OPS, PreprocessError, build  # noqa: F401
 
 Example = dict
 Op = Callable[[Example], Example]
+KIND = components.Kind(OPS)  # no keys: an op's arguments are written in the spec
 
 
 def register(name: str):
   """Marks `factory(*args, **kwargs) -> op` as the op `name` of a spec."""
   def wrap(factory: Callable[..., Op]):
-    OPS.add(name, factory)
+    components.register(KIND, name, factory)
     return factory
   return wrap
 

@@ -19,9 +19,10 @@ from typing import Callable, Protocol
 import jax
 
 from runner import data
+from runner.config import components
 from runner.config.registries import EVALUATORS
 from runner.config.schema import DataConfig, EvalSuiteConfig
-from runner.config.sections import add_fields, default_of, fields_of
+from runner.config.sections import default_of, fields_of
 from runner.evaluators import predictions
 
 
@@ -318,6 +319,11 @@ def _keys(cls) -> dict[str, tuple[type, dataclasses.Field]]:
   return keys
 
 
+# Evaluators are enabled by their keys, not chosen by a name: each brings its keys itself.
+KIND = components.Kind(EVALUATORS, EvalSuiteConfig, noun="evaluator", nouns="evaluators",
+                       keys=_keys)
+
+
 def register(cls: type[Evaluator]) -> type[Evaluator]:
   """Makes `cls` run wherever its keys enable it, after the evaluators registered before it,
   and adds its keys to the schema (`Keys` as eval.<key>, `Config` as eval.<section>.*); a class
@@ -326,9 +332,7 @@ def register(cls: type[Evaluator]) -> type[Evaluator]:
   problem = _declaration_problem(cls)
   if problem:
     raise TypeError(f"evaluator {_origin(cls)} cannot be registered: {problem}.")
-  EVALUATORS.check(cls.name, cls)  # before its keys join the schema
-  add_fields(EvalSuiteConfig, _keys(cls), owner=f"evaluator {_origin(cls)}")
-  EVALUATORS.add(cls.name, cls)
+  components.register(KIND, cls.name, cls)
   return cls
 
 

@@ -34,6 +34,7 @@ import dataclasses
 import re
 from typing import Callable
 
+from runner.config import components
 from runner.config.registries import Registry
 from runner.config.schema import Classifier, ModelConfig, MoeConfig, RouterConfig
 from runner.errors import UserError
@@ -80,6 +81,7 @@ class UnknownModelError(UserError, ValueError):
 
 # Names a plug-in registers (`register`), each with a function that makes its config.
 _REGISTERED: Registry = Registry("model name", "model")
+KIND = components.Kind(_REGISTERED)  # no keys: a model's keys are model.*
 
 
 def register(name: str, make: Callable[[], ModelConfig] | ModelConfig) -> None:
@@ -89,7 +91,7 @@ def register(name: str, make: Callable[[], ModelConfig] | ModelConfig) -> None:
     raise UserError(f"model name {name!r} is already taken by the catalog's grammar: choose "
                     "another name for the plug-in's model.")
   factory = make if callable(make) else (lambda: dataclasses.replace(make))
-  _REGISTERED.add(name, factory)
+  components.register(KIND, name, factory)
 
 
 def registered_names() -> list[str]:

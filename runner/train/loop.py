@@ -250,7 +250,7 @@ class _Run:
         make_train_step(model, self.tx, self.schedule, loss=t.loss.value,
                         aux_loss_weight=t.aux_loss_weight, accum_steps=t.accum_steps,
                         seed=self.seed, objective=self.pairs.objective if self.pairs else None,
-                        bias_update_rate=derived.bias_update_rate(config.model, self.stage)),
+                        param_updates=derived.param_updates(config.model, self.stage)),
         in_shardings=(shardings, placement.batch_sharding), out_shardings=(shardings, None),
         donate_argnums=0)
     self.eval_step = None if self.pairs else jax.jit(make_eval_step(model, t.loss.value))

@@ -5,30 +5,27 @@ members' cross-entropies, E³ App. D.1) plus the MoE auxiliary loss. Contrastive
 softmax loss (with HET-XL's noisy samples) or SigLIP's sigmoid loss of image-text pairs
 (runner/losses/contrastive.py), plus the image tower's auxiliary loss.
 
-A model whose routers balance with a bias (model.router.balance=bias) adds no auxiliary loss
-(its routers' `auxiliary_loss` is 0) and is applied with the `balance_loads` collection mutable:
-the objective returns those loads in its metrics under `balance_loads` (a tree of the bias
-parameters' paths), which the train step takes out to move the biases (runner/train/step.py).
+An objective is called as objective(params, batch, rngs, collections=()): the train step passes
+the collections its parameter updates read (runner/models/param_updates.py; e.g. the
+`balance_loads` of loss-free balancing, whose routers add no auxiliary loss). The model is then
+applied with them mutable, and the objective returns what it sowed in each in its metrics under
+the collection's name, which the train step takes out (runner/train/step.py).
 """
 from __future__ import annotations
 
 from runner.losses import contrastive
 from runner.losses.classification import LOSSES, precision_at_1
 from runner.models import inputs
-from runner.models.moe import balance
 
 
-def apply_for_training(model, params, *args, **kwargs):
-  """(model.apply({"params": params}, *args, **kwargs), the `balance_loads` it sowed, or None
-  where no router of `params` has a balance bias: then the call is exactly model.apply's)."""
-  if not balance.has_bias(params):
-    return model.apply({"params": params}, *args, **kwargs), None
-  out, sown = model.apply({"params": params}, *args, mutable=[balance.LOADS], **kwargs)
-  return out, sown.get(balance.LOADS, {})
-
-
-def _with_loads(metrics: dict, loads) -> dict:
-  return metrics if loads is None else {**metrics, balance.LOADS: loads}
+def apply_for_training(model, params, *args, collections=(), **kwargs):
+  """(model.apply({"params": params}, *args, **kwargs), {collection: what the model sowed in it}
+  for each of `collections`, applied mutable); without collections the call is exactly
+  model.apply's."""
+  if not collections:
+    return model.apply({"params": params}, *args, **kwargs), {}
+  out, sown = model.apply({"params": params}, *args, mutable=list(collections), **kwargs)
+  return out, {c: sown.get(c, {}) for c in collections}
 
 
 def _routing(extras: dict) -> dict:
@@ -39,9 +36,10 @@ def _routing(extras: dict) -> dict:
 def classification(model, *, loss: str, aux_loss_weight: float):
   loss_fn = LOSSES[loss]
 
-  def objective(params, batch, rngs):
+  def objective(params, batch, rngs, collections=()):
     images, labels = inputs.images(batch), batch["labels"]
-    (logits, extras), loads = apply_for_training(model, params, images, train=True, rngs=rngs)
+    (logits, extras), sown = apply_for_training(model, params, images, train=True, rngs=rngs,
+                                                collections=collections)
     if "member_logits" in extras:  # an ensemble learns from the mean of its members' losses
       cls_loss = loss_fn(extras["member_logits"], labels[:, None, :]).mean()
     else:
@@ -52,7 +50,7 @@ def classification(model, *, loss: str, aux_loss_weight: float):
                "train/prec@1": precision_at_1(logits, labels).mean()}
     if "temperature" in extras:  # a heteroscedastic head's τ (learned, or fixed)
       metrics["train/temperature"] = extras["temperature"]
-    return total, _with_loads({**metrics, **_routing(extras)}, loads)
+    return total, {**metrics, **_routing(extras), **sown}
   return objective
 
 
@@ -60,9 +58,9 @@ def contrastive_pairs(model, *, loss: str, aux_loss_weight: float, chunk: int = 
   """`loss`: "softmax" or "sigmoid"; `chunk`: HET-XL samples whose logits exist at once (1: the
   least memory, and on CPU also the fastest; benchmarks/contrastive_memory.py)."""
 
-  def objective(params, batch, rngs):
-    (zimg, extras), loads = apply_for_training(model, params, inputs.images(batch), batch["tokens"],
-                                               train=True, rngs=rngs)
+  def objective(params, batch, rngs, collections=()):
+    (zimg, extras), sown = apply_for_training(model, params, inputs.images(batch), batch["tokens"],
+                                              train=True, rngs=rngs, collections=collections)
     ztxt, scale = extras["text_embedding"], extras["temperature"]
     if loss == "sigmoid":
       pair_loss, metrics = contrastive.sigmoid_loss(zimg, ztxt, scale, extras["bias"])
@@ -74,5 +72,5 @@ def contrastive_pairs(model, *, loss: str, aux_loss_weight: float, chunk: int = 
     total = pair_loss + aux_loss_weight * aux
     out = {"train/loss": total, "train/contrastive_loss": pair_loss, "train/aux_loss": aux,
            "train/temperature": scale, **{f"train/{k}": v for k, v in metrics.items()}}
-    return total, _with_loads({**out, **_routing(extras)}, loads)
+    return total, {**out, **_routing(extras), **sown}
   return objective

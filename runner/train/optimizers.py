@@ -14,9 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from runner.config import registries, sections
+from runner.config import components, registries
 from runner.config.checks import Range, at_least, key, positive, rate
-from runner.config.schema import OptimConfig
 
 
 def param_names(params) -> dict:
@@ -103,23 +102,21 @@ def make_optimizer(name: str, schedule, params, *, weight_decay=0.0,
   return optax.multi_transform({"learn": learn, "frozen": optax.set_to_zero()}, labels)
 
 
-def register(name: str, Config: type | None = None, problem=None):
+def register(name: str, Config: type | None = None, problem=None, reads: tuple[str, ...] = ()):
   """Registers `optim.name=<name>` (a decorator, for the built-ins and a plug-in's): a function
   taking the keys of `Config` as keyword arguments and returning the optax preconditioner.
   Gradient clipping, weight decay and the learning rate are chained around it for every
-  optimizer.
+  optimizer, so every optimizer reads optim.lr, optim.weight_decay and optim.grad_clip_norm.
 
   `Config`, a dataclass, declares the `optim.*` keys it reads (with `key(default, check, hint)`);
   they are added to the schema's `OptimConfig`, typed and range-checked like any key, and a key
-  that several optimizers declare must have the same type and default in each. `problem(optim)`
-  (the typed `OptimConfig`) states its rules between keys: what is wrong in one sentence, or
-  None."""
+  that several optimizers declare must have the same type and default in each; any other key
+  must keep its default while it is chosen. `problem(optim)` (the typed `OptimConfig`) states
+  its rules between keys: what is wrong in one sentence, or None. `reads` (as a schedule's):
+  the keys of `OptimConfig` itself it reads besides those every optimizer reads, which are all
+  of them today (runner/config/components.py `register`)."""
   def wrap(make):
-    registries.OPTIMIZERS.check(name, make)  # before its keys join the schema
-    options = () if Config is None else sections.declare(
-        OptimConfig, Config, owner=f"optimizer {name!r}", prefix="optim", chooser="name",
-        noun="optimizer", nouns="optimizers")
-    registries.OPTIMIZERS.add(name, registries.Registered(make, Config, options, problem))
+    components.register(components.OPTIMIZER, name, make, Config, problem, reads)
     return make
   return wrap
 

@@ -3,8 +3,8 @@ plug-in's, registered by name).
 
 A schedule that reads keys of its own declares them in a `Config` dataclass registered with it
 (`register`), which adds them to the schema's `ScheduleConfig` (rsqrt: timescale,
-cooldown_steps); `ScheduleConfig` itself holds what every schedule reads (name, warmup_steps,
-end_lr_fraction)."""
+cooldown_steps); `ScheduleConfig` itself holds what every schedule reads (name, warmup_steps)
+and end_lr_fraction, which those that decay to it say they read (linear, cosine)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,9 +12,8 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from runner.config import registries, sections
+from runner.config import components, registries
 from runner.config.checks import at_least, key
-from runner.config.schema import ScheduleConfig
 
 
 def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0,
@@ -55,24 +54,22 @@ def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0,
   return schedule
 
 
-def register(name: str, Config: type | None = None, problem=None):
+def register(name: str, Config: type | None = None, problem=None, reads: tuple[str, ...] = ()):
   """Registers `schedule.name=<name>` (a decorator, for the built-ins and a plug-in's): a function
   `(step, *, lr, end, progress, warmup_steps, total_steps, <its Config's keys>) -> rate`
   (traced: use jnp), where `progress` in [0, 1] is the share of the steps after warmup done and
-  `end` = lr * end_lr_fraction. `make_schedule` multiplies it by the warmup.
+  `end` = lr * end_lr_fraction. `make_schedule` multiplies it by the warmup, so every schedule
+  reads schedule.warmup_steps.
 
   `Config`, a dataclass, declares the `schedule.*` keys it reads (with `key(default, check,
   hint)`); they are added to the schema's `ScheduleConfig`, typed and range-checked like any key,
   and a key that several schedules declare must have the same type and default in each.
-  `problem(schedule, steps, length)` (the typed `ScheduleConfig`, the run's optimizer steps and
-  where they come from, e.g. "train.steps=20") states its rules against the run: what is wrong
-  in one sentence, or None."""
+  `reads=("end_lr_fraction",)` says that it uses `end`; any other key must keep its default
+  while it is chosen. `problem(schedule, steps, length)` (the typed `ScheduleConfig`, the run's
+  optimizer steps and where they come from, e.g. "train.steps=20") states its rules against the
+  run: what is wrong in one sentence, or None (runner/config/components.py `register`)."""
   def wrap(value):
-    registries.SCHEDULES.check(name, value)  # before its keys join the schema
-    options = () if Config is None else sections.declare(
-        ScheduleConfig, Config, owner=f"schedule {name!r}", prefix="schedule", chooser="name",
-        noun="schedule", nouns="schedules")
-    registries.SCHEDULES.add(name, registries.Registered(value, Config, options, problem))
+    components.register(components.SCHEDULE, name, value, Config, problem, reads)
     return value
   return wrap
 
@@ -82,12 +79,12 @@ def _constant(step, *, lr, **_):
   return lr
 
 
-@register("linear")
+@register("linear", reads=("end_lr_fraction",))
 def _linear(step, *, lr, end, progress, **_):
   return end + (lr - end) * (1.0 - progress)
 
 
-@register("cosine")
+@register("cosine", reads=("end_lr_fraction",))
 def _cosine(step, *, lr, end, progress, **_):
   return end + (lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
 

@@ -15,37 +15,41 @@ from runner.config.preprocessing import DEVICE_VALUE_RANGE
 from runner.losses.classification import LOSSES, precision_at_1, softmax_xent
 from runner.models import inputs
 from runner.models.heads import NOISE_RNG
-from runner.models.moe import balance
+from runner.models.param_updates import ParamUpdate, apply_param_updates, sown_collections
 from runner.train import objectives
 from runner.train.state import TrainState
 
 
 def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: str,
                     aux_loss_weight: float, accum_steps: int = 1, seed: int = 0,
-                    objective=None, bias_update_rate: float = 0.0):
+                    objective=None, param_updates: tuple[ParamUpdate, ...] = ()):
   """Returns step(state, batch). Randomness (router noise, dropout, heteroscedastic draws) is a
   function of (seed, step), so a resumed run draws exactly what an uninterrupted one would.
 
-  `objective(params, batch, rngs) -> (loss, metrics)` (runner/train/objectives.py): by default
-  the classification of `loss`, where a partitioned batch ensemble trains on the mean of its
-  members' cross-entropies (E³, App. D.1), not on the cross-entropy of their mean prediction.
+  `objective(params, batch, rngs, collections) -> (loss, metrics)` (runner/train/objectives.py):
+  by default the classification of `loss`, where a partitioned batch ensemble trains on the mean
+  of its members' cross-entropies (E³, App. D.1), not on the cross-entropy of their mean
+  prediction.
 
-  Routers that balance with a bias (model.router.balance=bias; runner/models/moe/balance.py):
-  after the optimizer's update every `balance_bias` parameter is set to its value before the
-  step plus `bias_update_rate` * sign(mean load - load), from the loads the objective returns
-  (summed over the micro-batches with gradient accumulation), so that only this rule moves it;
-  a rate of 0 keeps it frozen. Without such a router the step is what it always was.
+  `param_updates` (runner/models/param_updates.py; a model's: `derived.param_updates`, e.g.
+  loss-free balancing's bias): after the optimizer's update each parameter they name is set by
+  its rule from its value before the step and what the model sowed in training, which the
+  objective returns for the collections the updates read (summed over the micro-batches with
+  gradient accumulation), so that only its rule moves it. Without any the step is what it always
+  was.
   """
   objective = objective or objectives.classification(model, loss=loss,
                                                      aux_loss_weight=aux_loss_weight)
   root = jax.random.key(seed)
+  collections = sown_collections(param_updates)
 
   def with_rngs(params, batch, rng):
     gating, dropout = jax.random.split(rng)
     # A heteroscedastic head's MC draws, a stream of its own: fold_in(rng, 1) would be the dropout
     # key (split(k)[i] == fold_in(k, i) with partitionable threefry).
     noise = jax.random.fold_in(rng, 2)
-    return objective(params, batch, {"gating": gating, "dropout": dropout, NOISE_RNG: noise})
+    return objective(params, batch, {"gating": gating, "dropout": dropout, NOISE_RNG: noise},
+                     collections=collections)
 
   grad_fn = jax.value_and_grad(with_rngs, has_aux=True)
 
@@ -55,7 +59,7 @@ def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: 
     batch = {k: v for k, v in batch.items() if not k.startswith("_") or k == DEVICE_VALUE_RANGE}
     if accum_steps == 1:
       (_, metrics), grads = grad_fn(state.params, batch, rng)
-      loads = metrics.pop(balance.LOADS, None)
+      sown = {c: metrics.pop(c, None) for c in collections}
     else:
       # Micro-batch i takes examples i, i + accum, ...: each is spread over all devices.
       def split(x):
@@ -70,14 +74,13 @@ def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: 
       zeros = jax.tree.map(jnp.zeros_like, state.params)
       grads, per_micro = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
       grads = jax.tree.map(lambda g: g / accum_steps, grads)
-      loads = per_micro.pop(balance.LOADS, None)
-      if loads is not None:  # the loads of the whole batch
-        loads = jax.tree.map(lambda n: n.sum(axis=0), loads)
+      # What the whole batch sowed.
+      sown = {c: jax.tree.map(lambda v: v.sum(axis=0), per_micro.pop(c, None))
+              for c in collections}
       metrics = jax.tree.map(lambda m: m.mean(axis=0), per_micro)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    if balance.has_bias(state.params):
-      params = balance.update_biases(state.params, params, loads, bias_update_rate)
+    params = apply_param_updates(param_updates, state.params, params, sown)
     metrics["train/grad_norm"] = optax.global_norm(grads)
     metrics["train/lr"] = schedule(state.step)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics

@@ -107,6 +107,10 @@ TRAINING_CASES = [
     (["schedule=rsqrt", "train.steps=100", "schedule.warmup_steps=10",
       "schedule.cooldown_steps=95"],
      ["schedule.warmup_steps=10 and schedule.cooldown_steps=95 take 105 steps", "<= 100"]),
+    # a key the chosen optimizer or schedule does not read (tests/unit/test_components.py)
+    (["schedule.name=constant", "schedule.end_lr_fraction=0.5"],
+     ["schedule.end_lr_fraction=0.5 means nothing for schedule.name=constant; its keys are "
+      "schedule.{warmup_steps}", "schedule.name=constant|linear|cosine|rsqrt"]),
     (["train.epochs=2"], ["train.epochs=2 would be ignored", "train.steps=1",
                           "add train.steps=null"]),
     # router families: unknown names, bad slot counts, options that mean nothing for the router

@@ -100,7 +100,7 @@ def _train(placement: Placement, workdir, config) -> Training:
     state, shardings, _, _ = initial_state(Checkpointer(workdir), model=model, tx=tx,
                                            image_shape=SHAPE, placement=placement, seed=0)
     step = jax.jit(make_train_step(model, tx, schedule, loss="softmax_xent", aux_loss_weight=0.01,
-                                   bias_update_rate=derived.bias_update_rate(config, "pretrain")),
+                                   param_updates=derived.param_updates(config, "pretrain")),
                    in_shardings=(shardings, placement.batch_sharding),
                    out_shardings=(shardings, None))
     compiled_text = step.lower(state, placement.put(_batches()[0])).compile().as_text()

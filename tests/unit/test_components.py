@@ -133,6 +133,14 @@ def test_it_reads_only_keys_of_the_section_that_not_every_component_reads(reads)
   assert "mine" not in kind.registry
 
 
+def _elsewhere(fn):
+  """Another function doing the same, from another module."""
+  def other(*args, **kwargs):
+    return fn(*args, **kwargs)
+  other.__module__ = "lab.elsewhere"
+  return other
+
+
 def test_a_taken_name_is_refused_for_every_kind():
   for kind in (components.ROUTER, components.OPTIMIZER, components.SCHEDULE,
                components.Kind(Registry("model name", "model"))):
@@ -140,15 +148,7 @@ def test_a_taken_name_is_refused_for_every_kind():
     components.register(kind, "mine", _decays)
     components.register(kind, "mine", _decays)  # the same again (a module imported twice)
     with pytest.raises(ConfigError, match=f"{kind.registry.kind} 'mine' is registered twice"):
-      components.register(kind, "mine", copy_of(_decays))
-
-
-def copy_of(fn):
-  """Another function with the same code, from another module."""
-  def other(*args, **kwargs):
-    return fn(*args, **kwargs)
-  other.__module__ = "lab.elsewhere"
-  return other
+      components.register(kind, "mine", _elsewhere(_decays))
 
 
 def test_a_kind_without_keys_keeps_the_value_itself():

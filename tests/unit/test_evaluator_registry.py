@@ -45,6 +45,7 @@ def schemas(monkeypatch):
   TrainingEval = sections.open_section(type("TrainingEval", (Eval,), {
       "__annotations__": {"every_steps": int}, "every_steps": 0}))
   monkeypatch.setattr(suite_lib, "EvalSuiteConfig", Eval)
+  monkeypatch.setattr(suite_lib, "KIND", dataclasses.replace(suite_lib.KIND, section=Eval))
   return Eval, TrainingEval
 
 

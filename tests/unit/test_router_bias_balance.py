@@ -8,6 +8,7 @@ refusals, fine-tuning's loading, export's settings, and the defaults, unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -20,7 +21,9 @@ from runner.config import derived, from_dict
 from runner.config.schema import ModelConfig, RouterConfig
 from runner.models import build_model, transfer
 from runner.models.moe import balance
-from runner.models.moe.routers.token_choice import Balance, NoisyTopKRouter, TokenChoice
+from runner.models.moe.routers.token_choice import (Balance, NoisyTopKRouter, TokenChoice,
+                                                    bias_update_rate)
+from runner.models.param_updates import apply_param_updates
 from runner.train import objectives, optimizers, schedules
 from runner.train.state import TrainState, abstract_params
 from runner.train.step import make_eval_step, make_train_step
@@ -74,6 +77,15 @@ def update_reference(bias: np.ndarray, loads: np.ndarray, rate: float,
 
 def max_violation(loads: np.ndarray) -> float:
   return float((loads.max() - loads.mean()) / loads.mean())
+
+
+def _update(before, loads, rate, after=None):
+  """The train step's update of the biases (balance.bias_param_update) after an optimizer that
+  left `after` (default: `before`), from `loads`, the `balance_loads` collection (None: not
+  collected)."""
+  return apply_param_updates((balance.bias_param_update(rate),), before,
+                             before if after is None else after,
+                             None if loads is None else {balance.LOADS: loads})
 
 
 # --- the router ----------------------------------------------------------------------------------
@@ -139,7 +151,7 @@ def test_training_sows_the_loads_of_every_group_and_the_rule_moves_the_bias(part
   want_loads = loads_reference(experts, E, partitions)
   np.testing.assert_array_equal(np.asarray(counts).reshape(E), want_loads)
   assert want_loads.sum() == G * S * K
-  new = balance.update_biases(params, params, {balance.BIAS: loads}, 0.01)
+  new = _update(params, {balance.BIAS: loads}, 0.01)
   np.testing.assert_allclose(np.asarray(new[balance.BIAS]),
                              update_reference(bias, want_loads, 0.01, partitions), rtol=1e-6)
   np.testing.assert_array_equal(np.asarray(new["dense"]["kernel"]), kernel)
@@ -196,7 +208,7 @@ def test_repeated_updates_even_out_a_skewed_router():
     loads = route(params)
     counts = np.asarray(loads[balance.BIAS][0]).reshape(E)
     history.append(max_violation(counts))
-    new = balance.update_biases(params, params, loads, rate)
+    new = _update(params, loads, rate)
     if len(history) == 1:
       step = np.asarray(new[balance.BIAS])
       assert np.argmax(counts) == 0 and step[0] == pytest.approx(-rate)
@@ -246,9 +258,11 @@ def _bias(params) -> np.ndarray:
 
 def _loads(model, params, batch) -> np.ndarray:
   """The whole batch's loads, as the router counts them (noise-free)."""
-  _, loads = objectives.apply_for_training(model, params, batch["image"], train=True,
-                                           rngs={"gating": jax.random.key(0),
-                                                 "dropout": jax.random.key(0)})
+  _, sown = objectives.apply_for_training(model, params, batch["image"], train=True,
+                                          rngs={"gating": jax.random.key(0),
+                                                "dropout": jax.random.key(0)},
+                                          collections=[balance.LOADS])
+  loads = sown[balance.LOADS]
   return np.asarray(loads["block_0"]["moe"]["router"][balance.BIAS][0]).reshape(-1)
 
 
@@ -259,7 +273,8 @@ def biased():
 
   def step(rate, accum=1):
     return jax.jit(make_train_step(model, tx, schedule, loss="softmax_xent", aux_loss_weight=1.0,
-                                   accum_steps=accum, bias_update_rate=rate))
+                                   accum_steps=accum,
+                                   param_updates=(balance.bias_param_update(rate),)))
   return model, state, step
 
 
@@ -302,7 +317,8 @@ def test_gradient_accumulation_sums_the_micro_batches_loads(biased):
 
 def test_no_auxiliary_loss_enters_the_objective(biased):
   model, state, _ = biased
-  objective = objectives.classification(model, loss="softmax_xent", aux_loss_weight=1.0)
+  objective = functools.partial(objectives.classification(
+      model, loss="softmax_xent", aux_loss_weight=1.0), collections=(balance.LOADS,))
   total, metrics = jax.jit(objective)(state.params, _batch(),
                                       {"gating": jax.random.key(0), "dropout": jax.random.key(1)})
   assert float(metrics["train/aux_loss"]) == 0.0
@@ -334,7 +350,7 @@ def test_bias_balancing_trains_with_a_lower_max_violation_than_none():
   violation = {}
   for rate in (0.0, 0.02):
     run = jax.jit(make_train_step(model, tx, schedule, loss="softmax_xent", aux_loss_weight=1.0,
-                                  bias_update_rate=rate))
+                                  param_updates=(balance.bias_param_update(rate),)))
     s, history = state, []
     for i in range(40):
       s, metrics = run(s, batches[i % 4])
@@ -361,7 +377,8 @@ def test_a_contrastive_image_tower_moves_its_bias_unless_locked(locked):
   tx = optimizers.make_optimizer("adam", schedule, params, frozen="image/.*" if locked else None)
   state = TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params))
   step = make_train_step(model, tx, schedule, loss="softmax_xent", aux_loss_weight=1.0,
-                         bias_update_rate=0.01, objective=objectives.contrastive_pairs(
+                         param_updates=(balance.bias_param_update(0.01),),
+                         objective=objectives.contrastive_pairs(
                              model, loss="softmax", aux_loss_weight=1.0))
   new, _ = jax.jit(step)(state, batch)
   bias = np.asarray(new.params["image"]["block_0"]["moe"]["router"][balance.BIAS])
@@ -381,16 +398,24 @@ def _router(**keys) -> ModelConfig:
 
 def test_the_update_rate_by_stage():
   """null: the paper's 0.001 in pretraining, 0 (frozen) in fine-tuning; a number as given;
-  nothing to move without the bias."""
+  nothing to move without the bias. The model's updates (what the loop gives the train step):
+  the bias', with no rule (frozen) at a rate of 0; none without the bias."""
   bias = _router(balance=Balance.bias)
-  assert derived.bias_update_rate(bias, "pretrain") == 0.001
-  assert derived.bias_update_rate(bias, "finetune") == 0.0
+  assert bias_update_rate(bias.router, "pretrain") == 0.001
+  assert bias_update_rate(bias.router, "finetune") == 0.0
   given = _router(balance=Balance.bias, bias_update_rate=0.02)
-  assert derived.bias_update_rate(given, "pretrain") == derived.bias_update_rate(
-      given, "finetune") == 0.02
-  assert derived.bias_update_rate(PLAIN, "pretrain") == 0.0
+  assert bias_update_rate(given.router, "pretrain") == bias_update_rate(
+      given.router, "finetune") == 0.02
+  assert bias_update_rate(PLAIN.router, "pretrain") == 0.0
   dense = dataclasses.replace(BIASED, moe=dataclasses.replace(BIASED.moe, layers=[]))
-  assert derived.bias_update_rate(dense, "pretrain") == 0.0
+  assert derived.param_updates(dense, "pretrain") == ()
+  assert derived.param_updates(PLAIN, "pretrain") == ()
+  (pretrain,) = derived.param_updates(bias, "pretrain")
+  assert (pretrain.param, pretrain.collection) == (balance.BIAS, balance.LOADS)
+  np.testing.assert_allclose(np.asarray(pretrain.rule(jnp.zeros(2), jnp.asarray([[1, 3]]))),
+                             [0.001, -0.001])
+  (finetune,) = derived.param_updates(bias, "finetune")
+  assert finetune.param == balance.BIAS and finetune.rule is None
 
 
 def test_a_rate_without_the_bias_is_refused():
@@ -424,14 +449,15 @@ def test_the_bias_is_a_replicated_parameter_of_biased_routers_only():
 
 
 def test_the_default_train_step_is_the_same_program_whatever_the_rate():
-  """Without a bias the rate changes nothing: the same jaxpr, no collection asked for."""
+  """Without a bias the rate changes nothing: the same jaxpr as with no update at all."""
   model = build_model(PLAIN, CLASSES)
   tx, schedule, state = _state(model)
-  assert not balance.has_bias(state.params)
+  assert balance.BIAS not in str(jax.tree_util.tree_structure(state.params))
   programs = [str(jax.make_jaxpr(make_train_step(model, tx, schedule, loss="softmax_xent",
-                                                 aux_loss_weight=0.01, bias_update_rate=rate))(
-      state, _batch())) for rate in (0.0, 0.5)]
-  assert programs[0] == programs[1]
+                                                 aux_loss_weight=0.01, param_updates=updates))(
+      state, _batch())) for updates in ((), (balance.bias_param_update(0.0),),
+                                        (balance.bias_param_update(0.5),))]
+  assert programs[0] == programs[1] == programs[2]
 
 
 def test_fine_tuning_loads_or_starts_the_bias():
@@ -468,11 +494,12 @@ def test_loads_sown_twice_are_summed_and_none_keep_the_bias():
   """A router applied twice in one step (its two calls' loads are one batch's)."""
   params = {"r": {balance.BIAS: jnp.zeros(3)}}
   loads = {"r": {balance.BIAS: (jnp.asarray([[3, 0, 0]]), jnp.asarray([[0, 0, 1]]))}}
-  got = balance.update_biases(params, params, loads, 1.0)
+  got = _update(params, loads, 1.0)
   np.testing.assert_array_equal(np.asarray(got["r"][balance.BIAS]), [-1.0, 1.0, 1.0])
   # A router that routed nothing in training (LiT's locked tower) keeps its bias; an objective
   # that collected no loads at all is an error.
-  kept = balance.update_biases(params, {"r": {balance.BIAS: jnp.ones(3)}}, {}, 1.0)
+  kept = _update(params, {}, 1.0, after={"r": {balance.BIAS: jnp.ones(3)}})
   np.testing.assert_array_equal(np.asarray(kept["r"][balance.BIAS]), np.zeros(3))
-  with pytest.raises(ValueError, match="a balance bias and no loads"):
-    balance.update_biases(params, params, None, 1.0)
+  with pytest.raises(ValueError, match="'balance_loads' collection, which the objective did "
+                     "not return"):
+    _update(params, None, 1.0)

@@ -24,7 +24,8 @@ router adds a per-expert bias b (its parameter `balance_bias`, (E,)) to the scor
 TOP-k on (never to the combine weights; routing.biased_gates) and, in training, sows the batch's
 loads (the counts above, (P, E/P)) in the collection `balance_loads` at the bias' path. After the
 optimizer's update the train step sets b_i += u * sign(mean_j load_j - load_i), the mean over
-expert i's partition (`bias_update`, `update_biases`): the bias is a parameter only so that it is
+expert i's partition (`bias_update`; token-choice declares it as a parameter update,
+`bias_param_update`, runner/models/param_updates.py): the bias is a parameter only so that it is
 checkpointed, restored, loaded and exported with the others; no gradient, optimizer, weight decay
 or clipping moves it. Inside jit the counts are over the global batch (every group, every device).
 """
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 
 from runner.models.moe import routing
 from runner.models.moe.dispatch import DispatchPlan
+from runner.models.param_updates import ParamUpdate
 
 SCOPES = ("group", "batch")
 
@@ -111,41 +113,8 @@ def bias_update(bias: jax.Array, loads: jax.Array, rate: float) -> jax.Array:
   return bias + jnp.asarray(rate, bias.dtype) * direction.astype(bias.dtype)
 
 
-def _names(path) -> tuple[str, ...]:
-  return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
-def has_bias(params) -> bool:
-  """Whether some router of `params` balances with a bias (decided from the tree's structure:
-  static under jit)."""
-  return any(_names(path)[-1:] == (BIAS,)
-             for path, _ in jax.tree_util.tree_flatten_with_path(params)[0])
-
-
-def update_biases(before, after, loads, rate: float):
-  """`after` (the parameters the optimizer updated) with every router's bias set anew from its
-  value in `before` and its loads (the `balance_loads` collection: per bias path, the loads of
-  each call, summed): `bias_update`, or the bias of `before` unchanged where `rate` is 0 (frozen)
-  or where the router sowed no loads (it did not route in training: LiT's locked image tower runs
-  in inference mode). So whatever the optimizer did to a bias (weight decay) is undone. `loads`
-  None (the objective did not collect them) with a rate is an error."""
-  if rate and loads is None:
-    raise ValueError(f"a balance bias and no loads: the objective must apply the model with the "
-                     f"{LOADS!r} collection mutable and return it (runner/train/objectives.py)")
-  counts: dict[tuple[str, ...], jax.Array] = {}
-  for path, value in jax.tree_util.tree_flatten_with_path(loads or {})[0]:
-    names = _names(path)
-    at = len(names) - 1 - names[::-1].index(BIAS)  # sown values are tuples below the name
-    key = names[:at + 1]
-    counts[key] = value if key not in counts else counts[key] + value
-  old = {_names(path): value for path, value in jax.tree_util.tree_flatten_with_path(before)[0]
-         if _names(path)[-1:] == (BIAS,)}
-
-  def replace(path, leaf):
-    names = _names(path)
-    if names[-1:] != (BIAS,):
-      return leaf
-    if not rate or names not in counts:
-      return old[names]
-    return bias_update(old[names], counts[names], rate)
-  return jax.tree_util.tree_map_with_path(replace, after)
+def bias_param_update(rate: float) -> ParamUpdate:
+  """The train step's update of every router's bias: `bias_update` at `rate` from the loads of
+  the batch; a rate of 0 freezes the bias (fine-tuning's default)."""
+  return ParamUpdate(param=BIAS, collection=LOADS,
+                     rule=functools.partial(bias_update, rate=rate) if rate else None)

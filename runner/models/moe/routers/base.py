@@ -9,8 +9,9 @@ from typing import Mapping, Protocol
 
 import jax
 
-from runner.config import registries, sections
-from runner.config.schema import DEFAULT_ROUTER, RouterConfig
+from runner.config import components, registries
+from runner.config.schema import DEFAULT_ROUTER
+from runner.models.param_updates import ParamUpdate
 
 
 class Plan(Protocol):
@@ -122,6 +123,11 @@ class RouterFamily:
     routing change compares in the reference code.
   - `sown_records(plan)` ({}): extra per-token arrays, sown under their names (Soft MoE: its
     dispatch and combine weights).
+
+  State the train step updates: `param_updates(router, stage)` (()): `ParamUpdate`s
+  (runner/models/param_updates.py), parameters of its module that the train step of `stage`
+  sets after the optimizer by their rule, from what the module sows in training, and that no
+  optimizer moves (token-choice with balance=bias: the bias of loss-free balancing).
 
   Export (runner/export, `vmoe export`): `torch_routing(router, tokens=, experts=)` (None): a
   `TorchRouting`, the family's router in PyTorch (its source, its config.json entries, how its
@@ -273,6 +279,13 @@ class RouterFamily:
     return {}
 
   @classmethod
+  def param_updates(cls, router, stage: str) -> tuple[ParamUpdate, ...]:
+    """The parameters the train step of `stage` ("pretrain", "finetune") sets after the
+    optimizer, with the keys of `router`; none by default."""
+    del router, stage
+    return ()
+
+  @classmethod
   def torch_routing(cls, router, *, tokens: int, experts: int) -> TorchRouting | None:
     """How this family's routers run in PyTorch at inference, for `vmoe export`; `tokens` are
     those of a full routing group, `experts` the layer's. None: this family does not say how it
@@ -297,13 +310,11 @@ def register(family_cls: type[RouterFamily]) -> type[RouterFamily]:
 
   The family's `Config` dataclass declares its `model.router.*` keys; they are added to the
   schema's `RouterConfig` (where `model.router.*` overrides are typed and range-checked), and a
-  key that several families declare must have the same type and default in each.
+  key that several families declare must have the same type and default in each
+  (runner/config/components.py `register`).
   """
-  registries.ROUTERS.check(family_cls.name, family_cls)  # before its keys join the schema
-  family_cls.options = sections.declare(
-      RouterConfig, family_cls.Config, owner=f"router family {family_cls.name!r}",
-      prefix="model.router", chooser="type", noun="family", nouns="families")
-  registries.ROUTERS.add(family_cls.name, family_cls)
+  family_cls.options = components.register(components.ROUTER, family_cls.name, family_cls,
+                                           family_cls.Config)
   return family_cls
 
 

@@ -29,6 +29,7 @@ from runner.config.checks import at_least, key, positive
 from runner.config.schema import CapacityRounding, Priority
 from runner.models.moe import balance, routing
 from runner.models.moe.routers.base import RouterFamily, TorchRouting, register
+from runner.models.param_updates import ParamUpdate
 
 # Keys other families read too, with the same type, default and hint in each.
 SHARED_KEYS = {
@@ -181,7 +182,7 @@ class NoisyTopKRouter(nn.Module):
     plan = routing.plan_dispatch(gates, k=self.k, capacity=capacity,
                                  batch_priority=self.batch_priority, priority=self.priority,
                                  select=select)
-    if select is not None and train:  # the train step moves the bias (balance.update_biases)
+    if select is not None and train:  # the train step moves the bias (TokenChoice.param_updates)
       self.sow(balance.LOADS, balance.BIAS,
                balance.assignment_counts(plan, p).reshape(p, experts))
     kept = plan.kept
@@ -202,7 +203,7 @@ class NoisyTopKRouter(nn.Module):
     if self.partitions > 1:
       raise ValueError("dropless routing does not form partitioned batch ensembles")
     plan = routing.plan_dropless(gates, k=self.k, select=select)
-    if select is not None and train:  # the train step moves the bias (balance.update_biases)
+    if select is not None and train:  # the train step moves the bias (TokenChoice.param_updates)
       self.sow(balance.LOADS, balance.BIAS,
                balance.assignment_counts(plan).reshape(1, self.num_experts))
     metrics["fraction_dropped_tokens"] = jnp.zeros((), jnp.float32)
@@ -257,6 +258,14 @@ class TokenChoice(RouterFamily):
     return (f"model.router.k={model.router.k} selects more experts per token than each "
             f"ensemble member has (model.moe.num_experts={experts} / model.moe.ensemble_size="
             f"{model.moe.ensemble_size} = {per_member}); valid: 1 <= k <= {per_member}.")
+
+  @classmethod
+  def param_updates(cls, router, stage: str) -> tuple[ParamUpdate, ...]:
+    """With balance=bias, the bias' update after every train step (balance.bias_param_update),
+    at `bias_update_rate`."""
+    if str(router.balance) != "bias":
+      return ()
+    return (balance.bias_param_update(bias_update_rate(router, stage)),)
 
   @classmethod
   def later_stage_problem(cls, stored: dict, given: dict) -> str | None:
@@ -366,7 +375,7 @@ class TokenChoice(RouterFamily):
                     **({} if str(router.gate) == "softmax" else {"gate": str(router.gate)}),
                     **({"balance": "bias"} if bias else {}),
                     **({"dropless": True} if _is_dropless(router) else {})),
-        source=pathlib.Path(__file__).withstr("token_choice_torch.py").read_text(),
+        source=pathlib.Path(__file__).with_name("token_choice_torch.py").read_text(),
         class_name="TokenChoiceRouter", parameters=parameters)
 
   @classmethod
@@ -383,6 +392,20 @@ class TokenChoice(RouterFamily):
                                    batch_priority=batch_priority, priority=str(router.priority))
       dropped["bpr" if batch_priority else "vanilla"] = ~plan.kept.any(-1)
     return dropped
+
+
+DEFAULT_BIAS_UPDATE_RATE = 0.001  # Wang et al. 2024's u, for pretraining
+
+
+def bias_update_rate(router, stage: str) -> float:
+  """u, the step of the per-expert bias of auxiliary-loss-free balancing after every train step
+  of `stage`: model.router.bias_update_rate as given, else 0.001 in pretrain and 0 (the bias
+  frozen as loaded) in any other stage (finetune); 0 without the bias (balance=aux_loss)."""
+  if str(router.balance) != "bias":
+    return 0.0
+  if router.bias_update_rate is not None:
+    return float(router.bias_update_rate)
+  return DEFAULT_BIAS_UPDATE_RATE if stage == "pretrain" else 0.0
 
 
 def _is_dropless(router) -> bool:
