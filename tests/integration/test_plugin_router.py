@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import yaml
 
+from architecture_flops import dense_twin_flops
 from conftest import (QUIET, TINY_MODEL, fails_clearly, nothing_like_a_run, plugin_lab,
                       vmoe_driver, vmoe_in)
 
@@ -70,18 +71,6 @@ def _switch_capacity(tokens: int, experts: int, ratio: float) -> int:
   """Switch's slots per expert for a group of `tokens`: round(S * C / E), half up, at least 1."""
   return max(1, math.floor(fractions.Fraction(str(ratio)) * tokens / experts
                            + fractions.Fraction(1, 2)))
-
-
-def _dense_twin_flops(model: dict, num_classes: int) -> float:
-  """Forward matmul FLOPs per image of the ViT of the same sizes, counted from the architecture
-  ((m x k) @ (k x n) costs 2mkn): patch embedding, per block q/k/v, the T x T scores and their
-  weighted sum, the output projection and the two MLP layers, then the head."""
-  d, m, p = model["hidden_size"], model["mlp_dim"], model["patch_size"]
-  patches = (model["image_size"] // p) ** 2
-  tokens = patches + (model["classifier"] == "token")
-  block = 2 * tokens * d * 3 * d + 2 * 2 * tokens * tokens * d + 2 * tokens * d * d
-  block += 2 * tokens * d * m + 2 * tokens * m * d
-  return 2 * patches * p * p * 3 * d + model["num_layers"] * block + 2 * d * num_classes
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +217,7 @@ def test_eval_measures_the_plugin_router(lab, vmoe, pretrained):
   tokens, d, m, group = 17, model["hidden_size"], model["mlp_dim"], min(8, batch)
   rows = {c: EXPERTS * _switch_capacity(group * tokens, EXPERTS, c) / group
           for c in (1.05, 1.0, 0.5)}
-  analytic = (_dense_twin_flops(model, num_classes=10) + 2 * tokens * d * EXPERTS
+  analytic = (dense_twin_flops(model, num_classes=10) + 2 * tokens * d * EXPERTS
               + 2 * 2 * d * m * (rows[1.05] - tokens))
   assert s["compute/gflops_per_image_analytic"] * 1e9 == pytest.approx(analytic, rel=1e-12)
   # XLA's count of the compiled programs, at C = 1.05 (the main pass) and the sweep's 1 and 0.5:

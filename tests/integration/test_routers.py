@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
+from architecture_flops import dense_twin_flops
 from conftest import QUIET, TINY_MODEL
 
 pytestmark = pytest.mark.xdist_group("routers")
@@ -26,18 +27,6 @@ def _summary(workdir) -> dict:
 def _params(workdir):
   from runner.checkpoints import weights
   return weights.load(str(workdir))[0]
-
-
-def _dense_twin_flops(model: dict, num_classes: int) -> float:
-  """Forward matmul FLOPs per image of the ViT of the same sizes, counted from the architecture
-  ((m x k) @ (k x n) costs 2mkn): patch embedding, per block q/k/v, the T x T scores and their
-  weighted sum, the output projection and the two MLP layers, then the head."""
-  d, m, p = model["hidden_size"], model["mlp_dim"], model["patch_size"]
-  patches = (model["image_size"] // p) ** 2
-  tokens = patches + (model["classifier"] == "token")
-  block = 2 * tokens * d * 3 * d + 2 * 2 * tokens * tokens * d + 2 * tokens * d * d
-  block += 2 * tokens * d * m + 2 * tokens * m * d
-  return 2 * patches * p * p * 3 * d + model["num_layers"] * block + 2 * d * num_classes
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +118,7 @@ def test_fewshot_eval_and_ensemble(upstream, tmp_path, run_cli, name):
           model["router"]["capacity_ratio"], model["classifier"]) == (1, 8, [1], 1.0, "gap")
   tokens, d, e = 16, model["hidden_size"], 8
   router = 2 * tokens * d * e if name == "ecmoe_tiny" else 3 * 2 * tokens * d * (e * 2)
-  analytic = _dense_twin_flops(model, num_classes=10) + router
+  analytic = dense_twin_flops(model, num_classes=10) + router
   assert ev["compute/gflops_per_image_analytic"] * 1e9 == pytest.approx(analytic, rel=1e-12)
   change = "mnist5k/pgd/eps_0.01/routing_change/layer_1"
   if name == "ecmoe_tiny":
