@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from benchmarks import harness
 from benchmarks.train_step import (PRESETS, SPARSE, TrainStep, model_configs, overhead,
                                    prepare_train_step)
-from runner.accelerator import gpu_problem
+from runner.accelerator import gpu_problem, installed_build
 from runner.config.schema import Classifier, Dispatcher, GroupedMatmul, ModelConfig
 from runner.models import build_model
 from runner.models.flops import train_flops_per_image
@@ -111,6 +111,16 @@ SMALL_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emit
                    "--xla_cpu_parallel_codegen_split_count=1")
 COMPILE_MEMORY = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
                   "alias_size_in_bytes", "peak_memory_in_bytes")
+
+
+def small_xla_flags(flags: str, cuda_build) -> str:
+  """XLA_FLAGS for --small: SMALL_XLA_FLAGS added where the CPU computes (no CUDA plugin,
+  `cuda_build` None). Where a plug-in makes the GPU compute they would speed nothing, and a jaxlib
+  newer than the pin aborts on a CPU flag it dropped (0.11.2 on an H200, 2026-11-28:
+  "Unknown flag in XLA_FLAGS: --xla_cpu_use_fusion_emitters=false")."""
+  if cuda_build is not None or SMALL_XLA_FLAGS in flags:
+    return flags
+  return f"{flags} {SMALL_XLA_FLAGS}".strip()
 
 
 def specified_peak(device_kind: str) -> tuple[str, dict] | None:
@@ -408,9 +418,8 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
   started = time.monotonic()
   args = parse(argv)
-  flags = os.environ.get("XLA_FLAGS", "")
-  if args.small and SMALL_XLA_FLAGS not in flags:  # read when JAX starts its backend, just below
-    os.environ["XLA_FLAGS"] = f"{flags} {SMALL_XLA_FLAGS}".strip()
+  if args.small:  # read when JAX starts its backend, just below
+    os.environ["XLA_FLAGS"] = small_xla_flags(os.environ.get("XLA_FLAGS", ""), installed_build())
   if not args.small and jax.default_backend() == "cpu":  # a TPU may run it
     problem = (gpu_problem() or "JAX computes on the CPU").rstrip(". ")
     _refuse(f"{problem}; use --small for the CPU run")

@@ -81,6 +81,25 @@ def attention_path(attention: str, dtype, head_dim: int, tokens: int, *, masked:
   return "xla" if attention == "xla" and not dropout else "explicit"
 
 
+def fused_attention(q, k, v, *, mask, scale: float, implementation: str, pad_odd=None):
+  """jax.nn.dot_product_attention, with an odd sequence padded by one token for cuDNN, whose
+  gradient takes an even number of tokens only (a ViT-B/16 at 224 px has 197; seen refused on an
+  H200, 2026-11-28): the padded token is masked out by the keys' lengths and its output dropped,
+  which leaves every real token's output and gradient as they were. `pad_odd` None: pad for
+  cuDNN only (a masked attention is refused at an odd length by cudnn_attention_problem)."""
+  n = q.shape[1]
+  pad_odd = implementation == "cudnn" if pad_odd is None else pad_odd
+  if not pad_odd or n % 2 == 0 or mask is not None:
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale,
+                                        implementation=implementation)
+  one_more = ((0, 0), (0, 1), (0, 0), (0, 0))
+  lengths = jnp.full((q.shape[0],), n, jnp.int32)
+  out = jax.nn.dot_product_attention(
+      *(jnp.pad(t, one_more) for t in (q, k, v)), scale=scale, implementation=implementation,
+      query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+  return out[:, :n]
+
+
 class SelfAttention(nn.Module):
   """Multi-head self-attention with one fused QKV projection (one matmul instead of three).
 
@@ -132,8 +151,7 @@ class SelfAttention(nn.Module):
       out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
     else:  # logits and softmax in float32 whatever the dtype; cuDNN takes the mask (B, 1, S, S)
       pairs = None if mask is None else jnp.broadcast_to(mask[:, None, None, :], (b, 1, n, n))
-      out = jax.nn.dot_product_attention(q, k, v, mask=pairs, scale=head_dim**-0.5,
-                                         implementation=path)
+      out = fused_attention(q, k, v, mask=pairs, scale=head_dim**-0.5, implementation=path)
     out = out.reshape(b * n, h * head_dim) @ w_out.reshape(h * head_dim, d).astype(self.dtype)
     return out.reshape(b, n, d) + b_out.astype(self.dtype)
 

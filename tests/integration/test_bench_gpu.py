@@ -292,6 +292,14 @@ def test_specified_peaks_by_device_kind(kind, name, bfloat16):
     assert found[1]["float32"] < found[1]["tf32"]
 
 
+def test_small_adds_the_cpus_compile_flags_only_where_the_cpu_computes():
+  """A CUDA image's newer jaxlib aborted on a CPU flag it no longer knows (an H200, JAX 0.11.2)."""
+  assert gpu.small_xla_flags("", None) == gpu.SMALL_XLA_FLAGS
+  assert gpu.small_xla_flags("--a=1", None) == f"--a=1 {gpu.SMALL_XLA_FLAGS}"
+  assert gpu.small_xla_flags(gpu.SMALL_XLA_FLAGS, None) == gpu.SMALL_XLA_FLAGS
+  assert gpu.small_xla_flags("--a=1", ("cuda13", "0.11.2")) == "--a=1"
+
+
 def test_float32_on_a_gpu_is_named_tf32_unless_highest():
   assert gpu.matmul_precision("float32", "default", "gpu") == "tf32"
   assert gpu.matmul_precision("float32", "highest", "gpu") == "float32"
