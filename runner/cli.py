@@ -15,7 +15,7 @@ import sys
 import hydra
 
 from runner import builtins, plugins
-from runner.command import allocator, arguments, compose, job, preflight, sweep_table
+from runner.command import allocator, arguments, compose, help_page, job, preflight, sweep_table
 from runner.config import conf_dir
 from runner.errors import UserError
 from runner.workdirs import refused_workdir
@@ -93,14 +93,20 @@ def main(argv: list[str] | None = None) -> int:
       a.startswith("hydra.sweeper.direction") for a in rest):
     rest = rest + ["hydra.sweeper.direction=maximize"]  # each stage returns its main metric
   sys.argv = [f"vmoe {sub}"] + arguments.overrides_first(rest)
+  flags, overrides, shows = arguments.split_args(rest)
   shows_help = any(a in ("-h", "--help") for a in rest)
-  shows_only = modes or arguments.split_args(rest)[2]  # no job runs: nothing to clean up after
+  if shows_help and not modes and not (flags.keys() & {"-cd", "--config-dir"}):
+    return help_page.main(sub, flags.get("-cn") or flags.get("--config-name") or sub, overrides,
+                          resolve="--resolve" in rest)
+  shows_only = modes or shows  # no job runs: nothing to clean up after
   # The deepest folder of the workdir's path that exists before Hydra creates the workdir.
   existed = None if shows_only else refused_workdir.nearest_existing(checked.workdir)
+  task = job.Job(sub, existed, checked.devices_checked)
   try:
-    with compose.composed_by_checks(checked.mode, checked.composition):
-      hydra.main(config_path=str(conf_dir()), config_name=sub, version_base=None)(
-          job.Job(sub, existed, checked.devices_checked))()
+    if checked.composition is not None and not (modes or shows_help or shows_only):
+      compose.run_composed(checked.composition, task)  # a plain run: composed once, above
+    else:
+      hydra.main(config_path=str(conf_dir()), config_name=sub, version_base=None)(task)()
   finally:  # Hydra exits as soon as it has printed its help, or a sweep's job has failed
     sweep_table.print_stopped_sweep()  # a sweep that a failed job stopped: its table all the same
     if shows_help:

@@ -2,7 +2,6 @@
 (what was wrong and what is valid); `--multirun ... --cfg job` shows every job's config."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import itertools
@@ -11,19 +10,21 @@ import re
 import sys
 
 from hydra import compose as hydra_compose, initialize_config_dir
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
-from hydra._internal.hydra import Hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.utils import JobRuntime
-from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict
+from hydra.core.utils import configure_log, run_job
+from hydra.types import HydraContext, RunMode
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from runner.command import arguments
 from runner.config import conf_dir, launchers
 
 MAX_SHOWN_JOBS = 64  # `--multirun --cfg job` prints this many jobs' configs at most
 _RUN_MODE = "hydra.mode=RUN"  # what Hydra's run adds to the overrides of a config with no mode
+# Hydra's name for the task (`hydra.job.name`, the log file's name): its run names the job after
+# the task function's module, runner/command/job.py; the compose API takes the name given.
+JOB_NAME = "job"
 
 
 # Options of hydra/launcher and hydra/sweeper that plugins of the cluster extra provide.
@@ -98,58 +99,51 @@ def compose(config_dir: str | None, config_name: str, overrides: list[str],
   if config_dir:  # as Hydra's --config-dir: that folder first, conf/ still searched
     primary = os.path.abspath(config_dir)
     extra = [f"hydra.searchpath=[file://{conf_dir()}]"]
-  with initialize_config_dir(config_dir=primary, version_base=None):
+  with initialize_config_dir(config_dir=primary, job_name=JOB_NAME, version_base=None):
     return hydra_compose(config_name, overrides=extra + overrides,
                          return_hydra_config=with_hydra)
 
 
 @dataclasses.dataclass(frozen=True)
 class Composition:
-  """A config the pre-flight checks composed, with its `hydra` node: `overrides` exactly as
-  composed (a run whose Hydra composes the same list can take it instead)."""
+  """A run's config as the pre-flight checks composed it, with its `hydra` node, for
+  `run_composed`."""
   config_name: str
-  overrides: tuple[str, ...]
   config: DictConfig
 
-  def runs(self, config_name: str, overrides: list[str]) -> bool:
-    """Whether Hydra's run of `config_name` with `overrides` composes this config: the same
-    overrides, and `hydra.mode=RUN` after them where Hydra adds it (a config with no mode)."""
-    n = len(self.overrides)
-    return (config_name == self.config_name and tuple(overrides[:n]) == self.overrides
-            and tuple(overrides[n:]) in ((), (_RUN_MODE,)))
+
+class _Callbacks:
+  """The run's `hydra.callbacks` (conf/hydra/env/vmoe.yaml's and a user's), called as Hydra's
+  run calls them: the starts in order, the ends in reverse."""
+
+  def __init__(self, config: DictConfig):
+    self._callbacks = [instantiate(node) for node in (config.hydra.callbacks or {}).values()]
+
+  def __getattr__(self, event: str):
+    ordered = self._callbacks if event.endswith("_start") else self._callbacks[::-1]
+    return lambda **kwargs: [getattr(callback, event)(**kwargs) for callback in ordered]
 
 
-@contextlib.contextmanager
-def composed_by_checks(mode, composition: Composition | None = None):
-  """Hydra composes the whole config before a run or sweep to read its `hydra.mode`
-  (`Hydra.get_mode`), and a run composes it again for the job (`load_configuration`). The
-  pre-flight checks composed the same overrides already, so neither is composed again: `mode` is
-  what they found (None where the config sets none, as Hydra's own would return), and a run whose
-  config name and overrides are `composition`'s takes its config, once. Hydra's run adds
-  `hydra.mode=RUN` to the overrides where the config sets no mode, and names the job after the
-  task (the compose API names it `app`): both are done to the config as Hydra's composition does
-  them. Each composition costs about 0.1 s."""
-  read, load = Hydra.get_mode, ConfigLoaderImpl.load_configuration
-  unused = [composition] if composition is not None else []
-
-  def load_configuration(self, config_name, overrides, run_mode, *args, **kwargs):
-    if not (unused and run_mode == RunMode.RUN and unused[0].runs(config_name, overrides)):
-      return load(self, config_name, overrides, run_mode, *args, **kwargs)
-    taken = unused.pop()
-    config = taken.config
-    if len(overrides) > len(taken.overrides):  # Hydra's `hydra.mode=RUN` (runs() checked)
+def run_composed(composition: Composition, task_function) -> None:
+  """Runs `task_function` on the config the pre-flight checks composed, as Hydra's run does, with
+  Hydra's public job runner (`hydra.core.utils.run_job`, what launchers call): the run's folder,
+  its .hydra files, its logging and callbacks as Hydra's own run gives them, without composing
+  the config twice more (Hydra's run composes once for `hydra.mode` and once for the job; each
+  composition costs about 0.1 s). Where the config sets no mode, Hydra's run adds `hydra.mode=RUN`
+  to the overrides; so does this."""
+  config = composition.config
+  with read_write(config.hydra), open_dict(config.hydra):
+    if config.hydra.mode is None:
       config.hydra.mode = RunMode.RUN
       config.hydra.overrides.hydra.append(_RUN_MODE)
-    if not any(o.lstrip("+~").partition("=")[0] == "hydra.job.name" for o in overrides):
-      config.hydra.job.name = JobRuntime.instance().get("name")
-    return config
-
-  Hydra.get_mode = lambda self, config_name, overrides: mode
-  ConfigLoaderImpl.load_configuration = load_configuration
-  try:
-    yield
-  finally:
-    Hydra.get_mode, ConfigLoaderImpl.load_configuration = read, load
+  configure_log(config.hydra.hydra_logging, config.hydra.verbose)
+  callbacks = _Callbacks(config)
+  callbacks.on_run_start(config=config, config_name=composition.config_name)
+  ran = run_job(task_function=task_function, config=config, job_dir_key="hydra.run.dir",
+                job_subdir_key=None,
+                hydra_context=HydraContext(config_loader=None, callbacks=callbacks))
+  callbacks.on_run_end(config=config, config_name=composition.config_name, job_return=ran)
+  _ = ran.return_value  # a job that raised raises here, as in Hydra's run
 
 
 def study_params(choices: dict) -> dict:
@@ -165,10 +159,9 @@ def hydra_choices(config_dir: str | None, config_name: str, overrides: list[str]
   first = arguments.sweep_axes(overrides, {})[0]
   hydra_given = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
   composed = compose(config_dir, config_name, first + hydra_given, with_hydra=True)
-  # Hydra's run of the same overrides can take it (composed_by_checks); with -cd, compose() adds
-  # a search path that Hydra's own composition does not have.
-  composition = None if config_dir else Composition(config_name, tuple(first + hydra_given),
-                                                    copy.deepcopy(composed))
+  # A run takes it (run_composed); with -cd, compose() adds a search path that Hydra's own
+  # composition does not have, and Hydra's run composes it instead.
+  composition = None if config_dir else Composition(config_name, copy.deepcopy(composed))
   node = composed.hydra
   with open_dict(composed):
     del composed["hydra"]

@@ -21,13 +21,11 @@ class Preflight:
   """What the checks found: the error paragraph (None: none), and whether every job was checked
   against this process's devices too (then the job, run here by the basic launcher, does not
   check them again); `workdir`: the run's workdir as composed without sweep values (None when
-  nothing was composed); `mode`: `hydra.mode` as composed (Hydra's RunMode, or None: the command
-  line decides); `composition`: a run's config with its `hydra` node, which Hydra's run of the
-  same overrides takes (compose.composed_by_checks; None for a sweep, whose jobs Hydra composes)."""
+  nothing was composed); `composition`: a run's config with its `hydra` node, which the run
+  takes (compose.run_composed; None for a sweep, whose jobs Hydra composes)."""
   problem: str | None = None
   devices_checked: bool = False
   workdir: str | None = None
-  mode: object = None
   composition: compose.Composition | None = None
 
 
@@ -93,7 +91,7 @@ def check(sub: str, args: list[str], checkpoints=None) -> Preflight:
   if not compose_only and arguments.multirun(args):
     problem = _submission_problem(choices["plugins"]["launcher"])
   return Preflight(problem, devices_checked=checked_here and not compose_only and not problem,
-                   workdir=str(choices["composed"].workdir), mode=choices["mode"],
+                   workdir=str(choices["composed"].workdir),
                    composition=None if sweeps else choices["composition"])
 
 

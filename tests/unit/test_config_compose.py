@@ -155,15 +155,11 @@ def test_eval_overrides_are_optional():
   assert cfg.data.name == "uci_digits"
 
 
-def test_compositions_share_the_store_and_never_change_it():
-  """Hydra copies its repository at every composition; the ConfigStore it holds is shared, not
-  copied (runner/command/config_store.py), and what one composition's config changes reaches neither
-  the store nor the next composition."""
-  import copy
-
-  from hydra.core.config_store import ConfigStore
-  store = ConfigStore.instance()
-  assert copy.deepcopy(store) is store
+def test_compositions_never_change_the_store():
+  """What one composition's config changes reaches neither vmoe's config store nor the next
+  composition."""
+  from runner.command.config_store import VmoeStore
+  store = VmoeStore()
   first = _compose("pretrain", ["model=vmoe_tiny"])
   first.model.hidden_size, first.optim.lr = 7, 0.5
   again = _compose("pretrain", ["model=vmoe_tiny"])
@@ -179,9 +175,8 @@ def test_compositions_share_the_store_and_never_change_it():
 ])
 def test_the_run_mode_is_the_one_the_checks_composed(args, mode, jobs, run_cli, monkeypatch,
                                                      tmp_path):
-  """`vmoe` gives Hydra the `hydra.mode` its pre-flight checks composed instead of composing the
-  config once more for it (runner/command/compose.composed_by_checks): a study that sets MULTIRUN
-  sweeps without --multirun, a plain command runs once."""
+  """The `hydra.mode` a config sets decides without --multirun: a study that sets MULTIRUN
+  sweeps (Hydra's run), a plain command runs once (compose.run_composed)."""
   from hydra.core.hydra_config import HydraConfig
   from runner import tasks
   seen = []
@@ -193,47 +188,62 @@ def test_the_run_mode_is_the_one_the_checks_composed(args, mode, jobs, run_cli, 
   assert seen == [mode] * jobs
 
 
-@pytest.mark.parametrize("args, reused", [
-    ([], True),
-    (["model=vmoe_tiny", "seed=3", "hydra.job.name=mine"], True),
-    (["hydra.job.name=mine", "seed=3"], False),  # Hydra's order differs from the checks'
-])
-def test_a_run_takes_the_config_the_checks_composed(args, reused, run_cli, monkeypatch,
-                                                    tmp_path):
-  """Hydra's run takes the config the pre-flight checks composed of the same overrides
-  (runner/command/compose.composed_by_checks) instead of composing it again: the job gets the
-  config, and the run's folder the .hydra files (Hydra's node, its mode and job name included),
-  that Hydra's own composition gives; so does `--cfg all`."""
-  from hydra._internal.config_loader_impl import ConfigLoaderImpl
+@pytest.mark.parametrize("args", [
+    [], ["model=vmoe_tiny", "seed=3", "hydra.job.name=mine"], ["hydra.job.name=mine", "seed=3"]])
+def test_a_run_takes_the_config_the_checks_composed(args, run_cli, monkeypatch, tmp_path):
+  """A plain run takes the config the pre-flight checks composed (compose.run_composed, Hydra's
+  public run_job) instead of Hydra's run composing it twice more: the job gets the config, and
+  the run's folder the .hydra files (Hydra's node, its mode and job name included), that Hydra's
+  own run gives; so does `--cfg all`, which Hydra's run shows."""
   from hydra.core.hydra_config import HydraConfig
-  from runner.command import job, preflight
-  loads, jobs = [], []
-  load = ConfigLoaderImpl.load_configuration
-  monkeypatch.setattr(ConfigLoaderImpl, "load_configuration",
-                      lambda self, *a, **k: loads.append(a) or load(self, *a, **k))
+  from runner.command import compose, job, preflight
+  runs, jobs = [], []
+  run_composed = compose.run_composed
+  monkeypatch.setattr(compose, "run_composed", lambda *a: runs.append(a) or run_composed(*a))
   monkeypatch.setattr(job.Job, "__call__", lambda self, cfg: jobs.append(
       (OmegaConf.to_yaml(cfg), OmegaConf.to_yaml(HydraConfig.get()))) or 0.0)
   workdir = tmp_path / "run"
 
   def run() -> tuple:
-    """(the job's config and Hydra node, the .hydra files, `--cfg all`) and the compositions."""
-    before = len(loads)
+    """(the job's config and Hydra node, the .hydra files, `--cfg all`) and the runs taken."""
+    before = len(runs)
     code, _, err = run_cli("pretrain", f"workdir={workdir}", *args)
     assert code == 0, err
     files = {p.name: p.read_text() for p in sorted((workdir / ".hydra").iterdir())}
     shutil.rmtree(workdir)
     code, shown, err = run_cli("pretrain", f"workdir={workdir}", *args, "--cfg", "all")
     assert code == 0, err
-    return (jobs.pop(), files, shown), len(loads) - before
+    return (jobs.pop(), files, shown), len(runs) - before
 
-  taken, with_reuse = run()
+  taken, reused = run()
   check = preflight.check
   monkeypatch.setattr(preflight, "check", lambda *a, **k: dataclasses.replace(
       check(*a, **k), composition=None))
-  composed, without = run()
-  assert without - with_reuse == (2 if reused else 0)  # one composition fewer per command
+  composed, not_reused = run()  # Hydra's own run
+  assert (reused, not_reused) == (1, 0)
   assert taken == composed
   assert sorted(taken[1]) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
-  job_name = "mine" if args else "job"  # Hydra's for the task; the compose API's is `app`
+  job_name = "mine" if "hydra.job.name=mine" in args else compose.JOB_NAME
   assert f"\n  job:\n    name: {job_name}\n" in taken[2]
   assert "mode: RUN" in taken[0][1]
+
+
+@pytest.mark.parametrize("args", [[], ["model=vit_s32", "optim=sgd"]])
+def test_help_is_hydras_own_from_one_composition(args, run_cli, monkeypatch):
+  """`vmoe pretrain --help` prints what Hydra's help prints (its template, the config groups, the
+  composed config) and the registered names, composing once where Hydra's help copies its config
+  repository for each group; with -cd, Hydra's own help runs."""
+  from runner.command import help_page
+  code, ours, _ = run_cli("pretrain", *args, "--help")
+  assert code == 0
+  monkeypatch.setattr(help_page, "main", lambda *a, **k: pytest.fail("not Hydra's help"))
+  code, hydras, _ = run_cli("pretrain", *args, "--help", "-cd", str(conf_dir()))
+  assert code == 0 and ours == hydras
+  assert "== Configuration groups ==" in ours and "model: " in ours and "vmoe_tiny" in ours
+  assert ("patch_size: 32" in ours) == bool(args) and "== Registered names" in ours
+
+
+def test_help_with_a_bad_override_is_one_paragraph(run_cli):
+  code, out, err = run_cli("pretrain", "optim.nope=1", "--help")
+  assert code == 2 and not out
+  assert "unknown config key 'optim.nope'" in err and "Traceback" not in err
