@@ -22,8 +22,7 @@ import time
 from benchmarks import harness
 from benchmarks.train_step import PRESETS, prepare_train_step
 from runner import builtins
-from runner.config import derived
-from runner.models import model_config
+from runner.models import model_config, param_updates_of
 
 BASE = "token-choice k=2, auxiliary loss"
 
@@ -53,7 +52,7 @@ def main(argv=None) -> dict:
   harness.add_record_option(parser)
   args = parser.parse_args(argv)
   preset = PRESETS["tiny"]
-  steps = {name: prepare_train_step(config, preset, param_updates=derived.param_updates(
+  steps = {name: prepare_train_step(config, preset, param_updates=param_updates_of(
       config, "pretrain")) for name, config in study_models().items()}
   per_round = harness.interleaved_rounds_ms({n: s.run for n, s in steps.items()},
                                             rounds=args.rounds, steps=3)

@@ -116,16 +116,6 @@ def router(model: ModelConfig):
   return split
 
 
-def param_updates(model: ModelConfig, stage: str) -> tuple:
-  """What the train step of `stage` sets after the optimizer: the `ParamUpdate`s
-  (runner/models/param_updates.py) the router family declares for its routers
-  (`RouterFamily.param_updates`; token-choice: loss-free balancing's bias); none for a dense
-  ViT."""
-  if not num_experts(model):
-    return ()
-  return tuple(router_family(model).param_updates(router(model), stage))
-
-
 def pre_logits_width(model: ModelConfig) -> int:
   """The width of the representation the classifier head reads."""
   return int(model.representation_size or model.hidden_size)

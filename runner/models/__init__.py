@@ -12,8 +12,17 @@ from runner.models.vit import VisionTransformer
 
 
 def is_moe(config: ModelConfig) -> bool:
-  return bool(config.moe.num_experts) and bool(moe_layer_indices(config.moe.layers or [],
-                                                                 config.num_layers))
+  return bool(derived.num_experts(config))
+
+
+def param_updates_of(config: ModelConfig, stage: str) -> tuple:
+  """What the train step of `stage` sets after the optimizer: the `ParamUpdate`s
+  (runner/models/param_updates.py) the router family declares for its routers
+  (`RouterFamily.param_updates`; token-choice: loss-free balancing's bias); none for a dense
+  ViT."""
+  if not derived.num_experts(config):
+    return ()
+  return tuple(derived.router_family(config).param_updates(derived.router(config), stage))
 
 
 def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") -> VisionTransformer:
@@ -21,11 +30,10 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
 
   `output` ("softmax" or "sigmoid", from train.loss) is how ensemble members' predictions average.
   """
-  moe = None
-  moe_layers = moe_layer_indices(config.moe.layers or [], config.num_layers) if is_moe(config) else ()
-  if moe_layers:
-    family = routers.family(config.router.type)
-    experts = derived.num_experts(config)  # E, or E*m fine-grained experts
+  moe, moe_layers = None, ()
+  experts = derived.num_experts(config)  # E, or E*m fine-grained experts; 0 for a dense ViT
+  if experts:
+    moe_layers, family = derived.moe_layers(config), derived.router_family(config)
     router = family.module_kwargs(derived.router(config), tokens=tokens_per_group(config),
                                   experts=experts)
     if family.name != routers.DEFAULT:  # a token-choice router's arguments stay as they were
@@ -38,10 +46,10 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
     if config.moe.ensemble_size > 1:  # a V-MoE's module arguments stay exactly as they were
       moe.update(ensemble_size=config.moe.ensemble_size,
                  ensemble_variant=str(config.moe.ensemble_variant))
-    if derived.expert_split(config) > 1:  # DeepSeekMoE's experts, only where asked for
+    if config.moe.expert_split > 1:  # DeepSeekMoE's experts, only where asked for
       moe.update(mlp_dim=derived.expert_width(config))
-    if derived.shared_experts(config):
-      moe.update(shared_experts=derived.shared_experts(config))
+    if config.moe.shared_experts:
+      moe.update(shared_experts=int(config.moe.shared_experts))
   head = None
   if config.head.type != HeadType.det:
     h = config.head
@@ -61,4 +69,5 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
 
 
 __all__ = ["ModelConfig", "UnknownModelError", "VisionTransformer", "build_model", "is_moe",
-           "model_config", "moe_layer_indices", "tokens_per_group", "tokens_per_image"]
+           "model_config", "moe_layer_indices", "param_updates_of", "tokens_per_group",
+           "tokens_per_image"]

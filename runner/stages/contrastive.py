@@ -29,12 +29,12 @@ from runner.data.pipeline import TextSpec
 from runner.data.tokenizers import MODEL_FILE, make_tokenizer
 from runner.errors import ConfigError
 from runner.evaluators.contrastive import PairEvaluator, make_pair_step, prompts
-from runner.models import transfer
+from runner.models import param_updates_of, transfer
 from runner.models.contrastive import build_two_towers
 from runner.parallel import Placement
 from runner.stages import common
 from runner.train import objectives, state as state_lib
-from runner.train.loop import train_and_evaluate
+from runner.train.loop import TrainPlan, train_and_evaluate
 
 
 @dataclasses.dataclass
@@ -89,9 +89,10 @@ def _image_tower_init(config: TrainTask, model, image_shape, start: weights.Open
 
 
 def run(config: TrainTask, placement: Placement, stage: str, *, source: data.Source,
-        resuming: bool, start: weights.Opened | None, fewshot) -> dict:
-  """Called by runner/stages/training.py once the data (and few-shot datasets) are open; `start`:
-  init.checkpoint, opened, when a new run starts from it."""
+        resuming: bool, start: weights.Opened | None, fewshot, steps: int) -> dict:
+  """Called by runner/stages/training.py once the data (and few-shot datasets) are open and the
+  run's `steps` checked against its schedule; `start`: init.checkpoint, opened, when a new run
+  starts from it."""
   if not source.text_key:
     raise ConfigError(f"objective=contrastive trains on image-caption pairs, but data="
                       f"{config.data.name} has no captions (data.text_key is not set); use "
@@ -129,6 +130,7 @@ def run(config: TrainTask, placement: Placement, stage: str, *, source: data.Sou
           pair_step, batches, prefix=prefix, put=put, model=model, class_tokens=tokens,
           num_templates=len(templates)),
       frozen="image/.*" if locked else None)
-  return train_and_evaluate(config, model=model, source=source, placement=placement,
+  plan = TrainPlan(steps, image_shape, param_updates_of(config.model, stage))
+  return train_and_evaluate(config, model=model, source=source, placement=placement, plan=plan,
                             init_params=init_params, stage=stage, fewshot_datasets=fewshot,
                             pairs=pairs)

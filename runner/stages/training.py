@@ -10,12 +10,12 @@ from runner.checkpoints import checkpoint, weights
 from runner.config import as_dict, derived
 from runner.config.schema import Objective, TrainTask
 from runner.errors import ConfigError
-from runner.models import build_model, transfer
+from runner.models import build_model, param_updates_of, transfer
 from runner.models.moe import routers
 from runner.parallel import Placement
 from runner.stages import common, contrastive, dataset_specs, fewshot_data, fit
 from runner.train import state as state_lib
-from runner.train.loop import train_and_evaluate
+from runner.train.loop import TrainPlan, train_and_evaluate
 
 
 def _model_differences(stored: dict, current: dict, prefix: str = "model.") -> str:
@@ -62,7 +62,7 @@ def _router_changes(config: TrainTask, stored: dict | None, restored) -> bool:
   return not transfer.routers_fit(restored, family)
 
 
-def init_from_checkpoint(config: TrainTask, model, source: data.Source, start: weights.Opened):
+def init_from_checkpoint(config: TrainTask, model, image_shape: tuple, start: weights.Opened):
   """Parameters for `model` mapped from init.checkpoint, opened as `start` (an earlier stage's
   run, or a released checkpoint); with init.tower, from that tower of a contrastive run (its head
   is new)."""
@@ -74,8 +74,7 @@ def init_from_checkpoint(config: TrainTask, model, source: data.Source, start: w
   what = f"checkpoint {init.checkpoint} (step {step})"
   if init.tower is not None:  # a contrastive run's (runner/checkpoints/checks.py classifier_from_a_tower)
     restored, what = restored[init.tower.value], f"the {init.tower.value} tower of {what}"
-  fresh = state_lib.fresh_params(model, data.image_shape(source, config.data.split,
-                                                         config.data.pp_train), config.seed)
+  fresh = state_lib.fresh_params(model, image_shape, config.seed)
   try:
     return transfer.adapt_params(restored, fresh, reinit_head=init.reinit_head,
                                  dense_to_experts=init.dense_to_experts,
@@ -106,7 +105,7 @@ def run_training(config: TrainTask, placement: Placement, checkpoints: weights.C
     start = checkpoints.open(config.init.checkpoint)
   data_config, source = common.open_data(config.data)
   fit.check_batch_fits_the_split(config, data_config.split, source)
-  fit.check_schedule_fits_the_run(config, data_config.split, source)
+  steps = fit.check_schedule_fits_the_run(config, data_config.split, source)
   config = dataclasses.replace(config, data=data_config)
   fewshot = None
   if derived.fewshot_in_training(config.fewshot):  # every dataset checked before any compute
@@ -115,7 +114,7 @@ def run_training(config: TrainTask, placement: Placement, checkpoints: weights.C
         derived.fewshot_batch_size(config.fewshot, config.data, config.eval.batch_size))
   if config.objective.name == Objective.contrastive:
     return contrastive.run(config, placement, stage, source=source, resuming=resuming,
-                           start=start, fewshot=fewshot)
+                           start=start, fewshot=fewshot, steps=steps)
   if not source.num_classes:
     raise data.DataError(f"data={config.data.name} has no class labels, only image-caption pairs: "
                          "train on them with objective=contrastive, or choose a dataset with "
@@ -124,10 +123,12 @@ def run_training(config: TrainTask, placement: Placement, checkpoints: weights.C
   ood = [dataset_specs.open_dataset(name, config.data, None) for name in config.eval.ood_datasets]
   model = build_model(config.model, source.num_classes,
                       output=derived.model_output(config.train.loss))
+  plan = TrainPlan(steps, data.image_shape(source, config.data.split, config.data.pp_train),
+                   param_updates_of(config.model, stage))
   init_params = None
   if start is not None:
-    init_params = init_from_checkpoint(config, model, source, start)
+    init_params = init_from_checkpoint(config, model, plan.image_shape, start)
   common.write_config(config, config.workdir)
-  return train_and_evaluate(config, model=model, source=source, placement=placement,
+  return train_and_evaluate(config, model=model, source=source, placement=placement, plan=plan,
                             init_params=init_params, stage=stage, fewshot_datasets=fewshot,
                             ood_datasets=ood)

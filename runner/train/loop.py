@@ -98,9 +98,10 @@ def _abstract(tree, shardings):
 
 
 def initial_state(checkpointer: Checkpointer, *, model, tx, image_shape, placement: Placement,
-                  seed: int, init_params=None, warn=print):
-  """(state, state shardings, data position, where it came from): resume > init > scratch."""
-  abstract, logical = state_lib.abstract_params(model, image_shape)
+                  seed: int, init_params=None, warn=print, abstract=None):
+  """(state, state shardings, data position, where it came from): resume > init > scratch.
+  `abstract`: the model's (abstract parameters, logical axes), where the caller has them."""
+  abstract, logical = abstract or state_lib.abstract_params(model, image_shape)
   param_shardings = placement.shardings(logical)
   opt_init = jax.jit(tx.init).lower(_abstract(abstract, param_shardings)).compile()
   shardings = state_lib.TrainState(step=replicated(placement.mesh), params=param_shardings,
@@ -134,10 +135,11 @@ def _fewshot_summary(metrics: dict) -> str:
 
 
 class _DivergenceGuard:
-  """Fails the run at the first step whose loss or gradient norm is not finite."""
+  """Fails the run at the first step whose loss or gradient norm is not finite; `optim` and
+  `warmup_steps` are named in the message."""
 
-  def __init__(self, config: TrainTask, checkpointer: Checkpointer):
-    self.config, self.checkpointer = config, checkpointer
+  def __init__(self, checkpointer: Checkpointer, optim, warmup_steps: int):
+    self.checkpointer, self.optim, self.warmup_steps = checkpointer, optim, warmup_steps
     self.pending = None  # (step, metrics) dispatched but not yet checked
 
   def dispatched(self, step: int, metrics: dict) -> None:
@@ -163,14 +165,14 @@ class _DivergenceGuard:
               "rerunning the same command resumes from it")
     else:
       kept = "no checkpoint had been saved yet, so rerunning starts again from step 0"
-    o = self.config.optim
+    o = self.optim
     clip = (f"optim.grad_clip_norm (now {o.grad_clip_norm})" if o.grad_clip_norm
             else "gradient clipping, optim.grad_clip_norm=1.0 (now off)")
     quantities = ", ".join(f"{k} is {v}" for k, v in values.items())
     raise Diverged(
         f"training diverged at step {step}: {quantities}. The run stopped and saved nothing "
         f"from that state; {kept}. Try a lower optim.lr (now {o.lr:g}), {clip}, or a longer "
-        f"warmup (schedule.warmup_steps, now {self.config.schedule.warmup_steps}).")
+        f"warmup (schedule.warmup_steps, now {self.warmup_steps}).")
 
 
 class _Measurements:
@@ -207,24 +209,33 @@ def _keys(section, *leave_out: str) -> dict:
           if f.name not in leave_out}
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainPlan:
+  """What the stage works out once, from the run's config and its data, and the loop takes as
+  given: the run's steps (train.steps, or train.epochs over the split: stages/fit.py), the shape
+  of a training image, and what the train step sets after the optimizer (the router family's
+  `ParamUpdate`s: runner.models.param_updates_of)."""
+  steps: int
+  image_shape: tuple
+  param_updates: tuple = ()
+
+
 class _Run:
   """One run of the loop: what its set-up builds, the state it trains and the position in its
   data stream, and the parts of each step (train, log, evaluate, save, stop) and of its end."""
 
-  def __init__(self, config: TrainTask, *, model, source, placement: Placement, stage: str,
-               pairs=None):
-    d, t, o, s = config.data, config.train, config.optim, config.schedule
+  def __init__(self, config: TrainTask, *, model, source, placement: Placement, plan: TrainPlan,
+               stage: str, pairs=None):
+    d, o, s = config.data, config.optim, config.schedule
     self.config, self.model, self.source, self.placement = config, model, source, placement
-    self.stage, self.pairs, self.seed = stage, pairs, config.seed
-    self.batch_size = d.batch_size
+    self.plan, self.stage, self.pairs, self.seed = plan, stage, pairs, config.seed
+    self.batch_size, self.steps = d.batch_size, plan.steps
     self.eval_batch_size = derived.eval_batch_size(config.eval, d)
-    self.steps = total_steps(t.steps, t.epochs, source.num_examples(d.split), d.batch_size)
     self.processes = dict(process_index=jax.process_index(),
                           process_count=jax.process_count())
-    self.image_shape = data.image_shape(source, d.split, d.pp_train)
     # The schedule and the optimizer read their own keys (their Config's) of these sections.
     self.schedule = schedules.make_schedule(s.name, o.lr, self.steps, **_keys(s, "name"))
-    self.abstract, _ = state_lib.abstract_params(model, self.image_shape)
+    self.abstract, self.logical = state_lib.abstract_params(model, plan.image_shape)
     self.tx = optimizers.make_optimizer(o.name, self.schedule, self.abstract,
                                         frozen=pairs.frozen if pairs else None,
                                         **_keys(o, "name", "lr"))
@@ -242,15 +253,16 @@ class _Run:
     the compiled steps, the evaluators and the data stream from the state's position."""
     config, model, placement, t = self.config, self.model, self.placement, self.config.train
     self.state, shardings, self.position, origin = initial_state(
-        self.checkpointer, model=model, tx=self.tx, image_shape=self.image_shape,
-        placement=placement, seed=self.seed, init_params=init_params, warn=_warn)
+        self.checkpointer, model=model, tx=self.tx, image_shape=self.plan.image_shape,
+        placement=placement, seed=self.seed, init_params=init_params, warn=_warn,
+        abstract=(self.abstract, self.logical))
     self.writer = MetricWriter(config.workdir, run_config=self.stored_config,
                                wandb=config.logger.wandb, job_type=self.stage)
     self.step_fn = jax.jit(
         make_train_step(model, self.tx, self.schedule, loss=t.loss.value,
                         aux_loss_weight=t.aux_loss_weight, accum_steps=t.accum_steps,
                         seed=self.seed, objective=self.pairs.objective if self.pairs else None,
-                        param_updates=derived.param_updates(config.model, self.stage)),
+                        param_updates=self.plan.param_updates),
         in_shardings=(shardings, placement.batch_sharding), out_shardings=(shardings, None),
         donate_argnums=0)
     self.eval_step = None if self.pairs else jax.jit(make_eval_step(model, t.loss.value))
@@ -283,7 +295,7 @@ class _Run:
     self.history = []
     self.last_train = (self.writer.last_logged_training(self.start_step) if self.start_step
                        else {})
-    self.guard = _DivergenceGuard(config, self.checkpointer)
+    self.guard = _DivergenceGuard(self.checkpointer, config.optim, config.schedule.warmup_steps)
 
   def evaluator(self, split: str, prefix: str):
     """The loss and precision (or a contrastive run's measurements) of a split."""
@@ -387,7 +399,7 @@ class _Run:
 
 
 def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement,
-                       init_params=None, stage: str = "train",
+                       plan: TrainPlan, init_params=None, stage: str = "train",
                        fewshot_datasets: dict | None = None,
                        ood_datasets: list | None = None, pairs=None) -> dict:
   """Trains `model` on `source` as `config` says; returns the final metrics (also summary.json).
@@ -400,7 +412,8 @@ def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement
   `pairs` (runner/stages/contrastive.py `PairTraining`): a contrastive model of image-text pairs,
   with its objective, the captions' tokens in every batch, and its evaluator.
   """
-  run = _Run(config, model=model, source=source, placement=placement, stage=stage, pairs=pairs)
+  run = _Run(config, model=model, source=source, placement=placement, plan=plan, stage=stage,
+             pairs=pairs)
   try:
     with placement.context():
       run.start(init_params, fewshot_datasets, ood_datasets or [])

@@ -31,8 +31,8 @@ def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: 
   of its members' cross-entropies (E³, App. D.1), not on the cross-entropy of their mean
   prediction.
 
-  `param_updates` (runner/models/param_updates.py; a model's: `derived.param_updates`, e.g.
-  loss-free balancing's bias): after the optimizer's update each parameter they name is set by
+  `param_updates` (runner/models/param_updates.py; a model's: runner.models.param_updates_of,
+  e.g. loss-free balancing's bias): after the optimizer's update each parameter they name is set by
   its rule from its value before the step and what the model sowed in training, which the
   objective returns for the collections the updates read (summed over the micro-batches with
   gradient accumulation), so that only its rule moves it. Without any the step is what it always

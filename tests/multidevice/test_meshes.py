@@ -21,9 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import TINY_MODEL
 from runner.checkpoints.checkpoint import Checkpointer
-from runner.config import derived
 from runner.config.schema import HeadConfig, HeadType
-from runner.models import build_model, heads, model_config
+from runner.models import build_model, heads, model_config, param_updates_of
 from runner.models.moe.routers.token_choice import Balance
 from runner.parallel import Placement, RULES, logical_rules, make_mesh, placement as make_placement
 from runner.train import optimizers, schedules, state as state_lib
@@ -100,7 +99,7 @@ def _train(placement: Placement, workdir, config) -> Training:
     state, shardings, _, _ = initial_state(Checkpointer(workdir), model=model, tx=tx,
                                            image_shape=SHAPE, placement=placement, seed=0)
     step = jax.jit(make_train_step(model, tx, schedule, loss="softmax_xent", aux_loss_weight=0.01,
-                                   param_updates=derived.param_updates(config, "pretrain")),
+                                   param_updates=param_updates_of(config, "pretrain")),
                    in_shardings=(shardings, placement.batch_sharding),
                    out_shardings=(shardings, None))
     compiled_text = step.lower(state, placement.put(_batches()[0])).compile().as_text()

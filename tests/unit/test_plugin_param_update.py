@@ -16,7 +16,7 @@ import pytest
 
 from runner.config import derived, from_dict, registries
 from runner.config.schema import ModelConfig
-from runner.models import build_model
+from runner.models import build_model, param_updates_of
 from runner.models.moe import routing
 from runner.models.moe.routers import RouterFamily
 from runner.models.param_updates import ParamUpdate
@@ -144,7 +144,7 @@ def test_the_train_step_keeps_the_plug_ins_ema_by_its_rule_alone(family, accum):
   NumPy computes it from the loads the router sowed (the whole batch's, with two micro-batches);
   the other parameters learn, and without the update weight decay would have moved the EMA."""
   config = _model_config()
-  updates = derived.param_updates(config, "pretrain")  # as the training loop asks
+  updates = param_updates_of(config, "pretrain")  # as the training loop asks
   assert [(u.param, u.collection) for u in updates] == [(EMA, LOADS)]
   model = build_model(config, CLASSES)
   tx, schedule, state = _start(model)
@@ -173,9 +173,9 @@ def test_the_train_step_keeps_the_plug_ins_ema_by_its_rule_alone(family, accum):
 def test_a_dense_model_and_the_built_in_defaults_update_nothing(family):
   config = _model_config()
   dense = dataclasses.replace(config, moe=dataclasses.replace(config.moe, layers=[]))
-  assert derived.param_updates(dense, "pretrain") == ()
+  assert param_updates_of(dense, "pretrain") == ()
   for name in ("token_choice", "experts_choice", "soft"):
     default = from_dict(ModelConfig, dict(
         name="x", image_size=8, patch_size=2, hidden_size=16, num_layers=1, mlp_dim=32,
         num_heads=2, moe=dict(layers=[0], num_experts=4, group_size=2), router=dict(type=name)))
-    assert derived.param_updates(default, "pretrain") == (), name
+    assert param_updates_of(default, "pretrain") == (), name

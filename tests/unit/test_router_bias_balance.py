@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from runner.checkpoints.checkpoint import CheckpointError
-from runner.config import derived, from_dict
+from runner.config import from_dict
 from runner.config.schema import ModelConfig, RouterConfig
-from runner.models import build_model, transfer
+from runner.models import build_model, param_updates_of, transfer
 from runner.models.moe import balance
 from runner.models.moe.routers.token_choice import (Balance, NoisyTopKRouter, TokenChoice,
                                                     bias_update_rate)
@@ -408,13 +408,13 @@ def test_the_update_rate_by_stage():
       given.router, "finetune") == 0.02
   assert bias_update_rate(PLAIN.router, "pretrain") == 0.0
   dense = dataclasses.replace(BIASED, moe=dataclasses.replace(BIASED.moe, layers=[]))
-  assert derived.param_updates(dense, "pretrain") == ()
-  assert derived.param_updates(PLAIN, "pretrain") == ()
-  (pretrain,) = derived.param_updates(bias, "pretrain")
+  assert param_updates_of(dense, "pretrain") == ()
+  assert param_updates_of(PLAIN, "pretrain") == ()
+  (pretrain,) = param_updates_of(bias, "pretrain")
   assert (pretrain.param, pretrain.collection) == (balance.BIAS, balance.LOADS)
   np.testing.assert_allclose(np.asarray(pretrain.rule(jnp.zeros(2), jnp.asarray([[1, 3]]))),
                              [0.001, -0.001])
-  (finetune,) = derived.param_updates(bias, "finetune")
+  (finetune,) = param_updates_of(bias, "finetune")
   assert finetune.param == balance.BIAS and finetune.rule is None
 
 
