@@ -52,7 +52,6 @@ import numpy as np
 
 from runner.errors import CheckpointError
 
-LAYOUTS = ("vmoe", "big_vision", "vision_transformer")
 # Top-level entries of a saved train state that are not parameters.
 _TRAINING_STATE = frozenset({"opt", "opt_state", "optimizer", "optimizer_state", "step",
                              "global_step", "rngs", "rng", "metrics", "extra"})

@@ -57,7 +57,6 @@ from runner.models import inputs
 from runner.models.introspection import apply_with_routing, routing_records
 
 
-
 class AdversarialProtocol(enum.StrEnum):
   """PGD and routing-change rules (the module docstring)."""
   default = "default"  # step 2.5·ε/steps, clipped to the ball and [-1, 1]; TOP-k before drops

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 NOISE_RNG = "het_noise"
 EVAL_NOISE_SEED = 0
 MIN_SCALE = 1e-3  # added to the softplus of the rank-1 scale (edward2's MIN_SCALE_MONTE_CARLO)
-HEAD_TYPES = ("det", "het", "het_xl")
 
 part = nn.with_logical_partitioning
 

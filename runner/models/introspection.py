@@ -56,9 +56,3 @@ def apply_with_routing(model, params, images, **kwargs):
   (logits, extras), state = model.apply({"params": params}, images, mutable=["intermediates"],
                                         **kwargs)
   return logits, extras, routing_records(state.get("intermediates", {}))
-
-
-def layer_order(key: str) -> tuple:
-  """Sort key of record keys: by member, then block index."""
-  member, _, layer = key.rpartition("/")
-  return (member, int(layer.rsplit("_", 1)[1]))

@@ -24,8 +24,8 @@ name outside this package: whatever differs is a `RouterFamily` hook.
 from __future__ import annotations
 
 from runner.models.moe.routers.base import (DEFAULT, Plan, RouterFamily, TorchRouting, family,
-                                            names, register)
+                                            register)
 # The built-in families register themselves when their modules are imported.
 from runner.models.moe.routers import experts_choice, soft, token_choice  # noqa: F401
 
-__all__ = ["DEFAULT", "Plan", "RouterFamily", "TorchRouting", "family", "names", "register"]
+__all__ = ["DEFAULT", "Plan", "RouterFamily", "TorchRouting", "family", "register"]

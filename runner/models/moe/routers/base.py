@@ -321,10 +321,6 @@ def register(family_cls: type[RouterFamily]) -> type[RouterFamily]:
 DEFAULT = DEFAULT_ROUTER  # the schema's default family
 
 
-def names() -> list[str]:
-  return registries.ROUTERS.names()
-
-
 def family(name: str | None) -> type[RouterFamily]:
   """The family registered as `name` (None: the schema's default, token-choice)."""
   return registries.ROUTERS.get(str(name or DEFAULT))

@@ -213,9 +213,6 @@ class NoisyTopKRouter(nn.Module):
     return plan, metrics
 
 
-TokenChoiceRouter = NoisyTopKRouter
-
-
 @register
 class TokenChoice(RouterFamily):
   name = "token_choice"
