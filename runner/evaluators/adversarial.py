@@ -1,38 +1,15 @@
 """L∞ PGD attacks on ViT / V-MoE classifiers: error, loss, changed predictions and routing change.
 
 Follows Puigcerver et al. 2022, "On the Adversarial Robustness of Mixture of Experts" (App. F)
-and its public reference code (google-research/vmoe, vmoe/projects/adversarial_attacks:
-attacks.py `stateless_attack_pgd`, `sum_intersection_over_union`; restore.py
-`get_combine_weights`). Two protocols share everything but the step rule and what routing change
-compares:
-
-- ε is in [0, 1] pixel units, as in the paper. Images enter the model in [-1, 1]
-  (value_range(-1,1)), so the L∞ radius there is 2ε (the reference's `max_epsilon` is given in
-  model units, e.g. 1/127.5 for ε = 1/255).
-- No random start: each attack starts from the clean image, so it is deterministic and ε = 0
-  returns the image unchanged.
-- The attacked objective is the classification loss against the true labels (softmax
-  cross-entropy by default, or the model's training loss); the MoE auxiliary losses are not part
-  of it (the reference's `attack_auxiliary_loss=False`). The model runs in inference mode: no
-  router noise, no dropout, inference capacity (the reference restores its model with
-  deterministic=True).
-
-protocol="default":
-- Step size 2.5·ε/steps (Madry et al. 2018), so the attack can reach the border of the ball and
-  still move along it; every step is clipped back into both the ball and [-1, 1], so adversarial
-  images stay images. The loss is summed over the batch.
-- Rate of routing changes of a token: 1 − IoU of its sets of selected experts (the router's TOP-k
-  before capacity drops, see `MoeMlpBlock`) on the clean and on the adversarial image; averaged
-  over the tokens of an image, then over images.
-
-protocol="reference" (the reference code):
-- `steps` updates x ← x + (ε/steps)·sign(∇x mean loss) from the clean image, with no projection
-  and no clipping to [-1, 1]: the steps alone keep the change within ε.
-- Routing change of a token: 1 − IoU of the experts that actually process it, those with a
-  non-zero combine weight after capacity drops, on the clean and on the adversarial image; a
-  token dropped by every expert on both images counts IoU 0, as the reference's
-  `jnp.where(union > 0, intersection / union, 0)` does. Averaged over the tokens of an image,
-  then over images (the reference's 1 − sum_iou / num_images).
+and its reference code (google-research/vmoe, vmoe/projects/adversarial_attacks: attacks.py
+`stateless_attack_pgd`, `sum_intersection_over_union`; restore.py `get_combine_weights`);
+docs/evaluation.md states both protocols. "default" steps by 2.5·ε/steps (Madry et al. 2018), so
+that the attack can reach the border of the ball and still move along it, each step clipped into
+the ball and [-1, 1] so that adversarial images stay images; "reference" steps by ε/steps with no
+projection, and compares the experts that process each token (a token dropped on both images
+counts IoU 0, as the reference's `jnp.where(union > 0, intersection / union, 0)`). No random
+start, so ε = 0 returns the image unchanged; the attacked loss has no MoE auxiliary loss and the
+model runs in inference mode (the reference's `attack_auxiliary_loss=False`, deterministic=True).
 """
 from __future__ import annotations
 
