@@ -31,7 +31,7 @@ from runner.evaluators import suite as suite_lib
 from runner.logging.progress import Progress
 from runner.losses.classification import LOSSES, precision_at_1
 from runner.models import inputs
-from runner.models.introspection import apply_with_routing, routing_records
+from runner.models.introspection import apply_with_routing
 
 
 class AdversarialProtocol(enum.StrEnum):
@@ -104,15 +104,6 @@ def make_pgd_attack(model, loss_name: str = "softmax_xent", *, steps: int,
   return jax.jit(attack)
 
 
-def selected_experts(intermediates, name: str = "selected_experts") -> dict[str, jax.Array]:
-  """{"layer_<i>": value} of the record `name` every MoE layer sowed ("member_<j>/layer_<i>" for
-  the models of an ensemble): the token-choice ids "selected_experts" / "routed_experts"
-  ((batch, tokens, k)), or any router's masks "expert_mask" / "routed_mask" ((batch, tokens, E)).
-  See runner/models/introspection.py."""
-  return {layer: records[name] for layer, records in routing_records(intermediates).items()
-          if name in records}
-
-
 def _change(intersection: jax.Array, union: jax.Array, reference: bool) -> jax.Array:
   """(batch,) from per-token set sizes (batch, tokens): 1 − IoU averaged over tokens. A token
   whose union is empty (dropped on both images) counts IoU 0, as the reference's
@@ -128,32 +119,6 @@ def mask_change(clean: jax.Array, adversarial: jax.Array, *, reference: bool = F
   """(batch,) routing change from (batch, tokens, E) expert masks, any router family."""
   return _change(jnp.sum(clean & adversarial, axis=-1), jnp.sum(clean | adversarial, axis=-1),
                  reference)
-
-
-def _id_sets(clean: jax.Array, adversarial: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """|A ∩ B| and |A ∪ B| of (batch, tokens, k) expert ids, -1 for none; a token's ids >= 0 are
-  distinct, so |A ∩ B| counts the kept ids of A found in B."""
-  kept_clean, kept_adv = clean >= 0, adversarial >= 0
-  match = (clean[..., :, None] == adversarial[..., None, :]) & kept_clean[..., :, None]
-  intersection = jnp.sum(jnp.any(match, axis=-1), axis=-1)
-  return intersection, jnp.sum(kept_clean, -1) + jnp.sum(kept_adv, -1) - intersection
-
-
-def routing_change(clean: jax.Array, adversarial: jax.Array) -> jax.Array:
-  """(batch,) 1 − IoU of each token's clean and adversarial expert sets, averaged over tokens.
-
-  clean, adversarial: (batch, tokens, k) expert ids of the TOP-k (distinct), so
-  |A ∪ B| = 2k − |A ∩ B| >= k > 0.
-  """
-  return _change(*_id_sets(clean, adversarial), reference=False)
-
-
-def routing_change_routed(clean: jax.Array, adversarial: jax.Array) -> jax.Array:
-  """(batch,) the reference code's routing change: 1 − mean over tokens of IoU, where a token's
-  set is its expert ids >= 0 (the experts that processed it; -1 marks a dropped assignment) and
-  a token with an empty union (dropped on both images) counts IoU 0.
-  """
-  return _change(*_id_sets(clean, adversarial), reference=True)
 
 
 def make_measure_step(model, loss_name: str = "softmax_xent", protocol="default"):

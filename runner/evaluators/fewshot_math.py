@@ -109,15 +109,6 @@ def ridge_factors(train_x, train_y, num_classes: int, protocol="reference"):
   return _factors(x, y, num_classes)
 
 
-def ridge_weights(train_x, train_y, num_classes: int, l2_regs=L2_REGS,
-                  protocol="reference") -> np.ndarray:
-  """(len(l2_regs), d+1, C) weights on `protocol`'s design matrix (the last row the bias's):
-  the classifiers that get scored."""
-  p, s, q = ridge_factors(train_x, train_y, num_classes, protocol)
-  inv = 1.0 / (s[None, :] + np.asarray(l2_regs, np.float64)[:, None])
-  return np.einsum("ik,lk,kc->lic", p, inv, q)
-
-
 def ridge_accuracies(train_x, train_y, test_x, test_y, num_classes: int,
                      l2_regs=L2_REGS, chunk: int = 8192, protocol="reference") -> np.ndarray:
   """(len(l2_regs),) test accuracies of argmax(X_test W_lambda), one per lambda.
