@@ -157,14 +157,10 @@ def sweep_table(jobs: list[Job], columns: list[Column], aggregate: tuple[str, ..
                 ) -> tuple[list, list]:
   """(header, body): one row per combination of the swept keys but `aggregate`."""
   keys = [k for k in swept_keys(jobs) if k not in aggregate]
-  groups: dict[tuple, list[Job]] = {}
+  groups: dict[tuple, list[dict]] = {}
   for job in jobs:
-    groups.setdefault(tuple(job.overrides.get(k, "-") for k in keys), []).append(job)
-  header = [*keys, *(c.header for c in columns), "n"]
-  body = [[*values, *(mean_std([c.read(j.summary) for j in members], c.digits)
-                      for c in columns), str(len(members))]
-          for values, members in groups.items()]
-  return header, body
+    groups.setdefault(tuple(job.overrides.get(k, "-") for k in keys), []).append(job.summary)
+  return grouped(list(groups.items()), columns, label=tuple(keys))
 
 
 def markdown(header: list, body: list) -> str:
