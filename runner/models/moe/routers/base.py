@@ -41,23 +41,9 @@ class Plan(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class TorchRouting:
-  """How a family routes in PyTorch: what `vmoe export` (runner/export) writes for its routers.
-
-  - `config`: the router's entries in the exported config.json (JSON values: its inference
-    settings, e.g. the capacity ratio in force at inference); the exporter adds `type`, the
-    family's name.
-  - `source`: the PyTorch source of the router class (and any helper it needs), which the
-    exporter appends to the exported modeling_vmoe.py. It imports nothing: it uses that file's
-    names (torch, nn, F, math, and the routing helpers `expert_capacity`, `top_k`, `SlotPlan`,
-    `plan_top_k`; runner/export/modeling_vmoe.py). A family keeps it in a file next to its
-    module, `<module>_torch.py`, that nothing imports.
-  - `class_name`: the router class in `source`. `router = Class(config, dim, num_experts)` is
-    an `nn.Module`; `router(x, first, count)` routes (G, S, D) groups among experts
-    [first, first + count) with those experts' router columns and returns a plan with
-    `dispatch(x) -> (count, G, C, D)` buffers and `combine(y) -> (G, S, D)` tokens.
-  - `parameters`: {name under the layer's `router/` in the Flax parameters: (name in the torch
-    module's state dict, axes to transpose the array by, or None)}; the default maps a (D, E)
-    gate kernel `dense/kernel` onto an `nn.Linear` named `dense` ((E, D) weight).
+  """How a family routes in PyTorch: what `vmoe export` (runner/export) writes for its routers
+  (docs/extending.md, "Export", states each field). A family keeps `source` in a file next to its
+  module, `<module>_torch.py`, that nothing imports.
   """
   config: Mapping[str, typing.Any]
   source: str
