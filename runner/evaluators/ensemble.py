@@ -1,13 +1,10 @@
 """Ensemble metrics from member predictions, accumulated batch by batch.
 
-Every kind of ensemble (a partitioned batch ensemble's internal members, a deep ensemble's separate
-models, MC-dropout samples) ends as member logits (B, M, C) per batch.
-`runner.models.ensemble.combine_logits` turns them into "logits" of the ensemble's mean
-probability p̄ = (1/M) Σ_m p_m, so the single-model code (NLL, Brier, ECE, OOD scores) works on
-the ensemble unchanged. `EnsembleStats` adds what only an
-ensemble has: per-member metrics and pairwise diversity (the KL between members that Allingham et
-al. 2022 report, with the disagreement measures of ensemble evaluations).
-Only running sums are kept, so memory stays flat in the split size.
+Every kind of ensemble ends as member logits (B, M, C) per batch, which
+`runner.models.ensemble.combine_logits` turns into "logits" of the mean probability, so the
+single-model code works on the ensemble unchanged. `EnsembleStats` adds what only an ensemble has:
+per-member metrics and pairwise diversity (Allingham et al. 2022's KL, and disagreement). Only
+running sums are kept, so memory stays flat in the split size.
 """
 from __future__ import annotations
 

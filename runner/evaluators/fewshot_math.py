@@ -1,19 +1,10 @@
 """Linear few-shot evaluation: closed-form ridge on frozen features (ViT / V-MoE / big_vision).
 
-A regularised least-squares classifier is fitted to ±1 targets on `shots` examples per class;
-every L2 strength of the grid is solved from one eigendecomposition, and the strength is chosen
-per number of shots by the mean rank of its accuracy across datasets (Appendix B.4 of
-"Sparse MoEs meet Efficient Ensembles"). Host-side numpy in float64: the systems are small
-(n or d+1 at most a few thousand) and single precision loses the small-lambda solutions.
-
-Two protocols build the design matrix the ridge is solved on:
-- "reference" (the default; the numbers the papers report): the protocol of the reference code
-  (google-research/vmoe, vmoe/evaluate/fewshot.py, after big_vision). Every feature dimension is
-  standardised with the mean and the standard deviation (ddof 0, plus 1e-5) of the few-shot
-  training examples, the test features with the same statistics, and a constant bias feature of
-  100 is appended. The bias is regularised like every weight, but with a feature of 100 its
-  penalty is 10^4 times smaller than a weight's of the same effect: almost unregularised.
-- "plain": the raw features and a bias column of ones, regularised like the weights.
+Every L2 strength of the grid is solved from one eigendecomposition. Host-side numpy in float64:
+the systems are small (n or d+1 at most a few thousand) and single precision loses the
+small-lambda solutions. docs/fewshot.md states the two protocols of the design matrix; with
+"reference"'s bias feature of 100 the bias's penalty is 10^4 times smaller than a weight's of the
+same effect: almost unregularised.
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """What the evaluators of one run share: the model, its parameters, the datasets and how to read
-them, where to write, and the main prediction pass that other evaluators may ride along.
-
-`vmoe eval` and `vmoe ensemble` build a `Suite` over the checkpoints' members and the datasets
-they name; the training loop builds one over the current parameters and its validation split.
-`run` then runs every evaluator the `eval.*` keys enable, in the order they were registered
-(`register`: the built-in ones in runner/evaluators/__init__.py, then the plug-ins'), and merges
-what they measured.
+them, where to write, and the main prediction pass that other evaluators may ride along. `vmoe
+eval`, `vmoe ensemble` and the training loop each build a `Suite`; `run` runs every evaluator the
+`eval.*` keys enable, in registration order, and merges what they measured.
 """
 from __future__ import annotations
 

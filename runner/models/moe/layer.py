@@ -77,12 +77,9 @@ class MoeMlpBlock(nn.Module):
   property of the token alone, whereas what survives the buffers also depends on the other images
   of its routing group: PGD's default protocol compares the former, the reference code the latter.
 
-  DeepSeekMoE's experts (Dai et al. 2024) need nothing new of the routing: fine-grained experts
-  are `num_experts` E*m experts of width `mlp_dim` / m chosen k*m at a time (both derived in
-  runner/config/derived.py), and `shared_experts` K_s > 0 adds K_s experts of the same width that
-  every token passes through: y = sum_i MLP_shared_i(x) + the routed output. They are K_s
-  separate MLPs, parameters `shared/` shaped like `experts/` with a leading axis of K_s that is
-  replicated over the devices (experts.SHARED_AXES), and expert dropout applies to them too.
+  DeepSeekMoE's experts (docs/routers.md) need nothing new of the routing; the `shared_experts`
+  are separate MLPs, parameters `shared/` shaped like `experts/` with a leading axis of K_s,
+  replicated over the devices (experts.SHARED_AXES).
 
   In an ensemble, tiled rows give (images, M*tokens, ...) with a member's weights and masks
   zero outside its partition of the experts, and partition_only gives every token's M

@@ -98,11 +98,9 @@ class NoisyTopKRouter(nn.Module):
   V-MoE with E/P experts (Allingham et al., eq. 3 and Ω_partition of App. D.2). The plan then
   indexes the E/P experts of each group's partition.
 
-  With `balance="bias"` (auxiliary-loss-free balancing) the router has a parameter
-  `balance_bias` (E,), zeros at first: each group's scores plus its partition's bias choose the
-  TOP-k, the unbiased scores weigh them (routing.biased_gates), the auxiliary loss is 0 (the
-  importance and load losses stay metrics), and in training the batch's loads (P, E/P) are sown
-  in the `balance_loads` collection for the train step to move the bias (balance.py).
+  With `balance="bias"` (auxiliary-loss-free balancing, docs/routers.md) the router has a
+  parameter `balance_bias` (E,) and, in training, sows the batch's loads (P, E/P) in the
+  `balance_loads` collection for the train step to move the bias (balance.py).
 
   The router always computes in float32: routing decisions are discrete and bfloat16 rounding of
   the gates would change them.
