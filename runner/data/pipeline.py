@@ -1,14 +1,10 @@
 """tf.data input pipelines: an endless, deterministic, resumable training stream and padded eval batches.
 
-Training stream: the split is read in shards (one per process by default, `data.num_shards`),
-and epoch e of a shard is that shard shuffled with seed (seed, e). The stream is a pure function
-of (seed, position), where position counts the examples this process has consumed, so resuming
-at a checkpointed position replays exactly what an uninterrupted run would have read,
-augmentations included (each example's random ops are seeded from its shard and position).
-Resuming skips at most one epoch of (still encoded, so cheap) records.
-
-Image-text data (a `TextSpec`) adds each example's caption as `tokens`: in training a random one
-of its captions where it has several (seeded like the augmentations), in evaluation the first.
+The training stream is a pure function of (seed, position), where position counts the examples
+this process has consumed, so resuming at a checkpointed position replays exactly what an
+uninterrupted run would have read, augmentations included; resuming skips at most one epoch of
+(still encoded, so cheap) records. Image-text data adds a caption's `tokens` (in training a
+random one of an example's captions, in evaluation the first).
 """
 from __future__ import annotations
 
