@@ -1,13 +1,11 @@
 """Analytic model FLOPs: the matmul FLOPs of a forward pass, counted from the architecture.
 
-What an MoE layer costs is its router family's answer (`RouterFamily.expert_rows`,
-`router_flops`).
-
-Conventions (the V-MoE / MFU convention): a (m x k) @ (k x n) matmul costs 2*m*k*n FLOPs; experts
-are counted at their padded capacity (every buffer slot is computed, filled or not; dropless
-token choice has no buffers: k expert MLPs per token exactly, `RouterFamily.expert_rows`); dispatch
-bookkeeping, softmax, normalisation and activations are not counted. A training step costs three
-forward passes (forward, and two matmuls per matmul in the backward pass).
+Conventions (the V-MoE / MFU convention): a (m x k) @ (k x n) matmul costs 2*m*k*n FLOPs; an MoE
+layer costs what its router family answers (`RouterFamily.expert_rows`, `router_flops`: experts
+at their padded capacity, every buffer slot computed, filled or not; dropless token choice: k
+expert MLPs per token exactly; DeepSeekMoE's experts: docs/routers.md); dispatch bookkeeping,
+softmax, normalisation and activations are not counted. A training step costs three forward
+passes (forward, and two matmuls per matmul in the backward pass).
 
 Partitioned batch ensembles (E³, `model.moe.ensemble_size` M > 1; the efficient-ensembles paper, Section 4 and Appendix D; Table 11 its FLOPs).
 A routing group is routed as one or several blocks, each a router family's routing of some
@@ -27,8 +25,6 @@ expert_capacity(tokens, experts, k, C), router 2·tokens·D·experts):
 In every case an MoE layer computes E·capacity/group_size expert slots per image. M = 1 is a
 V-MoE, one block of group_size·T tokens and E experts; a model without MoE layers (a ViT)
 ignores M.
-
-DeepSeekMoE's fine-grained and shared experts: docs/routers.md states their FLOPs.
 
 Heteroscedastic heads (HET-XL paper, Table 11; S MC samples, R factors, D the pre-logits' width,
 K classes, Q = K for HET and D for HET-XL): the mean classifier 2·D·K; the rank-1 scale 2·D·Q;
