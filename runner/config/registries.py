@@ -22,8 +22,7 @@ class Registry(Generic[T]):
 
   def check(self, name: str, entry) -> None:
     """Raises if `name` is taken by another entry (the same entry again, as a module imported
-    twice, is not): called before a registration adds keys to the schema, so that a refused one
-    adds nothing."""
+    twice, is not)."""
     known = self._entries.get(name)
     if known is not None and known is not entry and _origin(known) != _origin(entry):
       raise ConfigError(f"{self.kind} {name!r} is registered twice ({_origin(known)} and "

@@ -22,14 +22,10 @@ _DISAGREEMENT_EPS = 1e-7
 class EnsembleStats:
   """Running per-member and diversity statistics of an ensemble over one split.
 
-  Per member: prec@1 (the top class counts when it is any true label), NLL and ECE, as
-  `PredictionStats` defines them for a single model (softmax: -Σ_c y_c log p_c with y normalised to
-  a distribution; sigmoid: sum over classes of binary cross-entropy). Diversity,
-  averaged over unordered pairs i < j and over test points, of KL(p_i ‖ p_j) (softmax: Σ_c
-  p_i log(p_i / p_j); sigmoid: sum over classes of the Bernoulli KLs), cosine similarity of the
-  probability vectors, disagreement 1[argmax p_i ≠ argmax p_j], and disagreement / (ensemble error
-  + 1e-7) with the ensemble error that of p̄. A zero p_i term adds 0 to the KL; a zero p_j under a
-  positive p_i is floored at 1e-12 (a large finite KL rather than inf).
+  Per member: prec@1, NLL and ECE as `PredictionStats` defines them for a single model.
+  Diversity (docs/ensembles.md), averaged over unordered pairs i < j and over test points; for
+  sigmoid models the KL sums the classes' Bernoulli KLs. A zero p_i term adds 0 to the KL; a zero
+  p_j under a positive p_i is floored at 1e-12 (a large finite KL rather than inf).
   """
 
   def __init__(self, *, num_bins: int = 15, output: str = "softmax", keep: bool = False):

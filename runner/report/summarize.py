@@ -1,11 +1,9 @@
 """`vmoe summarize <multirun dir>`: one table of a sweep's jobs, their overrides and final metrics.
 
-Every job folder under the directory (one with a summary.json; its overrides from
-.hydra/overrides.yaml) becomes a row: the keys the sweep varies, then the metrics (by default the
-stage's main metric and its companions). `--aggregate seed` (the default) averages the jobs that
-differ only in those keys, as mean ± standard deviation over n. The table is printed and written
-as summary.md and summary.csv, with a plot of the main metric against each swept key
-(summary_<key>.png). The studies (runner/studies) build their tables with the same functions.
+Every job folder (one with a summary.json) becomes a row: the keys the sweep varies, then the
+metrics (by default the stage's main metric and its companions); `--aggregate seed` (the default)
+averages the jobs that differ only in those keys. The studies (runner/studies) build their tables
+with the same functions.
 """
 from __future__ import annotations
 
