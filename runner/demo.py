@@ -1,10 +1,8 @@
 """`make demo`: pretrain -> fine-tune -> eval on the embedded offline data, then a results table.
 
-Runs the real `vmoe` subcommands one after another in this process (so the XLA cache and imports
-are shared), prints a Markdown table of what they measured and writes the chain's `vmoe report`
-pages (runs/demo/report.html). Rerunning resumes finished stages from their checkpoints, so it
-reprints the same table in seconds. Extra arguments are passed to
-every stage (e.g. `python -m runner.demo logger.wandb.mode=disabled`).
+Runs the real `vmoe` subcommands in this process (so the XLA cache and imports are shared) and
+writes the chain's `vmoe report` pages; rerunning resumes finished stages, so it reprints the
+table in seconds. Extra arguments go to every stage (e.g. `logger.wandb.mode=disabled`).
 """
 from __future__ import annotations
 

@@ -33,7 +33,6 @@ class CheckpointError(UserError):
 
 class RunError(VmoeError):
   """The run stopped on its own: divergence, a failed checkpoint save."""
-  exit_code = 1
 
 
 class Interrupted(VmoeError):

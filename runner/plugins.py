@@ -1,13 +1,5 @@
-"""Research code in a user's own module: `plugins=[my_lab.hash_router,my_lab.metrics]`.
-
-A plug-in is an importable Python module (found from the working directory, or installed) that
-registers what it defines when it is imported: router families (`runner.models.moe.routers.
-register`), evaluators (`runner.evaluators.register`), model names (`runner.models.catalog.
-register`), embedded datasets (`runner.data.embedded.register`), preprocessing ops
-(`runner.data.pp_ops.register`), optimizers and schedules (`runner.train.optimizers.register`,
-`runner.train.schedules.register`). What it registers is then chosen by name exactly as a
-built-in one. Installed packages may also list modules under the `vmoe.plugins` entry-point
-group; those load in every command.
+"""Research code in a user's own module: `plugins=[my_lab.hash_router,my_lab.metrics]`
+(docs/extending.md says what a plug-in may register, and the `vmoe.plugins` entry points).
 
 Plug-ins load before a config is composed (their keys and names must exist for the schema), in
 the process that checks a command line and again in every job that runs it.

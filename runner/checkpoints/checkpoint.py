@@ -1,9 +1,6 @@
-"""The one door to checkpoints: Orbax `CheckpointManager` under `<workdir>/checkpoints`.
-
-Each step directory holds four items: `params`, `opt_state` (the train state, restorable onto any
-mesh), `meta` (step and the data-iterator position) and `config` (the resolved config of the
-run, so later stages know the model and data). Stages find checkpoints from a workdir, its
-`checkpoints/` folder or one step folder.
+"""The one door to checkpoints: Orbax `CheckpointManager` under `<workdir>/checkpoints`, each step
+holding `params`, `opt_state`, `meta` (step and data position) and `config` (so later stages know
+the model and data).
 
 Checkpoints get damaged (a full disk, a killed copy, a flaky file system), so every read names the
 step and item that failed in a `CheckpointError`, a resumed run falls back past unreadable newer

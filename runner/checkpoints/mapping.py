@@ -52,7 +52,6 @@ import numpy as np
 
 from runner.errors import CheckpointError
 
-LAYOUTS = ("vmoe", "big_vision", "vision_transformer")
 # Top-level entries of a saved train state that are not parameters.
 _TRAINING_STATE = frozenset({"opt", "opt_state", "optimizer", "optimizer_state", "step",
                              "global_step", "rngs", "rng", "metrics", "extra"})
@@ -230,12 +229,9 @@ class _Reader:
 def _fold_class_position(cls: np.ndarray, posemb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """(ours cls, ours pos_embedding) from a reference posemb with a class row (1, N+1, D).
 
-  Our model adds position embeddings to the N patch tokens only and then prepends the class
-  token, whose input is therefore the parameter `cls` itself. In the reference the class token's
-  input is cls + posemb[:, 0]: a constant independent of the image, formed by that one addition
-  before anything else touches it. Storing that sum as our `cls` gives the class token the very
-  same input (bit for bit: the same float addition the reference performs first), and the
-  patches keep posemb[:, 1:] — so the fold is exact, not an approximation.
+  Our model adds position embeddings to the patch tokens only, then prepends `cls`; the
+  reference's class token input is cls + posemb[:, 0], a constant formed by that one addition.
+  Storing that sum as our `cls` gives the very same input, bit for bit: the fold is exact.
   """
   return cls + posemb[:, :1], posemb[:, 1:]  # the second is a view
 

@@ -1,14 +1,9 @@
-"""Where a stage's parameters come from: a run of this project, or a released checkpoint.
-
-Our runs are Orbax checkpoints with their config (runner.checkpoints.checkpoint, the one door for them).
-Released checkpoints — google-research/vmoe's `<prefix>.index` + `<prefix>.data-*` files and
-big_vision / vision_transformer ViT `.npz` files — hold bare parameters under the reference's
-names; runner.checkpoints reads and renames them. They carry no config, so the stages that read the
-model and data from a checkpoint need `model=` and `data=` for them.
+"""Where a stage's parameters come from: a run of this project (runner.checkpoints.checkpoint),
+or a released checkpoint, which holds bare parameters under the reference's names and no config
+(so the stages that read the model and data from a checkpoint need `model=` and `data=`).
 
 A path given by the user is opened once (`open`): its kind is decided there, and the `Opened`
-value answers every later question (its stored config, whether its run finished, its
-parameters). `Checkpoints` opens each path of one command once.
+value answers every later question. `Checkpoints` opens each path of one command once.
 """
 from __future__ import annotations
 

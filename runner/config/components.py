@@ -1,21 +1,12 @@
-"""One protocol for every component a config chooses by name: router families, optimizers,
-schedules, evaluators, model names, embedded datasets, preprocessing ops.
-
-A component is a kind (`Kind`: its registry, and the schema section its keys join), a name, a
-`Config` (a dataclass of the keys it reads, with their ranges and hints), its relations and its
-hooks. `register` is the one call that adds one, a built-in's as a plug-in's: it checks the name,
-declares the keys and adds the component to its kind's registry. A key of `optim.*` or
-`schedule.*` that the chosen component does not read must keep its default (`unread_keys`, the
-relations below), as a `model.router.*` key must for the chosen router family
-(runner/config/relations.py `router_options_apply`).
-"""
+"""One protocol for every component a config chooses by name, a built-in's as a plug-in's
+(docs/extending.md: kinds, names, `Config`s, relations, hooks)."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable, Optional
 
 from runner.config import registries, sections
-from runner.config.relations import relation, shown
+from runner.config.relations import changed_keys, relation
 from runner.config.schema import OptimConfig, RouterConfig, ScheduleConfig
 from runner.errors import ConfigError
 
@@ -57,11 +48,7 @@ def register(kind: Kind, name: str, value, Config: Optional[type] = None, proble
              reads: tuple[str, ...] = ()) -> tuple[str, ...]:
   """Adds `value` as `name` of `kind`, and returns the names of `Config`'s keys.
 
-  The name is checked first, so that a refused component adds no key. `Config`'s fields join
-  `kind.section` (`sections.declare`: a key shared with another component keeps its type and
-  default); `problem` is its relation, which the config checks call. `reads`: the section's own
-  keys it reads besides `kind.reads` (linear decay: `end_lr_fraction`); any other key of the
-  section must keep its default while it is chosen."""
+  The name is checked first, so that a refused component adds no key (docs/extending.md)."""
   kind.registry.check(name, value)
   owner = f"{kind.registry.kind} {name!r}"
   shared = [key for key in (sections.own_keys(kind.section) if reads and kind.section else ())
@@ -93,11 +80,7 @@ def unread_keys(kind: Kind, section) -> Optional[str]:
   name = getattr(section, kind.chooser)
   chosen = kind.registry.get(name)
   keys = (*kind.reads, *chosen.reads, *chosen.options)
-  defaults = type(section)()
-  given = [f"{kind.prefix}.{f.name}={shown(getattr(section, f.name))}"
-           for f in dataclasses.fields(section)
-           if f.name != kind.chooser and f.name not in keys
-           and getattr(section, f.name) != getattr(defaults, f.name)]
+  given = changed_keys(section, kind.prefix, skip=(kind.chooser, *keys))
   if not given:
     return None
   return (f"{', '.join(given)} means nothing for {kind.registry.key}={name}; its keys are "

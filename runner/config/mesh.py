@@ -1,8 +1,6 @@
 """What `mesh.*` and `sharding.*` may say: the mesh's axes, the rule bundles `sharding.name`
-chooses, and the shape that `mesh.data` / `mesh.expert` resolve to for a device count.
-
-Plain values and arithmetic, no JAX: the schema and the relations check a config against them
-without building anything; runner/parallel/mesh.py builds the mesh and the shardings from them.
+chooses, and the shape that `mesh.data` / `mesh.expert` resolve to for a device count: no JAX, so
+that a config is checked without building anything.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """The preprocessing-spec language of `data.pp` and `data.pp_train`: "decode(3)|resize(32)|flip_lr".
 
-A spec is `|`-separated ops, each `name` or `name(literal arguments)`. The ops are TensorFlow
-functions (runner/data/pp_ops.py, runner/data/corruptions.py, a plug-in's) whose modules register
-their factories in `OPS`, and the `corrupt` op its corruption names in `CORRUPTIONS`, when they are
-imported. So a config's spec is checked here, op names and arguments included, without importing
-TensorFlow or the data package.
+The ops' modules register their factories in `OPS` (and the `corrupt` op its corruptions in
+`CORRUPTIONS`) when imported, so a spec is checked here without importing TensorFlow.
 """
 from __future__ import annotations
 
@@ -84,8 +81,5 @@ def device_tail(spec: str) -> dict | None:
   """The arguments of the value_range that ends `spec`, the op the jitted step may apply instead
   of the host, so that images cross to the device as uint8 pixels (a quarter of float32's
   bytes); None where the spec ends in another op."""
-  parts = [p for p in (p.strip() for p in spec.split("|")) if p]
-  if not parts:
-    return None
-  name, args, kwargs = _parse_call(parts[-1])
+  name, args, kwargs = (steps(spec) or [(None, [], {})])[-1]
   return value_range_arguments(args, kwargs) if name == "value_range" else None

@@ -1,12 +1,6 @@
-"""The names a config may choose, and what each stands for: router families, evaluators,
-optimizers, schedules (here), preprocessing ops and corruptions (runner/config/preprocessing.py),
-model names and embedded datasets (their modules).
-
-Every register-by-name is a `Registry`: the same add, get, names and duplicate-name error. The
-config layer holds the tables its checks read; the modules that define the things fill them when
-they are imported, through one call (runner/config/components.py `register`; the built-in ones
-by `runner.builtins.register()`, a plug-in's from `plugins=`). So the schema and the relations check a name against everything registered without
-importing models or training code, and a plug-in's name is valid exactly like a built-in one.
+"""The names a config may choose. The config layer holds the tables and the modules that define
+the things fill them when imported, so that a name is checked without importing models or
+training code, and a plug-in's name is valid exactly like a built-in one.
 """
 from __future__ import annotations
 
@@ -28,8 +22,7 @@ class Registry(Generic[T]):
 
   def check(self, name: str, entry) -> None:
     """Raises if `name` is taken by another entry (the same entry again, as a module imported
-    twice, is not): called before a registration adds keys to the schema, so that a refused one
-    adds nothing."""
+    twice, is not)."""
     known = self._entries.get(name)
     if known is not None and known is not entry and _origin(known) != _origin(entry):
       raise ConfigError(f"{self.kind} {name!r} is registered twice ({_origin(known)} and "
@@ -69,11 +62,7 @@ def _origin(entry) -> str:
 @dataclasses.dataclass(frozen=True)
 class Registered:
   """A function registered by name (an optimizer's preconditioner, a schedule's rate) with what
-  it declares, as a router family does: `Config`, a dataclass of the keys it reads (added to
-  its section of the schema, runner/config/sections.py `declare`), `problem`, its relations
-  (called by the config layer with the section, and what else the registry's kind says), and
-  `reads`, the section's own keys it reads besides those every one of its kind reads
-  (runner/config/components.py)."""
+  it declares, as a router family does (runner/config/components.py `register`)."""
   fn: Callable[..., Any]
   Config: Optional[type] = None
   options: tuple[str, ...] = ()  # the Config's field names

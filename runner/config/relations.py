@@ -1,13 +1,9 @@
 """Rules between config keys, each stated once: k <= experts, a batch that tiles the devices, ...
 
-A relation is a function whose parameters name config sections (`model`, `data`, `train`, ...)
-and whose annotations say which schema each must be; it applies to every config that has those
-sections with those types (a training config, a resolved eval run, ...), and returns what is wrong
-in one sentence naming the keys and values, or None. A parameter named `run` typed `RunFields`
-receives the whole config of any task: such a relation reads the models a run holds (one, or one
-per checkpoint) through `derived.held_models`, so a rule is written once for every task. A
-parameter named `devices` receives the number of devices: such relations run once the devices
-are known (after multi-host start-up).
+A relation's parameters name config sections and their annotations the schema each must be, so
+it applies to every config that has them, and returns what is wrong in one sentence, or None.
+`run: RunFields` receives a whole config of any task; `devices` the device count, so that such a
+relation runs once the devices are known (after multi-host start-up).
 """
 from __future__ import annotations
 
@@ -21,7 +17,7 @@ from runner.config.schema import (ContrastiveLoss, DataConfig,
                                   DistributedConfig, EnsembleRun, EnsembleVariant, EvalConfig,
                                   EvalRun, EvalSuiteConfig, ExportRun, FewshotConfig, FewshotRun, HeadConfig,
                                   HeadType, ModelConfig, MoeConfig, Objective, ObjectiveConfig,
-                                  OptimConfig, RouterConfig, RunFields, ScheduleConfig, TextConfig,
+                                  OptimConfig, RunFields, ScheduleConfig, TextConfig,
                                   TokenizerKind, TrainConfig, TrainTask)
 from runner.config.mesh import expert_mesh_axes, mesh_shape
 from runner.errors import ConfigError, UserError
@@ -32,6 +28,13 @@ def shown(value) -> str:
   if isinstance(value, bool):
     return str(value).lower()
   return str(value)
+
+
+def changed_keys(section, prefix: str, skip=(), show=shown) -> list[str]:
+  """`prefix.key=value` for each key of `section` that leaves its default, in field order."""
+  defaults = type(section)()
+  return [f"{prefix}.{f.name}={show(getattr(section, f.name))}" for f in dataclasses.fields(section)
+          if f.name not in skip and getattr(section, f.name) != getattr(defaults, f.name)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,13 +125,8 @@ def dense_model_has_no_router(model: ModelConfig):
   default is a mistake (a router chosen for a model that has none trains a plain ViT)."""
   if _moe_layers(model) != ():
     return None  # a V-MoE, or invalid layers
-  router, moe = RouterConfig(), MoeConfig()
-  given = [f"model.router.{f.name}={shown(getattr(model.router, f.name))}"
-           for f in dataclasses.fields(RouterConfig)
-           if getattr(model.router, f.name) != getattr(router, f.name)]
-  given += [f"model.moe.{f.name}={shown(getattr(model.moe, f.name))}"
-            for f in dataclasses.fields(MoeConfig)
-            if f.name not in _DENSE_KEYS and getattr(model.moe, f.name) != getattr(moe, f.name)]
+  given = (changed_keys(model.router, "model.router")
+           + changed_keys(model.moe, "model.moe", skip=_DENSE_KEYS))
   if given:
     return (f"{', '.join(given)} means nothing for a dense ViT (model.moe.layers=[], as "
             f"model={model.name or 'vit_*'} has): it has no MoE layer and no router. Drop "
@@ -144,14 +142,10 @@ def router_options_apply(model: ModelConfig):
   if not _moe_layers(model):
     return None  # a dense ViT (dense_model_has_no_router) or invalid layers
   family = derived.router_family(model)
-  defaults = RouterConfig()
   problem = family.unread_key_problem(model.router)
   if problem:
     return problem
-  ignored = [f"model.router.{f.name}={shown(getattr(model.router, f.name))}"
-             for f in dataclasses.fields(RouterConfig)
-             if f.name != "type" and f.name not in family.options
-             and getattr(model.router, f.name) != getattr(defaults, f.name)]
+  ignored = changed_keys(model.router, "model.router", skip=("type", *family.options))
   if not family.uses_dispatcher and model.moe.dispatcher != MoeConfig().dispatcher:
     ignored.append(f"model.moe.dispatcher={shown(model.moe.dispatcher)}")
   if ignored:
@@ -273,16 +267,10 @@ def het_xl_noise_fits_the_pre_logits(model: ModelConfig):
 def cudnn_attention_problem(dtype: str, head_dim: int, *, dropout: bool, tokens: int = 0,
                             masked: bool = False, platform: str | None = None,
                             capability: tuple[int, int] | None = None) -> str | None:
-  """Why model.attention=cudnn cannot run an attention layer: cuDNN's fused kernel
-  (`jax.nn.dot_product_attention(implementation="cudnn")`) as JAX 0.10 and cuDNN accept it; None
-  where it can. Stated once for the config (before launch, `platform` None: not known yet) and for
-  the model, which decides `auto` and refuses `cudnn` when traced, where its device is known
-  (runner/models/vit.py).
-
-  `platform`: "cuda" for an NVIDIA GPU of compute `capability` (major, minor), else the JAX
-  platform ("cpu", "tpu", "rocm"). `dropout`: attention dropout is on, which the fused call has
-  not. `masked` (a padding mask, the text tower's): cuDNN takes it as a bias, whose gradient needs
-  an even number of `tokens`."""
+  """Why model.attention=cudnn cannot run an attention layer as JAX 0.10 and cuDNN accept it, or
+  None. Stated once for the config (`platform` None: not known before launch) and for the model,
+  which decides when traced, where its device is known (runner/models/vit.py). `masked`: cuDNN
+  takes a padding mask as a bias, whose gradient needs an even number of `tokens`."""
   widest = 256 if capability is None or capability >= (9, 0) else 128
   if dtype not in ("bfloat16", "float16"):
     why = f"it takes bfloat16 or float16 inputs, and model.dtype={dtype}"
@@ -468,9 +456,7 @@ def fewshot_in_training_names_datasets(train: TrainConfig, fewshot: FewshotConfi
 # --- evaluation and few-shot -------------------------------------------------------------------
 
 def _evaluators() -> list:
-  """Every registered evaluator class, in the order they run: the built-in ones registered as
-  runner.evaluators was imported (the CLI does before validating), a plug-in's as `plugins=`
-  loaded it."""
+  """Every registered evaluator class, in the order they run."""
   return [cls for _, cls in registries.EVALUATORS.items()]
 
 
@@ -514,11 +500,7 @@ def _contrastive_keys(eval: EvalSuiteConfig) -> list[str]:
   its prompts, and the evaluators that are not `on_classifier`)."""
   given = []
   for name in _contrastive_sections(eval):
-    section = getattr(eval, name)
-    defaults = type(section)()
-    given += [f"eval.{name}.{f.name}={_listed(getattr(section, f.name))}"
-              for f in dataclasses.fields(section)
-              if getattr(section, f.name) != getattr(defaults, f.name)]
+    given += changed_keys(getattr(eval, name), f"eval.{name}", show=_listed)
   return given + [_given(cls, eval) for cls in _evaluators()
                   if not cls.on_classifier and cls.enabling_key and cls.enabled(eval)]
 
@@ -722,10 +704,9 @@ def inference_batch_fits(run: RunFields, devices: int):
 
 @relation
 def experts_split_for_the_router(run: RunFields):
-  """Sharding rules that split the experts' weights over devices (sharding=ep, fsdp_ep, or
-  sharding.rules mapping the logical `expert` axis) for a router that cannot run so
-  (`RouterFamily.expert_parallel_problem`: dropless token choice). Said of the config, whatever
-  the device count, so that a run refused on a cluster is refused on a laptop too."""
+  """Sharding rules that split the experts over devices for a router that cannot run so. Said of
+  the config, whatever the device count, so that a run refused on a cluster is refused on a laptop
+  too."""
   sharding = run.sharding
   if not expert_mesh_axes(sharding.name, sharding.rules):
     return None

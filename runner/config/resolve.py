@@ -1,12 +1,8 @@
 """From a composed config to the typed, validated object a task runs.
 
-pretrain/finetune run their composed config as it is. eval and fewshot take the model and data
-from the config stored with the checkpoint, with the command line's non-null `model.*`/`data.*`
-keys on top (interpolations such as `${model.image_size}` in a data option resolve against the
-merged model). Each result is checked by `validate` before it is returned.
-
-The checkpoints are read by the caller's `CheckpointReader` (runner.checkpoints.weights.Checkpoints): the
-config layer sits below everything that knows checkpoint formats.
+eval and fewshot take the model and data from the checkpoint's stored config, with the command
+line's non-null `model.*`/`data.*` keys on top. The caller's `CheckpointReader` reads the
+checkpoints: the config layer sits below everything that knows checkpoint formats.
 """
 from __future__ import annotations
 
@@ -244,11 +240,8 @@ def ensemble_run(cfg: DictConfig, workdir: str, stored: dict[str, dict]) -> Ense
 
 def released_config(path: str, cfg: DictConfig, task: str,
                     checkpoints: CheckpointReader) -> dict:
-  """What stands for the stored config of a released checkpoint: the given model and data.
-
-  Released checkpoints carry bare parameters, so the model (and, but for few-shot, the dataset
-  the head predicts) must be named; the message says what the checkpoint looks like.
-  """
+  """What stands for the stored config of a released checkpoint, which carries bare parameters:
+  the given model and data."""
   given = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
   model, data = _prune_none(given.get("model") or {}), _prune_none(given.get("data") or {})
   # Few-shot reads its own datasets; an export needs only the preprocessing, the default one.

@@ -1,13 +1,7 @@
 """Typed schemas of every config: each key's type, default, valid range and hint, in one place.
 
-Hydra composes the YAML files in conf/ against these dataclasses (runner/command/config_store.py registers
-them), so an unknown key or a value of the wrong type fails at composition. `key(default, check,
-hint)` adds what a type cannot say (steps >= 1, a probability in [0, 1]); relations between keys
-(k <= experts, batch divisible by devices) are in runner/config/relations.py. Both are checked by
-runner/config/validate.py, once, before any compute. Config keys are the constructor argument
-names of the library objects they configure.
-
-This module imports no Hydra, no OmegaConf and no library code at import time: the library, and
+Hydra composes conf/ against these dataclasses, so an unknown key or a wrong type fails at
+composition. This module imports no Hydra, no OmegaConf and no library code at import time: the library, and
 the compute path on an accelerator image without them, may use these types.
 """
 from __future__ import annotations
@@ -127,10 +121,6 @@ class Attention(enum.StrEnum):
   cudnn = "cudnn"
 
 
-def _sharding_bundles() -> list[str]:
-  return list(RULES)
-
-
 class Preprocessing(Check):
   """A `|`-separated preprocessing spec whose ops are all registered (runner/data/pp_ops.py)."""
 
@@ -179,10 +169,7 @@ DEFAULT_ROUTER = "token_choice"  # the router family model.router.type chooses b
 
 @sections.open_section
 class RouterConfig:
-  """model.router: `type` chooses a router family; each family declares its own keys in its own
-  `Config` (runner/models/moe/routers), which registering the family adds here, so that
-  `model.router.<key>` overrides are typed and range-checked like any key. A key that the chosen
-  family does not declare must keep its default (runner/config/relations.py)."""
+  """model.router: `type` chooses a router family, whose registration adds its own keys here."""
   type: str = key(DEFAULT_ROUTER, Choice(registries.ROUTERS.names), "a registered router family")
 
 
@@ -331,8 +318,7 @@ class ObjectiveConfig:
 
 @sections.open_section
 class OptimConfig:
-  """optim: what every optimizer reads; each optimizer declares the keys it reads besides in its
-  own `Config` (runner/train/optimizers.py, or a plug-in's), which registering it adds here."""
+  """optim: what every optimizer reads; registering one adds its own keys here."""
   name: str = key("adam", Choice(registries.OPTIMIZERS.names), "a registered optimizer "
                   "(runner/train/optimizers.py)")
   lr: float = key(1e-3, positive(), "the peak learning rate")
@@ -345,8 +331,7 @@ class OptimConfig:
 
 @sections.open_section
 class ScheduleConfig:
-  """schedule: what every schedule reads; a schedule that reads keys of its own declares them in
-  its `Config` (runner/train/schedules.py, or a plug-in's), which registering it adds here."""
+  """schedule: what every schedule reads; registering one adds its own keys here."""
   name: str = key("linear", Choice(registries.SCHEDULES.names), "a registered schedule "
                   "(runner/train/schedules.py)")
   warmup_steps: int = key(0, at_least(0))
@@ -365,9 +350,8 @@ class TrainConfig:
 
 @sections.open_section
 class EvalSuiteConfig:
-  """vmoe eval: which measurements to take, on which datasets. These are the keys of the whole
-  evaluation; each evaluator declares its own in its module (runner/evaluators), and registering
-  it adds them here, a built-in one's as a plug-in's."""
+  """vmoe eval: which measurements to take, on which datasets; registering an evaluator adds its
+  own keys here."""
   batch_size: Optional[int] = key(None, at_least(1), "null: data.eval_batch_size, else "
                                   "data.batch_size (of the checkpoint, in vmoe eval)")
   datasets: List[str] = key([], Items(unique=True), "[]: the checkpoint's own dataset")
@@ -378,9 +362,7 @@ class EvalSuiteConfig:
 
 @sections.open_section
 class EvalConfig(EvalSuiteConfig):
-  """pretrain and finetune: the validation split every `every_steps` and at the end, with the
-  measurements eval.* enables beyond classification (OOD, corruptions, PGD, routing analysis),
-  the run's own dataset in distribution."""
+  """pretrain and finetune: the validation split every `every_steps` and at the end."""
   every_steps: int = key(0, at_least(0), "0: only at the end")
 
 
@@ -454,7 +436,7 @@ class MeshConfig:
 
 @dataclass
 class ShardingConfig:
-  name: str = key("dp", Choice(_sharding_bundles), "a bundle of logical-axis rules")
+  name: str = key("dp", Choice(tuple(RULES)), "a bundle of logical-axis rules")
   rules: Optional[list] = key(None, Rule(_is_sharding_rules, "a list of [logical axis, mesh axis "
                                          "(data, expert), a list of them, or null] pairs"),
                               "null: the bundle's rules")
@@ -505,10 +487,8 @@ class TrainTask(RunFields):
 
 
 def optional_copy(cls, prefix: str = "Optional"):
-  """The same dataclass with every field optional and None by default: "unchanged" overrides.
-
-  Each field keeps its check, so a given override is range-checked like the key it overrides.
-  """
+  """The same dataclass with every field optional and None by default: "unchanged" overrides,
+  each range-checked like the key it overrides."""
   fields = []
   for f in dataclasses.fields(cls):
     ftype = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # noqa: S307

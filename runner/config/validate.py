@@ -1,8 +1,7 @@
 """Checks a typed config once, before any compute: every field's declared check, then the relations.
 
-All problems are reported together, as one paragraph naming each key, its value and what is valid.
-Relations run only on configs whose fields are each valid (a relation over a bad value would only
-repeat the problem).
+Relations run only on configs whose fields are each valid: a relation over a bad value would only
+repeat the problem.
 """
 from __future__ import annotations
 
@@ -46,14 +45,8 @@ def field_problems(node, prefix: str = "") -> list[str]:
 
 def problems(config, devices: int | None = None, checkpoints=None, *,
              device_checks_only: bool = False) -> list[str]:
-  """Everything wrong with `config`; relations needing the device count run when it is given,
-  relations reading a checkpoint's stored config when `checkpoints` (runner.checkpoints.weights.Checkpoints)
-  is.
-
-  Before launch the CLI checks what needs no devices; the job then checks only what does
-  (`device_checks_only`). The members of a few-shot run (one model per checkpoint) are each
-  checked like a model config.
-  """
+  """Everything wrong with `config`. Before launch the CLI checks what needs no devices; the job
+  then checks only what does (`device_checks_only`)."""
   found = [] if device_checks_only else field_problems(config)
   members = getattr(config, "members", None) or []
   for member in members:

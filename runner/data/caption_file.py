@@ -21,11 +21,10 @@ import re
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from runner.data.image_folder import unreadable
+from runner.data.image_folder import listed, unreadable
 
 FILE_NAMES = ("captions.jsonl", "captions.csv")  # what a data.root folder may hold
 SPLITS = ("train", "validation", "test")
-SHOWN = 5  # rows listed per kind of fault; the counts are always exact
 _SPLIT = re.compile(r"^(?P<name>\w+)(\[(?P<start>\d*):(?P<stop>\d*)\])?$")
 
 Pair = collections.namedtuple("Pair", ["image_path", "caption"])  # absolute image path
@@ -55,7 +54,7 @@ class Scan:
     """All faults that stop the run as one paragraph naming the file, or None if there are none."""
     faults = {kind: rows for kind, rows in self.faults.items()
               if rows and not (skip_unreadable and kind in SKIPPABLE)}
-    parts = self.file_faults + [_some(rows, *KINDS[kind]) for kind, rows in faults.items()]
+    parts = self.file_faults + [listed(rows, *KINDS[kind]) for kind, rows in faults.items()]
     if not parts and "train" not in self.examples:
       parts = ["no training rows left once those whose image is missing or unreadable are skipped"]
     if not parts:
@@ -75,7 +74,7 @@ class Scan:
     skipped = [row for kind in SKIPPABLE for row in self.faults[kind]]
     if not skipped:
       return None
-    rows = _some(skipped, "row whose image is missing or unreadable",
+    rows = listed(skipped, "row whose image is missing or unreadable",
                  "rows whose image is missing or unreadable")
     return f"warning: skipped {rows} in data.root={self.path}"
 
@@ -206,8 +205,3 @@ class CaptionFile:
                                              tf.constant([p.caption for p in pairs], tf.string)))
     return ds.map(read, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
-
-def _some(rows: list[str], one: str, many: str) -> str:
-  """'3 missing image files (line 2: a.png, ...)', listing only the first SHOWN rows."""
-  more = f", and {len(rows) - SHOWN} more" if len(rows) > SHOWN else ""
-  return f"{len(rows)} {one if len(rows) == 1 else many} ({', '.join(rows[:SHOWN])}{more})"

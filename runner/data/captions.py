@@ -1,11 +1,9 @@
 """Captioned versions of the embedded digit sets, for contrastive image-text training offline.
 
-`mnist5k_captions` and `uci_digits_captions` hold the images, labels and splits of `mnist5k` and
-`uci_digits`, plus one caption per example: the class name written into one of TRAIN_TEMPLATES,
-the template chosen by the example's index (the same on every machine). Such captions carry only
-the label, nothing else about the image: a model trained on them learns a classifier through a
-text tower, which is what zero-shot evaluation with HELD_OUT_TEMPLATES (never seen in training)
-then measures, not real image-text understanding.
+A caption is the class name written into one of TRAIN_TEMPLATES, chosen by the example's index
+(the same on every machine). Such captions carry only the label: a model trained on them learns a
+classifier through a text tower, which is what zero-shot evaluation with HELD_OUT_TEMPLATES
+(never seen in training) then measures, not real image-text understanding.
 """
 from __future__ import annotations
 

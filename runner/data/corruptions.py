@@ -1,16 +1,10 @@
 """CIFAR-10-C image corruptions as a preprocessing op: "decode(3)|corrupt('contrast', 3)|...".
 
-Hendrycks & Dietterich (2019), "Benchmarking Neural Network Robustness to Common Corruptions and
-Perturbations", publish CIFAR-10-C as fixed .npy files; computing the corruptions in the input
-pipeline instead lets any dataset, image size and evaluation be corrupted the same way without
-shipping them. Severity tables are those of the reference script
-github.com/hendrycks/robustness, ImageNet-C/create_c/make_cifar_c.py (the CIFAR variant, made for
-32x32 images; the ImageNet tables are stronger). Pixel operations follow that script on [0, 1]
-floats; where it calls PIL, skimage or OpenCV the TensorFlow equivalent is used (see each function).
-Implemented: the 4 noises, Gaussian and defocus blur, contrast, brightness, saturate, JPEG and
-pixelate. Not (yet): glass/motion/zoom blur, snow, frost, fog, spatter, elastic (ImageMagick
-motion blur, frost photographs, sequential pixel swaps); the prepared TFDS sets
-cifar10_corrupted/<name>_<severity> (conf/data/cifar10_corrupted.yaml) hold all 19.
+Computing the corruptions of Hendrycks & Dietterich (2019) in the input pipeline, instead of
+shipping their fixed .npy files, lets any dataset, image size and evaluation be corrupted the same
+way. Severity tables are those of the reference script github.com/hendrycks/robustness,
+ImageNet-C/create_c/make_cifar_c.py (the CIFAR variant); where it calls PIL, skimage or OpenCV the
+TensorFlow equivalent is used (see each function). docs/evaluation.md lists what is implemented.
 
 Random corruptions draw from the example's stateless seed (`_next_seed`), so one `_rng` always
 gives one corrupted image, as for the random augmentations in pp_ops.

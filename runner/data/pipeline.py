@@ -1,14 +1,10 @@
 """tf.data input pipelines: an endless, deterministic, resumable training stream and padded eval batches.
 
-Training stream: the split is read in shards (one per process by default, `data.num_shards`),
-and epoch e of a shard is that shard shuffled with seed (seed, e). The stream is a pure function
-of (seed, position), where position counts the examples this process has consumed, so resuming
-at a checkpointed position replays exactly what an uninterrupted run would have read,
-augmentations included (each example's random ops are seeded from its shard and position).
-Resuming skips at most one epoch of (still encoded, so cheap) records.
-
-Image-text data (a `TextSpec`) adds each example's caption as `tokens`: in training a random one
-of its captions where it has several (seeded like the augmentations), in evaluation the first.
+The training stream is a pure function of (seed, position), where position counts the examples
+this process has consumed, so resuming at a checkpointed position replays exactly what an
+uninterrupted run would have read, augmentations included; resuming skips at most one epoch of
+(still encoded, so cheap) records. Image-text data adds a caption's `tokens` (in training a
+random one of an example's captions, in evaluation the first).
 """
 from __future__ import annotations
 
@@ -42,11 +38,9 @@ def _finish(source: Source, spec: str, text: TextSpec | None = None,
             train: bool = False) -> callable:
   """User preprocessing, then one/multi-hot `labels` unless the spec made them, then drop extras.
 
-  A spec that ends in value_range on a uint8 image leaves that op to the jitted step: the image
-  stays uint8 (a quarter of float32's bytes to the device) and each example carries the op's
-  constants under `DEVICE_VALUE_RANGE` (runner/models/inputs.py applies them). Any other image
-  leaves as float32, every op applied here. With `text`, also the caption's `tokens`; `labels`
-  only if the dataset has classes.
+  A spec that ends in value_range on a uint8 image leaves that op to the jitted step
+  (runner/models/inputs.py); any other image leaves as float32, every op applied here. With
+  `text`, also the caption's `tokens`; `labels` only if the dataset has classes.
   """
   ops = preprocessing.build(spec)
   tail = preprocessing.device_tail(spec)
@@ -172,14 +166,10 @@ def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed:
   and augmented on its own, and every global batch is the shards' equal parts in shard order;
   a process reads its own consecutive shards. So a run's batches depend on the number of shards,
   not of processes: `num_shards=2` in one process gives the batches of a 2-process job.
-  Each batch dict holds `image` (B, H, W, C), uint8 pixels where the spec ends in value_range
-  (with that op's constants per row, `_finish`; runner/models/inputs.py makes them float32 model
-  inputs in the step) and float32 otherwise, and `labels` (B, num_classes) float32; with
-  `text`, also `tokens` (B, max_length) int32, and `labels` only if the dataset has classes.
-  `label_noise` replaces that fraction of the training labels by random classes (`noisy_labels`).
-  `cache` keeps each shard's records (as read: encoded images stay encoded) in memory after its
-  first epoch, so later epochs read no files: None (data.cache's default) where a shard has at
-  most 200,000 examples.
+  Each batch dict holds `image` (B, H, W, C) (uint8 where the spec ends in value_range: `_finish`)
+  and `labels` (B, num_classes) float32; with `text`, also `tokens` (B, max_length) int32, and
+  `labels` only if the dataset has classes. `label_noise` and `cache`: data.label_noise and
+  data.cache (docs/data.md).
   """
   _check_labels(source, text)
   if label_noise and not source.num_classes:
@@ -242,8 +232,8 @@ def eval_batches(source: Source, split: str, pp: str, batch_size: int, *, proces
   number of batches (the collective eval step needs that), padding with masked-out batches.
   `cache` keeps the raw split in memory for repeated evaluation during training (None: where it
   has at most 200,000 examples); a one-pass evaluation turns it off (False) so that memory does
-  not grow with the split. With `text`, batches hold
-  `tokens` of each example's first caption too (and `labels` only if the dataset has classes).
+  not grow with the split. With `text`, batches hold `tokens` of each example's first caption too
+  (and `labels` only if the dataset has classes).
   """
   _check_labels(source, text)
   preprocess = _finish(source, pp, text)

@@ -1,12 +1,9 @@
 """Preprocessing ops addressed by strings: "decode(3)|resize(32)|flip_lr|value_range(-1,1)".
 
-Each op is registered under a name; `parse(spec)` turns a `|`-separated spec into one function
-over an example dict of tensors. Ops read and write `example["image"]` unless told otherwise.
-The spec's grammar and the table of registered ops are the config layer's
-(runner/config/preprocessing.py), so a config's spec is checked without TensorFlow.
-Random ops are stateless: they draw from `example["_rng"]` (a per-example seed that the pipeline
-derives from the run seed and the example's position in the stream) so a resumed run sees exactly
-the same augmentations as an uninterrupted one.
+Ops read and write `example["image"]` unless told otherwise; the spec's grammar and the table of
+registered ops are the config layer's (runner/config/preprocessing.py). Random ops are stateless:
+they draw from `example["_rng"]` (derived from the run seed and the example's position in the
+stream) so a resumed run sees exactly the same augmentations as an uninterrupted one.
 """
 from __future__ import annotations
 

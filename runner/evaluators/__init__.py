@@ -1,11 +1,6 @@
-"""Evaluators as plug-ins: one class each, derived from `Evaluator`, that declares its eval.* keys
-and where it applies, registered with `register` (runner/evaluators/suite.py). `vmoe eval` and
-`vmoe ensemble` run every evaluator the eval.* keys enable, in registration order; the training
-loop runs those marked `in_training` on its validation split every `eval.every_steps`.
-
-The built-in ones register here, in the order they run; a plug-in's registers when its module is
-imported (`plugins=[<module>]`), after them. Nothing outside this package names an evaluator.
-Each declares its keys and their relations in its own module, as a plug-in does; `contrastive`
+"""Evaluators as plug-ins: one class each, derived from `Evaluator` and registered with `register`
+(runner/evaluators/suite.py; docs/extending.md). The built-in ones register here, in the order
+they run; a plug-in's after them. Nothing outside this package names an evaluator; `contrastive`
 adds the zero-shot prompts (eval.zero_shot.*), which no evaluator owns.
 """
 from runner.config.registries import EVALUATORS

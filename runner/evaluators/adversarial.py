@@ -1,38 +1,15 @@
 """L∞ PGD attacks on ViT / V-MoE classifiers: error, loss, changed predictions and routing change.
 
 Follows Puigcerver et al. 2022, "On the Adversarial Robustness of Mixture of Experts" (App. F)
-and its public reference code (google-research/vmoe, vmoe/projects/adversarial_attacks:
-attacks.py `stateless_attack_pgd`, `sum_intersection_over_union`; restore.py
-`get_combine_weights`). Two protocols share everything but the step rule and what routing change
-compares:
-
-- ε is in [0, 1] pixel units, as in the paper. Images enter the model in [-1, 1]
-  (value_range(-1,1)), so the L∞ radius there is 2ε (the reference's `max_epsilon` is given in
-  model units, e.g. 1/127.5 for ε = 1/255).
-- No random start: each attack starts from the clean image, so it is deterministic and ε = 0
-  returns the image unchanged.
-- The attacked objective is the classification loss against the true labels (softmax
-  cross-entropy by default, or the model's training loss); the MoE auxiliary losses are not part
-  of it (the reference's `attack_auxiliary_loss=False`). The model runs in inference mode: no
-  router noise, no dropout, inference capacity (the reference restores its model with
-  deterministic=True).
-
-protocol="default":
-- Step size 2.5·ε/steps (Madry et al. 2018), so the attack can reach the border of the ball and
-  still move along it; every step is clipped back into both the ball and [-1, 1], so adversarial
-  images stay images. The loss is summed over the batch.
-- Rate of routing changes of a token: 1 − IoU of its sets of selected experts (the router's TOP-k
-  before capacity drops, see `MoeMlpBlock`) on the clean and on the adversarial image; averaged
-  over the tokens of an image, then over images.
-
-protocol="reference" (the reference code):
-- `steps` updates x ← x + (ε/steps)·sign(∇x mean loss) from the clean image, with no projection
-  and no clipping to [-1, 1]: the steps alone keep the change within ε.
-- Routing change of a token: 1 − IoU of the experts that actually process it, those with a
-  non-zero combine weight after capacity drops, on the clean and on the adversarial image; a
-  token dropped by every expert on both images counts IoU 0, as the reference's
-  `jnp.where(union > 0, intersection / union, 0)` does. Averaged over the tokens of an image,
-  then over images (the reference's 1 − sum_iou / num_images).
+and its reference code (google-research/vmoe, vmoe/projects/adversarial_attacks: attacks.py
+`stateless_attack_pgd`, `sum_intersection_over_union`; restore.py `get_combine_weights`);
+docs/evaluation.md states both protocols. "default" steps by 2.5·ε/steps (Madry et al. 2018), so
+that the attack can reach the border of the ball and still move along it, each step clipped into
+the ball and [-1, 1] so that adversarial images stay images; "reference" steps by ε/steps with no
+projection, and compares the experts that process each token (a token dropped on both images
+counts IoU 0, as the reference's `jnp.where(union > 0, intersection / union, 0)`). No random
+start, so ε = 0 returns the image unchanged; the attacked loss has no MoE auxiliary loss and the
+model runs in inference mode (the reference's `attack_auxiliary_loss=False`, deterministic=True).
 """
 from __future__ import annotations
 
@@ -54,8 +31,7 @@ from runner.evaluators import suite as suite_lib
 from runner.logging.progress import Progress
 from runner.losses.classification import LOSSES, precision_at_1
 from runner.models import inputs
-from runner.models.introspection import apply_with_routing, routing_records
-
+from runner.models.introspection import apply_with_routing
 
 
 class AdversarialProtocol(enum.StrEnum):
@@ -128,15 +104,6 @@ def make_pgd_attack(model, loss_name: str = "softmax_xent", *, steps: int,
   return jax.jit(attack)
 
 
-def selected_experts(intermediates, name: str = "selected_experts") -> dict[str, jax.Array]:
-  """{"layer_<i>": value} of the record `name` every MoE layer sowed ("member_<j>/layer_<i>" for
-  the models of an ensemble): the token-choice ids "selected_experts" / "routed_experts"
-  ((batch, tokens, k)), or any router's masks "expert_mask" / "routed_mask" ((batch, tokens, E)).
-  See runner/models/introspection.py."""
-  return {layer: records[name] for layer, records in routing_records(intermediates).items()
-          if name in records}
-
-
 def _change(intersection: jax.Array, union: jax.Array, reference: bool) -> jax.Array:
   """(batch,) from per-token set sizes (batch, tokens): 1 − IoU averaged over tokens. A token
   whose union is empty (dropped on both images) counts IoU 0, as the reference's
@@ -152,32 +119,6 @@ def mask_change(clean: jax.Array, adversarial: jax.Array, *, reference: bool = F
   """(batch,) routing change from (batch, tokens, E) expert masks, any router family."""
   return _change(jnp.sum(clean & adversarial, axis=-1), jnp.sum(clean | adversarial, axis=-1),
                  reference)
-
-
-def _id_sets(clean: jax.Array, adversarial: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """|A ∩ B| and |A ∪ B| of (batch, tokens, k) expert ids, -1 for none; a token's ids >= 0 are
-  distinct, so |A ∩ B| counts the kept ids of A found in B."""
-  kept_clean, kept_adv = clean >= 0, adversarial >= 0
-  match = (clean[..., :, None] == adversarial[..., None, :]) & kept_clean[..., :, None]
-  intersection = jnp.sum(jnp.any(match, axis=-1), axis=-1)
-  return intersection, jnp.sum(kept_clean, -1) + jnp.sum(kept_adv, -1) - intersection
-
-
-def routing_change(clean: jax.Array, adversarial: jax.Array) -> jax.Array:
-  """(batch,) 1 − IoU of each token's clean and adversarial expert sets, averaged over tokens.
-
-  clean, adversarial: (batch, tokens, k) expert ids of the TOP-k (distinct), so
-  |A ∪ B| = 2k − |A ∩ B| >= k > 0.
-  """
-  return _change(*_id_sets(clean, adversarial), reference=False)
-
-
-def routing_change_routed(clean: jax.Array, adversarial: jax.Array) -> jax.Array:
-  """(batch,) the reference code's routing change: 1 − mean over tokens of IoU, where a token's
-  set is its expert ids >= 0 (the experts that processed it; -1 marks a dropped assignment) and
-  a token with an empty union (dropped on both images) counts IoU 0.
-  """
-  return _change(*_id_sets(clean, adversarial), reference=True)
 
 
 def make_measure_step(model, loss_name: str = "softmax_xent", protocol="default"):

@@ -60,13 +60,6 @@ class CalibrationAccumulator:
             "bin_counts": counts.copy(), "bin_confidence": confidence, "bin_accuracy": accuracy}
 
 
-def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> float:
-  """ECE of one in-memory batch; see `CalibrationAccumulator` for the conventions."""
-  accumulator = CalibrationAccumulator(num_bins)
-  accumulator.update(probs, labels)
-  return accumulator.result()["ece"]
-
-
 def plot_reliability_diagram(result: dict, path: str, title: str = "") -> str:
   """Writes a PNG reliability diagram of a `CalibrationAccumulator.result()` and returns the path.
 

@@ -10,6 +10,7 @@ import time
 import jax
 import numpy as np
 
+from runner.config import derived
 from runner.config.checks import at_least, key
 from runner.evaluators import suite as suite_lib
 from runner.evaluators.calibration import plot_reliability_diagram
@@ -87,7 +88,7 @@ class Evaluator(suite_lib.Evaluator):
     keep = bool(getattr(e, "save_predictions", False))
     for i, ds in enumerate(s.datasets):
       kwargs = dict(loss_name=s.loss_name, ece_bins=e.ece_bins, keep_probs=keep)
-      stats = (_EnsembleStats(output=_output(s.loss_name), keep_members=keep, **kwargs)
+      stats = (_EnsembleStats(output=derived.model_output(s.loss_name), keep_members=keep, **kwargs)
                if ensemble else PredictionStats(**kwargs))
       rate = s.main_pass(ds, stats, first=i == 0)
       result.summary.update(stats.metrics(ds.name))
@@ -105,7 +106,3 @@ class Evaluator(suite_lib.Evaluator):
         if ensemble:
           result.arrays[f"{ds.name}/member_probs"] = stats.members.kept()
     return result
-
-
-def _output(loss_name: str) -> str:
-  return "sigmoid" if loss_name == "sigmoid_xent" else "softmax"

@@ -1,16 +1,9 @@
 """Evaluating image-text models: in-batch retrieval and loss, zero-shot classification from class
-prompts, and retrieval recall@k over a whole split.
+prompts, and retrieval recall@k over a whole split (docs/contrastive.md).
 
-Zero-shot classification (CLIP, LiT): each class name is written into every prompt template, the
-prompts' text embeddings are averaged per class and normalised again (prompt ensembling), and an
-image's logits are t·(its embedding · each class embedding), t the model's learned scale. Retrieval
-ranks, for every image of a split, all of the split's captions by similarity (and every caption
-all images) and reports recall@k: how often the true partner is among the k most similar.
-
-The class names and prompt templates are keys of their own, eval.zero_shot.*, declared here and
-added to eval.* as a section that only a contrastive checkpoint reads: zero-shot classification is
-no evaluator of its own, but what makes such a checkpoint the classifier the evaluators measure
-(runner/stages/zero_shot.py in vmoe eval, runner/stages/contrastive.py in validation).
+The class names and prompt templates are keys of their own, eval.zero_shot.*, declared here as a
+section that only a contrastive checkpoint reads: zero-shot classification is no evaluator of its
+own, but what makes such a checkpoint the classifier the evaluators measure.
 """
 from __future__ import annotations
 

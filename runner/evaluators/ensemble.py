@@ -1,13 +1,10 @@
 """Ensemble metrics from member predictions, accumulated batch by batch.
 
-Every kind of ensemble (a partitioned batch ensemble's internal members, a deep ensemble's separate
-models, MC-dropout samples) ends as member logits (B, M, C) per batch.
-`runner.models.ensemble.combine_logits` turns them into "logits" of the ensemble's mean
-probability p̄ = (1/M) Σ_m p_m, so the single-model code (NLL, Brier, ECE, OOD scores) works on
-the ensemble unchanged. `EnsembleStats` adds what only an
-ensemble has: per-member metrics and pairwise diversity (the KL between members that Allingham et
-al. 2022 report, with the disagreement measures of ensemble evaluations).
-Only running sums are kept, so memory stays flat in the split size.
+Every kind of ensemble ends as member logits (B, M, C) per batch, which
+`runner.models.ensemble.combine_logits` turns into "logits" of the mean probability, so the
+single-model code works on the ensemble unchanged. `EnsembleStats` adds what only an ensemble has:
+per-member metrics and pairwise diversity (Allingham et al. 2022's KL, and disagreement). Only
+running sums are kept, so memory stays flat in the split size.
 """
 from __future__ import annotations
 
@@ -25,14 +22,10 @@ _DISAGREEMENT_EPS = 1e-7
 class EnsembleStats:
   """Running per-member and diversity statistics of an ensemble over one split.
 
-  Per member: prec@1 (the top class counts when it is any true label), NLL and ECE, as
-  `PredictionStats` defines them for a single model (softmax: -Σ_c y_c log p_c with y normalised to
-  a distribution; sigmoid: sum over classes of binary cross-entropy). Diversity,
-  averaged over unordered pairs i < j and over test points, of KL(p_i ‖ p_j) (softmax: Σ_c
-  p_i log(p_i / p_j); sigmoid: sum over classes of the Bernoulli KLs), cosine similarity of the
-  probability vectors, disagreement 1[argmax p_i ≠ argmax p_j], and disagreement / (ensemble error
-  + 1e-7) with the ensemble error that of p̄. A zero p_i term adds 0 to the KL; a zero p_j under a
-  positive p_i is floored at 1e-12 (a large finite KL rather than inf).
+  Per member: prec@1, NLL and ECE as `PredictionStats` defines them for a single model.
+  Diversity (docs/ensembles.md), averaged over unordered pairs i < j and over test points; for
+  sigmoid models the KL sums the classes' Bernoulli KLs. A zero p_i term adds 0 to the KL; a zero
+  p_j under a positive p_i is floored at 1e-12 (a large finite KL rather than inf).
   """
 
   def __init__(self, *, num_bins: int = 15, output: str = "softmax", keep: bool = False):

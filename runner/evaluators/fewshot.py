@@ -94,11 +94,8 @@ class FewshotEvaluator:
   """Few-shot accuracy on several datasets, from features extracted afresh at every `run`.
 
   datasets[name] = (train_batches, test_batches, num_classes): the pool the shots are drawn from
-  and the test split, as padded eval batches. `protocol` builds the ridge's design matrix
-  ("reference": standardised features and a bias feature of 100; "plain": raw features and a
-  column of ones; see fewshot_math). Returns fewshot_math's keys
-  (`<name>/<s>shot/accuracy`, `mean/<s>shot/accuracy`, `mean/<s>shot/l2_reg`), under `prefix/`
-  when a prefix is given.
+  and the test split, as padded eval batches; `protocol`: fewshot_math's. Returns its keys, under
+  `prefix/` if any: `<name>/<s>shot/accuracy`, `mean/<s>shot/accuracy`, `mean/<s>shot/l2_reg`.
   """
 
   def __init__(self, feature_fns: Sequence[Callable] | None, datasets: dict[str, tuple],

@@ -1,19 +1,10 @@
 """Linear few-shot evaluation: closed-form ridge on frozen features (ViT / V-MoE / big_vision).
 
-A regularised least-squares classifier is fitted to ±1 targets on `shots` examples per class;
-every L2 strength of the grid is solved from one eigendecomposition, and the strength is chosen
-per number of shots by the mean rank of its accuracy across datasets (Appendix B.4 of
-"Sparse MoEs meet Efficient Ensembles"). Host-side numpy in float64: the systems are small
-(n or d+1 at most a few thousand) and single precision loses the small-lambda solutions.
-
-Two protocols build the design matrix the ridge is solved on:
-- "reference" (the default; the numbers the papers report): the protocol of the reference code
-  (google-research/vmoe, vmoe/evaluate/fewshot.py, after big_vision). Every feature dimension is
-  standardised with the mean and the standard deviation (ddof 0, plus 1e-5) of the few-shot
-  training examples, the test features with the same statistics, and a constant bias feature of
-  100 is appended. The bias is regularised like every weight, but with a feature of 100 its
-  penalty is 10^4 times smaller than a weight's of the same effect: almost unregularised.
-- "plain": the raw features and a bias column of ones, regularised like the weights.
+Every L2 strength of the grid is solved from one eigendecomposition. Host-side numpy in float64:
+the systems are small (n or d+1 at most a few thousand) and single precision loses the
+small-lambda solutions. docs/fewshot.md states the two protocols of the design matrix; with
+"reference"'s bias feature of 100 the bias's penalty is 10^4 times smaller than a weight's of the
+same effect: almost unregularised.
 """
 from __future__ import annotations
 
@@ -107,15 +98,6 @@ def ridge_factors(train_x, train_y, num_classes: int, protocol="reference"):
   x = design_fn(train_x, protocol)(train_x)
   y = _check_labels(train_y, num_classes, x.shape[0], "train_y")
   return _factors(x, y, num_classes)
-
-
-def ridge_weights(train_x, train_y, num_classes: int, l2_regs=L2_REGS,
-                  protocol="reference") -> np.ndarray:
-  """(len(l2_regs), d+1, C) weights on `protocol`'s design matrix (the last row the bias's):
-  the classifiers that get scored."""
-  p, s, q = ridge_factors(train_x, train_y, num_classes, protocol)
-  inv = 1.0 / (s[None, :] + np.asarray(l2_regs, np.float64)[:, None])
-  return np.einsum("ik,lk,kc->lic", p, inv, q)
 
 
 def ridge_accuracies(train_x, train_y, test_x, test_y, num_classes: int,

@@ -145,19 +145,12 @@ def detection_metrics(in_scores: np.ndarray, out_scores: np.ndarray) -> dict[str
   trapezoid under the tie-grouped ROC curve), the same whichever class is positive. auprc_in:
   average precision, in-dist positive; auprc_out: OOD positive with negated scores.
 
-  FPR@95 is reported twice, because papers use both and they differ:
-  - fpr95_in_positive (Hendrycks & Gimpel 2017; Liang et al., ODIN): in-distribution is the
-    positive class. The fraction of OOD accepted at the highest threshold that accepts >= 95% of
-    the in-distribution examples.
-  - fpr95_ood_positive (uncertainty-baselines' `compute_ood_metrics`, used by the E³ paper): OOD
-    is the positive class, scored by the uncertainty (the negated score). The fraction of
-    in-distribution examples flagged as OOD at the threshold that flags >= 95% of the OOD ones,
-    i.e. `fpr[argmax(tpr >= 0.95)]` of `sklearn.metrics.roc_curve(is_ood, -score)`. With
-    scikit-learn's default drop_intermediate=True (what uncertainty-baselines calls), a point
-    inside a straight run of the curve can be dropped; that changes the value only when tied
-    scores make such a run end past 95%. Here no point is dropped.
-  Both take the first point of the ROC curve (thresholds descending) whose TPR >= 0.95, with no
-  interpolation between points: the smallest FPR that reaches 95% TPR.
+  FPR@95 is reported twice, as docs/evaluation.md states, because papers use both and they
+  differ: fpr95_in_positive (Hendrycks & Gimpel 2017) and fpr95_ood_positive
+  (uncertainty-baselines' `compute_ood_metrics`, used by the E³ paper: `fpr[argmax(tpr >= 0.95)]`
+  of `sklearn.metrics.roc_curve(is_ood, -score)`, here with no point dropped, which matters only
+  when tied scores make a straight run of the curve end past 95%). Both take the first point of
+  the ROC curve whose TPR >= 0.95, with no interpolation.
   """
   in_scores = np.asarray(in_scores, np.float64).ravel()
   out_scores = np.asarray(out_scores, np.float64).ravel()

@@ -1,13 +1,7 @@
 """Image-text retrieval of a contrastive checkpoint (`eval.retrieval=true`): image->text and
-text->image recall@1/5/10 over a whole eval split.
-
-Each image of the split is paired with its first caption (the eval pipeline's choice); the two
-towers embed every image and every caption, and for each image all N captions of the split are
-ranked by cosine similarity (and all N images for each caption). recall@k is the fraction of
-queries whose own partner ranks among the k most similar, ties counted against it
-(runner/evaluators/contrastive.py `recall_at_k`, block by block on the host: never N x N at
-once). Keys `<dataset>/i2t_recall@k`, `<dataset>/t2i_recall@k` and `<dataset>/retrieval_pairs`,
-for every eval dataset with captions.
+text->image recall@1/5/10 over a whole eval split, each image paired with its first caption.
+Ranked block by block on the host (runner/evaluators/contrastive.py `recall_at_k`): never N x N
+at once.
 """
 from __future__ import annotations
 

@@ -2,35 +2,9 @@
 
 `eval.routing_analysis=true`; the options are `eval.routing.*`. Streamed over the evaluation
 split: each batch's routing records (runner/models/introspection.py) are reduced on the device to
-fixed-size sums, so memory does not grow with the number of examples. Per MoE layer (and per
-member of a partitioned batch ensemble), with g(t) in R^E the weights token t gives the experts
-(token- and experts-choice: the softmax gates; Soft MoE: the token's share of its dispatch mass
-per expert):
-
-- experts x classes (Fig. 8, 30): A[c, e], the mean of g(t)_e over the tokens of images of class
-  c, and N[c, e] the token -> expert assignments actually processed (after capacity);
-- experts x patch position (Fig. 31): P[s, e], the mean of g(t)_e over the tokens at patch s;
-- dependence scores: from p(c, e) proportional to the sum of g(t)_e over the tokens of class c
-  (resp. p(s, e) over patch positions), the mutual information I(C; E) in nats and the
-  uncertainty coefficient U(E | C) = I(C; E) / H(E) in [0, 1] (0: the expert does not depend on
-  the class; 1: it is a function of it; 0 with a warning when H(E) = 0); and the same from the
-  assignments actually processed, p(c, e) proportional to N[c, e] (`..._routed`: the discrete
-  routing, where near-uniform gates do not dilute the dependence);
-- top-i weights (Fig. 32): histograms (bins of 0.02) and means of the i-th largest g(t), i = 1 ..
-  k (2 at least);
-- load: the fraction of processed assignments per expert, its entropy over log E (1: balanced),
-  the fraction of tokens no expert processed, and experts per token, over the image and as a
-  histogram (drawn for the families with the "experts_per_token" view: experts-choice);
-- the views a router family adds (`RouterFamily.analysis_views`): "slot_mixing" (Soft MoE),
-  each slot's mean dispatch weight per patch (which patches a slot mixes) and the mean entropy of
-  each token's combine weights;
-- which patches survive (Fig. 5): the first MoE layer's routing of the first routing group,
-  replanned by its router family at each of `eval.routing.capacities`
-  (`RouterFamily.dropped_at_capacity`: token-choice with vanilla routing and with Batch
-  Prioritized Routing, experts-choice its top-C per expert), drawn over the first images.
-
-Scalars go to summary.json as routing/<layer>/..., the matrices to routing_analysis.npz, and the
-pictures to routing_*.png (and W&B). docs/routing-analysis.md explains how to read them.
+fixed-size sums, so memory does not grow with the number of examples. Scalars go to summary.json
+as routing/<layer>/..., the matrices to routing_analysis.npz, and the pictures to routing_*.png
+(and W&B); docs/routing-analysis.md says what each is and how to read it.
 """
 from __future__ import annotations
 

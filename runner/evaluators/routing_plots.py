@@ -1,11 +1,6 @@
-"""The routing analysis' pictures (runner/evaluators/routing_analysis.py), as PNG files.
-
-One figure per kind, one panel per analysed layer (and member): experts x classes heat maps
-(Fig. 8/30), per-expert maps over the patch grid (Fig. 31), top-i weight histograms (Fig. 32),
-dropped patches at several capacities (Fig. 5), and the views the layers' router families ask
-for (`LayerInfo.views`): experts per token over the image ("experts_per_token") and the patches
-each slot mixes ("slot_mixing"). Reads only what the analysis hands over; bare Agg figures, no
-pyplot state.
+"""The routing analysis' pictures (runner/evaluators/routing_analysis.py; docs/routing-analysis.md),
+as PNG files: one figure per kind, one panel per analysed layer (and member). Reads only what the
+analysis hands over; bare Agg figures, no pyplot state.
 """
 from __future__ import annotations
 

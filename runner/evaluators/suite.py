@@ -1,11 +1,7 @@
 """What the evaluators of one run share: the model, its parameters, the datasets and how to read
-them, where to write, and the main prediction pass that other evaluators may ride along.
-
-`vmoe eval` and `vmoe ensemble` build a `Suite` over the checkpoints' members and the datasets
-they name; the training loop builds one over the current parameters and its validation split.
-`run` then runs every evaluator the `eval.*` keys enable, in the order they were registered
-(`register`: the built-in ones in runner/evaluators/__init__.py, then the plug-ins'), and merges
-what they measured.
+them, where to write, and the main prediction pass that other evaluators may ride along. `vmoe
+eval`, `vmoe ensemble` and the training loop each build a `Suite`; `run` runs every evaluator the
+`eval.*` keys enable, in registration order, and merges what they measured.
 """
 from __future__ import annotations
 
@@ -177,16 +173,10 @@ class Suite:
 
 class Evaluator:
   """One measurement, registered with `register`: the built-in ones in
-  runner/evaluators/__init__.py, a plug-in's in its own module. The class declares its keys and
-  where it applies, and the training loop, zero-shot evaluation and the config's relations ask
-  these attributes instead of naming evaluators.
-
-  Its keys are dataclasses (fields declared with `runner.config.checks.key`) that `register`
-  adds to the eval.* schema: `Config`, a section eval.<section>.* (eval.adversarial.*), and
-  `Keys`, keys of eval.* itself (eval.corruptions, eval.severities), for the older flat keys and
-  a single list or switch that reads as the whole measurement. A rule between its keys and
-  other sections is a `runner.config.relations.relation` function in its module (re-exported
-  as `runner.evaluators.relation`), checked with every config before any compute."""
+  runner/evaluators/__init__.py, a plug-in's in its own module. The class declares its keys
+  (`Config`, a section eval.<section>.*; `Keys`, keys of eval.* itself) and where it applies, and
+  the training loop, zero-shot evaluation and the config's relations ask these attributes instead
+  of naming evaluators (docs/extending.md)."""
   name = ""  # its name in messages and --help, and its section of eval.* unless `section` says
   # The eval.* key that turns it on, named in error messages ("": always on, as classification);
   # `enabled` reads it unless the class says otherwise.

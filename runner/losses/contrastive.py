@@ -1,18 +1,7 @@
 """Contrastive losses of image-text models: the symmetric softmax loss (CLIP, LiT; the HET-XL
 paper's Eq. 6), with HET-XL's noisy representations (its Eq. 8), and the sigmoid loss (SigLIP).
-
-Notation (HET-XL paper, Section 5): a batch of B pairs with normalised image embeddings α_n and
-text embeddings β_n, a learned scale t (logits are t·α·β). Image to text classifies image n among
-the batch's texts; text to image classifies text n among the images:
-
-  L_n^{i→t} = −log softmax_j(t·α_n·β_j)[n],   L_n^{t→i} = −log softmax_i(t·α_i·β_n)[n],
-  L = (1/2B) Σ_n (L_n^{i→t} + L_n^{t→i}).
-
-HET-XL (Eq. 8) views the other tower's embeddings as a classifier's weights and adds noise to the
-classified representation: for text to image, p(a|b_n) = softmax(t·A_B^T(β_n + ε(b_n))) with
-ε(b_n) ~ N(0, Σ(b_n)) of size D x D from the text tower; symmetrically for image to text. With S
-samples the probability is their mean, so L_n = −log (1/S) Σ_s softmax(...)[n]; the samples are
-taken a chunk at a time (the B x B logits of one chunk exist at once, never S of them).
+docs/contrastive.md states them. HET-XL's samples are taken a chunk at a time: the B x B logits of
+one chunk exist at once, never S of them.
 """
 from __future__ import annotations
 

@@ -8,25 +8,9 @@
   vit_tiny, vmoe_tiny[_k<k>][_s<S>][_f<F>][_m<M>], softmoe_tiny[_p<P>], ecmoe_tiny
                                                  CPU sizes (image 32, patch 4)
 
-`softmoe_*` and `ecmoe_*` are the Soft MoE paper's models (Puigcerver et al. 2023, and the
-reference's soft_moe configs): the ViT sizes of that paper (S = 12 blocks of 384, unlike V-MoE's
-S), global average pooling and no class token, query-key normalisation, MoE MLPs on every block
-of the last half (the last 6 of S and B, 12 of L, 16 of H), E = 128 experts (256 at patch 14),
-routing groups of one image; Soft MoE with P = 1 slot per expert, experts-choice with capacity
-ratio 1. Their CPU sizes keep vmoe_tiny's shape (MoE on blocks 1 and 3, 8 experts) with the
-paper's GAP head, one image per routing group, and capacity ratio 1 (softmoe_tiny: P = 8 slots).
-
-`_m<M>` makes a partitioned batch ensemble of M members (E³, Allingham et al.): vmoe_tiny_m2,
-vmoe_s32_last2_e32_k1_m2.
-
-`_s<S>` and `_f<F>` are DeepSeekMoE's experts (Dai et al. 2024): S shared experts
-(model.moe.shared_experts) and each expert split into F fine-grained ones (model.moe.expert_split:
-E*F experts of width mlp_dim/F, k*F chosen): vmoe_tiny_s1_f2 is the paper's setting on the CPU
-size, 16 experts of width 256 with 4 chosen, and one shared expert of width 256.
-
-Sizes follow the V-MoE paper's Table 7 (hidden size, blocks, MLP size, heads). "every2" puts MoE
-MLPs on every second block (1, 3, 5, ... counting from 0); "lastN" keeps the last N of those, as
-in the paper's Last-n models. V-MoE defaults: E=32 experts, k=2 (tiny: E=8, k=2).
+docs/models.md and docs/routers.md ("Models") say what each part means; the Soft MoE paper's
+models (`softmoe_*`, `ecmoe_*`) have that paper's own ViT sizes (`SOFT_SIZES`), and their CPU
+sizes vmoe_tiny's shape with one image per routing group.
 """
 from __future__ import annotations
 
@@ -133,7 +117,7 @@ def model_config(name: str) -> ModelConfig:
 
 
 def _soft_moe_paper_model(name: str, m) -> ModelConfig:
-  """softmoe_* / ecmoe_*: the Soft MoE paper's shapes (see the module docstring)."""
+  """softmoe_* / ecmoe_*: the Soft MoE paper's shapes (docs/routers.md, "Models")."""
   router_type = "soft" if m["kind"] == "softmoe" else "experts_choice"
   if m["tiny"]:
     hidden, layers, mlp, heads = SIZES["tiny"]

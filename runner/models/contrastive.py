@@ -1,22 +1,8 @@
 """Two towers for contrastive image-text learning (LiT, Zhai et al. 2022; the HET-XL paper's Sec. 5).
 
-The image tower is any model of the catalog without its head (a ViT, a V-MoE, a partitioned batch
-ensemble, any router family; its representation, the members' side by side for an ensemble);
-the text tower a Transformer over tokens (runner/models/text.py). Each is projected to the shared
-embedding width and L2-normalised (α for images, β for texts). A learned scale t multiplies the
-similarities (stored as log t, started at `temperature_init`: 10 for a deterministic model, 3 for
-HET-XL, the paper's App. N); the sigmoid loss also learns a bias (started at -10, SigLIP's).
-
-HET-XL (`noise`, from model.head.type=het_xl): in training, each tower's embedding gets Gaussian
-noise ε ~ N(0, Σ(z)) with Σ = V(z)V(z)^T + d(z)d(z)^T of size D x D computed from that tower's
-embedding z (a rank-R term, R = model.head.num_factors, not parameter-efficient as the paper's,
-plus a rank-1 term; runner/models/heads.py's parameterisation), with S = train_mc_samples draws
-(the paper: 1). `pre_norm`: the noise is added to the normalised embedding (the paper's choice,
-its Table 7 finds it crucial); `post_norm`: the sum is normalised again. At evaluation the
-representations stay deterministic (the paper's App. M).
-
-LiT (`lock_image`): the image tower runs in inference mode and no gradient reaches it; the
-projections and the text tower learn.
+docs/contrastive.md states the model: the towers, the learned scale and bias, HET-XL's noise on
+each tower's embedding in training (`noise`; deterministic at evaluation, the paper's App. M) and
+LiT's locked image tower (`lock_image`: inference mode, no gradient reaches it).
 """
 from __future__ import annotations
 

@@ -39,10 +39,8 @@ class Ensemble:
   like one model: `apply({"params": (params of each model, ...)}, images)` returns the mean
   probability as logits and extras with every member's logits (B, M, C), their representations
   side by side (B, sum of widths), and routing metrics and sown intermediates under
-  `member_<i>/`. A partitioned batch ensemble among the models brings its own members.
-
-  Inference only: each model runs with train=False; MC-dropout turns dropout on with sample i's
-  key folded from `seed`, so the same call always draws the same samples.
+  `member_<i>/`. Inference only; MC-dropout's sample i draws with a key folded from `seed`, so
+  the same call always draws the same samples.
   """
 
   def __init__(self, models: list, *, output: str = "softmax", mc_samples: int = 0,

@@ -1,15 +1,11 @@
 """Analytic model FLOPs: the matmul FLOPs of a forward pass, counted from the architecture.
 
-What an MoE layer costs is its router family's answer (runner/models/moe/routers): E * capacity
-expert slots per routing group plus the router's own matmuls — token-choice and experts-choice
-2*S*D*E for the gates; Soft MoE three (S x D) by (D x E*P) products (logits, dispatch, combine)
-and E * P slots per group whatever the number of tokens.
-
-Conventions (the V-MoE / MFU convention): a (m x k) @ (k x n) matmul costs 2*m*k*n FLOPs; experts
-are counted at their padded capacity (every buffer slot is computed, filled or not; dropless
-token choice has no buffers: k expert MLPs per token exactly, `RouterFamily.expert_rows`); dispatch
-bookkeeping, softmax, normalisation and activations are not counted. A training step costs three
-forward passes (forward, and two matmuls per matmul in the backward pass).
+Conventions (the V-MoE / MFU convention): a (m x k) @ (k x n) matmul costs 2*m*k*n FLOPs; an MoE
+layer costs what its router family answers (`RouterFamily.expert_rows`, `router_flops`: experts
+at their padded capacity, every buffer slot computed, filled or not; dropless token choice: k
+expert MLPs per token exactly; DeepSeekMoE's experts: docs/routers.md); dispatch bookkeeping,
+softmax, normalisation and activations are not counted. A training step costs three forward
+passes (forward, and two matmuls per matmul in the backward pass).
 
 Partitioned batch ensembles (E³, `model.moe.ensemble_size` M > 1; the efficient-ensembles paper, Section 4 and Appendix D; Table 11 its FLOPs).
 A routing group is routed as one or several blocks, each a router family's routing of some
@@ -29,13 +25,6 @@ expert_capacity(tokens, experts, k, C), router 2·tokens·D·experts):
 In every case an MoE layer computes E·capacity/group_size expert slots per image. M = 1 is a
 V-MoE, one block of group_size·T tokens and E experts; a model without MoE layers (a ViT)
 ignores M.
-
-DeepSeekMoE's experts (Dai et al. 2024): with fine-grained experts (`model.moe.expert_split` m)
-an MoE layer has E·m experts of width mlp_dim/m, each token choosing k·m of them; a buffer keeps
-round(k·m·N·C/(E·m)) = round(k·N·C/E) slots, as before, so the experts cost E·m·capacity slots of
-2·2·D·mlp_dim/m FLOPs, the same as E experts' E·capacity slots of full width; the router costs
-2·S·D·E·m, m times its gates. Shared experts (`model.moe.shared_experts` K_s) add
-K_s·2·2·T·D·(mlp_dim/m) per image and MoE layer: every token passes through each.
 
 Heteroscedastic heads (HET-XL paper, Table 11; S MC samples, R factors, D the pre-logits' width,
 K classes, Q = K for HET and D for HET-XL): the mean classifier 2·D·K; the rank-1 scale 2·D·Q;

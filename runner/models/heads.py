@@ -1,19 +1,9 @@
 """Heteroscedastic classifier heads: HET and HET-XL (Collier et al., "Massively Scaling
-Heteroscedastic Classifiers"), with a temperature learned on the training loss.
+Heteroscedastic Classifiers"), with a temperature learned on the training loss; docs/heads.md
+states the model, the loss and the randomness.
 
-p(y|x) = E_ε[σ((μ(x) + ε(x)) / τ)]: HET draws ε ~ N(0, Σ(x)) in logit space (Σ: K x K); HET-XL
-draws ε' ~ N(0, Σ'(x)) in pre-logit space and sends φ(x) + ε' through the shared classifier W
-(Σ': D x D, parameters independent of the number of classes). Σ = V Vᵀ + d dᵀ (low rank R plus a
-rank-1 term, as edward2's JAX code and the paper's App. L); the parameter-efficient V = J ∘ (1 vᵀ)
-makes the low-rank part cost R·Q + Q·D parameters instead of Q·D·R. σ is a softmax, or
-elementwise sigmoids for multi-label models; the expectation is a Monte-Carlo mean over S draws.
-
-The returned logits are log p̄ (softmax) or logit(p̄) (sigmoid), computed in log space
-(logsumexp over samples, no clipping), so the ordinary cross-entropy on them is −log of the MC
-mean probability, and every evaluator that reads probabilities from logits sees p̄. Samples are
-processed `mc_chunk_size` at a time under rematerialisation, so the B x S x K (or B x S x D)
-tensors never exist whole. Training draws from the `het_noise` rng stream; evaluation without it
-uses a fixed key, so a checkpoint always gets the same evaluation numbers.
+Samples are processed `mc_chunk_size` at a time under rematerialisation, so the B x S x K (or
+B x S x D) tensors never exist whole.
 """
 from __future__ import annotations
 
@@ -27,7 +17,6 @@ import jax.numpy as jnp
 NOISE_RNG = "het_noise"
 EVAL_NOISE_SEED = 0
 MIN_SCALE = 1e-3  # added to the softplus of the rank-1 scale (edward2's MIN_SCALE_MONTE_CARLO)
-HEAD_TYPES = ("det", "het", "het_xl")
 
 part = nn.with_logical_partitioning
 

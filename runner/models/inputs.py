@@ -1,14 +1,10 @@
 """Images as the model takes them: float32, made on the device from the uint8 pixels that cross.
 
-A preprocessing spec that ends in value_range leaves that op to the jitted step that reads the
-batch (runner/data/pipeline.py): the batch holds the uint8 `image`, a quarter of float32's bytes
-host to device, and each row the op's constants under `DEVICE_VALUE_RANGE`. `images(batch)`
-applies them in float32 as the op does on the host, vmin + (pixels - in_min) * (vmax - vmin) /
-(in_max - in_min), to within one float32 rounding (XLA multiplies by the reciprocal of a divisor
-broadcast over the image, where TensorFlow divides: at most 1.2e-7 apart for value_range(-1,1),
-tests/unit/test_model_inputs.py). A batch whose image is already float (a spec that ends
-otherwise, a corruption before value_range) passes as it is. Every jitted function that reads a
-batch's images reads them through here.
+A spec that ends in value_range leaves that op to the jitted step (runner/data/pipeline.py): the
+batch holds the uint8 `image`, a quarter of float32's bytes host to device, and each row the op's
+constants under `DEVICE_VALUE_RANGE`, which `images(batch)` applies in float32 to within one
+rounding of the host's op (tests/unit/test_model_inputs.py). A float image passes as it is. Every
+jitted function that reads a batch's images reads them through here.
 """
 from __future__ import annotations
 

@@ -7,16 +7,14 @@ its router decided; `routing_records` gathers them as {layer: {name: array}}, ke
 router family answers (runner/models/moe/routers, `RouterFamily`):
 
   expert_weights    (images, tokens, E) float32   the weight each token gives each expert
-  expert_mask       (images, tokens, E) bool      the experts each token chose (token-choice: its
-                                                  TOP-k; experts-choice: the experts that picked
-                                                  it); only for `discrete` families
+  expert_mask       (images, tokens, E) bool      the experts each token chose (or that picked it:
+                                                  experts-choice); `discrete` families only
   routed_mask       (images, tokens, E) bool      the experts that process it after capacity
   selected_experts  (images, tokens, k) int32     the k chosen ids, for families that give them
                                                   (`expert_ids`; token-choice: the TOP-k)
   routed_experts    (images, tokens, k) int32     the ids kept, -1 where dropped
   <the family's>    (images, tokens, N)           `sown_records`; Soft MoE: dispatch_weights and
-                                                  combine_weights, (images, tokens, E*P), each
-                                                  token's weight in each slot and back
+                                                  combine_weights, (images, tokens, E*P)
 
 For a tiled partitioned batch ensemble the tokens axis holds the M members' copies one after the
 other (M * tokens), and a member's weights are zero outside its partition of the experts.
@@ -56,9 +54,3 @@ def apply_with_routing(model, params, images, **kwargs):
   (logits, extras), state = model.apply({"params": params}, images, mutable=["intermediates"],
                                         **kwargs)
   return logits, extras, routing_records(state.get("intermediates", {}))
-
-
-def layer_order(key: str) -> tuple:
-  """Sort key of record keys: by member, then block index."""
-  member, _, layer = key.rpartition("/")
-  return (member, int(layer.rsplit("_", 1)[1]))

@@ -1,12 +1,8 @@
 """Parameters that the train step sets after the optimizer, by a rule of their own, from what the
-model sows in training (auxiliary-loss-free balancing's bias is one: runner/models/moe/balance.py).
-
-A component declares them as `ParamUpdate`s (a router family: `RouterFamily.param_updates`;
-`runner.models.param_updates_of` gathers a model's). Such a value is a parameter only so that
-it is initialised, checkpointed, restored, loaded and exported with the others: the train step
-(runner/train/step.py) makes the updates' collections mutable, lets the optimizer update every
-parameter, then `apply_param_updates` sets these from their values before the step, so that no
-gradient, optimizer, weight decay or clipping moves them.
+model sows in training (auxiliary-loss-free balancing's bias is one; docs/extending.md, "State
+the train step updates"). Such a value is a parameter only so that it is initialised,
+checkpointed, restored, loaded and exported with the others; no gradient, optimizer, weight decay
+or clipping moves it.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The text tower of a contrastive model: a Transformer encoder over tokens, as LiT's and CLIP's.
-
-Token embeddings plus learned positions, pre-LN blocks (runner/models/vit.py's, with padding
-masked out of attention), a final LayerNorm, and one vector per caption: the end-of-text token's
-(`pool=last`, the tokenizers append it after the caption; CLIP, LiT), the mean over the caption's
-tokens (`mean`), or the first token's. Token id 0 is padding.
+"""The text tower of a contrastive model: a Transformer encoder over tokens, as LiT's and CLIP's
+(docs/contrastive.md), with runner/models/vit.py's pre-LN blocks, padding (token id 0) masked out
+of attention, and one vector per caption (`pool`).
 """
 from __future__ import annotations
 

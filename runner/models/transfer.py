@@ -1,22 +1,11 @@
 """Mapping a checkpoint's parameters onto a (possibly different) model for fine-tuning.
 
-Rules, applied by parameter name:
-- the classifier head is re-initialised (new number of classes) when asked, a heteroscedastic
-  head whole; kept, a linear head becomes a heteroscedastic head's mean classifier (fresh noise
-  layers) and back;
-- position embeddings are resized by corner-aligned linear interpolation (big_vision's
-  `resample_posemb`) when the patch grid changes (new resolution);
-- with `dense_to_experts`, a dense MLP initialises every expert of the MoE MLP that replaces it,
-  and the new router starts from its fresh initialisation;
-- with `new_router` (the model routes with another router family than the checkpoint: token-
-  choice to Soft MoE, say), every router starts fresh and the checkpoint's routers are left out,
-  while the experts are kept; `routers_fit` tells it for a checkpoint without a config;
-- a class token the model does not have (it pools its tokens) is left out;
-- a router's balance bias (model.router.balance=bias) that the checkpoint lacks starts at its
-  initialisation, zeros (a V-MoE fine-tuned into auxiliary-loss-free balancing); one the model
-  lacks is refused with a hint (it chose the checkpoint's experts);
-- everything else is copied and must match in shape. All mismatches are reported together, by
-  parameter name, before any training.
+docs/training.md states the rules (a new head, resized position embeddings, dense_to_experts,
+another router family's routers left out: `new_router`, or `routers_fit` for a checkpoint without
+a config). Besides: a class token the model does not have is left out; a router's balance bias
+that the checkpoint lacks starts at its initialisation, zeros, and one the model lacks is refused
+with a hint. Everything else is copied and must match in shape; all mismatches are reported
+together, by parameter name, before any training.
 """
 from __future__ import annotations
 

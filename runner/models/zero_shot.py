@@ -1,17 +1,9 @@
 """A contrastive model as a classifier: zero-shot classification (CLIP, LiT).
 
-`ZeroShotClassifier` wraps the two towers (runner/models/contrastive.py) and holds the class
-embeddings as a parameter, `classes` (C, E): the normalised mean of each class's prompt embeddings
-(runner/evaluators/contrastive.py `class_embeddings`), computed once from the text tower before
-evaluation. An image's logits are t · (its normalised embedding · each class embedding), t the
-model's learned scale, so softmax(logits) is the model's zero-shot predictive distribution. (A
-sigmoid-loss model's bias shifts every class alike and is left out: the softmax ignores it.)
-
-It looks like a catalog classifier, `(images, train) -> (logits (B, C), extras)` with the image
-tower's `pre_logits` and `routing` in `extras`, so every evaluator of `vmoe eval` (classification,
-calibration, OOD detection including Mahalanobis on the pre-logits, corruptions, PGD, routing
-analysis, compute, capacity sweeps) runs on it unchanged. Its parameters are `{"towers": the
-contrastive checkpoint's parameters, "classes": (C, E)}`; only the image tower runs per image.
+`ZeroShotClassifier` holds the class embeddings (each class's normalised mean prompt embedding)
+as a parameter, `classes` (C, E), and looks like a catalog classifier, so that every evaluator of
+`vmoe eval` runs on it unchanged. (A sigmoid-loss model's bias shifts every class alike and is left
+out: the softmax ignores it.)
 """
 from __future__ import annotations
 

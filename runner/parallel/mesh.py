@@ -49,18 +49,6 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES))
 
 
-def shardings_from_logical(logical_specs, mesh: Mesh, rules) -> object:
-  """A tree of NamedShardings from a tree of logical PartitionSpecs (flax metadata)."""
-  return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
-
-
-@contextlib.contextmanager
-def with_rules(mesh: Mesh, rules):
-  """Context in which model code sees the mesh and the logical-axis rules."""
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    yield
-
-
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """Where things live: the mesh, the logical-axis rules, and how host batches become global."""
@@ -87,10 +75,14 @@ class Placement:
     yield from queue
 
   def shardings(self, logical_specs):
-    return shardings_from_logical(logical_specs, self.mesh, self.rules)
+    """A tree of NamedShardings from a tree of logical PartitionSpecs (flax metadata)."""
+    return nn.logical_to_mesh_sharding(logical_specs, self.mesh, self.rules)
 
+  @contextlib.contextmanager
   def context(self):
-    return with_rules(self.mesh, self.rules)
+    """Context in which model code sees the mesh and the logical-axis rules."""
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+      yield
 
 
 def placement(data: int = -1, expert: int = 1, rules: tuple = (),

@@ -1,15 +1,6 @@
-"""`vmoe report`: one self-contained HTML page for a run or a sweep, to read offline.
-
-A run's page (run_page) shows what ran and how (workdir), its training and validation curves
-and each MoE layer's expert load over training (curves, plots), its final metrics
-(final_metrics), the evaluators' pictures and its checkpoints; a sweep's page (sweep_page) a
-row per job, the best one and the swept keys against the main metric; a chain's (chain_page) a
-row per stage, linked to the stage it started from. Everything is inlined
-(markup): a page opens from a file with no network and no script it needs. Evaluators may add
-sections of their own (evaluator_sections). `vmoe report` is command.main; other code calls
-`write_run_page(workdir)`, which is fast enough to call at the end of every stage, and
-`publish_to_wandb(workdir)` (wandb_media), which gives the run's W&B run the same heat maps and
-tables.
+"""`vmoe report`: one self-contained HTML page for a run, a sweep or a chain, to read offline
+(docs/report.md). Everything is inlined (markup), so a page opens from a file with no network.
+`write_run_page(workdir)` is fast enough to call at the end of every stage.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""A chain of stages on one page: pretrain, then the fine-tunes and evaluations started from it,
-each with what it started from, its main metric and a link to its own page.
-
-A folder whose sub-folders are runs, but not the numbered jobs of a sweep, is a chain: the
-demo's `runs/demo`, or the folder a project keeps its stages in. The stages are listed in the
-order they started (a stage after the ones it started from).
+"""A chain of stages on one page, each with what it started from, its main metric and a link to its
+own page: a folder whose sub-folders are runs but not a sweep's numbered jobs (`runs/demo`). The
+stages are listed in the order they started.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """`vmoe report PATH... [--out FILE]`: write the HTML page of each run or sweep named.
 
-A run's workdir (summary.json or metrics.jsonl in it) gets <run>/report.html; a sweep's folder
-(job folders below it, each with its summary.json) gets <sweep>/report.html and each job its
-own page. Every path is checked before anything is written, so a mistake writes nothing: it is
-one paragraph on stderr and exit code 2. So is a page's path (--out FILE, or a report.html)
-that holds anything but a page vmoe wrote: a page replaces only an earlier page.
+Every path is checked before anything is written, so a mistake writes nothing: it is one
+paragraph on stderr and exit code 2. So is a page's path that holds anything but a page vmoe
+wrote: a page replaces only an earlier page.
 """
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Sections that evaluators add to a run's page: the extension seam for plug-ins.
-
-An evaluator class (runner/evaluators/suite.py) may define `report_section(summary, workdir)`
-returning (title, HTML body), or None when the run holds nothing of it; the base class's
-returns None, so the built-in evaluators add nothing (their numbers and pictures are in the
-page's own tables). The registry of evaluators is read, not imported: a stage that writes its
-page has them registered already, and `vmoe report` loads the plug-ins the run's config names
-(`plugins=`), which is what registers theirs. A section that fails is reported on the page,
-never fatal to it.
+"""Sections that evaluators add to a run's page: the extension seam for plug-ins
+(`Evaluator.report_section`; docs/report.md). The registry of evaluators is read, not imported: a
+stage that writes its page has them registered already, and `vmoe report` loads the plug-ins the
+run's config names. A section that fails is reported on the page, never fatal to it.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """One run's page: what ran, its curves, the routers' expert load, final metrics, pictures.
 
-`write_run_page(workdir)` is what other code calls (`vmoe report` now, each stage as it ends
-later): it reads the workdir once, draws a handful of SVG charts and writes
-<workdir>/report.html in one replace, so a reader never opens a half-written page. It takes
-about a second on a small run. A page replaces only a page vmoe wrote (`check_replaceable`):
-anything else where a page goes (a run's config.yaml named by --out, a folder) is left as it is.
+`write_run_page(workdir)` reads the workdir once and writes <workdir>/report.html in one replace,
+so a reader never opens a half-written page; it takes about a second on a small run. A page
+replaces only a page vmoe wrote (`check_replaceable`).
 """
 from __future__ import annotations
 

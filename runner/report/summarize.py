@@ -1,11 +1,9 @@
 """`vmoe summarize <multirun dir>`: one table of a sweep's jobs, their overrides and final metrics.
 
-Every job folder under the directory (one with a summary.json; its overrides from
-.hydra/overrides.yaml) becomes a row: the keys the sweep varies, then the metrics (by default the
-stage's main metric and its companions). `--aggregate seed` (the default) averages the jobs that
-differ only in those keys, as mean ± standard deviation over n. The table is printed and written
-as summary.md and summary.csv, with a plot of the main metric against each swept key
-(summary_<key>.png). The studies (runner/studies) build their tables with the same functions.
+Every job folder (one with a summary.json) becomes a row: the keys the sweep varies, then the
+metrics (by default the stage's main metric and its companions); `--aggregate seed` (the default)
+averages the jobs that differ only in those keys. The studies (runner/studies) build their tables
+with the same functions.
 """
 from __future__ import annotations
 
@@ -157,14 +155,10 @@ def sweep_table(jobs: list[Job], columns: list[Column], aggregate: tuple[str, ..
                 ) -> tuple[list, list]:
   """(header, body): one row per combination of the swept keys but `aggregate`."""
   keys = [k for k in swept_keys(jobs) if k not in aggregate]
-  groups: dict[tuple, list[Job]] = {}
+  groups: dict[tuple, list[dict]] = {}
   for job in jobs:
-    groups.setdefault(tuple(job.overrides.get(k, "-") for k in keys), []).append(job)
-  header = [*keys, *(c.header for c in columns), "n"]
-  body = [[*values, *(mean_std([c.read(j.summary) for j in members], c.digits)
-                      for c in columns), str(len(members))]
-          for values, members in groups.items()]
-  return header, body
+    groups.setdefault(tuple(job.overrides.get(k, "-") for k in keys), []).append(job.summary)
+  return grouped(list(groups.items()), columns, label=tuple(keys))
 
 
 def markdown(header: list, body: list) -> str:

@@ -1,9 +1,7 @@
 """A sweep's page: a row per job, the best job, each swept key against the main metric, the
-seeds' mean ± std, an Optuna search's best trial, and a link to every job's own page.
-
-The jobs, the swept keys, the companion metrics and the mean ± std table are `vmoe summarize`'s
-(runner/report/summarize.py); the main metric is the one each stage returns to Hydra's sweeper
-(runner.tasks.main_metric), so "best" here is what an Optuna search maximises.
+seeds' mean ± std, an Optuna search's best trial, and a link to every job's own page. The tables
+are `vmoe summarize`'s; "best" is the main metric each stage returns to Hydra's sweeper
+(runner.tasks.main_metric), what an Optuna search maximises.
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """The run page's pictures in the run's W&B run, so that online and offline users see the same.
 
-W&B already has the curves (every logged scalar) and the evaluators' pictures (each stage logs
-them); what only the page had are the expert-load heat maps and the tables. When a stage ends,
-its W&B run (the id in <workdir>/wandb_run_id) is resumed and gets, after its last step:
-- `moe/layer_<i>/expert_load_map`: each MoE layer's heat map as an image, the page's picture;
-- `report/final_metrics`: summary.json as a table (section, metric, value);
-- `report/checkpoints`: the checkpoints kept (step, state, MB).
+W&B already has the curves and the evaluators' pictures; what only the page had (the expert-load
+heat maps and the tables; docs/report.md) is logged when a stage ends, to its W&B run resumed.
 Nothing happens for a run without W&B (logger.wandb.mode=disabled, or no run id).
 """
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """What a run's workdir records, read into one `Run`: the page is drawn from this alone.
 
-Only what the files say is shown. A workdir records the stage, host, start and command line of
-the last process that held it (.vmoe.lock, runner/workdirs/workdir_lock.py), the command-line overrides
-(.hydra/overrides.yaml), the resolved config (config.yaml), the final metrics (summary.json,
-whose file time is when the stage finished), what it ran on (environment.json: the vmoe commit,
-package versions, devices, Python; for a run of an older vmoe, W&B's metadata when it wrote
-some), the curves (metrics.jsonl), the evaluators' pictures and the checkpoints kept.
+Only what the files say is shown (docs/report.md lists them); for a run of an older vmoe, W&B's
+metadata stands in for environment.json when it wrote some.
 """
 from __future__ import annotations
 

@@ -86,10 +86,6 @@ class Members:
                 for c in self.checkpoints)
     return tiled * (self.mc_samples or 1)
 
-  @property
-  def has_experts(self) -> bool:
-    return any(derived.num_experts(c.config) for c in self.checkpoints)
-
   def check_fit(self, image_shape, command: str) -> None:
     for c in self.checkpoints:
       model = c.build(c.config, self.num_classes, self.output)

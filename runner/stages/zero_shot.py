@@ -1,16 +1,8 @@
-"""`vmoe eval` of a contrastive checkpoint: its two towers as a zero-shot classifier.
-
-The class names (eval.zero_shot.class_names, else the first eval dataset's own) are written into
-every prompt template (eval.zero_shot.templates, else the embedded captions' held-out templates),
-tokenised with the run's tokenizer, embedded by the text tower and averaged per class (prompt
-ensembling, runner/evaluators/contrastive.py); the checkpoint then evaluates as the classifier
-`runner.models.zero_shot.ZeroShotClassifier`, one member of `Members` like any checkpoint, so
-every measurement of `vmoe eval` that declares `on_contrastive` applies. A dataset of captions
-without labels can only be measured by the evaluators that declare they need no labels, which
-then run alone.
-
-Everything is checked before any compute: the class names, the tokenizer the run wrote, and that
-the parameters fit the stored model.
+"""`vmoe eval` of a contrastive checkpoint: its two towers as a zero-shot classifier
+(docs/contrastive.md), one member of `Members` like any checkpoint, so that every measurement that
+declares `on_contrastive` applies. A dataset of captions without labels can only be measured by
+the evaluators that declare they need no labels, which then run alone. Everything is checked
+before any compute: the class names, the tokenizer the run wrote, and that the parameters fit.
 """
 from __future__ import annotations
 

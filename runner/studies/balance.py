@@ -1,17 +1,5 @@
-"""`make study-balance`: load balancing and DeepSeek-style routing at matched compute.
-
-The balancing papers claim that auxiliary-loss-free balancing (Wang et al. 2024) balances the
-experts better than the auxiliary loss without hurting quality, and DeepSeekMoE (Dai et al. 2024)
-that shared and fine-grained experts beat top-2 routing at equal compute. Stages, each a real
-`vmoe` command run in this process (rerunning resumes or skips finished ones):
-1. `vmoe pretrain -cd sweeps -cn balance`: token-choice k = 2 with the auxiliary loss, with
-   loss-free bias balancing, with sigmoid gates, dropless; shared + fine-grained experts at the
-   expert FLOPs of k = 2; experts-choice and Soft MoE; vmoe_tiny-shaped with a GAP head, on
-   MNIST-5k, seeds 0, 1 and 2;
-2. `vmoe finetune` of every run on the UCI digits (the same routing), then `vmoe eval`;
-3. a Markdown table (mean ± standard deviation over the seeds) in results.md, and the upstream
-   sweep's `vmoe report` page (pretrain/report.html, shown in docs/routers.md).
-Extra arguments go to every stage (e.g. `logger.wandb.mode=disabled`).
+"""`make study-balance`: load balancing and DeepSeek-style routing at matched compute; docs/routers.md
+states its stages, settings and results.
 """
 from __future__ import annotations
 
@@ -77,9 +65,5 @@ def table() -> str:
   return summarize.markdown(header, body)
 
 
-def main(extra: list[str]) -> int:
-  return driver.main(ROOT, stages, table, extra, sweep_page=ROOT / "pretrain")
-
-
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(driver.main(ROOT, stages, table, sys.argv[1:], sweep_page=ROOT / "pretrain"))

@@ -1,20 +1,7 @@
-"""`make study-contrastive`: DET vs HET-XL contrastive learning (LiT) on the embedded captions.
-
-The HET-XL paper (Collier et al., Sec. 5, Table 6) adds HET-XL noise to the representations of a
-LiT model and reports +0.27 points of ImageNet zero-shot accuracy. This study asks the same
-question at CPU scale. Stages, each a real `vmoe` command run in this process (rerunning resumes
-or skips finished ones):
-1. the image model: the demo's pretrained V-MoE (`runs/demo/pretrain`, vmoe_tiny at 28 px on
-   MNIST-5k) when `make demo` has finished it; else `vmoe pretrain` with the demo's own settings
-   (runner/demo.py) into runs/studies/contrastive/pretrain;
-2. `vmoe pretrain -cd sweeps -cn contrastive init.checkpoint=<1>`: LiT on mnist5k_captions, the
-   image tower locked, deterministic loss (experiment=lit_det) and HET-XL (experiment=lit_hetxl),
-   seeds 0 and 1, 200 steps each;
-3. `vmoe eval init.checkpoint=<run>` of every run: zero-shot classification of the MNIST-5k test
-   split from the class names in the 4 held-out caption templates (never seen in training):
-   accuracy, NLL, ECE;
-4. Markdown tables in results.md: mean ± standard deviation over the seeds, and every run.
-Extra arguments go to every stage (e.g. `logger.wandb.mode=disabled`).
+"""`make study-contrastive`: DET vs HET-XL contrastive learning (LiT) on the embedded captions;
+docs/contrastive.md states its stages, settings and results. The image model is the demo's
+pretrained V-MoE when `make demo` has finished it, else one pretrained here with the demo's own
+settings.
 """
 from __future__ import annotations
 
@@ -147,9 +134,5 @@ def table() -> str:
       f"Stage time in this invocation: {timing or 'none (every stage was finished)'}."])
 
 
-def main(extra: list[str]) -> int:
-  return driver.main(ROOT, stages, table, extra)
-
-
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(driver.main(ROOT, stages, table, sys.argv[1:]))

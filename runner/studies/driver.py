@@ -1,4 +1,8 @@
-"""What every study driver does: run real `vmoe` commands in this process, then write its table."""
+"""What every study driver does: run real `vmoe` commands in this process, then write its table.
+
+Rerunning a study resumes or skips the runs that ended; its extra arguments go to every stage
+(e.g. `logger.wandb.mode=disabled`).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -22,21 +26,11 @@ def vmoe(study: str, sub: str, args: list[str], extra: list[str]) -> None:
     raise SystemExit(f"{study}: vmoe {sub} failed (exit {code})")
 
 
-def job_dir(root: pathlib.Path, stage: str, experiment: str, seed: int) -> pathlib.Path:
-  """Where a study's stage writes the run of one experiment overlay and seed (the upstream
-  sweep's `<experiment>/seed_<seed>` subfolders, and the same below the later stages)."""
-  return root / stage / experiment / f"seed_{seed}"
-
-
-def finished(workdir: pathlib.Path) -> bool:
-  """Whether the run in `workdir` ended (it wrote its summary): a rerun of the study skips it."""
-  return (workdir / "summary.json").exists()
-
-
 @dataclasses.dataclass(frozen=True)
 class Sweep:
   """A study over experiment overlays and seeds: each stage's run of one goes to
-  `<root>/<stage>/<experiment>/seed_<seed>` (`job_dir`), and a rerun skips the runs that ended."""
+  `<root>/<stage>/<experiment>/seed_<seed>` (the upstream sweep's subfolders, and the same below
+  the later stages), and a rerun skips the runs that ended (that wrote their summary)."""
   study: str  # names the study in a failure's message: "study-routers"
   root: pathlib.Path
 
@@ -44,12 +38,12 @@ class Sweep:
     vmoe(self.study, sub, args, extra)
 
   def dir(self, stage: str, experiment: str, seed: int) -> pathlib.Path:
-    return job_dir(self.root, stage, experiment, seed)
+    return self.root / stage / experiment / f"seed_{seed}"
 
   def stage(self, sub: str, experiment: str, seed: int, args: list[str], extra: list[str]) -> None:
     """`vmoe <sub> workdir=<its folder> <args> <extra>`, unless that run already ended."""
     workdir = self.dir(sub, experiment, seed)
-    if not finished(workdir):
+    if not (workdir / "summary.json").exists():
       self.vmoe(sub, [f"workdir={workdir}", *args], extra)
 
   def summary(self, stage: str, experiment: str, seed: int) -> dict:

@@ -1,14 +1,5 @@
-"""`make study-ensembles`: the efficient-ensembles paper's comparison on the embedded data.
-
-Stages, each a real `vmoe` command run in this process (rerunning resumes finished ones):
-1. `vmoe pretrain` the upstream V-MoE (vmoe_tiny, K=2, 8 experts, MNIST-5k at 32 px, 220 steps);
-2. `vmoe finetune -cd sweeps -cn ensembles`: V-MoE K=1 and K=2, pBE (K=1, M=2), only tiling and
-   only partitioning, four seeds each, on the UCI digits;
-3. `vmoe eval` of every run; `vmoe ensemble` of the down-DE pairs (K=1 seeds 0+1, 2+3) and of
-   MC-dropout samples (M=2) of each K=1 run; `vmoe fewshot` of each on MNIST-5k (pBE: the joint
-   features of its members; down-DE: both members' features concatenated);
-4. a Markdown table (mean ± standard deviation over the replicates) in results.md.
-Extra arguments go to every stage (e.g. `logger.wandb.mode=disabled`).
+"""`make study-ensembles`: the efficient-ensembles paper's comparison on the embedded data;
+docs/ensembles.md states its stages, settings and results.
 """
 from __future__ import annotations
 
@@ -109,9 +100,5 @@ def table() -> str:
   return summarize.markdown(*main) + "\n\n" + summarize.markdown(*ood_table)
 
 
-def main(extra: list[str]) -> int:
-  return driver.main(ROOT, stages, table, extra)
-
-
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(driver.main(ROOT, stages, table, sys.argv[1:]))

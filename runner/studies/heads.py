@@ -1,12 +1,5 @@
-"""`make study-heads`: the HET-XL paper's comparison of classifier heads on the embedded data.
-
-Stages, each a real `vmoe` command run in this process (rerunning resumes finished ones):
-1. `vmoe pretrain -cd sweeps -cn heads`: vit_tiny and vmoe_tiny on MNIST-5k with a deterministic
-   head, HET and HET-XL (τ fixed at 1.5, or learned), on clean labels and with 30% label noise;
-2. `vmoe eval` of every run on the clean MNIST-5k test split;
-3. a Markdown table per label-noise level in results.md: prec@1, NLL, ECE, the learned τ and the
-   parameter count.
-Extra arguments go to every stage (e.g. `logger.wandb.mode=disabled`).
+"""`make study-heads`: the HET-XL paper's comparison of classifier heads on the embedded data;
+docs/heads.md states its stages, settings and results.
 """
 from __future__ import annotations
 
@@ -73,9 +66,5 @@ def table() -> str:
   return "\n".join(out)
 
 
-def main(extra: list[str]) -> int:
-  return driver.main(ROOT, stages, table, extra)
-
-
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(driver.main(ROOT, stages, table, sys.argv[1:]))

@@ -1,15 +1,5 @@
-"""`make study-routers`: router families at matched compute on the embedded data.
-
-The Soft MoE paper (Puigcerver et al. 2023) finds Soft MoE > experts-choice > token-choice at
-matched compute. Stages, each a real `vmoe` command run in this process (rerunning resumes or
-skips finished ones):
-1. `vmoe pretrain -cd sweeps -cn routers`: a dense ViT, token-choice V-MoE (k = 1, k = 2),
-   experts-choice and Soft MoE, vmoe_tiny-shaped with a GAP head, on MNIST-5k, seeds 0 and 1;
-2. `vmoe fewshot` of every pretrained run on the UCI digits (1, 5, 10, 25 shots);
-3. `vmoe finetune` of every run on the UCI digits (the same router family), then `vmoe eval`;
-4. a Markdown table (mean ± standard deviation over the seeds) in results.md, and the upstream
-   sweep's `vmoe report` page (pretrain/report.html, shown in docs/routers.md).
-Extra arguments go to every stage (e.g. `logger.wandb.mode=disabled`).
+"""`make study-routers`: router families at matched compute on the embedded data; docs/routers.md
+states its stages, settings and results.
 """
 from __future__ import annotations
 
@@ -65,9 +55,5 @@ def table() -> str:
   return summarize.markdown(header, body)
 
 
-def main(extra: list[str]) -> int:
-  return driver.main(ROOT, stages, table, extra, sweep_page=ROOT / "pretrain")
-
-
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(driver.main(ROOT, stages, table, sys.argv[1:], sweep_page=ROOT / "pretrain"))

@@ -1,16 +1,8 @@
 """`vmoe ensemble init.checkpoint=[runs/a,runs/b]`: checkpoints evaluated as one ensemble.
 
-The prediction is the mean of the members' probabilities (never of their logits); every `eval.*`
-measurement of `vmoe eval` applies to it, and each dataset also gets every member's metrics and
-the members' diversity. The members are the checkpoints' own (a partitioned batch ensemble brings
-M), or `ensemble.mc_dropout` samples of one checkpoint with its dropout on. The ensemble's type is
-read from the members' stored configs (Allingham et al.'s names):
-
-- `pbe`: one partitioned batch ensemble;
-- `down-DE`: fine-tuned from the same upstream checkpoint (different fine-tuning seeds);
-- `up-DE`: sharing no starting point (different upstream checkpoints, or trained from scratch);
-- `mc-dropout`: samples of one checkpoint;
-- `mixed`: anything else (e.g. a partitioned ensemble next to a V-MoE).
+The prediction is the mean of the members' probabilities (never of their logits); the ensemble's
+type (pbe, down-DE, up-DE, mc-dropout, mixed: docs/ensembles.md) is read from the members' stored
+configs.
 """
 from __future__ import annotations
 

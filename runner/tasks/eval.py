@@ -1,16 +1,8 @@
-"""`vmoe eval init.checkpoint=<run>`: every measurement of the papers on one checkpoint.
-
-The model and data configs come from the checkpoint; model.* / data.* keys given on the command
-line override them (inference-time k, capacity ratio, Batch Prioritized Routing). The eval.* keys
-choose the measurements: classification and calibration on eval.datasets, OOD detection against
-eval.ood_datasets, corruptions, PGD attacks, compute, and a capacity sweep. Everything that can be
-checked (datasets, splits, class counts, corruption names, sweep values) is checked before the
-first forward pass.
+"""`vmoe eval init.checkpoint=<run>`: every measurement of the papers on one checkpoint
+(docs/evaluation.md). Everything that can be checked is checked before the first forward pass.
 
 `evaluate` is shared with `vmoe ensemble`: it measures "the members' prediction", one model or
-several. With more than one member (a partitioned batch ensemble, a deep ensemble, MC-dropout
-samples) the prediction is the members' mean probability, and each dataset also gets the members'
-own metrics and their diversity (runner/evaluators/ensemble.py).
+several (their mean probability, with each member's metrics and their diversity).
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from runner.checkpoints import weights
 from runner.config import derived
 from runner.config.schema import ExportRun, HeadType
 from runner.errors import RunError
+from runner.evaluators.predictions import probabilities
 from runner.export import card, files, parity
 from runner.models import build_model, heads
 from runner.parallel import Placement
@@ -48,7 +49,7 @@ def run(config: ExportRun, placement: Placement, checkpoints: weights.Checkpoint
   extra = {"name": config.model.name, "source": source, "preprocessing": pp}
   exported = files.write_model(out, params=params, model=config.model, num_classes=num_classes,
                                output=output, extra_config=extra)
-  check = _check(out, model, params, config, pp, output)
+  check = _check(out, model, params, config, pp)
   summary = {"checkpoint_step": step, "export/tensors": _tensor_count(out),
              "export/parameters": int(sum(np.size(v) for v in jax.tree.leaves(params))),
              "export/checked": bool(check.get("checked"))}
@@ -70,7 +71,7 @@ def run(config: ExportRun, placement: Placement, checkpoints: weights.Checkpoint
   return summary
 
 
-def _check(out: pathlib.Path, model, params, config: ExportRun, pp: dict, output: str) -> dict:
+def _check(out: pathlib.Path, model, params, config: ExportRun, pp: dict) -> dict:
   """Random images over the inputs' range (`pp`: config.json's preprocessing) through vmoe and
   through the folder's PyTorch model."""
   if not parity.torch_installed():
@@ -81,12 +82,7 @@ def _check(out: pathlib.Path, model, params, config: ExportRun, pp: dict, output
   images = parity.check_images(pp["image_size"], pp["channels"], tuple(pp["input_range"]), count,
                                seed=config.seed)
   logits, _ = model.apply({"params": params}, images, train=False)
-  logits = np.asarray(logits, np.float64)
-  if output == "sigmoid":
-    ours = 1 / (1 + np.exp(-logits))
-  else:
-    ours = np.exp(logits - logits.max(-1, keepdims=True))
-    ours /= ours.sum(-1, keepdims=True)
+  ours = probabilities(logits, config.loss)
   theirs = parity.torch_probabilities(out, images.transpose(0, 3, 1, 2))
   return {"checked": True, "images": count, "max_abs_diff": float(np.abs(theirs - ours).max()),
           "enforced": config.model.head.type == HeadType.det}

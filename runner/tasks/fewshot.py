@@ -1,10 +1,6 @@
-"""`vmoe fewshot init.checkpoint=<run>`: linear few-shot accuracy of frozen pre-logit features.
-
-Each checkpoint's model comes from the config stored with it; model.* keys change inference
-settings on top (router k, capacity, Batch Prioritized Routing). Datasets are read with the
-checkpoint's eval preprocessing; a contrastive checkpoint's features are its image tower's
-pre-logits. Several checkpoints (init.checkpoint=[runs/a,runs/b]) are probed
-as one representation, their pre-logits concatenated, so they must preprocess images alike.
+"""`vmoe fewshot init.checkpoint=<run>`: linear few-shot accuracy of frozen pre-logit features
+(docs/fewshot.md). Several checkpoints (init.checkpoint=[runs/a,runs/b]) are probed as one
+representation, their pre-logits concatenated, so they must preprocess images alike.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""`vmoe finetune`: start from an earlier stage's checkpoint, map its parameters, train on new data.
-
-Mapping rules (runner.models.transfer): a new zero-initialised head, position embeddings resized
-for a new resolution, optionally experts copied from a dense checkpoint's MLPs. Without
-init.checkpoint it trains from scratch with the fine-tuning recipe (a baseline). Defaults
-(conf/finetune.yaml): the embedded UCI digits, SGD with momentum, cosine decay, expert dropout.
+"""`vmoe finetune`: start from an earlier stage's checkpoint, map its parameters
+(runner.models.transfer), train on new data; without init.checkpoint, train from scratch with the
+fine-tuning recipe (conf/finetune.yaml), a baseline.
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""What a train step minimises, as a function of (params, batch, rngs) -> (loss, metrics).
-
-Classification: the cross-entropy of the labels (a partitioned batch ensemble: the mean of its
-members' cross-entropies, E³ App. D.1) plus the MoE auxiliary loss. Contrastive: the symmetric
-softmax loss (with HET-XL's noisy samples) or SigLIP's sigmoid loss of image-text pairs
-(runner/losses/contrastive.py), plus the image tower's auxiliary loss.
+"""What a train step minimises, as a function of (params, batch, rngs) -> (loss, metrics):
+classification's cross-entropy (a partitioned batch ensemble: the mean of its members', E³
+App. D.1) or a contrastive loss, plus the MoE auxiliary loss.
 
 An objective is called as objective(params, batch, rngs, collections=()): the train step passes
-the collections its parameter updates read (runner/models/param_updates.py; e.g. the
-`balance_loads` of loss-free balancing, whose routers add no auxiliary loss). The model is then
-applied with them mutable, and the objective returns what it sowed in each in its metrics under
-the collection's name, which the train step takes out (runner/train/step.py).
+the collections its parameter updates read (runner/models/param_updates.py), which the model
+then sows into, and the objective returns them in its metrics under the collection's name.
 """
 from __future__ import annotations
 

@@ -107,14 +107,8 @@ def register(name: str, Config: type | None = None, problem=None, reads: tuple[s
   taking the keys of `Config` as keyword arguments and returning the optax preconditioner.
   Gradient clipping, weight decay and the learning rate are chained around it for every
   optimizer, so every optimizer reads optim.lr, optim.weight_decay and optim.grad_clip_norm.
-
-  `Config`, a dataclass, declares the `optim.*` keys it reads (with `key(default, check, hint)`);
-  they are added to the schema's `OptimConfig`, typed and range-checked like any key, and a key
-  that several optimizers declare must have the same type and default in each; any other key
-  must keep its default while it is chosen. `problem(optim)` (the typed `OptimConfig`) states
-  its rules between keys: what is wrong in one sentence, or None. `reads` (as a schedule's):
-  the keys of `OptimConfig` itself it reads besides those every optimizer reads, which are all
-  of them today (runner/config/components.py `register`)."""
+  `Config`, `problem` and `reads`: as runner/config/components.py `register` and
+  docs/extending.md say."""
   def wrap(make):
     components.register(components.OPTIMIZER, name, make, Config, problem, reads)
     return make

@@ -59,15 +59,9 @@ def register(name: str, Config: type | None = None, problem=None, reads: tuple[s
   `(step, *, lr, end, progress, warmup_steps, total_steps, <its Config's keys>) -> rate`
   (traced: use jnp), where `progress` in [0, 1] is the share of the steps after warmup done and
   `end` = lr * end_lr_fraction. `make_schedule` multiplies it by the warmup, so every schedule
-  reads schedule.warmup_steps.
-
-  `Config`, a dataclass, declares the `schedule.*` keys it reads (with `key(default, check,
-  hint)`); they are added to the schema's `ScheduleConfig`, typed and range-checked like any key,
-  and a key that several schedules declare must have the same type and default in each.
-  `reads=("end_lr_fraction",)` says that it uses `end`; any other key must keep its default
-  while it is chosen. `problem(schedule, steps, length)` (the typed `ScheduleConfig`, the run's
-  optimizer steps and where they come from, e.g. "train.steps=20") states its rules against the
-  run: what is wrong in one sentence, or None (runner/config/components.py `register`)."""
+  reads schedule.warmup_steps. `reads=("end_lr_fraction",)` says that it uses `end`;
+  `problem(schedule, steps, length)` states its rules against the run's optimizer steps (`length`:
+  where they come from, e.g. "train.steps=20"); `Config` as runner/config/components.py says."""
   def wrap(value):
     components.register(components.SCHEDULE, name, value, Config, problem, reads)
     return value

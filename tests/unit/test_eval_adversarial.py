@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from runner.evaluators.adversarial import (AdversarialEvaluator, make_pgd_attack,
-                                           plot_pgd, routing_change, selected_experts)
+from runner.evaluators.adversarial import (AdversarialEvaluator, _change, make_pgd_attack,
+                                           plot_pgd)
 from runner.losses.classification import softmax_xent
+from runner.models.introspection import routing_records
 from runner.models.vit import VisionTransformer
 from runner.train.state import abstract_params
 
@@ -28,6 +29,30 @@ VMOE = VisionTransformer(**TINY, moe_layers=(0, 2), moe=dict(
     num_experts=4, group_size=2, router=dict(k=K)))
 VIT = VisionTransformer(**TINY)
 EPS, EPS_KEY = 0.05, "eps_0.05"
+
+
+def selected_experts(intermediates, name: str = "selected_experts") -> dict:
+  """{"layer_<i>": value} of the record `name` every MoE layer sowed."""
+  return {layer: records[name] for layer, records in routing_records(intermediates).items()
+          if name in records}
+
+
+def _id_sets(clean, adversarial):
+  """|A ∩ B| and |A ∪ B| of (batch, tokens, k) expert ids, -1 for none."""
+  kept_clean, kept_adv = clean >= 0, adversarial >= 0
+  match = (clean[..., :, None] == adversarial[..., None, :]) & kept_clean[..., :, None]
+  intersection = jnp.sum(jnp.any(match, axis=-1), axis=-1)
+  return intersection, jnp.sum(kept_clean, -1) + jnp.sum(kept_adv, -1) - intersection
+
+
+def routing_change(clean, adversarial):
+  """(batch,) 1 − IoU of each token's expert id sets, averaged over tokens (the default rule)."""
+  return _change(*_id_sets(clean, adversarial), reference=False)
+
+
+def routing_change_routed(clean, adversarial):
+  """(batch,) the reference code's rule on the ids of the experts that processed each token."""
+  return _change(*_id_sets(clean, adversarial), reference=True)
 
 
 def _params(model, seed=1):
@@ -418,7 +443,6 @@ def test_routed_experts_sow_marks_the_dropped_assignments(vmoe_params):
 
 
 def test_reference_routing_change_function_on_hand_cases():
-  from runner.evaluators.adversarial import routing_change_routed
   clean = jnp.array([[[0, 1], [2, -1], [-1, -1]]])
   adv = jnp.array([[[1, -1], [2, 3], [-1, -1]]])
   # {0,1} vs {1}: 1/2; {2} vs {2,3}: 1/2; {} vs {}: IoU 0 (the reference's where(union > 0)).

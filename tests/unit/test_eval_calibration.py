@@ -4,8 +4,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runner.evaluators.calibration import (CalibrationAccumulator, expected_calibration_error,
-                                           plot_reliability_diagram)
+from runner.evaluators.calibration import CalibrationAccumulator, plot_reliability_diagram
+
+
+def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, num_bins: int = 15) -> float:
+  """ECE of one in-memory batch."""
+  accumulator = CalibrationAccumulator(num_bins)
+  accumulator.update(probs, labels)
+  return accumulator.result()["ece"]
 
 
 def reference_ece(probs: np.ndarray, labels: np.ndarray, num_bins: int) -> float:

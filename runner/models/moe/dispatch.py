@@ -10,14 +10,11 @@ Two implementations of the same contract, chosen by name:
 - "indices" (default): row gathers in both directions. The backward of each gather is the gather
   through the inverse index map, which the plan already holds, so forward and backward are plain
   gathers whose cost is linear in tokens * k * hidden, independent of E * capacity.
-- "einsum": the one-hot formulation of GShard and the reference V-MoE. Its dispatch tensor has
-  G * S * E * C entries, so time and memory grow with tokens x experts x capacity. Kept as an
-  independent reference for tests and benchmarks.
+- "einsum": the one-hot formulation of GShard and the reference V-MoE, whose time and memory grow
+  with tokens x experts x capacity; kept as an independent reference for tests and benchmarks.
 
-A `DroplessPlan` (dropless token choice) has no buffers: the layer sorts the assignments by
-expert into rows (`DroplessPlan.layout`, `rows`), runs the experts on them as a grouped matmul
-(experts.apply_experts_ragged) and brings them back (`combine_rows`), with the same custom-VJP
-row gathers as "indices".
+A `DroplessPlan` (dropless token choice) has no buffers: its rows, sorted by expert, go through
+the same custom-VJP row gathers as "indices".
 """
 from __future__ import annotations
 

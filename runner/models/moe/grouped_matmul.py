@@ -1,16 +1,9 @@
 """The grouped matmul of dropless routing: rows sorted by expert, each through its expert's kernel.
 
-`jax.lax.ragged_dot(x, w, group_sizes)` is the operation, but XLA's lowering of it in jaxlib 0.10
-is a dense product of every row with every expert's kernel, the other experts masked to zero: E
-times the rows' own FLOPs, measured on CPU (benchmarks/dropless.py) and reported on H100 and B200
-GPUs. `grouped_matmul` computes the same product by blocks instead (as MegaBlocks does on GPUs):
-each expert's rows are padded to a multiple of a block of B rows, and one batched matmul runs
-every block through the kernel of its expert, at most E*B padding rows more than the rows' own.
-
-The method is chosen by measurement, not by the backend's name: "auto" takes ragged_dot only on
-a backend where it has been measured to run as a grouped kernel (`bench-gpu --families dropless`
-times both), and blocks everywhere else, which is every backend today.
-`model.moe.grouped_matmul=blocks|ragged_dot` forces one.
+XLA lowers `jax.lax.ragged_dot` as a dense product of every row with every expert's kernel (E
+times the rows' own FLOPs; docs/routers.md), so `grouped_matmul` computes it by blocks instead,
+as MegaBlocks does: one batched matmul runs every block of B rows through its expert's kernel.
+"auto" takes ragged_dot only where it has been measured to run as a grouped kernel (nowhere yet).
 """
 from __future__ import annotations
 

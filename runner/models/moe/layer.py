@@ -6,11 +6,9 @@ own routing groups locally; when the expert weights are split over the `expert` 
 all-to-all sends each expert's buffer slice to the device holding that expert and another brings
 the outputs back. The per-device code is the single-device code.
 
-A dropless plan (`plan.ragged`, dropless token choice) has no buffers: the layer sorts the
-assignments by expert into rows and runs the experts as grouped matmuls on them; on a mesh, each
-device does so on its own routing groups with the experts replicated (data parallelism; a mesh
-that splits the experts is refused, as rows of varying count per expert cannot go through the
-all-to-all of fixed-size buffers).
+A dropless plan (`plan.ragged`) has no buffers: the experts run as grouped matmuls on the
+assignments sorted by expert, replicated on a mesh, as rows of varying count per expert cannot go
+through the all-to-all of fixed-size buffers.
 """
 from __future__ import annotations
 
@@ -73,28 +71,15 @@ class MoeMlpBlock(nn.Module):
 
   Applied with mutable=["intermediates"], it also sows what the routing decided (read back with
   runner/models/introspection.py), asking the family and its plan, with the images first:
-  - `expert_weights`, (images, tokens, E) float32: the weight each token gives each expert
-    (`Plan.expert_weights`);
-  - for a `discrete` family, `expert_mask` and `routed_mask`, (images, tokens, E) bool: the
-    experts each token chose (before capacity drops) and the experts that process it
-    (`Plan.expert_mask`);
-  - where the family gives k expert ids per token (`RouterFamily.expert_ids`),
-    `selected_experts`, (images, tokens, k) int32: the experts the router chose, before capacity
-    drops — the "set of selected experts" whose change under attack the adversarial evaluator
-    measures (Puigcerver et al. 2022, App. F): a property of the token alone, whereas what
-    survives the buffers also depends on the other images of its routing group; and
-    `routed_experts`, of the same shape: the id where the assignment found room in the expert's
-    buffer with a non-zero combine weight, -1 where it was dropped; the experts that actually
-    process the token, which is what the reference code's routing change compares;
-  - the family's own records (`RouterFamily.sown_records`; Soft MoE: `dispatch_weights` and
-    `combine_weights`, (images, tokens, E*P)).
+  `expert_weights`; for a `discrete` family `expert_mask` and `routed_mask` (chosen before
+  capacity drops, and processed); `selected_experts` and `routed_experts` where the family gives
+  k ids per token (-1 where dropped); and the family's own `sown_records`. The chosen set is a
+  property of the token alone, whereas what survives the buffers also depends on the other images
+  of its routing group: PGD's default protocol compares the former, the reference code the latter.
 
-  DeepSeekMoE's experts (Dai et al. 2024) need nothing new of the routing: fine-grained experts
-  are `num_experts` E*m experts of width `mlp_dim` / m chosen k*m at a time (both derived in
-  runner/config/derived.py), and `shared_experts` K_s > 0 adds K_s experts of the same width that
-  every token passes through: y = sum_i MLP_shared_i(x) + the routed output. They are K_s
-  separate MLPs, parameters `shared/` shaped like `experts/` with a leading axis of K_s that is
-  replicated over the devices (experts.SHARED_AXES), and expert dropout applies to them too.
+  DeepSeekMoE's experts (docs/routers.md) need nothing new of the routing; the `shared_experts`
+  are separate MLPs, parameters `shared/` shaped like `experts/` with a leading axis of K_s,
+  replicated over the devices (experts.SHARED_AXES).
 
   In an ensemble, tiled rows give (images, M*tokens, ...) with a member's weights and masks
   zero outside its partition of the experts, and partition_only gives every token's M

@@ -1,16 +1,10 @@
-"""Routing policy of V-MoE: which expert buffer slot each (token, choice) assignment gets.
-
-g(x) = TOP_k(softmax(Wx + eps)), eps ~ N(0, (noise_std / E)^2) in training only (V-MoE §2.3).
-Each group of tokens is routed independently with expert capacity
-B_e = round(k * tokens_per_group * C / E) (§2.4), or the reference code's rounding (see
-`expert_capacity`). Every TOP-i assignment has priority over any TOP-j assignment for i < j;
-within one choice rank, tokens go in their natural order (Algorithm 1, "vanilla") or sorted by a
-routing score (Algorithm 2, Batch Prioritized Routing).
+"""Routing policy of V-MoE: which expert buffer slot each (token, choice) assignment gets
+(V-MoE §2.3-2.4, Algorithms 1 and 2; docs/routers.md).
 
 The result is a `DispatchPlan`: a partial bijection between assignments and buffer slots; or,
-for dropless routing (`plan_dropless`), a `DroplessPlan` that keeps every assignment. How
-tokens are physically moved into the buffers is the dispatcher's business: the plan and its
-mechanics are in `dispatch.py`, which knows nothing of how the plan was chosen.
+for dropless routing (`plan_dropless`), a `DroplessPlan` that keeps every assignment. How tokens
+are physically moved into the buffers is dispatch.py's business, which knows nothing of how the
+plan was chosen.
 """
 from __future__ import annotations
 

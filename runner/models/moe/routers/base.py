@@ -15,7 +15,7 @@ from runner.models.param_updates import ParamUpdate
 
 
 class Plan(Protocol):
-  """What a router returns besides its metrics (see the module docstring)."""
+  """What a router returns besides its metrics (see the package docstring)."""
   num_experts: int
   capacity: int
 
@@ -41,23 +41,9 @@ class Plan(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class TorchRouting:
-  """How a family routes in PyTorch: what `vmoe export` (runner/export) writes for its routers.
-
-  - `config`: the router's entries in the exported config.json (JSON values: its inference
-    settings, e.g. the capacity ratio in force at inference); the exporter adds `type`, the
-    family's name.
-  - `source`: the PyTorch source of the router class (and any helper it needs), which the
-    exporter appends to the exported modeling_vmoe.py. It imports nothing: it uses that file's
-    names (torch, nn, F, math, and the routing helpers `expert_capacity`, `top_k`, `SlotPlan`,
-    `plan_top_k`; runner/export/modeling_vmoe.py). A family keeps it in a file next to its
-    module, `<module>_torch.py`, that nothing imports.
-  - `class_name`: the router class in `source`. `router = Class(config, dim, num_experts)` is
-    an `nn.Module`; `router(x, first, count)` routes (G, S, D) groups among experts
-    [first, first + count) with those experts' router columns and returns a plan with
-    `dispatch(x) -> (count, G, C, D)` buffers and `combine(y) -> (G, S, D)` tokens.
-  - `parameters`: {name under the layer's `router/` in the Flax parameters: (name in the torch
-    module's state dict, axes to transpose the array by, or None)}; the default maps a (D, E)
-    gate kernel `dense/kernel` onto an `nn.Linear` named `dense` ((E, D) weight).
+  """How a family routes in PyTorch: what `vmoe export` (runner/export) writes for its routers
+  (docs/extending.md, "Export", states each field). A family keeps `source` in a file next to its
+  module, `<module>_torch.py`, that nothing imports.
   """
   config: Mapping[str, typing.Any]
   source: str
@@ -72,77 +58,8 @@ class RouterFamily:
   Whatever differs between families is asked of this class (or of its plan, `Plan`), never
   decided by the family's name. A plug-in defines `name`, `module`, `Config`, `summary`,
   `module_kwargs`, `capacity` and `experts_per_token`; every other hook has a default that suits
-  a router whose tokens pick experts by a (D, E) gate kernel:
-
-  What it supports (class attributes):
-  - `supports_ensembles` (False): partitioned batch ensembles (E³); the module then takes
-    `partitions` P and routes group g among the E/P experts of partition g % P.
-  - `supports_batch_priority` (False): Batch Prioritized Routing (`batch_priority`); the
-    capacity sweep then adds its BPR rows.
-  - `capacity_at_inference` (True): the capacity may change at inference (eval_capacity_ratio,
-    capacity sweeps); False where the slots are parameters (Soft MoE).
-  - `discrete` (True): tokens go to chosen experts; the MoE layer sows `Plan.expert_mask` as
-    `expert_mask` and `routed_mask`, from which PGD measures its routing change and the routing
-    analysis its processed-assignment views (load, dropped tokens, experts per token). False: no
-    masks, so neither.
-  - `uses_dispatcher` (True): model.moe.dispatcher (indices or einsum) applies.
-  - `runs_grouped_matmul(router)` (False): its experts run on rows sorted by expert, as grouped
-    matmuls, rather than on fixed-capacity buffers, so model.moe.grouped_matmul applies
-    (token-choice: dropless routing).
-  - `supports_expert_split` (False): DeepSeekMoE's fine-grained experts (model.moe.expert_split
-    m > 1: E*m experts of width mlp_dim/m); `split_router(router, m)` then says how the router
-    routes them (token-choice: k*m choices).
-
-  Its relations (class methods the config layer calls for the chosen family; a problem is one
-  sentence naming the keys and values, None where there is none; runner/config/relations.py and
-  resolve.py):
-  - `problem(model)` (None): its rules between its keys and the rest of a model with MoE layers
-    (token-choice: k <= the experts a token chooses among).
-  - `unread_key_problem(router)`: why a `model.router` key it does not read is wrong, said better
-    than the generic "means nothing"; by default, where the capacity is fixed at training
-    (`capacity_at_inference` False), an eval_capacity_ratio.
-  - `at_inference(given)`: a later stage's given `model.router.*` keys as they apply to a
-    checkpoint at inference; by default, where the capacity may change at inference, a given
-    capacity_ratio is also the eval_capacity_ratio.
-  - `later_stage_problem(stored, given)`: a stored key a later stage may not change; by default,
-    where the capacity is fixed at training, capacity_ratio and slots_per_expert (they size the
-    slots, parameters).
-  - `expert_parallel_problem(router, sharding)` (None): why the router cannot run with its
-    experts' weights split over devices (token-choice: dropless routing).
-  - `without_capacity(router)` (None): why the router has no capacity for the capacity sweep to
-    vary (token-choice: dropless routing).
-
-  What it costs (class methods): `capacity` (slots per expert), `expert_rows` (the rows its
-  experts compute per group: E * capacity by default), `router_flops`, and `experts_per_token`
-  (active parameters). FLOP counting asks them per routing block, so they also cost partitioned
-  batch ensembles.
-
-  What it sows besides the expert weights and masks (runner/models/introspection.py):
-  - `expert_ids(plan, routed)` (None): each token's k chosen expert ids, or those that process
-    it; sown as `selected_experts` and `routed_experts` (global ids, per image), the sets PGD's
-    routing change compares in the reference code.
-  - `sown_records(plan)` ({}): extra per-token arrays, sown under their names (Soft MoE: its
-    dispatch and combine weights).
-
-  State the train step updates: `param_updates(router, stage)` (()): `ParamUpdate`s
-  (runner/models/param_updates.py), parameters of its module that the train step of `stage`
-  sets after the optimizer by their rule, from what the module sows in training, and that no
-  optimizer moves (token-choice with balance=bias: the bias of loss-free balancing).
-
-  Export (runner/export, `vmoe export`): `torch_routing(router, tokens=, experts=)` (None): a
-  `TorchRouting`, the family's router in PyTorch (its source, its config.json entries, how its
-  parameters map); a family that gives none is refused by vmoe export.
-
-  Fine-tuning across families: `router_parameters` (("dense/kernel",)), the names of the router's
-  parameters; a released checkpoint's routers initialise this family's when their names match.
-
-  The routing analysis (runner/evaluators/routing_analysis.py):
-  - `analysis_views` (()): the extra views that apply, by name: "experts_per_token" (a token
-    gets a varying number of experts: a map and a histogram of how many), "slot_mixing" (slots
-    mix tokens: which patches each slot mixes, and the entropy of each token's combine weights;
-    needs the `dispatch_weights` and `combine_weights` records, (images, tokens, E * slots)).
-  - `dropped_at_capacity(router, weights, capacity)` ({}): which tokens nothing processes when
-    routed again at another capacity, for the dropped-patch maps (Fig. 5).
+  a router whose tokens pick experts by a (D, E) gate kernel (docs/extending.md says who asks
+  each hook, and its default).
   """
   name: str = ""
   module: type  # the Flax module class
@@ -305,24 +222,14 @@ class RouterFamily:
 
 
 def register(family_cls: type[RouterFamily]) -> type[RouterFamily]:
-  """Registers a router family under `family_cls.name` (a class decorator), for the built-in
-  families and a plug-in's alike: `model.router.type=<name>` then chooses it.
-
-  The family's `Config` dataclass declares its `model.router.*` keys; they are added to the
-  schema's `RouterConfig` (where `model.router.*` overrides are typed and range-checked), and a
-  key that several families declare must have the same type and default in each
-  (runner/config/components.py `register`).
-  """
+  """Registers a router family under `family_cls.name` (a class decorator), a built-in's as a
+  plug-in's (runner/config/components.py `register`)."""
   family_cls.options = components.register(components.ROUTER, family_cls.name, family_cls,
                                            family_cls.Config)
   return family_cls
 
 
 DEFAULT = DEFAULT_ROUTER  # the schema's default family
-
-
-def names() -> list[str]:
-  return registries.ROUTERS.names()
 
 
 def family(name: str | None) -> type[RouterFamily]:

@@ -1,19 +1,9 @@
 """Experts-choice routing: each expert picks its top-C tokens of a routing group (Zhou et al. 2022).
 
 As the reference code's `NoisyTopItemsPerExpertRouter` (vmoe/nn/routing.py, vmoe/moe.py
-`get_top_items_per_expert_dispatcher`):
-- gates G = softmax(x W) over the experts, W a (D, E) kernel without bias at `router/dense/kernel`
-  (the token-choice router's name and shape), with noise N(0, (noise_std / E)^2) added to the
-  logits in training;
-- expert e processes the C tokens with the largest G[:, e] (greedy, per column; ties go to the
-  lower token index, as `lax.top_k`), C = round(tokens * C_ratio / E) ("paper" rounding: half up,
-  at least 1) or the reference's ceil then a multiple of 4, and never more than the group's tokens;
-- the combine weight of a selected (token, expert) pair is G[t, e], not renormalised: a token is
-  processed by 0 to E experts, and one that no expert picked passes through the residual only;
-- no auxiliary loss: every expert is full by construction.
-
-Metrics per layer: experts per token (min, mean, max over the layer's tokens), the fraction of
-tokens that at least one expert processes, and its complement as `fraction_dropped_tokens`.
+`get_top_items_per_expert_dispatcher`); docs/routers.md states the computation. A token is
+processed by 0 to E experts, and one that no expert picked passes through the residual only; no
+auxiliary loss: every expert is full by construction.
 """
 from __future__ import annotations
 

@@ -1,24 +1,10 @@
 """Soft MoE: every slot is a weighted mix of the group's tokens (Puigcerver et al. 2023).
 
-As the reference code's `SoftRouter` (vmoe/projects/soft_moe/router.py) and the paper's Algorithm 1:
-- the inputs x (S, D) and the slot parameters `mu` (D, E, P) are L2-normalised over D
-  (x / sqrt(sum x^2 + 1e-6)); one learnable scalar `scale` (initialised at 1) multiplies the logits
-  L[t, e, p] = scale * <x_t, mu_{e,p}>; optional Gaussian noise of std `noise_std` is added to
-  L in training (the reference's default: none);
-- dispatch weights: a softmax of L over the S tokens for each slot; slot (e, p) receives
-  sum_t D[t, e, p] x_t (the unnormalised tokens);
-- expert e's MLP runs on its P slots;
-- combine weights: a softmax of L over all E * P slots for each token; token t receives
-  sum_{e,p} C[t, e, p] y_{e,p}.
-Every token contributes to every slot: nothing is dropped, there is no auxiliary loss, and the
-cost does not depend on the tokens but on the E * P slots. P is `slots_per_expert` (the
-reference's `num_slots`), or round(tokens per group * C / E) from the capacity ratio C, with the
-tokens of the configured routing group (`model.moe.group_size` images; Soft MoE models route each
-image alone). The mixing einsums run in the model's compute dtype (bfloat16 under
-`model.dtype=bfloat16`, as the reference's `Bfloat16Dispatcher`); logits and softmaxes in float32.
-
-Metrics: the means over tokens (slots) of the smallest and largest combine (dispatch) weights,
-as the reference reports.
+As the reference code's `SoftRouter` (vmoe/projects/soft_moe/router.py) and the paper's Algorithm 1;
+docs/routers.md states the computation. Every token contributes to every slot: nothing is dropped,
+there is no auxiliary loss, and the cost depends not on the tokens but on the E * P slots.
+Metrics: the means over tokens (slots) of the smallest and largest combine (dispatch) weights, as
+the reference reports.
 """
 from __future__ import annotations
 

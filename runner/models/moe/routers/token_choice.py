@@ -1,17 +1,8 @@
 """Token-choice routing, the router of V-MoE: each token picks its TOP-k experts (Riquelme et al.).
 
-g(x) = TOP_k(softmax(Wx + eps)), eps ~ N(0, (noise_std / E)^2) in training only (or, with
-gate=sigmoid, DeepSeek-V3's sigmoid scores with normalized TOP-k weights); each expert
-has a buffer of B_e = round(k * tokens * C / E) slots per routing group and drops what does not
-fit, in the order of Algorithm 1 (vanilla) or 2 (Batch Prioritized Routing); auxiliary importance
-and load losses (Appendix A.2), per routing group or over the batch (balance_scope, balance.py),
-and the balance diagnostics MaxVio, dead and saturated experts; or, with balance=bias,
-auxiliary-loss-free balancing: a per-expert bias on the scores that choose the TOP-k only,
-updated by the train step from the batch's loads (balance.py). With dropless=true every
-(token, choice) assignment is processed, no capacity, nothing dropped
-(`routing.plan_dropless`; the layer runs the experts as grouped matmuls). The policy itself is
-`runner.models.moe.routing`; the reference code names this router `NoisyTopExpertsPerItemRouter`
-(vmoe/nn/routing.py).
+docs/routers.md states its options (gates, capacity, Batch Prioritized Routing, balancing,
+dropless); the policy itself is `runner.models.moe.routing`. The reference code names this router
+`NoisyTopExpertsPerItemRouter` (vmoe/nn/routing.py).
 """
 from __future__ import annotations
 
@@ -107,11 +98,9 @@ class NoisyTopKRouter(nn.Module):
   V-MoE with E/P experts (Allingham et al., eq. 3 and Ω_partition of App. D.2). The plan then
   indexes the E/P experts of each group's partition.
 
-  With `balance="bias"` (auxiliary-loss-free balancing) the router has a parameter
-  `balance_bias` (E,), zeros at first: each group's scores plus its partition's bias choose the
-  TOP-k, the unbiased scores weigh them (routing.biased_gates), the auxiliary loss is 0 (the
-  importance and load losses stay metrics), and in training the batch's loads (P, E/P) are sown
-  in the `balance_loads` collection for the train step to move the bias (balance.py).
+  With `balance="bias"` (auxiliary-loss-free balancing, docs/routers.md) the router has a
+  parameter `balance_bias` (E,) and, in training, sows the batch's loads (P, E/P) in the
+  `balance_loads` collection for the train step to move the bias (balance.py).
 
   The router always computes in float32: routing decisions are discrete and bfloat16 rounding of
   the gates would change them.
@@ -211,9 +200,6 @@ class NoisyTopKRouter(nn.Module):
     metrics["expert_load"] = jnp.mean(plan.expert_of_slot_filled, axis=0) / plan.capacity
     metrics.update(balance.diagnostics(plan))
     return plan, metrics
-
-
-TokenChoiceRouter = NoisyTopKRouter
 
 
 @register
