@@ -2,17 +2,17 @@
 
 Run it from the folder that holds this file:
 
-  vmoe pretrain plugins=[switch_router] model.router.type=switch model.router.z_loss_weight=0.1
+  vmoe pretrain plugins=[switch_router] model.router.type=switch model.router.z_loss_weight=0.001
 
 Routing (Fedus et al. 2021, "Switch Transformers", Sec. 2.1-2.2): each token goes to the one
 expert with the largest softmax(Wx) probability, scaled by that probability; each expert has
 round(tokens * C / E) slots per routing group and drops the tokens past them, in token order.
 The auxiliary loss is Switch's load-balancing loss E * sum_i f_i * P_i (f_i: the share of tokens
-whose choice is expert i, P_i: the mean router probability of expert i; 1 when balanced) plus
-`z_loss_weight` times ST-MoE's router z-loss mean_tokens(logsumexp(Wx)^2) (Zoph et al. 2022,
-Eq. 5), which keeps the router's logits small. vmoe multiplies each layer's auxiliary loss by
-train.aux_loss_weight (0.01: Switch's alpha), so the z-loss's weight in the total loss is
-0.01 * z_loss_weight (ST-MoE uses 0.001: z_loss_weight=0.1, the default).
+whose choice is expert i, P_i: the mean router probability of expert i; 1 when balanced), which
+vmoe multiplies by train.aux_loss_weight (0.01: Switch's alpha). With `z_loss_weight` > 0 the
+router also reports ST-MoE's router z-loss of its logits as `z_loss` (Zoph et al. 2022, Eq. 5:
+runner/models/moe/z_loss.py), and the model adds z_loss_weight times its sum over the layers to
+the training loss, as for the built-in routers (ST-MoE's weight: 0.001).
 
 A router family is three things (docs/extending.md): its keys (a dataclass), a Flax module that
 returns a dispatch plan and its metrics, and a `RouterFamily` that answers the rest of vmoe;
@@ -28,19 +28,19 @@ import jax
 import jax.numpy as jnp
 
 from runner.config.checks import at_least, key, positive
-from runner.models.moe import routing
+from runner.models.moe import routing, z_loss
 from runner.models.moe.routers import RouterFamily, TorchRouting, register
 
 
 @dataclasses.dataclass
 class SwitchConfig:
-  """model.router.* of router type switch. capacity_ratio and eval_capacity_ratio are keys the
-  built-in families declare too: a shared key keeps the same type and default everywhere."""
+  """model.router.* of router type switch. Every key here is one the built-in families declare
+  too: a shared key keeps the same type and default everywhere."""
   capacity_ratio: float = key(1.05, positive(), "1.05 upstream; below 1 drops tokens, which "
                               "Batch Prioritized Routing makes graceful")
   eval_capacity_ratio: Optional[float] = key(None, positive(), "null: same as capacity_ratio")
-  z_loss_weight: float = key(0.1, at_least(0), "the router z-loss's weight relative to the "
-                             "load-balancing loss (ST-MoE: 0.001 / 0.01 = 0.1)")
+  z_loss_weight: float = key(0.0, at_least(0), "c_z of ST-MoE's router z-loss, added to the "
+                             "training loss: the paper's 0.001; 0: off")
 
 
 class SwitchRouter(nn.Module):
@@ -49,7 +49,7 @@ class SwitchRouter(nn.Module):
   num_experts: int
   capacity_ratio: float = 1.05
   eval_capacity_ratio: Optional[float] = None
-  z_loss_weight: float = 0.1
+  z_loss_weight: float = 0.0
 
   @nn.compact
   def __call__(self, x: jax.Array, *, train: bool):
@@ -64,15 +64,15 @@ class SwitchRouter(nn.Module):
     plan = routing.plan_dispatch(gates, k=1, capacity=capacity)
     chosen = jax.nn.one_hot(plan.experts[..., 0], self.num_experts)  # (G, S, E)
     balance = self.num_experts * jnp.sum(chosen.mean(axis=1) * gates.mean(axis=1), axis=-1)
-    z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
     kept = plan.kept
     metrics = {
         "load_balancing_loss": balance.mean(),
-        "router_z_loss": z_loss,
-        "auxiliary_loss": balance.mean() + self.z_loss_weight * z_loss,
+        "auxiliary_loss": balance.mean(),
         "fraction_dropped_tokens": jnp.mean(~kept.any(axis=-1)),
         "expert_load": jnp.mean(plan.expert_of_slot_filled, axis=0) / capacity,
     }
+    if self.z_loss_weight:  # the model weighs and adds it (it reads z_loss_weight of module_kwargs)
+      metrics["z_loss"] = z_loss.z_loss(logits)
     return plan, metrics
 
 

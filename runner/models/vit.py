@@ -17,6 +17,7 @@ from runner.config.schema import Attention
 from runner.errors import ConfigError
 from runner.models import ensemble
 from runner.models.heads import HeteroscedasticHead
+from runner.models.moe import z_loss
 from runner.models.moe.layer import MoeMlpBlock
 
 part = nn.with_logical_partitioning
@@ -292,13 +293,16 @@ class VisionTransformer(nn.Module):
                            bias_init=part(nn.initializers.zeros, ("mlp",)))(x))
     pre_logits = x
     head_extras = {}
+    z = z_loss.weighted_sum(routing_metrics, (self.moe or {}).get("router", {}).get(
+        "z_loss_weight", 0.0))
+    losses = {} if z is None else {"router_z_loss": z}  # the objective adds it to the loss
     if not self.num_classes:  # a representation only (the image tower of a contrastive model)
       aux = sum((m["auxiliary_loss"] for m in routing_metrics.values()), jnp.zeros(()))
       pre_logits = pre_logits.astype(jnp.float32)
       if self.tiles > 1:  # the members' representations side by side, as the joint features
         pre_logits = pre_logits.reshape(b, -1)
       return pre_logits, {"pre_logits": pre_logits, "routing": routing_metrics,
-                          "auxiliary_loss": aux}
+                          "auxiliary_loss": aux, **losses}
     if self.head is None:  # float32 under bfloat16 compute: logits near a large bias keep digits
       logits = nn.Dense(self.num_classes, dtype=jnp.float32, name="head",
                         kernel_init=part(nn.initializers.zeros, (None, "classes")),
@@ -311,7 +315,7 @@ class VisionTransformer(nn.Module):
     aux = sum((m["auxiliary_loss"] for m in routing_metrics.values()), jnp.zeros(()))
     logits, pre_logits = logits.astype(jnp.float32), pre_logits.astype(jnp.float32)
     extras = {"pre_logits": pre_logits, "routing": routing_metrics, "auxiliary_loss": aux,
-              **head_extras}
+              **losses, **head_extras}
     if self.tiles > 1:
       extras["member_logits"] = ensemble.members(logits, self.tiles)
       if "loc_logits" in extras:

@@ -28,6 +28,16 @@ def _routing(extras: dict) -> dict:
           for k, v in metrics.items()}
 
 
+def _with_router_z_loss(loss, extras: dict):
+  """The loss with the routers' z-loss term (c_z times its sum over the MoE layers,
+  runner/models/moe/z_loss.py) where the model has one."""
+  return loss + extras["router_z_loss"] if "router_z_loss" in extras else loss
+
+
+def _z_metric(extras: dict) -> dict:
+  return {"train/z_loss": extras["router_z_loss"]} if "router_z_loss" in extras else {}
+
+
 def classification(model, *, loss: str, aux_loss_weight: float):
   loss_fn = LOSSES[loss]
 
@@ -40,9 +50,9 @@ def classification(model, *, loss: str, aux_loss_weight: float):
     else:
       cls_loss = loss_fn(logits, labels).mean()
     aux = extras["auxiliary_loss"]
-    total = cls_loss + aux_loss_weight * aux
+    total = _with_router_z_loss(cls_loss + aux_loss_weight * aux, extras)
     metrics = {"train/loss": total, "train/cls_loss": cls_loss, "train/aux_loss": aux,
-               "train/prec@1": precision_at_1(logits, labels).mean()}
+               "train/prec@1": precision_at_1(logits, labels).mean(), **_z_metric(extras)}
     if "temperature" in extras:  # a heteroscedastic head's τ (learned, or fixed)
       metrics["train/temperature"] = extras["temperature"]
     return total, {**metrics, **_routing(extras), **sown}
@@ -64,8 +74,9 @@ def contrastive_pairs(model, *, loss: str, aux_loss_weight: float, chunk: int = 
           zimg, ztxt, scale, image_samples=extras.get("image_samples"),
           text_samples=extras.get("text_samples"), chunk=chunk)
     aux = extras["auxiliary_loss"]
-    total = pair_loss + aux_loss_weight * aux
+    total = _with_router_z_loss(pair_loss + aux_loss_weight * aux, extras)
     out = {"train/loss": total, "train/contrastive_loss": pair_loss, "train/aux_loss": aux,
+           **_z_metric(extras),
            "train/temperature": scale, **{f"train/{k}": v for k, v in metrics.items()}}
     return total, {**out, **_routing(extras), **sown}
   return objective

@@ -32,7 +32,7 @@ SWITCH = ["plugins=[switch_router]", "model=vmoe_tiny", "model.router.type=switc
 SHORT = [*TINY_MODEL, *QUIET, "train.steps=3", "schedule.warmup_steps=0", "data.batch_size=16",
          "eval.every_steps=0",
          "checkpoint.every_steps=0", "model.moe.layers=[1]"]
-Z_LOSS_WEIGHT = 0.2  # not the family's default (0.1): the recorded value is the one given
+Z_LOSS_WEIGHT = 0.2  # not the family's default (0): the recorded value is the one given
 EXPERTS = 8  # vmoe_tiny's
 # The keys of the routing analysis for a discrete router whose family adds no view
 # (tests/integration/test_routing_analysis.py checks the numbers for the built-in families).
@@ -102,14 +102,14 @@ def test_pretrain_records_the_plugin_and_logs_its_losses(pretrained):
   assert [r["step"] for r in train] == [1, 2, 3]
   for r in train:
     balance = r["moe/layer_1/load_balancing_loss"]
-    z_loss = r["moe/layer_1/router_z_loss"]
+    z_loss = r["moe/layer_1/z_loss"]
     assert 0 < balance <= EXPERTS and z_loss > 0
-    # The family's auxiliary loss, and the layer's share of the training loss (aux_loss_weight).
-    assert r["moe/layer_1/auxiliary_loss"] == pytest.approx(balance + Z_LOSS_WEIGHT * z_loss,
-                                                            rel=1e-5)
+    # The family's auxiliary loss (aux_loss_weight) and the z-loss the model adds (its weight).
+    assert r["moe/layer_1/auxiliary_loss"] == pytest.approx(balance, rel=1e-5)
     assert r["train/aux_loss"] == pytest.approx(r["moe/layer_1/auxiliary_loss"], rel=1e-6)
-    assert r["train/loss"] == pytest.approx(r["train/cls_loss"] + 0.01 * r["train/aux_loss"],
-                                            rel=1e-5)
+    assert r["train/z_loss"] == pytest.approx(Z_LOSS_WEIGHT * z_loss, rel=1e-5)
+    assert r["train/loss"] == pytest.approx(
+        r["train/cls_loss"] + 0.01 * r["train/aux_loss"] + r["train/z_loss"], rel=1e-5)
     assert 0 <= r["moe/layer_1/fraction_dropped_tokens"] < 1
   params = _params(pretrained)["block_1"]["moe"]["router"]
   assert set(params) == {"dense"} and params["dense"]["kernel"].shape == (32, EXPERTS)
@@ -138,7 +138,7 @@ np.savez(sys.argv[1], **out)
 """
 
 
-def _switch_reference(x, kernel, ratio: float, z_loss_weight: float) -> dict:
+def _switch_reference(x, kernel, ratio: float) -> dict:
   """Switch routing and its losses in float64 NumPy: top-1 by gate, round(S * C / E) slots
   (half up), tokens kept in token order; E * sum(f * P) per group, mean(logsumexp^2)."""
   groups, tokens, _ = x.shape
@@ -159,8 +159,8 @@ def _switch_reference(x, kernel, ratio: float, z_loss_weight: float) -> dict:
   f = np.eye(experts)[choice].mean(1)  # (G, E): the share of tokens choosing each expert
   balance = (experts * (f * gates.mean(1)).sum(-1)).mean()
   z_loss = np.mean(lse ** 2)
-  return {"capacity": capacity, "load_balancing_loss": balance, "router_z_loss": z_loss,
-          "auxiliary_loss": balance + z_loss_weight * z_loss,
+  return {"capacity": capacity, "load_balancing_loss": balance, "z_loss": z_loss,
+          "auxiliary_loss": balance,
           "fraction_dropped_tokens": 1 - kept.mean(),
           "expert_load": filled.mean(0) / capacity}
 
@@ -174,14 +174,14 @@ def test_switch_router_metrics_match_numpy(vmoe, tmp_path):
   assert code == 0, err[-3000:]
   got = dict(np.load(out))
   for mode, ratio in (("train", 0.8), ("eval", 1.5)):
-    expected = _switch_reference(got["x"], got["kernel"], ratio, 0.3)
+    expected = _switch_reference(got["x"], got["kernel"], ratio)
     assert int(got[f"{mode}/capacity"]) == expected.pop("capacity")
     for name, value in expected.items():
       np.testing.assert_allclose(got[f"{mode}/{name}"], value, rtol=1e-5, atol=1e-6,
                                  err_msg=f"{mode}/{name}")
   # 60 tokens over 4 experts of 4 slots per group of 20 drop some; 8 slots drop (almost) none.
   assert got["train/fraction_dropped_tokens"] > got["eval/fraction_dropped_tokens"]
-  assert got["train/router_z_loss"] > 1
+  assert got["train/z_loss"] > 1
 
 
 def test_eval_measures_the_plugin_router(lab, vmoe, pretrained):
@@ -267,7 +267,8 @@ def test_finetune_carries_the_router_over(lab, vmoe, pretrained):
   assert (router["type"], router["capacity_ratio"], router["z_loss_weight"]) == ("switch", 2.0, 0.0)
   [record] = _train_records(workdir)
   assert record["moe/layer_1/auxiliary_loss"] == pytest.approx(
-      record["moe/layer_1/load_balancing_loss"], rel=1e-6)  # z_loss_weight=0
+      record["moe/layer_1/load_balancing_loss"], rel=1e-6)
+  assert "train/z_loss" not in record and "moe/layer_1/z_loss" not in record  # z_loss_weight=0
   start, tuned = _params(pretrained)["block_1"]["moe"], _params(workdir)["block_1"]["moe"]
   before = np.asarray(start["router"]["dense"]["kernel"])
   after = np.asarray(tuned["router"]["dense"]["kernel"])
@@ -303,8 +304,8 @@ def test_multirun_over_a_plugin_key(lab, tmp_path):
     assert config["plugins"] == ["switch_router"] and config["model"]["router"]["type"] == "switch"
     weight = config["model"]["router"]["z_loss_weight"]
     [r] = _train_records(tmp_path / job)
-    assert r["moe/layer_1/auxiliary_loss"] == pytest.approx(
-        r["moe/layer_1/load_balancing_loss"] + weight * r["moe/layer_1/router_z_loss"], rel=1e-5)
+    assert r.get("train/z_loss", 0.0) == pytest.approx(
+        weight * r.get("moe/layer_1/z_loss", 0.0), rel=1e-5)
     weights[job] = weight
   assert sorted(weights.values()) == [0.0, 0.1]
 

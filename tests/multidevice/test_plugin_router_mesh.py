@@ -29,7 +29,8 @@ pytestmark = pytest.mark.skipif(jax.device_count() != 8,
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples/plugins/switch_router.py"
 # 64 images: 8 per device, one routing group of 8 images each, as on one device.
-TRAIN = ["plugins=[switch_router]", "model=vmoe_tiny", "model.router.type=switch", *TINY_MODEL,
+TRAIN = ["plugins=[switch_router]", "model=vmoe_tiny", "model.router.type=switch",
+         "model.router.z_loss_weight=0.001", *TINY_MODEL,
          *QUIET, "train.steps=3", "schedule.warmup_steps=0", "train.log_every_steps=1",
          "data.batch_size=64",
          "eval.every_steps=0", "checkpoint.every_steps=0"]
@@ -52,7 +53,7 @@ def _pretrain(cwd: pathlib.Path, workdir: pathlib.Path, *args: str,
 def _losses(workdir: pathlib.Path) -> list[dict]:
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   keys = ("train/loss", "train/cls_loss", "moe/layer_1/load_balancing_loss",
-          "moe/layer_1/router_z_loss", "moe/layer_1/fraction_dropped_tokens")
+          "moe/layer_1/z_loss", "moe/layer_1/fraction_dropped_tokens")
   return [{k: r[k] for k in ("step", *keys)} for r in records if "train/loss" in r]
 
 

@@ -196,6 +196,21 @@ def test_token_choice_balance_is_charted_explained_and_tabled(tmp_path):
           in text)
 
 
+def test_the_router_z_loss_is_charted_in_total_and_per_layer(tmp_path):
+  """model.router.z_loss_weight > 0 logs train/z_loss (c_z times the layers' sum) and each
+  layer's L_z (runner/models/moe/z_loss.py): a chart of each on the run's page."""
+  run = make_run(tmp_path / "up")
+  records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+  with open(run / "metrics.jsonl", "w") as out:
+    for record in records:
+      record["train/z_loss"] = 0.001 * (4.0 + 1 / record["step"])
+      for layer in (1, 3):
+        record[f"moe/layer_{layer}/z_loss"] = 2.0 + layer / record["step"]
+      out.write(json.dumps(record) + "\n")
+  text = run_page.write_run_page(run).read_text()
+  assert "train/z_loss" in text and "moe/layer_*/z_loss" in text
+
+
 def test_started_from_links_the_origin_runs_page_relatively(tmp_path):
   up = make_run(tmp_path / "runs" / "up")
   down = make_run(tmp_path / "runs" / "down", stage="finetune",

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from runner.config.schema import CapacityRounding
-from runner.models.moe import routing
+from runner.models.moe import routing, z_loss
 from runner.models.moe.routers.base import RouterFamily, TorchRouting, register
 from runner.models.moe.routers.token_choice import SHARED_KEYS
 
@@ -28,6 +28,7 @@ class ExpertsChoiceConfig:
   eval_capacity_ratio: Optional[float] = SHARED_KEYS["eval_capacity_ratio"]()
   noise_std: Optional[float] = SHARED_KEYS["noise_std"]()
   capacity_rounding: CapacityRounding = SHARED_KEYS["capacity_rounding"]()
+  z_loss_weight: float = SHARED_KEYS["z_loss_weight"]()
 
 
 _KERNEL_INIT = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
@@ -116,6 +117,7 @@ class ExpertsChoiceRouter(nn.Module):
   eval_capacity_ratio: float | None = None
   noise_std: float = 1.0
   capacity_rounding: str = "paper"
+  z_loss_weight: float = 0.0  # > 0: the logits' z-loss is a metric, which the model adds
 
   @nn.compact
   def __call__(self, x: jax.Array, *, train: bool) -> tuple[ExpertsChoicePlan, dict]:
@@ -123,6 +125,7 @@ class ExpertsChoiceRouter(nn.Module):
     e = self.num_experts
     logits = nn.Dense(e, use_bias=False, dtype=jnp.float32, param_dtype=jnp.float32,
                       kernel_init=_KERNEL_INIT, name="dense")(x.astype(jnp.float32))
+    z = z_loss.z_loss(logits) if self.z_loss_weight else None  # before noise, over the experts
     noise_std = self.noise_std / e
     if train and noise_std > 0:
       logits = logits + noise_std * jax.random.normal(self.make_rng("gating"), logits.shape)
@@ -143,6 +146,8 @@ class ExpertsChoiceRouter(nn.Module):
                "experts_per_token_max": jnp.max(per_token).astype(jnp.float32),
                "fraction_processed_tokens": processed,
                "fraction_dropped_tokens": 1.0 - processed}
+    if z is not None:
+      metrics["z_loss"] = z
     return plan, metrics
 
 
@@ -159,7 +164,8 @@ class ExpertsChoice(RouterFamily):
     return dict(capacity_ratio=router.capacity_ratio,
                 eval_capacity_ratio=router.eval_capacity_ratio,
                 noise_std=1.0 if router.noise_std is None else router.noise_std,
-                capacity_rounding=str(router.capacity_rounding))
+                capacity_rounding=str(router.capacity_rounding),
+                **({"z_loss_weight": router.z_loss_weight} if router.z_loss_weight else {}))
 
   @classmethod
   def capacity(cls, router, tokens: int, experts: int, *, train: bool) -> int:

@@ -18,7 +18,7 @@ import flax.linen as nn
 from runner.config import derived
 from runner.config.checks import at_least, key, positive
 from runner.config.schema import CapacityRounding, Priority
-from runner.models.moe import balance, routing
+from runner.models.moe import balance, routing, z_loss
 from runner.models.moe.routers.base import RouterFamily, TorchRouting, register
 from runner.models.param_updates import ParamUpdate
 
@@ -31,6 +31,8 @@ SHARED_KEYS = {
                              "experts-choice (multiplied by 1/E, as V-MoE), 0 for soft"),
     "capacity_rounding": lambda: key(CapacityRounding.paper, hint="paper: round(k*N*C/E); "
                                      "reference: ceil, then a multiple of 4 (vmoe code)"),
+    "z_loss_weight": lambda: key(0.0, at_least(0), "c_z of ST-MoE's router z-loss (eq. 5), "
+                                 "added to the training loss: the paper's 0.001; 0: off"),
 }
 
 
@@ -72,6 +74,7 @@ class TokenChoiceConfig:
                                           "0 (a frozen bias) in finetune")
   dropless: bool = key(False, hint="true: every chosen assignment is processed, nothing dropped, "
                        "no capacity (the experts as grouped matmuls over tokens sorted by expert)")
+  z_loss_weight: float = SHARED_KEYS["z_loss_weight"]()
 
 
 _KERNEL_INIT = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
@@ -118,6 +121,7 @@ class NoisyTopKRouter(nn.Module):
   balance_scope: str = "group"  # or "batch": balance.py
   balance: str = "aux_loss"  # or "bias": auxiliary-loss-free balancing, balance.py
   dropless: bool = False  # every assignment processed: routing.plan_dropless, no capacity
+  z_loss_weight: float = 0.0  # > 0: the logits' z-loss is a metric, which the model adds
 
   @nn.compact
   def __call__(self, x: jax.Array, *, train: bool) -> tuple[routing.DispatchPlan, dict]:
@@ -137,6 +141,8 @@ class NoisyTopKRouter(nn.Module):
     gates_clean = routing.gate_weights(logits, self.gate, self.k)
     metrics = {"importance_loss": balance.importance_loss(
         routing.importance_weights(logits, gates_clean, self.gate), self.balance_scope, p)}
+    if self.z_loss_weight:  # on the logits before noise, over the experts each token chooses among
+      metrics["z_loss"] = z_loss.z_loss(logits)
     noise_std = self.noise_std / experts
     routed = logits  # what the TOP-k is chosen on
     if train and noise_std > 0:
@@ -289,6 +295,8 @@ class TokenChoice(RouterFamily):
         kwargs[option] = str(getattr(router, option))
     if _is_dropless(router):
       kwargs["dropless"] = True
+    if router.z_loss_weight:
+      kwargs["z_loss_weight"] = router.z_loss_weight
     return kwargs
 
   @classmethod

@@ -1,0 +1,22 @@
+"""ST-MoE's router z-loss (Zoph et al. 2022, eq. 5): L_z = (1/B) sum_i (log sum_j exp x_ij)^2
+over the B tokens i of a batch and the logits x_ij of the experts j their router chooses among.
+It keeps the router's logits small (large ones make the gates' exponentials round badly), and
+enters the training loss with its own weight (model.router.z_loss_weight, the paper's c_z =
+0.001), apart from the balance losses' train.aux_loss_weight."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def z_loss(logits: jax.Array) -> jax.Array:
+  """L_z of router logits (..., E): the mean over every token of its squared log-sum-exp."""
+  return jnp.mean(jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))
+
+
+def weighted_sum(routing_metrics: dict, weight: float):
+  """c_z times the sum over the MoE layers of their `z_loss` metrics: what the model adds to the
+  training loss (as each ST-MoE layer adds its own); None where the weight is 0."""
+  if not weight:
+    return None
+  return weight * sum(m["z_loss"] for m in routing_metrics.values())
