@@ -17,7 +17,6 @@ from runner.config.schema import Attention
 from runner.errors import ConfigError
 from runner.models import ensemble
 from runner.models.heads import HeteroscedasticHead
-from runner.models.moe import z_loss
 from runner.models.moe.layer import MoeMlpBlock
 
 part = nn.with_logical_partitioning
@@ -293,9 +292,10 @@ class VisionTransformer(nn.Module):
                            bias_init=part(nn.initializers.zeros, ("mlp",)))(x))
     pre_logits = x
     head_extras = {}
-    z = z_loss.weighted_sum(routing_metrics, (self.moe or {}).get("router", {}).get(
-        "z_loss_weight", 0.0))
-    losses = {} if z is None else {"router_z_loss": z}  # the objective adds it to the loss
+    z_weight = (self.moe or {}).get("router", {}).get("z_loss_weight")
+    losses = {}  # c_z times the layers' z-losses (moe/z_loss.py), which the objective adds
+    if z_weight:
+      losses["router_z_loss"] = z_weight * sum(m["z_loss"] for m in routing_metrics.values())
     if not self.num_classes:  # a representation only (the image tower of a contrastive model)
       aux = sum((m["auxiliary_loss"] for m in routing_metrics.values()), jnp.zeros(()))
       pre_logits = pre_logits.astype(jnp.float32)

@@ -12,11 +12,3 @@ import jax.numpy as jnp
 def z_loss(logits: jax.Array) -> jax.Array:
   """L_z of router logits (..., E): the mean over every token of its squared log-sum-exp."""
   return jnp.mean(jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))
-
-
-def weighted_sum(routing_metrics: dict, weight: float):
-  """c_z times the sum over the MoE layers of their `z_loss` metrics: what the model adds to the
-  training loss (as each ST-MoE layer adds its own); None where the weight is 0."""
-  if not weight:
-    return None
-  return weight * sum(m["z_loss"] for m in routing_metrics.values())
