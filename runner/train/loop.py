@@ -2,8 +2,8 @@
 
 Start-up precedence (big_vision's, made explicit): resume from this workdir's newest readable
 checkpoint > initialise from an earlier stage's parameters > initialise from scratch. Durations are
-converted to steps once, here. Faults end the run without losing more than the steps since the
-last checkpoint:
+converted to steps once, by the stage (`TrainPlan`). Faults end the run without losing more than
+the steps since the last checkpoint:
 - SIGINT/SIGTERM (and SIGUSR1/SIGUSR2, a scheduler's warning) finish the current step, save, and
   exit (128 + signal); a second signal exits at once. Rerunning the same command resumes; a SLURM
   job still running requeues itself and resumes (runner/parallel/preemption.py).
