@@ -13,7 +13,7 @@ import typing
 from typing import Callable
 
 from runner.config import derived, registries
-from runner.config.schema import (ContrastiveLoss, DataConfig,
+from runner.config.schema import (ContrastiveLoss, DataConfig, InitConfig,
                                   DistributedConfig, EnsembleRun, EnsembleVariant, EvalConfig,
                                   EvalRun, EvalSuiteConfig, ExportRun, FewshotConfig, FewshotRun, HeadConfig,
                                   HeadType, ModelConfig, MoeConfig, Objective, ObjectiveConfig,
@@ -388,6 +388,20 @@ def contrastive_measurements_in_training(objective: ObjectiveConfig, eval: EvalC
 
 
 # --- training ----------------------------------------------------------------------------------
+
+@relation
+def drop_upcycling_upcycles(init: InitConfig, model: ModelConfig):
+  r = init.drop_upcycling_ratio  # floor(r * F) of each copied expert's F dimensions redrawn
+  if r and not init.dense_to_experts:
+    return (f"init.drop_upcycling_ratio={r:g} re-initialises part of each expert copied from a "
+            "dense model's MLP, and init.dense_to_experts=false copies none: set "
+            "init.dense_to_experts=true with init.checkpoint=<a dense ViT's run>, or drop it.")
+  width = derived.expert_width(model)
+  if r and derived.num_experts(model) and not int(r * width):
+    return (f"init.drop_upcycling_ratio={r:g} re-initialises floor({r:g} x {width}) = 0 of an "
+            f"expert's {width} intermediate dimensions (model.mlp_dim): use at least "
+            f"{1 / width:.3g}, or 0 for plain copies.")
+
 
 @relation
 def duration_given(train: TrainConfig):

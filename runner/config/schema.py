@@ -400,6 +400,8 @@ class InitConfig:
   checkpoint: Optional[str] = None  # a workdir or a checkpoint dir written by an earlier stage
   reinit_head: bool = True  # fine-tuning: a new zero-initialised head
   dense_to_experts: bool = False  # fine-tuning a V-MoE from a dense ViT: copy its MLPs into experts
+  drop_upcycling_ratio: float = key(0.0, Range(0, 1), "Drop-Upcycling's r: the share of each "
+                                    "copied expert's MLP dimensions redrawn (paper: 0.5)")
   # A partitioned batch ensemble may start a model with another ensemble_size only when asked:
   # its experts are then divided anew between the members.
   repartition_experts: bool = False

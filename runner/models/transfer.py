@@ -13,6 +13,7 @@ import numpy as np
 import jax
 
 from runner.errors import CheckpointError
+from runner.models import drop_upcycling
 
 _ROUTER = "/moe/router/"  # the scope of an MoE layer's router parameters
 _BIAS = _ROUTER + "balance_bias"  # auxiliary-loss-free balancing's (runner/models/moe/balance.py)
@@ -74,6 +75,19 @@ def _dense_source(name: str) -> str | None:
   return None
 
 
+def _drop_upcycle(out: dict, old: dict, ratio: float, seed: int) -> None:
+  """Drop-upcycles in place every block whose experts `out` filled from a dense MLP of `old`."""
+  for name in [n for n in out if n.endswith("/moe/experts/fc1_kernel")]:
+    prefix = name.rsplit("/", 1)[0]
+    if _dense_source(name) not in old:
+      continue
+    block = int(name.split("/")[0].rsplit("_", 1)[-1])
+    names = {k: f"{prefix}/{k}" for k in _EXPERT_FROM_DENSE}
+    dropped = drop_upcycling.drop_upcycle({k: out[n] for k, n in names.items()}, ratio,
+                                          np.random.default_rng([seed, block]))
+    out.update({n: dropped[k] for k, n in names.items()})
+
+
 def _head_counterpart(name: str) -> str | None:
   """A linear head's parameter for a heteroscedastic head's mean classifier, and back:
   'head/loc_layer/kernel' <-> 'head/kernel'."""
@@ -86,8 +100,12 @@ def _head_counterpart(name: str) -> str | None:
 
 
 def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts: bool = False,
-                 new_router: bool = False, source: str = "checkpoint"):
+                 new_router: bool = False, source: str = "checkpoint",
+                 drop_upcycling: tuple[float, int] = (0.0, 0)):
   """Parameters shaped like `fresh` (a freshly initialised tree), filled from `restored`.
+  `drop_upcycling` (ratio, seed): with `dense_to_experts`, each MoE block's experts copied from a
+  dense MLP are drop-upcycled (runner/models/drop_upcycling.py), the block's draws seeded by
+  (seed, block) so that they do not depend on the devices or the order of the blocks.
 
   Keeping the head (`reinit_head=False`) across head types maps a linear head onto a
   heteroscedastic head's mean classifier (and back); the noise parameters a linear head lacks
@@ -166,6 +184,9 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
   problems += [f"{n}: in the checkpoint but not in the model"
                + (" (its routers balanced with a bias: set model.router.balance=bias)"
                   if n.endswith(_BIAS) else "") for n in unused]
+  ratio, seed = drop_upcycling
+  if ratio and not problems:
+    _drop_upcycle(out, old, ratio, seed)
   problems.sort(key=lambda p: (" vs model " not in p, p))  # shape mismatches first
   if problems:
     shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")

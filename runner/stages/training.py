@@ -78,6 +78,7 @@ def init_from_checkpoint(config: TrainTask, model, image_shape: tuple, start: we
   try:
     return transfer.adapt_params(restored, fresh, reinit_head=init.reinit_head,
                                  dense_to_experts=init.dense_to_experts,
+                                 drop_upcycling=(init.drop_upcycling_ratio, config.seed),
                                  new_router=_router_changes(config, stored, restored),
                                  source=what)
   except checkpoint.CheckpointError as e:

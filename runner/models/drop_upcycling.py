@@ -1,0 +1,31 @@
+"""Drop-Upcycling (Nakamura et al., ICLR 2025, arXiv 2502.19261). Sparse upcycling copies a dense
+model's MLP into every expert; Drop-Upcycling then re-initialises, in each expert, a fraction r of
+the MLP's intermediate dimensions chosen at random: the matching columns of the first kernel and
+rows of the second, drawn from a normal distribution with the mean and standard deviation of the
+dense matrix they replace. The experts start diverse and keep most of what the dense model learned
+(r = 0.5 was the paper's best). The paper's MLPs have no biases: here the first layer's bias at the
+chosen dimensions is drawn likewise from the dense bias's statistics, and the second's bias, one
+value per output shared by every dimension, is kept."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def dropped_dims(ratio: float, width: int) -> int:
+  """floor(r * F): the intermediate dimensions each expert re-initialises."""
+  return int(ratio * width)
+
+
+def drop_upcycle(experts: dict, ratio: float, rng: np.random.Generator) -> dict:
+  """`experts`: fc1_kernel (E, D, F), fc1_bias (E, F), fc2_kernel (E, F, D), fc2_bias (E, D), each
+  expert a copy of the dense MLP; returns them with each expert's own dropped dimensions drawn."""
+  w1, b1, w2 = (np.array(experts[k], copy=True) for k in ("fc1_kernel", "fc1_bias", "fc2_kernel"))
+  count = dropped_dims(ratio, w1.shape[-1])
+  stats = [(m, float(np.mean(m[0])), float(np.std(m[0]))) for m in (w1, b1, w2)]
+  for e in range(w1.shape[0]):
+    dims = rng.choice(w1.shape[-1], size=count, replace=False)
+    (_, m1, s1), (_, mb, sb), (_, m2, s2) = stats
+    w1[e][:, dims] = rng.normal(m1, s1, size=(w1.shape[1], count))
+    b1[e][dims] = rng.normal(mb, sb, size=count)
+    w2[e][dims, :] = rng.normal(m2, s2, size=(count, w2.shape[2]))
+  return {**experts, "fc1_kernel": w1, "fc1_bias": b1, "fc2_kernel": w2}
