@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
   existed = None if shows_only else refused_workdir.nearest_existing(checked.workdir)
   task = job.Job(sub, existed, checked.devices_checked)
   try:
-    if checked.composition is not None and not (modes or shows_help or shows_only):
+    if checked.composition is not None and not shows_only:
       compose.run_composed(checked.composition, task)  # a plain run: composed once, above
     else:
       hydra.main(config_path=str(conf_dir()), config_name=sub, version_base=None)(task)()

@@ -11,20 +11,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def dropped_dims(ratio: float, width: int) -> int:
-  """floor(r * F): the intermediate dimensions each expert re-initialises."""
-  return int(ratio * width)
-
-
 def drop_upcycle(experts: dict, ratio: float, rng: np.random.Generator) -> dict:
   """`experts`: fc1_kernel (E, D, F), fc1_bias (E, F), fc2_kernel (E, F, D), fc2_bias (E, D), each
   expert a copy of the dense MLP; returns them with each expert's own dropped dimensions drawn."""
   w1, b1, w2 = (np.array(experts[k], copy=True) for k in ("fc1_kernel", "fc1_bias", "fc2_kernel"))
-  count = dropped_dims(ratio, w1.shape[-1])
-  stats = [(m, float(np.mean(m[0])), float(np.std(m[0]))) for m in (w1, b1, w2)]
+  count = int(ratio * w1.shape[-1])  # floor(r * F)
+  (m1, s1), (mb, sb), (m2, s2) = ((np.mean(m[0]), np.std(m[0])) for m in (w1, b1, w2))
   for e in range(w1.shape[0]):
     dims = rng.choice(w1.shape[-1], size=count, replace=False)
-    (_, m1, s1), (_, mb, sb), (_, m2, s2) = stats
     w1[e][:, dims] = rng.normal(m1, s1, size=(w1.shape[1], count))
     b1[e][dims] = rng.normal(mb, sb, size=count)
     w2[e][dims, :] = rng.normal(m2, s2, size=(count, w2.shape[2]))
