@@ -18,7 +18,7 @@ comma := ,
 JEMALLOC = $(firstword $(wildcard $(VENV)/lib/libjemalloc.so.2 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2))
 WITH_JEMALLOC = $(if $(JEMALLOC),LD_PRELOAD=$(abspath $(JEMALLOC)) MALLOC_CONF=oversize_threshold:0$(comma)dirty_decay_ms:60000$(comma)muzzy_decay_ms:60000 VMOE_ALLOCATOR=jemalloc,)
 
-.PHONY: install gpu browser demo test test-full test-cluster test-export test-install bench bench-gpu study-ensembles study-heads study-routers study-balance study-contrastive clean
+.PHONY: install gpu browser demo test test-full test-cluster test-export test-install bench bench-gpu study-ensembles study-heads study-routers study-balance study-contrastive study-experts clean
 
 # JAX's CUDA build, pinned with its NVIDIA libraries in constraints.txt: `make install GPU=auto`
 # installs cuda13 for an NVIDIA driver of R580 or newer, cuda12 for R525+, and says which and why
@@ -125,6 +125,10 @@ study-balance: install
 # DET vs HET-XL contrastive learning, LiT from the demo's V-MoE, zero-shot on held-out prompts (docs/contrastive.md).
 study-contrastive: install
 	$(WITH_JEMALLOC) $(BIN)/python -m runner.studies.contrastive
+
+# Upcycling (sparse, Drop-Upcycling) and expert compression (prune, merge) at the demo's scale, three seeds (docs/compression.md).
+study-experts: install
+	$(WITH_JEMALLOC) $(BIN)/python -m runner.studies.experts
 
 # `make bench ARGS=--record` replaces the tracked records in benchmarks/results/ (otherwise a run's
 # results go to runs/benchmarks/, which git ignores).

@@ -26,6 +26,7 @@ SUBCOMMANDS = {
     "fewshot": "linear few-shot accuracy of frozen features (ridge on pre-logits, 1-25 shots)",
     "eval": "evaluate a checkpoint: accuracy, NLL, calibration, OOD, corruptions, PGD, GFLOPs",
     "ensemble": "evaluate checkpoints as one ensemble (deep, partitioned, MC-dropout): + diversity",
+    "compress": "fewer experts per MoE layer, pruned or merged by a calibration set's routing",
     "export": "a checkpoint as safetensors + a plain PyTorch model with the same probabilities",
     "summarize": "one table (Markdown, CSV, plots) of a sweep's jobs: overrides and final metrics",
     "report": "one offline HTML page of a run or a sweep: curves, expert load, metrics, pictures",

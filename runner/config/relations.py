@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import typing
 from typing import Callable
 
 from runner.config import derived, registries
-from runner.config.schema import (ContrastiveLoss, DataConfig, InitConfig,
-                                  DistributedConfig, EnsembleRun, EnsembleVariant, EvalConfig,
-                                  EvalRun, EvalSuiteConfig, ExportRun, FewshotConfig, FewshotRun, HeadConfig,
+from runner.config.schema import (PRUNE_SUBSETS_MAX, CompressMethod, CompressRun,
+                                  ContrastiveLoss, DataConfig, InitConfig, DistributedConfig,
+                                  EnsembleRun, EnsembleVariant, EvalConfig, EvalRun,
+                                  EvalSuiteConfig, ExportRun, FewshotConfig, FewshotRun, HeadConfig,
                                   HeadType, ModelConfig, MoeConfig, Objective, ObjectiveConfig,
                                   OptimConfig, RunFields, ScheduleConfig, TextConfig,
                                   TokenizerKind, TrainConfig, TrainTask)
@@ -642,6 +644,45 @@ def unexportable(model: ModelConfig) -> str | None:
 @relation
 def exporter_expresses_the_router(model: ModelConfig, run: ExportRun):
   return unexportable(model)
+
+
+# --- vmoe compress ------------------------------------------------------------------------------
+
+@relation
+def compression_fits(model: ModelConfig, run: CompressRun):
+  """E' fewer than the experts, a whole number per member and per fine-grained expert; a family
+  whose tokens choose experts (the statistics both methods read)."""
+  c, experts = run.compress, derived.num_experts(model)
+  if not experts:
+    return (f"init.checkpoint={run.init.checkpoint} is a dense ViT (model {model.name}): it has no "
+            "experts to compress; vmoe compress takes a V-MoE.")
+  family = derived.router_family(model)
+  if not family.discrete:
+    return (f"model.router.type={family.name} does not route each token to chosen experts (Soft "
+            "MoE's slots mix every token), so there is no per-expert choice to prune or merge by; "
+            "vmoe compress takes token-choice and experts-choice V-MoEs.")
+  if c.experts is None or c.experts >= experts:
+    return (f"vmoe compress needs compress.experts=<E'>, the routed experts each MoE layer keeps, "
+            f"fewer than the checkpoint's {experts}" + (f" (got {c.experts})." if c.experts
+                                                        else "."))
+  groups = derived.ensemble_size(model) if model.moe.ensemble_variant != EnsembleVariant.tiling_only else 1
+  step = groups * derived.expert_split(model)
+  if c.experts % step:
+    return (f"compress.experts={c.experts} must be a multiple of {step}: "
+            + ("each of the ensemble's " + f"{groups} members compresses its own partition"
+               if groups > 1 else "")
+            + (" and " if groups > 1 and step > groups else "")
+            + (f"each of the {derived.expert_split(model)} fine-grained parts of an expert goes "
+               "with it" if step > groups else "") + f"; e.g. compress.experts={step}.")
+  per, keep = experts // groups, c.experts // groups
+  subsets = math.comb(per, keep) ** groups
+  if c.method == CompressMethod.prune and subsets > PRUNE_SUBSETS_MAX:
+    return (f"compress.method=prune measures every way to keep {c.experts} of the {experts} "
+            f"experts in each MoE layer: {subsets:,} subsets here, more than the "
+            f"{PRUNE_SUBSETS_MAX:,} it measures; use compress.method=prune_frequency (the most "
+            "chosen experts) or compress.method=merge.")
+  return batch_problem(int(run.data.eval_batch_size or run.data.batch_size),
+                       "data.eval_batch_size", model, 1)
 
 
 # --- multi-host start-up -----------------------------------------------------------------------

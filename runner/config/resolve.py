@@ -14,7 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import (InterpolationResolutionError, MissingMandatoryValue,
                               OmegaConfBaseException)
 
-from runner.config.schema import (DataConfig, EnsembleMember, EnsembleRun, EvalRun,
+from runner.config.schema import (CompressRun, DataConfig, EnsembleMember, EnsembleRun, EvalRun,
                                   ExportRun, FewshotMember, FewshotRun, InitConfig, Loss, ModelConfig,
                                   Objective, ObjectiveConfig, RouterConfig, RunFields, TextConfig,
                                   TrainConfig, TrainTask)
@@ -201,6 +201,14 @@ def export_run(cfg: DictConfig, workdir: str, stored: dict) -> ExportRun:
                    **_sections(cfg, workdir, "init"))
 
 
+def compress_run(cfg: DictConfig, workdir: str, stored: dict) -> CompressRun:
+  given = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
+  model, data = stored_model_and_data(stored, given.get("model"), given.get("data"))
+  objective = from_dict(ObjectiveConfig, _known(ObjectiveConfig, stored.get("objective")))
+  return CompressRun(model=model, data=data, loss=stored_loss(stored), objective=objective,
+                     **_sections(cfg, workdir, "init", "compress"))
+
+
 def checkpoint_paths(value, command: str = "fewshot") -> list[str]:
   """init.checkpoint as a list of paths: one workdir, or a list of them."""
   paths = [value] if isinstance(value, str) else list(value or [])
@@ -283,12 +291,12 @@ def load(task: str, cfg: DictConfig, workdir: str | None = None, *, check: bool 
   checked = validate if check else (lambda config: config)
   if task in ("pretrain", "finetune"):
     return checked(train_task(cfg, workdir))
-  if task in ("eval", "export"):
+  if task in ("eval", "export", "compress"):
     path = cfg.init.checkpoint
     if not path:
       raise ConfigError(f"vmoe {task} needs init.checkpoint=<workdir of a pretrain/finetune run, "
                         "or a released checkpoint with its model= keys>.")
-    make = eval_run if task == "eval" else export_run
+    make = {"eval": eval_run, "export": export_run, "compress": compress_run}[task]
     return checked(make(cfg, workdir, _stored(path, cfg, task, checkpoints)))
   if task in ("fewshot", "ensemble"):
     paths = checkpoint_paths(OmegaConf.to_container(cfg.init, resolve=True)["checkpoint"], task)

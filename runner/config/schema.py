@@ -82,6 +82,17 @@ class Objective(enum.StrEnum):
   contrastive = "contrastive"  # image-text pairs -> aligned embeddings (two towers, LiT)
 
 
+class CompressMethod(enum.StrEnum):
+  """How `vmoe compress` chooses the experts it keeps (runner/models/compression.py)."""
+  prune = "prune"  # the subset whose layer output is nearest the whole layer's (Lu et al. 2024)
+  prune_frequency = "prune_frequency"  # the experts a calibration set chooses most
+  merge = "merge"  # cluster experts by their outputs, average each cluster (HC-SMoE)
+
+
+# `compress.method=prune` measures every subset of experts it could keep, per MoE layer, at most.
+PRUNE_SUBSETS_MAX = 5000
+
+
 class ContrastiveLoss(enum.StrEnum):
   softmax = "softmax"  # symmetric cross-entropy over the batch (CLIP, LiT, HET-XL's Eq. 6)
   sigmoid = "sigmoid"  # one binary term per pair (SigLIP)
@@ -556,8 +567,28 @@ class ExportTask(RunFields):
   data: DataOverrides = field(default_factory=DataOverrides)
 
 
+@dataclass
+class CompressConfig:
+  method: CompressMethod = CompressMethod.merge
+  experts: Optional[int] = key(None, at_least(1), "E', the routed experts each MoE layer keeps "
+                               "(required; fewer than the checkpoint's)")
+  split: Optional[str] = key(None, hint="the calibration split; null: data.split, the training "
+                             "split")
+  examples: int = key(1024, at_least(1), "calibration images: the split's first")
+
+
+@dataclass
+class CompressTask(RunFields):
+  """compress: the model comes from the checkpoint, the calibration images from data.*."""
+  init: InitConfig = field(default_factory=InitConfig)
+  model: ModelOverrides = field(default_factory=ModelOverrides)
+  data: DataOverrides = field(default_factory=DataOverrides)
+  compress: CompressConfig = field(default_factory=CompressConfig)
+
+
 TASK_SCHEMAS = {"pretrain": TrainTask, "finetune": TrainTask, "fewshot": FewshotTask,
-                "eval": EvalTask, "ensemble": EnsembleTask, "export": ExportTask}
+                "eval": EvalTask, "ensemble": EnsembleTask, "export": ExportTask,
+                "compress": CompressTask}
 
 
 # What a later stage runs: the checkpoint's stored model and data with the command line on top.
@@ -582,6 +613,17 @@ class ExportRun(RunFields):
   model: ModelConfig = MISSING
   data: DataConfig = MISSING
   loss: Loss = MISSING
+  objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+
+
+@dataclass
+class CompressRun(RunFields):
+  """vmoe compress, resolved: the checkpoint's model and loss, the calibration data."""
+  init: InitConfig = MISSING
+  model: ModelConfig = MISSING
+  data: DataConfig = MISSING
+  loss: Loss = MISSING
+  compress: CompressConfig = MISSING
   objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
 

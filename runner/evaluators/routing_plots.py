@@ -222,3 +222,32 @@ def draw_all(analysed: dict, drops: dict, sample, out_dir, *, images: int, first
   if mixing:
     out["routing/soft_slots"] = soft_slots(mixing, grid, out_dir / "routing_soft_slots.png")
   return out
+
+
+def compressed_experts(layers: dict, method: str, path: pathlib.Path) -> str:
+  """`vmoe compress`'s picture: per MoE layer, the share of the calibration tokens' choices each
+  expert had, coloured by the new expert it went into (grey: pruned), and below, the shares the
+  compressed model's experts get on the same images. `layers`: {layer: (chosen (E,), plan,
+  chosen after (E',))}."""
+  from matplotlib import colormaps  # lazily, as _figure
+  rows = len(layers)
+  figure = _figure(7.0, 2.4 * rows)
+  colours = colormaps["tab20"]
+  for i, (layer, (chosen, plan, after)) in enumerate(layers.items()):
+    shares = np.asarray(chosen, float) / max(float(np.sum(chosen)), 1.0)
+    new_of = {e: j for j, group in enumerate(plan) for e in group}
+    axes = figure.add_subplot(rows, 2, 2 * i + 1)
+    axes.bar(range(len(shares)), shares,
+             color=[colours(new_of[e] % 20) if e in new_of else "0.8" for e in range(len(shares))])
+    axes.set_title(f"{layer}: before ({method})", fontsize=9)
+    axes.set_xlabel("expert")
+    axes.set_ylabel("share of choices")
+    after_shares = np.asarray(after, float) / max(float(np.sum(after)), 1.0)
+    axes = figure.add_subplot(rows, 2, 2 * i + 2)
+    axes.bar(range(len(after_shares)), after_shares,
+             color=[colours(j % 20) for j in range(len(after_shares))])
+    axes.set_title(f"{layer}: after", fontsize=9)
+    axes.set_xlabel("new expert")
+    axes.set_xticks(range(len(after_shares)),
+                    ["+".join(map(str, g)) for g in plan], fontsize=7)
+  return _save(figure, path)

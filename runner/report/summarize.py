@@ -83,6 +83,8 @@ def stage_of(summary: dict) -> str:
     return "contrastive"
   if any(k.startswith("mean/") and k.endswith("shot/accuracy") for k in summary):
     return "fewshot"
+  if "compress/experts" in summary:
+    return "compress"
   return "ensemble" if "ensemble/size" in summary else "eval"
 
 
@@ -94,6 +96,11 @@ def default_columns(jobs: list[Job]) -> list[Column]:
     return [Column("val prec@1", "val/prec@1"), Column("val NLL", "val/nll"),
             Column("test prec@1", "test/prec@1"), Column("test NLL", "test/nll"),
             *balance_columns(summary)]
+  if stage == "compress":
+    return [Column("experts kept", "compress/experts", 0),
+            Column("calibration prec@1", "calibration/prec@1"),
+            Column("before compression", "calibration/prec@1_before"),
+            Column("parameters", "compress/parameters", 0)]
   if stage == "fewshot":
     return [Column("few-shot accuracy (most shots)", lambda s: main_metric("fewshot", s))]
   if stage == "contrastive":

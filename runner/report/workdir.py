@@ -17,7 +17,7 @@ import yaml
 from runner.report import curves as curves_lib, summarize
 from runner.workdirs.workdir_lock import LOCK_FILE
 
-STAGES = ("pretrain", "finetune", "fewshot", "eval", "ensemble")
+STAGES = ("pretrain", "finetune", "fewshot", "eval", "ensemble", "compress")
 # runner/workdirs/workdir_lock.py writes this line when a process takes the workdir.
 _HOLDER = re.compile(r"pid (\d+) on host (\S+), started ([\d-]+ [\d:]+): (.*)")
 _TIME = "%Y-%m-%d %H:%M:%S"

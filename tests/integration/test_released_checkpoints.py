@@ -1,7 +1,8 @@
 """Released checkpoints through the CLI: google-research/vmoe's format (a V-MoE and an E³ model) and
 a big_vision ViT `.npz`, written by the tests' own writers with reference-named random parameters
 shaped like the tiny test model, then evaluated, fine-tuned (upcycled, at a new resolution),
-few-shot evaluated and ensembled; a checkpoint without its config needs model= and data=.
+few-shot evaluated, ensembled and compressed; a checkpoint without its config needs model= and
+data=.
 """
 from __future__ import annotations
 
@@ -131,6 +132,24 @@ def test_e3_checkpoint_evaluates_as_an_ensemble_and_finetunes(run_cli, released,
                          *TINY_MODEL, *FINETUNE, f"workdir={tmp_path / 'm4'}")
   assert code == 2 and "Traceback" not in err and "ensemble" in err
   assert not (tmp_path / "m4" / "checkpoints").exists()
+
+
+def test_e3_checkpoint_compresses_each_members_partition(run_cli, released, tmp_path):
+  """A released partitioned ensemble (2 members of 4 experts) merged to 2 of 2 each: no group
+  crosses a member's partition, and the compressed folder evaluates as the same ensemble."""
+  code, _, err = run_cli("compress", f"init.checkpoint={released['e3']}", "model=vmoe_tiny_k1_m2",
+                         *TINY_MODEL, *QUIET, "data=uci_digits", "compress.experts=4",
+                         "compress.examples=64", "data.eval_batch_size=32",
+                         f"workdir={tmp_path / 'merged'}")
+  assert code == 0, err
+  new_expert = _summary(tmp_path / "merged")["compress/layer_1/new_expert"]
+  assert set(new_expert[:4]) == {0, 1} and set(new_expert[4:]) == {2, 3}
+  code, _, err = run_cli("eval", f"init.checkpoint={tmp_path / 'merged'}", *EVAL,
+                         f"workdir={tmp_path / 'eval'}")
+  assert code == 0, err
+  summary = _summary(tmp_path / "eval")
+  assert summary["ensemble/size"] == 2 and summary["compute/params_total"] < int(
+      released["vmoe_params"])
 
 
 def test_vit_npz_evaluates_and_upcycles_into_a_vmoe(run_cli, released, tmp_path):

@@ -15,7 +15,7 @@ from runner.models import catalog
 
 CONF = conf_dir()
 SWEEPS = CONF.parent / "sweeps"
-PRIMARY = ["pretrain", "finetune", "fewshot", "eval", "ensemble", "export"]
+PRIMARY = ["pretrain", "finetune", "fewshot", "eval", "ensemble", "export", "compress"]
 GROUPS = {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
           for group in ("data", "optim", "schedule", "experiment", "sharding", "objective")}
 # Hydra's own groups: the shared settings and the launchers' options.
@@ -54,7 +54,7 @@ def test_every_stage_shares_the_hydra_settings():
   """conf/hydra/env/vmoe.yaml: a run writes into its workdir, a sweep's jobs into numbered
   folders of it; no primary config repeats a hydra: block."""
   for name in PRIMARY:
-    overrides = ["init.checkpoint=runs/x"] if name in ("eval", "ensemble", "export") else []
+    overrides = ["init.checkpoint=runs/x"] if name in ("eval", "ensemble", "export", "compress") else []
     hydra = _compose(name, overrides + ["workdir=runs/w"], with_hydra=True).hydra
     sweep = OmegaConf.to_container(hydra.sweep, resolve=False)
     assert (hydra.run.dir, sweep["dir"], sweep["subdir"]) == (
@@ -72,7 +72,7 @@ def test_launchers_compose(launcher):
 
 @pytest.mark.parametrize("name", PRIMARY)
 def test_primary_configs_compose_and_resolve(name):
-  overrides = ["init.checkpoint=runs/x"] if name in ("eval", "ensemble", "export") else []
+  overrides = ["init.checkpoint=runs/x"] if name in ("eval", "ensemble", "export", "compress") else []
   cfg = _compose(name, overrides)
   config = _resolved(cfg)
   assert set(config) >= {"seed", "workdir", "debug", "logger"}

@@ -1,0 +1,228 @@
+"""`vmoe compress init.checkpoint=<run> compress.method=prune|merge compress.experts=<E'>`: a run
+folder whose checkpoint has E' routed experts per MoE layer (docs/compression.md).
+
+One pass over the calibration images gathers each layer's routing statistics
+(runner/stages/calibration.py); runner/models/compression.py turns them into the experts kept or
+merged; a second pass measures the compressed model on the same images. The folder holds the
+checkpoint (its stored config the compressed model's, so that eval, finetune, fewshot, ensemble
+and export take it as any run), summary.json with the statistics used, and a picture of them.
+Everything that can be refused (a Soft MoE, a dense ViT, E' that does not fit) was refused before
+this runs (runner/config/relations.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+
+import numpy as np
+
+from runner import data
+from runner.checkpoints import checkpoint, weights
+from runner.config import as_dict, derived
+from runner.config.schema import CompressMethod, CompressRun, EnsembleVariant, ModelConfig
+from runner.evaluators import routing_plots
+from runner.evaluators.predictions import PredictionStats
+from runner.logging import MetricWriter
+from runner.logging.progress import Progress
+from runner.models import build_model, compression, heads, introspection
+from runner.parallel import Placement
+from runner.stages import calibration, common
+
+
+def run(config: CompressRun, placement: Placement, checkpoints: weights.Checkpoints) -> dict:
+  del placement  # one process reads the calibration set and writes the folder
+  c, path = config.compress, config.init.checkpoint
+  opened = checkpoints.open(path)
+  params, stored, step = opened.load(ensemble_size=derived.ensemble_size(config.model))
+  num_classes, output = heads.num_classes(params), derived.model_output(config.loss)
+  model = build_model(config.model, num_classes, output=output)
+  d, source = common.open_data(config.data)
+  split = c.split or d.split
+  if source.num_examples(split) == 0:
+    raise data.DataError(f"the calibration split {split!r} of {d.name!r} is empty; choose one with "
+                         f"examples (compress.split; available: {source.splits}).")
+  split = source.head(split, c.examples)  # read whole: no pass stops inside the split
+  image_shape = data.image_shape(source, split, d.pp)
+  common.check_params_fit(path, step, params, model, image_shape, "compress")
+  smaller = compressed_model(config.model, c.experts)
+  layout = _layout(config.model)
+  batch = int(d.eval_batch_size or d.batch_size)
+
+  def calibrate(net, net_params, first: bool, what: str):
+    predictions = PredictionStats(loss_name=config.loss.value)
+    batches = data.eval_batches(source, split, d.pp, batch, cache=False).as_numpy_iterator()
+    bar = Progress(-(-source.num_examples(split) // batch), 0, batch, desc=f"compress: {what}",
+                   enabled=config.logger.progress)
+    try:
+      stats, seen = calibration.gather(net, net_params, batches, examples=c.examples,
+                                       outputs=first and c.method == CompressMethod.merge,
+                                       keep_io=first,
+                                       predictions=predictions, **layout,
+                                       progress=lambda seen: bar.step_done(-(-seen // batch)))
+    finally:
+      bar.close()
+    return stats, predictions.metrics("calibration"), seen
+
+  stats, before, seen = calibrate(model, params, True, "statistics")
+  small_model = build_model(smaller, num_classes, output=output)
+  block = {"mlp_dim": small_model.mlp_dim, **small_model.moe, "dtype": small_model.dtype}
+  plans, new_params, errors = _compress(params, stats, c, layout["partitions"], block)
+  after_stats, after, _ = calibrate(small_model, new_params, False, "compressed model")
+  out = pathlib.Path(config.workdir)
+  common.write_config(config, str(out))
+  _save(out / "checkpoints", step, new_params, _stored_config(config, stored, smaller))
+  summary = _summary(config, smaller, plans, stats, after_stats, before, after, seen, split)
+  summary.update({f"compress/{layer}/output_error": e for layer, e in errors.items()})
+  summary.update({"checkpoint_step": step, "compress/parameters_before": _count(params),
+                  "compress/parameters": _count(new_params)})
+  picture = routing_plots.compressed_experts(
+      {layer: (s.chosen, plans[layer], after_stats[layer].chosen) for layer, s in stats.items()},
+      str(c.method), out / "compressed_experts.png")
+  writer = MetricWriter(str(out), run_config=as_dict(config), wandb=config.logger.wandb,
+                        job_type="compress")
+  try:
+    writer.write(step, {k: v for k, v in summary.items() if isinstance(v, (int, float))})
+    writer.log_image(step, "compress/experts_picture", picture)
+    writer.summary(summary)
+  finally:
+    writer.close()
+  _print(config, smaller, summary)
+  return summary
+
+
+def compressed_model(model: ModelConfig, experts: int) -> ModelConfig:
+  """The model with `experts` routed experts per MoE layer; a token-choice k larger than what a
+  member's experts allow becomes that many (the relation that refuses E' said when it cannot)."""
+  split, members = derived.expert_split(model), _partitions(model)
+  moe = dataclasses.replace(model.moe, num_experts=experts // split)
+  router = model.router
+  if getattr(router, "k", None) and router.k * split > experts // members:
+    router = dataclasses.replace(router, k=experts // members // split)
+  return dataclasses.replace(model, moe=moe, router=router)
+
+
+def _partitions(model: ModelConfig) -> int:
+  """How many groups of experts compress apart: a partitioned ensemble's members (not
+  tiling_only, whose one router chooses among all)."""
+  if model.moe.ensemble_variant == EnsembleVariant.tiling_only:
+    return 1
+  return derived.ensemble_size(model)
+
+
+def _layout(model: ModelConfig) -> dict:
+  tiled = derived.predictions_per_image(model) > 1
+  return {"partitions": _partitions(model), "tiled": tiled}
+
+
+def _compress(params, stats: dict, c, partitions: int, block: dict) -> tuple[dict, dict, dict]:
+  """({layer: plan}, the parameters with each MoE layer's experts and router compressed,
+  {layer: the compressed layer's relative output error on the calibration tokens}). `block`: the
+  compressed model's MoeMlpBlock arguments."""
+  plans, errors, params = {}, {}, dict(params)
+  for layer, s in stats.items():
+    name = f"block_{layer.rsplit('_', 1)[-1]}"
+    moe = params[name][introspection.MOE_LAYER]
+    if c.method == CompressMethod.prune:  # Lu et al.: the subset whose output is nearest
+      candidates = list(compression.subsets(len(s.chosen), c.experts, partitions))
+      measured = calibration.reconstruction_errors(
+          block, s.io, (_planned(moe, [[e] for e in kept], s.chosen) for kept in candidates))
+      plan = [[e] for e in candidates[int(np.argmin(measured))]]
+    elif c.method == CompressMethod.prune_frequency:
+      plan = compression.prune_plan(s.chosen, s.weights, c.experts, partitions)
+    else:
+      plan = compression.merge_plan(s.mean_outputs, c.experts, partitions)
+    compressed = _planned(moe, plan, s.chosen)
+    errors[layer] = calibration.reconstruction_errors(block, s.io, [compressed])[0]
+    params[name] = {**params[name], introspection.MOE_LAYER: compressed}
+    plans[layer] = plan
+  return plans, params, errors
+
+
+def _planned(moe: dict, plan: list[list[int]], chosen: np.ndarray) -> dict:
+  """A MoE layer's parameters with new expert j made of plan[j]'s (shared experts as they were)."""
+  experts, router = compression.apply_plan(moe["experts"], _flat(moe["router"]), plan, chosen)
+  return {**moe, "experts": experts, "router": _nested(router)}
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in tree.items():
+    out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
+
+def _nested(flat: dict) -> dict:
+  out: dict = {}
+  for k, v in flat.items():
+    *parents, leaf = k.split("/")
+    node = out
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = v
+  return out
+
+
+def _count(params) -> int:
+  return int(sum(np.size(v) for v in _flat(params).values()))
+
+
+def _stored_config(config: CompressRun, stored: dict, model: ModelConfig) -> dict:
+  """What later stages read from the checkpoint: the compressed model, the calibration data's
+  preprocessing, the source's loss and objective, and where it came from."""
+  own = as_dict(config)
+  return {**(stored or {}), "model": as_dict(model), "data": own["data"],
+          "train": {**((stored or {}).get("train") or {}), "loss": config.loss.value},
+          "objective": own["objective"], "init": own["init"], "compress": own["compress"],
+          "seed": config.seed, "workdir": config.workdir, "stage": "compress"}
+
+
+def _save(directory: pathlib.Path, step: int, params, stored: dict) -> None:
+  saver = checkpoint.Checkpointer(directory, keep=1, async_save=False)
+  try:
+    # No optimizer state survives compression; Orbax saves no empty tree, so a marker stands in.
+    saver.save(step, params, {"none": np.zeros((), np.int32)}, {"step": step, "position": 0},
+               stored)
+  finally:
+    saver.close()
+
+
+def _summary(config, model, plans, stats, after_stats, before, after, seen, split) -> dict:
+  """The run's numbers, and per layer (compress/layer_<i>/...) the statistics the plan read:
+  tokens choosing each expert, those its buffer took, their summed weights; the new expert each
+  became (-1: pruned); the compressed model's choices on the same images."""
+  summary = {"compress/experts": config.compress.experts,
+             "compress/experts_before": derived.num_experts(config.model),
+             "compress/method": str(config.compress.method), "compress/calibration_images": seen,
+             "compress/calibration_split": split,
+             **{f"{k}_before": v for k, v in before.items()}, **after}
+  for layer, s in stats.items():
+    summary.update({f"compress/{layer}/{k}": v for k, v in (
+        ("chosen", s.chosen.tolist()), ("routed", s.routed.tolist()),
+        ("weights", s.weights.tolist()), ("tokens", s.tokens), ("new_expert", _new_expert(plans[layer], len(s.chosen))),
+        ("chosen_after", after_stats[layer].chosen.tolist()))})
+  if getattr(model.router, "k", None) != getattr(config.model.router, "k", None):
+    summary["compress/k"] = model.router.k
+  return summary
+
+
+def _new_expert(plan: list[list[int]], experts: int) -> list[int]:
+  out = [-1] * experts
+  for j, group in enumerate(plan):
+    for e in group:
+      out[e] = j
+  return out
+
+
+def _print(config: CompressRun, model: ModelConfig, summary: dict) -> None:
+  c = config.compress
+  changed = (f"; model.router.k {config.model.router.k} -> {model.router.k} (a member keeps "
+             f"fewer experts than it chose)" if "compress/k" in summary else "")
+  print(f"vmoe compress: {config.workdir}: {c.method} {summary['compress/experts_before']} -> "
+        f"{c.experts} experts per MoE layer on {summary['compress/calibration_images']} images of "
+        f"{config.data.name}:{summary['compress/calibration_split']}{changed}; calibration "
+        f"prec@1 {summary['calibration/prec@1_before']:.4f} -> "
+        f"{summary['calibration/prec@1']:.4f}. Later stages take it as init.checkpoint (vmoe "
+        f"finetune with model.moe.num_experts={model.moe.num_experts}"
+        + (f" model.router.k={model.router.k}" if "compress/k" in summary else "") + ").",
+        file=sys.stdout)
