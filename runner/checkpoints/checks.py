@@ -1,11 +1,11 @@
 """The config checks that open a run's inputs: what a starting checkpoint was trained for, and
-whether the run to export has ended. They are relations (runner/config/relations.py) with a
-`checkpoints` parameter, the runner.checkpoints.weights.Checkpoints that the pre-flight checks
-and the job give them; the config layer itself reads no file."""
+whether the run to export or compress has ended. They are relations (runner/config/relations.py)
+with a `checkpoints` parameter, the runner.checkpoints.weights.Checkpoints that the pre-flight
+checks and the job give them; the config layer itself reads no file."""
 from __future__ import annotations
 
 from runner.config.relations import relation, shown
-from runner.config.schema import ExportRun, Objective, TrainTask
+from runner.config.schema import CompressRun, ExportRun, Objective, TrainTask
 from runner.errors import UserError
 
 
@@ -51,18 +51,29 @@ def classifier_from_a_tower(run: TrainTask, checkpoints):
   return None
 
 
-@relation
-def export_a_finished_classifier(run: ExportRun, checkpoints):
-  """An export takes a classifier whose run has ended (or a step folder, or a released
-  checkpoint); `checkpoints` (runner.checkpoints.weights.Checkpoints) says whether the run is finished."""
+def _finished_classifier(run, command: str, verb: str, checkpoints) -> str | None:
+  """A classifier whose run has ended (or a step folder, or a released checkpoint); `verb`: what
+  the command does to it ("writes")."""
   if run.objective.name == Objective.contrastive:
     return (f"init.checkpoint={run.init.checkpoint} is a contrastive run (an image and a text "
-            "tower): vmoe export writes classifiers; fine-tune its image tower into one (vmoe "
-            "finetune init.checkpoint=<the run> init.tower=image) and export that.")
+            f"tower): vmoe {command} {verb} classifiers; fine-tune its image tower into one (vmoe "
+            f"finetune init.checkpoint=<the run> init.tower=image) and {command} that.")
   if run.init.tower is not None:
-    return (f"init.tower={shown(run.init.tower)} means nothing in vmoe export, which writes a "
+    return (f"init.tower={shown(run.init.tower)} means nothing in vmoe {command}, which {verb} a "
             "classifier whole; drop it.")
   try:
     return checkpoints.unfinished(run.init.checkpoint)
   except UserError as e:  # no checkpoint there: said in the words of the checkpoint's reader
     return str(e)
+
+
+@relation
+def export_a_finished_classifier(run: ExportRun, checkpoints):
+  """An export takes a classifier whose run has ended; `checkpoints`
+  (runner.checkpoints.weights.Checkpoints) says whether the run is finished."""
+  return _finished_classifier(run, "export", "writes", checkpoints)
+
+
+@relation
+def compress_a_finished_classifier(run: CompressRun, checkpoints):
+  return _finished_classifier(run, "compress", "compresses", checkpoints)

@@ -672,8 +672,9 @@ def compression_fits(model: ModelConfig, run: CompressRun):
             + ("each of the ensemble's " + f"{groups} members compresses its own partition"
                if groups > 1 else "")
             + (" and " if groups > 1 and step > groups else "")
-            + (f"each of the {derived.expert_split(model)} fine-grained parts of an expert goes "
-               "with it" if step > groups else "") + f"; e.g. compress.experts={step}.")
+            + (f"model.moe.expert_split={derived.expert_split(model)} makes each of "
+               "model.moe.num_experts that many routed experts" if step > groups else "")
+            + f"; e.g. compress.experts={step}.")
   per, keep = experts // groups, c.experts // groups
   subsets = math.comb(per, keep) ** groups
   if c.method == CompressMethod.prune and subsets > PRUNE_SUBSETS_MAX:

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
@@ -122,6 +123,9 @@ def test_prune_keeps_experts_as_they_were(shared_run, run_cli, tmp_path):
 def test_compress_refuses_before_writing(shared_run, run_cli, tmp_path):
   out = tmp_path / "out"
   vmoe = shared_run("vmoe_2steps")
+  unfinished = tmp_path / "unfinished"
+  shutil.copytree(vmoe, unfinished)
+  (unfinished / "summary.json").unlink()
   for args, expected in (
       ([f"init.checkpoint={vmoe}"], ("compress.experts=<E'>", "8")),
       ([f"init.checkpoint={vmoe}", "compress.experts=8"], ("fewer than the checkpoint's 8",)),
@@ -133,6 +137,27 @@ def test_compress_refuses_before_writing(shared_run, run_cli, tmp_path):
       ([f"init.checkpoint={shared_run('vit_1step')}", "compress.experts=2"],
        ("dense ViT", "no experts")),
       ([f"init.checkpoint={vmoe}", "compress.experts=4", "data.eval_batch_size=12"],
-       ("data.eval_batch_size=12", "model.moe.group_size=8"))):
+       ("data.eval_batch_size=12", "model.moe.group_size=8")),
+      ([f"init.checkpoint={unfinished}", "compress.experts=4"], ("did not finish",))):
     fails_clearly(run_cli("compress", *args, f"workdir={out}", *QUIET), *expected)
     nothing_like_a_run(out)
+
+
+def test_shared_experts_are_kept_and_fine_grained_ones_compress(run_cli, tmp_path):
+  """DeepSeekMoE's experts: 2 shared experts pass through whole; the router's 16 fine-grained
+  experts (8 split in 2) merge into 6, which the stored model counts as 3 split in 2."""
+  tiny = ["model.num_layers=2", "model.hidden_size=32", "model.mlp_dim=64", "model.num_heads=2",
+          "model.image_size=16"]
+  up = tmp_path / "up"
+  code, _, err = run_cli("pretrain", "model=vmoe_tiny_k1_s2_f2", *tiny, *QUIET, "train.steps=1",
+                         "schedule.warmup_steps=0", "data.batch_size=16", f"workdir={up}")
+  assert code == 0, err
+  code, _, err = run_cli("compress", f"init.checkpoint={up}", "compress.experts=6", *SMALL,
+                         *QUIET, f"workdir={tmp_path / 'merged'}")
+  assert code == 0, err
+  before, after = _experts(up), _experts(tmp_path / "merged")
+  assert after["experts/fc1_kernel"].shape[0] == 6 and before["experts/fc1_kernel"].shape[0] == 16
+  for name in [n for n in before if n.startswith("shared/")]:
+    np.testing.assert_array_equal(after[name], before[name])
+  stored = checkpoint.read_config(str(tmp_path / "merged"))["model"]["moe"]
+  assert (stored["num_experts"], stored["expert_split"], stored["shared_experts"]) == (3, 2, 2)
