@@ -16,7 +16,7 @@ MAIN_METRICS = {
     "eval": "<first eval dataset>/prec@1 (retrieval alone: <dataset>/i2t_recall@1)",
     "ensemble": "<first eval dataset>/prec@1",
     "fewshot": "mean/<most shots>shot/accuracy",
-    "compress": "compress/experts (the experts each MoE layer kept)",
+    "compress": "calibration/prec@1 (the compressed model's, on the calibration images)",
     "export": "export/max_abs_diff (PyTorch against vmoe; NaN where PyTorch is not installed)",
 }
 
@@ -36,7 +36,7 @@ def main_metric(stage: str, summary: dict) -> float:
     shots = max(int(m[1]) for k in summary if (m := re.fullmatch(r"mean/(\d+)shot/accuracy", k)))
     return float(summary[f"mean/{shots}shot/accuracy"])
   if stage == "compress":
-    return float(summary["compress/experts"])
+    return float(summary["calibration/prec@1"])
   if stage == "export":
     return float(summary.get("export/max_abs_diff", float("nan")))
   raise ValueError(f"unknown stage {stage!r}; valid: {', '.join(MAIN_METRICS)}")

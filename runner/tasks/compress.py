@@ -25,7 +25,7 @@ from runner.evaluators import routing_plots
 from runner.evaluators.predictions import PredictionStats
 from runner.logging import MetricWriter
 from runner.logging.progress import Progress
-from runner.models import build_model, compression, heads, introspection
+from runner.models import build_model, compression, heads, introspection, transfer
 from runner.parallel import Placement
 from runner.stages import calibration, common
 
@@ -141,30 +141,13 @@ def _compress(params, stats: dict, c, partitions: int, block: dict) -> tuple[dic
 
 def _planned(moe: dict, plan: list[list[int]], chosen: np.ndarray) -> dict:
   """A MoE layer's parameters with new expert j made of plan[j]'s (shared experts as they were)."""
-  experts, router = compression.apply_plan(moe["experts"], _flat(moe["router"]), plan, chosen)
-  return {**moe, "experts": experts, "router": _nested(router)}
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-  out = {}
-  for k, v in tree.items():
-    out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
-  return out
-
-
-def _nested(flat: dict) -> dict:
-  out: dict = {}
-  for k, v in flat.items():
-    *parents, leaf = k.split("/")
-    node = out
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = v
-  return out
+  experts, router = compression.apply_plan(moe["experts"], transfer.flatten(moe["router"]), plan,
+                                           chosen)
+  return {**moe, "experts": experts, "router": transfer.unflatten(router)}
 
 
 def _count(params) -> int:
-  return int(sum(np.size(v) for v in _flat(params).values()))
+  return int(sum(np.size(v) for v in transfer.flatten(params).values()))
 
 
 def _stored_config(config: CompressRun, stored: dict, model: ModelConfig) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import pathlib
 import statistics
 
 import pytest
@@ -97,6 +98,12 @@ def test_main_metric_of_each_stage():
                      ) == 0.8
   assert main_metric("fewshot", {"mean/1shot/accuracy": 0.3, "mean/25shot/accuracy": 0.9,
                                  "mean/5shot/accuracy": 0.6}) == 0.9
+  compressed = {"compress/experts": 4, "calibration/prec@1_before": 0.7, "calibration/prec@1": 0.6}
+  assert main_metric("compress", compressed) == 0.6
+  assert summarize.stage_of(compressed) == "compress"
+  assert [c.header for c in summarize.default_columns(
+      [summarize.Job(pathlib.Path("x"), {}, compressed)])][:2] == ["experts kept",
+                                                                  "calibration prec@1"]
   with pytest.raises(ValueError, match="unknown stage"):
     main_metric("train", {})
 
