@@ -72,7 +72,7 @@ def test_merge_averages_each_group_by_how_often_its_experts_were_chosen(shared_r
   assert "vmoe compress" in page and "compressed_experts.png" in page
 
 
-def test_every_later_stage_takes_the_compressed_run(merged, run_cli, tmp_path):
+def test_every_later_stage_takes_the_compressed_run(shared_run, merged, run_cli, tmp_path):
   code, _, err = run_cli("eval", f"init.checkpoint={merged}", *QUIET, "eval.corruptions=[]",
                          "eval.ood_datasets=[]", "eval.capacity_sweep=[]",
                          f"workdir={tmp_path / 'eval'}")
@@ -88,6 +88,11 @@ def test_every_later_stage_takes_the_compressed_run(merged, run_cli, tmp_path):
                          "fewshot.shots=[1]", "fewshot.seeds=[0]", *QUIET,
                          f"workdir={tmp_path / 'fewshot'}")
   assert code == 0, err
+  code, _, err = run_cli("ensemble", f"init.checkpoint=[{merged},{shared_run('vmoe_2steps')}]",
+                         *QUIET, "eval.corruptions=[]", "eval.ood_datasets=[]",
+                         "eval.capacity_sweep=[]", f"workdir={tmp_path / 'ensemble'}")
+  assert code == 0, err
+  assert _summary(tmp_path / "ensemble")["ensemble/size"] == 2
   code, _, err = run_cli("export", f"init.checkpoint={merged}", *QUIET,
                          f"workdir={tmp_path / 'export'}")
   assert code == 0, err
