@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runner.models import introspection
+from runner.config.preprocessing import DEVICE_VALUE_RANGE
+from runner.models import inputs, introspection
 from runner.models.moe.experts import apply_experts
 from runner.models.moe.layer import MoeMlpBlock
 
@@ -47,15 +48,16 @@ def gather(model, params, batches, *, examples: int, partitions: int, tiled: boo
            outputs: bool, keep_io: bool = False, predictions=None,
            progress=None) -> tuple[dict[str, LayerStats], int]:
   """({"layer_<i>": LayerStats}, images seen) over the first `examples` real images of `batches`
-  (dicts of image, labels, _mask); each batch's logits also go to `predictions`
+  (dicts of image, labels, _mask, and the value range the device applies: runner/models/inputs.py);
+  each batch's logits also go to `predictions`
   (runner.evaluators.predictions.PredictionStats). `partitions` and `tiled`: a partitioned batch
   ensemble's layout (runner/models/moe/layer.py). `keep_io` keeps every layer's inputs and outputs
   (host memory: the calibration set's tokens, twice per layer) for `reconstruction_errors`."""
 
   @jax.jit
-  def step(params, images, mask):
+  def step(params, batch, mask):
     with nn.intercept_methods(_sow_io):
-      (logits, _), state = model.apply({"params": params}, images, train=False,
+      (logits, _), state = model.apply({"params": params}, inputs.images(batch), train=False,
                                        mutable=["intermediates"])
     out = {}
     for layer, r in introspection.routing_records(state["intermediates"]).items():
@@ -78,7 +80,8 @@ def gather(model, params, batches, *, examples: int, partitions: int, tiled: boo
     mask[np.cumsum(mask) > examples - seen] = False
     if not mask.any():
       break
-    logits, sums = step(params, batch["image"], mask)
+    logits, sums = step(params, {k: v for k, v in batch.items()
+                                 if k in ("image", DEVICE_VALUE_RANGE)}, mask)
     if predictions is not None:
       predictions.update({"mask": mask, "logits": logits, "labels": batch["labels"]})
     seen += int(mask.sum())
