@@ -76,4 +76,5 @@ def export_a_finished_classifier(run: ExportRun, checkpoints):
 
 @relation
 def compress_a_finished_classifier(run: CompressRun, checkpoints):
+  """A compression takes a classifier whose run has ended, as an export does."""
   return _finished_classifier(run, "compress", "compresses", checkpoints)

@@ -68,6 +68,14 @@ def ensemble_size(model: ModelConfig) -> int:
   return int(model.moe.ensemble_size) if num_experts(model) else 1
 
 
+def expert_partitions(model: ModelConfig) -> int:
+  """How many routers split the experts between them: a partitioned ensemble's M members (not
+  tiling_only's one router over all), else 1."""
+  if model.moe.ensemble_variant == EnsembleVariant.tiling_only:
+    return 1
+  return ensemble_size(model)
+
+
 def predictions_per_image(model: ModelConfig) -> int:
   """How many member predictions a model makes: M for a tiled ensemble (pbe, tiling_only), else 1
   (partition_only combines its partitions inside the layer)."""

@@ -665,25 +665,21 @@ def compression_fits(model: ModelConfig, run: CompressRun):
     return (f"vmoe compress needs compress.experts=<E'>, the routed experts each MoE layer keeps, "
             f"fewer than the checkpoint's {experts}" + (f" (got {c.experts})." if c.experts
                                                         else "."))
-  groups = derived.ensemble_size(model) if model.moe.ensemble_variant != EnsembleVariant.tiling_only else 1
-  step = groups * derived.expert_split(model)
-  if c.experts % step:
-    return (f"compress.experts={c.experts} must be a multiple of {step}: "
-            + ("each of the ensemble's " + f"{groups} members compresses its own partition"
-               if groups > 1 else "")
-            + (" and " if groups > 1 and step > groups else "")
-            + (f"model.moe.expert_split={derived.expert_split(model)} makes each of "
-               "model.moe.num_experts that many routed experts" if step > groups else "")
-            + f"; e.g. compress.experts={step}.")
-  per, keep = experts // groups, c.experts // groups
-  subsets = math.comb(per, keep) ** groups
+  groups, split = derived.expert_partitions(model), derived.expert_split(model)
+  reasons = ([f"each of the ensemble's {groups} members keeps as many of its own experts"]
+             if groups > 1 else []) + (
+      [f"model.moe.expert_split={split} makes each expert {split} routed ones"] if split > 1 else [])
+  if c.experts % (groups * split):
+    return (f"compress.experts={c.experts} must be a multiple of {groups * split}: "
+            f"{' and '.join(reasons)}; e.g. compress.experts={groups * split}.")
+  subsets = math.comb(experts // groups, c.experts // groups) ** groups
   if c.method == CompressMethod.prune and subsets > PRUNE_SUBSETS_MAX:
     return (f"compress.method=prune measures every way to keep {c.experts} of the {experts} "
             f"experts in each MoE layer: {subsets:,} subsets here, more than the "
             f"{PRUNE_SUBSETS_MAX:,} it measures; use compress.method=prune_frequency (the most "
             "chosen experts) or compress.method=merge.")
-  return batch_problem(int(run.data.eval_batch_size or run.data.batch_size),
-                       "data.eval_batch_size", model, 1)
+  batch = "data.eval_batch_size" if run.data.eval_batch_size else "data.batch_size"
+  return batch_problem(int(run.data.eval_batch_size or run.data.batch_size), batch, model, 1)
 
 
 # --- multi-host start-up -----------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Fewer experts per MoE layer without retraining, from what a calibration set's routing says.
 
-Both methods give a plan: for each new expert, the old experts it is made of, each new expert the
+Each method gives a plan: for each new expert, the old experts it is made of, each new expert the
 frequency-weighted average of its group's parameters (`apply_plan`).
 - prune (Lu et al., ACL 2024, "Not All Experts are Equal"): of every way to keep E' of the E
   experts (`subsets`), the one whose layer output on the calibration tokens is nearest the
@@ -12,24 +12,18 @@ frequency-weighted average of its group's parameters (`apply_plan`).
   (average linkage, Euclidean distance) into as many clusters as experts are kept, each cluster
   merged by the average of its experts weighted by how often the calibration set chose them.
 
-The papers merge language models whose routers take a softmax over the k chosen logits; a V-MoE's
-router takes it over all experts, so a merged expert's router column (and loss-free balancing's
-bias) is the same frequency-weighted average of its group's: the logits stay a linear map of the
-token. A partitioned batch ensemble compresses each member's partition of experts on its own.
+A merged expert needs one router column: vmoe gives it the same frequency-weighted average of its
+group's columns (and of loss-free balancing's bias), so that the router stays one linear map of
+the token with one logit per expert, which a V-MoE's softmax over all experts then reads. A
+partitioned batch ensemble compresses each member's partition of experts on its own.
 """
 from __future__ import annotations
 
 import itertools
-import math
 
 import numpy as np
 
 EXPERT_PARAMS = ("fc1_kernel", "fc1_bias", "fc2_kernel", "fc2_bias")  # leading axis: the expert
-
-
-def subset_count(experts: int, keep: int, partitions: int = 1) -> int:
-  """How many ways to keep `keep` experts, keep / partitions of each partition."""
-  return math.comb(experts // partitions, keep // partitions) ** partitions
 
 
 def subsets(experts: int, keep: int, partitions: int = 1):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from runner.config.preprocessing import DEVICE_VALUE_RANGE
-from runner.models import inputs, introspection
+from runner.models import compression, inputs, introspection
 from runner.models.moe.experts import apply_experts
 from runner.models.moe.layer import MoeMlpBlock
 
@@ -109,18 +109,19 @@ def _output_sums(params, layer: str, x: jax.Array, mask: jax.Array, partitions: 
   """((E, D), (E,)): each expert's outputs summed over every token its partition's rows hold
   (real images only), and how many tokens that is."""
   experts = params[f"block_{layer.rsplit('_', 1)[-1]}"][introspection.MOE_LAYER]["experts"]
-  weights = tuple(experts[k] for k in ("fc1_kernel", "fc1_bias", "fc2_kernel", "fc2_bias"))
+  weights = tuple(experts[k] for k in compression.EXPERT_PARAMS)
   e = weights[0].shape[0] // partitions
   sums, counts = [], []
   for p in range(partitions):
     rows = x[p::partitions] if tiled and partitions > 1 else x
     images, tokens, dim = rows.shape
     row_mask = jnp.repeat(mask, images // mask.shape[0]).astype(jnp.float32)
-    buffers = jnp.broadcast_to(rows.reshape(1, 1, images * tokens, dim),
-                               (e, 1, images * tokens, dim))
-    y = apply_experts(tuple(w[p * e:(p + 1) * e] for w in weights), buffers)
-    y = y.reshape(e, images, tokens, dim).sum(2)
-    sums.append(jnp.einsum("eid,i->ed", y, row_mask))
+    buffer = rows.reshape(1, 1, images * tokens, dim)
+
+    def summed(expert):  # one expert at a time: (tokens, hidden) alive, not (E, tokens, hidden)
+      y = apply_experts(tuple(w[None] for w in expert), buffer).reshape(images, tokens, dim)
+      return jnp.einsum("itd,i->d", y, row_mask)
+    sums.append(jax.lax.map(summed, tuple(w[p * e:(p + 1) * e] for w in weights)))
     counts.append(jnp.full((e,), row_mask.sum() * tokens))
   return jnp.concatenate(sums), jnp.concatenate(counts)
 
@@ -139,6 +140,7 @@ def reconstruction_errors(block: dict, io: list, candidates) -> list[float]:
     weight = rows.astype(jnp.float32)[:, None]
     return (((new - y) ** 2).sum(-1) * weight).sum(), ((y ** 2).sum(-1) * weight).sum()
 
+  io = jax.device_put(io)  # once, not once per candidate
   out = []
   for candidate in candidates:
     total = norm = 0.0

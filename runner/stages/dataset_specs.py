@@ -46,15 +46,17 @@ def dataset_config(name: str, base: DataConfig) -> DataConfig:
   return dataclasses.replace(config, pp=base.pp)
 
 
-def open_dataset(name: str, base: DataConfig, split: str | None) -> Dataset:
-  """A dataset named in eval.*, opened, with the split evaluated checked to hold examples."""
+def open_dataset(name: str, base: DataConfig, split: str | None,
+                 role: str = "eval dataset") -> Dataset:
+  """A dataset named in eval.* (or `role`: compress's calibration data), opened, with the split
+  read checked to hold examples."""
   config, source = common.open_data(dataset_config(name, base))
   split = split or config.test_split or config.eval_split
   try:
     n = source.num_examples(split)
   except data.DataError as e:
-    raise data.DataError(f"eval dataset {name!r}: {e}") from None
+    raise data.DataError(f"{role} {name!r}: {e}") from None
   if n == 0:
-    raise data.DataError(f"eval dataset {name!r}: split {split!r} is empty; choose a split "
+    raise data.DataError(f"{role} {name!r}: split {split!r} is empty; choose a split "
                          f"with examples (available: {source.splits}).")
   return Dataset(name=name, config=config, source=source, split=split)

@@ -20,31 +20,33 @@ import numpy as np
 from runner import data
 from runner.checkpoints import checkpoint, weights
 from runner.config import as_dict, derived
-from runner.config.schema import CompressMethod, CompressRun, EnsembleVariant, ModelConfig
+from runner.config.schema import CompressMethod, CompressRun, ModelConfig
+from runner.errors import ConfigError
 from runner.evaluators import routing_plots
 from runner.evaluators.predictions import PredictionStats
 from runner.logging import MetricWriter
 from runner.logging.progress import Progress
 from runner.models import build_model, compression, heads, introspection, transfer
 from runner.parallel import Placement
-from runner.stages import calibration, common
+from runner.stages import calibration, common, dataset_specs
 
 
 def run(config: CompressRun, placement: Placement, checkpoints: weights.Checkpoints) -> dict:
   del placement  # one process reads the calibration set and writes the folder
   c, path = config.compress, config.init.checkpoint
+  d, source, split = _calibration_data(config)
   opened = checkpoints.open(path)
   params, stored, step = opened.load(ensemble_size=derived.ensemble_size(config.model))
   num_classes, output = heads.num_classes(params), derived.model_output(config.loss)
+  if source.num_classes != num_classes:
+    raise ConfigError(f"the calibration dataset {d.name!r} has {source.num_classes} classes but "
+                      f"the checkpoint's head predicts {num_classes}; calibrate on data with the "
+                      "same label space (data=<the dataset the run was trained on>).")
   model = build_model(config.model, num_classes, output=output)
-  d, source = common.open_data(config.data)
-  split = c.split or d.split
-  if source.num_examples(split) == 0:
-    raise data.DataError(f"the calibration split {split!r} of {d.name!r} is empty; choose one with "
-                         f"examples (compress.split; available: {source.splits}).")
-  split = source.head(split, c.examples)  # read whole: no pass stops inside the split
   image_shape = data.image_shape(source, split, d.pp)
   common.check_params_fit(path, step, params, model, image_shape, "compress")
+  _check_routers(params, blocks=derived.moe_layers(config.model),
+                 experts=derived.num_experts(config.model), family=config.model.router.type)
   smaller = compressed_model(config.model, c.experts)
   layout = _layout(config.model)
   batch = int(d.eval_batch_size or d.batch_size)
@@ -91,10 +93,34 @@ def run(config: CompressRun, placement: Placement, checkpoints: weights.Checkpoi
   return summary
 
 
+def _calibration_data(config: CompressRun):
+  """(data config, source, split): the calibration images, the split checked to hold some."""
+  split = config.compress.split or config.data.split
+  ds = dataset_specs.open_dataset(config.data.name, config.data, split,
+                                  role=f"calibration data (compress.split={split})")
+  # Read whole: no pass stops inside the split.
+  return ds.config, ds.source, ds.source.head(split, config.compress.examples)
+
+
+def _check_routers(params, *, blocks, experts: int, family: str) -> None:
+  """Every router parameter must have the experts as its last axis, the one compression
+  selects or averages along (a plug-in family's scalar or (D, D) parameter has no such axis)."""
+  for block in blocks:
+    router = transfer.flatten(params[f"block_{block}"][introspection.MOE_LAYER]["router"])
+    odd = [f"{k} {tuple(np.shape(v))}" for k, v in router.items()
+           if not np.ndim(v) or np.shape(v)[-1] != experts]
+    if odd:
+      raise ConfigError(f"model.router.type={family} has router parameters whose last axis is "
+                        f"not the {experts} experts ({', '.join(odd)} in block {block}), so vmoe "
+                        "compress cannot tell how to keep or merge them; it compresses routers "
+                        "whose parameters each hold one column per expert (token_choice, "
+                        "experts_choice).")
+
+
 def compressed_model(model: ModelConfig, experts: int) -> ModelConfig:
   """The model with `experts` routed experts per MoE layer; a token-choice k larger than what a
   member's experts allow becomes that many (the relation that refuses E' said when it cannot)."""
-  split, members = derived.expert_split(model), _partitions(model)
+  split, members = derived.expert_split(model), derived.expert_partitions(model)
   moe = dataclasses.replace(model.moe, num_experts=experts // split)
   router = model.router
   if getattr(router, "k", None) and router.k * split > experts // members:
@@ -102,17 +128,10 @@ def compressed_model(model: ModelConfig, experts: int) -> ModelConfig:
   return dataclasses.replace(model, moe=moe, router=router)
 
 
-def _partitions(model: ModelConfig) -> int:
-  """How many groups of experts compress apart: a partitioned ensemble's members (not
-  tiling_only, whose one router chooses among all)."""
-  if model.moe.ensemble_variant == EnsembleVariant.tiling_only:
-    return 1
-  return derived.ensemble_size(model)
-
-
 def _layout(model: ModelConfig) -> dict:
-  tiled = derived.predictions_per_image(model) > 1
-  return {"partitions": _partitions(model), "tiled": tiled}
+  """How a partitioned ensemble's rows and experts lie (runner/models/moe/layer.py)."""
+  return {"partitions": derived.expert_partitions(model),
+          "tiled": derived.predictions_per_image(model) > 1}
 
 
 def _compress(params, stats: dict, c, partitions: int, block: dict) -> tuple[dict, dict, dict]:
@@ -157,7 +176,8 @@ def _stored_config(config: CompressRun, stored: dict, model: ModelConfig) -> dic
   return {**(stored or {}), "model": as_dict(model), "data": own["data"],
           "train": {**((stored or {}).get("train") or {}), "loss": config.loss.value},
           "objective": own["objective"], "init": own["init"], "compress": own["compress"],
-          "seed": config.seed, "workdir": config.workdir, "stage": "compress"}
+          "seed": (stored or {}).get("seed", config.seed), "workdir": config.workdir,
+          "stage": "compress"}
 
 
 def _save(directory: pathlib.Path, step: int, params, stored: dict) -> None:

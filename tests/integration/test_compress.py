@@ -148,7 +148,11 @@ def test_compress_refuses_before_writing(shared_run, run_cli, tmp_path):
        ("dense ViT", "no experts")),
       ([f"init.checkpoint={vmoe}", "compress.experts=4", "data.eval_batch_size=12"],
        ("data.eval_batch_size=12", "model.moe.group_size=8")),
-      ([f"init.checkpoint={unfinished}", "compress.experts=4"], ("did not finish",))):
+      ([f"init.checkpoint={unfinished}", "compress.experts=4"], ("did not finish",)),
+      ([f"init.checkpoint={vmoe}", "compress.experts=4", "compress.split=nosuch"],
+       ("compress.split=nosuch",)),
+      ([f"init.checkpoint={vmoe}", "compress.experts=4", "data.name=mnist5k_0to4"],
+       ("5 classes", "predicts 10"))):
     fails_clearly(run_cli("compress", *args, f"workdir={out}", *QUIET), *expected)
     nothing_like_a_run(out)
 
@@ -171,3 +175,10 @@ def test_shared_experts_are_kept_and_fine_grained_ones_compress(run_cli, tmp_pat
     np.testing.assert_array_equal(after[name], before[name])
   stored = checkpoint.read_config(str(tmp_path / "merged"))["model"]["moe"]
   assert (stored["num_experts"], stored["expert_split"], stored["shared_experts"]) == (3, 2, 2)
+  out = tmp_path / "refused"
+  fails_clearly(run_cli("compress", f"init.checkpoint={up}", "compress.experts=5", *QUIET,
+                        f"workdir={out}"), "compress.experts=5", "multiple of 2", "expert_split=2")
+  fails_clearly(run_cli("compress", f"init.checkpoint={up}", "compress.experts=8",
+                        "compress.method=prune", *QUIET, f"workdir={out}"),
+                "12,870 subsets", "prune_frequency")
+  nothing_like_a_run(out)

@@ -142,6 +142,10 @@ def test_e3_checkpoint_compresses_each_members_partition(run_cli, released, tmp_
                          "compress.examples=64", "data.eval_batch_size=32",
                          f"workdir={tmp_path / 'merged'}")
   assert code == 0, err
+  code, _, err = run_cli("compress", f"init.checkpoint={released['e3']}", "model=vmoe_tiny_k1_m2",
+                         *TINY_MODEL, *QUIET, "data=uci_digits", "compress.experts=3",
+                         f"workdir={tmp_path / 'odd'}")
+  assert code == 2 and "members keeps as many" in err and not (tmp_path / "odd").exists()
   new_expert = _summary(tmp_path / "merged")["compress/layer_1/new_expert"]
   assert set(new_expert[:4]) == {0, 1} and set(new_expert[4:]) == {2, 3}
   code, _, err = run_cli("eval", f"init.checkpoint={tmp_path / 'merged'}", *EVAL,

@@ -22,6 +22,7 @@ from scipy.cluster import hierarchy
 
 from runner.models import build_model, compression, introspection, model_config
 from runner.stages import calibration
+from runner.tasks.compress import compressed_model
 
 E, D, H = 8, 6, 10
 
@@ -271,7 +272,7 @@ def test_prune_measures_each_subset_as_lu_et_al(vmoe):
   block = {"mlp_dim": small.mlp_dim, **small.moe, "dtype": small.dtype}
   moe = params["block_1"]["moe"]
   subsets = list(compression.subsets(E, 4))
-  assert len(subsets) == compression.subset_count(E, 4) == 70
+  assert len(subsets) == math.comb(E, 4) and subsets[0] == [0, 1, 2, 3]
   candidates = []
   for kept in subsets:
     experts, router = compression.apply_plan(moe["experts"], {"kernel": moe["router"]["dense"]
@@ -290,3 +291,66 @@ def test_prune_measures_each_subset_as_lu_et_al(vmoe):
                              **layer) - whole) ** 2).sum() / (whole ** 2).sum() for kept in subsets]
   np.testing.assert_allclose(errors, want, rtol=1e-4)
   assert int(np.argmin(errors)) == int(np.argmin(want))
+
+
+@pytest.mark.parametrize("variant", ["pbe", "tiling_only", "partition_only"])
+def test_gather_follows_each_ensemble_layout(vmoe, variant):
+  """A batch ensemble of M=2 (E=8, k=1), laid out as `vmoe compress` calls gather: `chosen`
+  against the summed expert_mask records (a tiled row's M copies side by side on the tokens
+  axis), and expert e's mean output against its MLP (NumPy, float64) over the rows its partition
+  sees: pbe member e // (E/M)'s copies (row b*M + m) only, tiling_only (one router over all E)
+  every copy, partition_only every (untiled) row. Padding changes nothing."""
+  _, _, images = vmoe
+  m = 2
+  config = dataclasses.replace(model_config("vmoe_tiny"), num_layers=2, hidden_size=32,
+                               mlp_dim=64, num_heads=2, image_size=16, patch_size=4)
+  config = dataclasses.replace(config, router=dataclasses.replace(config.router, k=1),
+                               moe=dataclasses.replace(config.moe, layers=[0, 1], group_size=2,
+                                                       ensemble_size=m, ensemble_variant=variant))
+  model = build_model(config, CLASSES)
+  keys = {"params": jax.random.key(0), "gating": jax.random.key(1)}
+  params = nn.meta.unbox(model.init(keys, jnp.zeros((2, 16, 16, 3)), train=False)["params"])
+  tiled = variant != "partition_only"
+  kwargs = dict(examples=100, partitions=1 if variant == "tiling_only" else m, tiled=tiled,
+                outputs=True)
+  stats, seen = calibration.gather(model, params, _batches(images, 10), **kwargs)
+  _, _, records = jax.jit(lambda p, x: introspection.apply_with_routing(
+      model, p, x, train=False))(params, images[:10])
+  _, state = jax.jit(lambda p, x: model.apply(
+      {"params": p}, x, train=False, mutable=["intermediates"],
+      capture_intermediates=lambda module, _: module.name == "norm2"))(params, images[:10])
+  assert seen == 10 and sorted(stats) == sorted(records) == ["layer_0", "layer_1"]
+  for layer, r in records.items():
+    block = f"block_{layer.split('_')[-1]}"
+    x = np.asarray(state["intermediates"][block]["norm2"]["__call__"][0], np.float64)
+    assert x.shape[0] == (10 * m if tiled else 10)
+    p = {k: np.asarray(v, np.float64) for k, v in params[block]["moe"]["experts"].items()}
+    assert len(p["fc1_bias"]) == E
+    means = []
+    for e in range(E):
+      rows = x.reshape(10, m, *x.shape[1:])[:, e // (E // m)] if variant == "pbe" else x
+      z = rows.reshape(-1, x.shape[-1]) @ p["fc1_kernel"][e] + p["fc1_bias"][e]
+      h = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+      means.append((h @ p["fc2_kernel"][e] + p["fc2_bias"][e]).mean(0))
+    s = stats[layer]
+    np.testing.assert_array_equal(s.chosen, np.asarray(r["expert_mask"], np.float64).sum((0, 1)),
+                                  err_msg=layer)
+    np.testing.assert_allclose(s.mean_outputs, np.stack(means), rtol=1e-4, atol=1e-6,
+                               err_msg=layer)
+    assert s.tokens == x.shape[0] * x.shape[1]
+  other = images.copy()
+  other[10:] = 50 * np.random.default_rng(1).normal(size=other[10:].shape)
+  again, _ = calibration.gather(model, params, _batches(other, 10), **kwargs)
+  for layer, s in stats.items():
+    for name in ("chosen", "mean_outputs", "tokens"):
+      np.testing.assert_array_equal(getattr(again[layer], name), getattr(s, name), err_msg=name)
+
+
+@pytest.mark.parametrize("name, kept, k, experts", [
+    ("vmoe_tiny", 2, 2, 2),  # k = 2 of 2 experts still fits
+    ("vmoe_tiny_k2_m2", 2, 1, 2),  # each of 2 members keeps 1 expert: k = 1
+    ("vmoe_tiny_k2_f2", 2, 1, 1),  # 2 routed experts of a split of 2: k * 2 <= 2
+    ("vmoe_tiny_k1_f2", 4, 1, 2)])
+def test_compressed_model_fits_k_to_what_a_router_keeps(name, kept, k, experts):
+  model = compressed_model(model_config(name), kept)
+  assert (model.router.k, model.moe.num_experts) == (k, experts)
