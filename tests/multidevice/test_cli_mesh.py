@@ -4,9 +4,13 @@ from __future__ import annotations
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from conftest import QUIET, TINY_MODEL
+
+from runner.checkpoints import weights
+from runner.models import transfer
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8,
                                 reason="needs 8 devices (run via test_multidevice.py)")
@@ -43,3 +47,24 @@ def test_mesh_mistakes_fail_before_compilation(args, expected, run_cli, tmp_path
   for text in expected:
     assert text in err, (text, err)
   assert not (tmp_path / "checkpoints").exists()
+
+
+def test_drop_upcycling_starts_alike_on_every_mesh(run_cli, tmp_path):
+  """Drop-Upcycling draws on the host, seeded by the seed and the block, before the parameters
+  reach the devices: a V-MoE upcycled from a ViT starts the same experts data-parallel and with
+  the experts split over the devices (sharding=ep). A learning rate of 1e-9 leaves the saved
+  step's parameters the starting ones to within 1e-6."""
+  assert run_cli("pretrain", "model=vit_tiny", f"workdir={tmp_path / 'vit'}", *FAST)[0] == 0
+  experts = {}
+  for sharding in ("dp", "ep"):
+    code, _, err = run_cli("finetune", "model=vmoe_tiny", f"init.checkpoint={tmp_path / 'vit'}",
+                           "init.dense_to_experts=true", "init.drop_upcycling_ratio=0.5",
+                           "optim.lr=1e-9", f"sharding={sharding}",
+                           f"workdir={tmp_path / sharding}", *FAST)
+    assert code == 0, err
+    flat = transfer.flatten(weights.load(str(tmp_path / sharding))[0])
+    experts[sharding] = {k: v for k, v in flat.items() if "/moe/experts/" in k}
+  for name, value in experts["dp"].items():
+    np.testing.assert_allclose(experts["ep"][name], value, atol=1e-6, err_msg=name)
+  kernel = experts["dp"]["block_1/moe/experts/fc1_kernel"]
+  assert not np.allclose(kernel[0], kernel[1])  # the copies were redrawn apart
