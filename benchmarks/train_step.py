@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
+from runner.config import sections
 from runner.config.schema import Classifier, DType, ModelConfig, MoeConfig, RouterConfig
 from runner.models import build_model
 from runner.models.flops import train_flops_per_image, forward_flops_per_image
@@ -54,12 +55,12 @@ def model_configs(preset: dict, dtype: str) -> dict[str, ModelConfig]:
                                                "num_layers", "mlp_dim", "num_heads")})
   moe = dataclasses.replace(base, moe=MoeConfig(layers=preset["moe_layers"],
                                                 num_experts=preset["num_experts"], group_size=8),
-                            router=RouterConfig(k=2, capacity_ratio=1.05))
+                            router=sections.new(RouterConfig, k=2, capacity_ratio=1.05))
   dense = dataclasses.replace(base, moe=MoeConfig(layers=[], num_experts=0))
   experts_choice = dataclasses.replace(
-      moe, router=RouterConfig(type="experts_choice", capacity_ratio=2.0))
+      moe, router=sections.new(RouterConfig, type="experts_choice", capacity_ratio=2.0))
   soft = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, group_size=1),
-                             router=RouterConfig(type="soft", capacity_ratio=2.0))
+                             router=sections.new(RouterConfig, type="soft", capacity_ratio=2.0))
   return {"vmoe": moe, "dense": dense, "experts_choice": experts_choice, "soft": soft}
 
 

@@ -44,7 +44,7 @@ def register_configs() -> None:
   if _registered:
     return
   _registered = True
-  sections.complete()  # every module has registered its keys: the schema is made, once
+  sections.build()  # every module has registered its keys: the schema is made, once
   store = VmoeStore()
   for task, schema in TASK_SCHEMAS.items():
     store.store(name=f"{task}_schema", node=schema)

@@ -13,7 +13,7 @@ import math
 import typing
 from typing import Callable
 
-from runner.config import derived, registries
+from runner.config import derived, registries, sections
 from runner.config.schema import (PRUNE_SUBSETS_MAX, CompressMethod, CompressRun,
                                   ContrastiveLoss, DataConfig, InitConfig, DistributedConfig,
                                   EnsembleRun, EnsembleVariant, EvalConfig, EvalRun,
@@ -497,7 +497,7 @@ def evaluations_during_training(eval: EvalConfig, objective: ObjectiveConfig):
   """In training the measurements run on the run's own validation split (a contrastive run's
   zero-shot validation reads the sections only a contrastive checkpoint reads); the evaluators
   that are not `in_training` are vmoe eval's."""
-  defaults = EvalConfig()
+  defaults = sections.new(EvalConfig)
   names = ("datasets", "split", "save_predictions")
   if objective.name != Objective.contrastive:
     names += tuple(_contrastive_sections(eval))

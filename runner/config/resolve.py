@@ -16,7 +16,7 @@ from omegaconf.errors import (InterpolationResolutionError, MissingMandatoryValu
 
 from runner.config.schema import (CompressRun, DataConfig, EnsembleMember, EnsembleRun, EvalRun,
                                   ExportRun, FewshotMember, FewshotRun, InitConfig, Loss, ModelConfig,
-                                  Objective, ObjectiveConfig, RouterConfig, RunFields, TextConfig,
+                                  DEFAULT_ROUTER, Objective, ObjectiveConfig, RunFields, TextConfig,
                                   TrainConfig, TrainTask)
 from runner.config import registries, sections
 from runner.config.validate import validate
@@ -73,7 +73,7 @@ def train_task(cfg: DictConfig, workdir: str) -> TrainTask:
 def _known(schema, stored: dict) -> dict:
   """The keys of `stored` that `schema` has (a checkpoint of an older version may have others)."""
   out = {}
-  types = typing.get_type_hints(schema)
+  types = typing.get_type_hints(sections.fields_class(schema))
   for name, value in (stored or {}).items():
     if name not in types:
       continue
@@ -109,7 +109,7 @@ def _router_family(router_type: str | None):
   """The family a stored or given router type names (None: the schema's default); None for an
   unknown one, which the schema's check reports."""
   try:
-    return registries.ROUTERS.get(str(router_type or RouterConfig().type))
+    return registries.ROUTERS.get(str(router_type or DEFAULT_ROUTER))
   except ConfigError:
     return None
 
@@ -285,7 +285,7 @@ def load(task: str, cfg: DictConfig, workdir: str | None = None, *, check: bool 
   stored configs with `checkpoints` (runner.checkpoints.weights.Checkpoints)."""
   # Typing a composed config is a use of the schema: in a job's own process (SLURM's), after its
   # plug-ins have loaded, nothing has made it yet.
-  sections.complete()
+  sections.build()
   if workdir is None:
     workdir = "" if OmegaConf.is_missing(cfg, "workdir") else str(cfg.workdir)
   checked = validate if check else (lambda config: config)

@@ -254,7 +254,7 @@ class ModelConfig:
   # (docs/models.md#precision).
   dtype: DType = DType.float32
   moe: MoeConfig = field(default_factory=MoeConfig)
-  router: RouterConfig = field(default_factory=RouterConfig)
+  router: RouterConfig = field(default_factory=sections.made(RouterConfig))
   head: HeadConfig = field(default_factory=HeadConfig)
 
 
@@ -490,10 +490,10 @@ class TrainTask(RunFields):
   data: DataConfig = MISSING
   objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
   text: TextConfig = field(default_factory=TextConfig)  # the contrastive objective's text tower
-  optim: OptimConfig = field(default_factory=OptimConfig)
-  schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+  optim: OptimConfig = field(default_factory=sections.made(OptimConfig))
+  schedule: ScheduleConfig = field(default_factory=sections.made(ScheduleConfig))
   train: TrainConfig = field(default_factory=TrainConfig)
-  eval: EvalConfig = field(default_factory=EvalConfig)
+  eval: EvalConfig = field(default_factory=sections.made(EvalConfig))
   checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
   init: InitConfig = field(default_factory=InitConfig)
   fewshot: FewshotConfig = field(default_factory=FewshotConfig)
@@ -507,7 +507,7 @@ def optional_copy(cls, prefix: str = "Optional"):
     ftype = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # noqa: S307
     if sections.is_open(ftype):  # its copy takes the keys declared to it (router families')
       sub = sections.optional_copy(ftype, prefix + ftype.__name__)
-      fields.append((f.name, sub, field(default_factory=sub)))
+      fields.append((f.name, sub, field(default_factory=sections.made(sub))))
     elif dataclasses.is_dataclass(ftype):
       sub = optional_copy(ftype, prefix)
       fields.append((f.name, sub, field(default_factory=sub)))
@@ -526,7 +526,7 @@ class EvalTask(RunFields):
   init: InitConfig = field(default_factory=InitConfig)
   model: ModelOverrides = field(default_factory=ModelOverrides)
   data: DataOverrides = field(default_factory=DataOverrides)
-  eval: EvalSuiteConfig = field(default_factory=EvalSuiteConfig)
+  eval: EvalSuiteConfig = field(default_factory=sections.made(EvalSuiteConfig))
 
 
 @dataclass
@@ -554,7 +554,7 @@ class EnsembleTask(RunFields):
   init: FewshotInitConfig = field(default_factory=FewshotInitConfig)
   model: ModelOverrides = field(default_factory=ModelOverrides)
   data: DataOverrides = field(default_factory=DataOverrides)
-  eval: EvalSuiteConfig = field(default_factory=EvalSuiteConfig)
+  eval: EvalSuiteConfig = field(default_factory=sections.made(EvalSuiteConfig))
   ensemble: EnsembleConfig = field(default_factory=EnsembleConfig)
 
 

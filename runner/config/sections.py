@@ -1,15 +1,17 @@
-"""The schema sections that take keys declared elsewhere, made once.
+"""The schema sections that take keys declared elsewhere, made once, fresh.
 
 A router family declares its `model.router.*` keys in its own dataclass, an optimizer its
 `optim.*` keys, a schedule its `schedule.*` keys (`declare`), an evaluator its `eval.*` keys
 (`add_fields`). The sections that take them (`RouterConfig`, `OptimConfig`, `ScheduleConfig`,
 `EvalSuiteConfig` and what derives from or copies them) are declared `@open_section` with the
-keys they read themselves, and are not dataclasses yet: registering adds its keys to a list.
-`complete()` then makes each one a dataclass, once, with its own keys followed by the declared
-ones in registration order. It runs at the schema's first use: the Hydra store (before any
+keys they read themselves: each becomes a dataclass that holds no key, never changed after, and
+registering adds its keys to a list. `build()` then makes, once per process, a fresh dataclass
+of each: a subclass with its own keys followed by the declared ones in registration order, which
+the schema's fields default to (`made`), Hydra's store and the resolver type configs with, and
+code makes values of (`new`). It runs at the schema's first use: the Hydra store (before any
 composition), or the first section made. So the modules register (the built-ins by
 `runner.builtins.register()`, a plug-in's from `plugins=`) before any config exists, and keys
-declared after that are refused rather than added to classes already in use.
+declared after that are refused with their names rather than missing from classes in use.
 """
 from __future__ import annotations
 
@@ -21,28 +23,31 @@ from runner.errors import ConfigError
 
 _OPEN: list[type] = []  # in declaration order: a base before what derives from it
 _OWN: dict[type, dict[str, object]] = {}  # section -> its class body's keys and their defaults
+_BODY: dict[type, type] = {}  # section -> the class as declared, whose annotations type its keys
 _DECLARED: dict[type, dict[str, tuple[type, dataclasses.Field]]] = {}
 # section -> its all-optional copies (schema.optional_copy: eval's "unchanged unless given" model
 # overrides), which take each declared key too, as Optional and None by default.
 _OPTIONAL_COPIES: dict[type, list[type]] = {}
-_completed = False
-
-
-def _first_use(self, *args, **kwargs):
-  """An open section's constructor until `complete()`: making one is the schema's first use."""
-  complete()
-  type(self).__init__(self, *args, **kwargs)
+_BUILT: dict[type, type] = {}  # section -> the class `build` made of it, once
+_made = False  # whether `build` ran: from then on no key may be declared
 
 
 def open_section(cls):
   """Declares `cls` (a class with annotated keys, as for `@dataclass`) a section that takes
-  declared keys; `complete()` makes it a dataclass."""
-  cls.__init__ = _first_use
-  _OPEN.append(cls)
-  _OWN[cls] = {name: cls.__dict__.get(name, dataclasses.MISSING)
-               for name in cls.__dict__.get("__annotations__", {})}
-  _DECLARED[cls] = {}
-  return cls
+  declared keys. `cls` becomes a dataclass that holds no key of its own: its keys, own and
+  declared, are the fields of the class `build` makes from it, a subclass (so `cls` still names
+  the section in annotations and isinstance), which `made(cls)` and `built(cls)` give."""
+  own = {name: cls.__dict__.get(name, dataclasses.MISSING)
+         for name in cls.__dict__.get("__annotations__", {})}
+  body = {k: v for k, v in cls.__dict__.items()
+          if k not in own and k not in ("__annotations__", "__dict__", "__weakref__")}
+  body["__annotations__"] = {}
+  section = dataclasses.dataclass(type(cls.__name__, cls.__bases__, body))
+  _BODY[section] = cls
+  _OPEN.append(section)
+  _OWN[section] = own
+  _DECLARED[section] = {}
+  return section
 
 
 def is_open(cls) -> bool:
@@ -56,14 +61,25 @@ def own_keys(cls) -> tuple[str, ...]:
 
 def _own(cls) -> dict[str, tuple[type, dataclasses.Field]]:
   """The keys the class body of the open section `cls` declares."""
-  hints = typing.get_type_hints(cls)
-  return {name: (hints[name], value if isinstance(value, dataclasses.Field)
-                 else dataclasses.field(default=value)) for name, value in _OWN[cls].items()}
+  hints = typing.get_type_hints(_BODY[cls])
+  return {name: (hints[name], dataclasses.field(**_field_kwargs(value)) if isinstance(
+      value, dataclasses.Field) else dataclasses.field(default=value))
+          for name, value in _OWN[cls].items()}
+
+
+def _field_kwargs(f: dataclasses.Field) -> dict:
+  """A field's declaration, so that each class made from it gets a field of its own."""
+  kwargs = {"metadata": f.metadata}
+  if f.default_factory is not dataclasses.MISSING:
+    kwargs["default_factory"] = f.default_factory
+  elif f.default is not dataclasses.MISSING:
+    kwargs["default"] = f.default
+  return kwargs
 
 
 def fields_of(cls) -> dict[str, tuple[type, dataclasses.Field]]:
-  """name -> (type, field) of an open section, its own keys then the declared ones, before or
-  after `complete()`."""
+  """name -> (type, field) of an open section, its own keys then the declared ones, for each
+  open section it derives from first."""
   found = {}
   for klass in reversed(cls.__mro__):
     if klass in _DECLARED:
@@ -81,21 +97,22 @@ def optional_copy(cls, name: str):
   default, taking each key declared to `cls` as well."""
   fields = {key: (Optional[kind], dataclasses.field(default=None, metadata=f.metadata))
             for key, (kind, f) in _own(cls).items()}
-  copy = type(name, (), {"__module__": cls.__module__, "__annotations__": {key: kind for key, (kind, _) in fields.items()},
+  copy = type(name, (), {"__module__": cls.__module__,
+                         "__annotations__": {key: kind for key, (kind, _) in fields.items()},
                          **{key: f for key, (_, f) in fields.items()}})
-  open_section(copy)
+  copy = open_section(copy)
   mirror(cls, copy)
   return copy
 
 
 def add_fields(cls, fields: dict[str, tuple[type, dataclasses.Field]], *, owner: str) -> None:
   """Adds `name -> (type, dataclasses.field(...))` to the open section `cls`; `owner` names the
-  declaring one in the error if the schema is already in use. A key declared already (the same
+  declaring one in the error if the schema is already made. A key declared already (the same
   module registering again) is kept as it was."""
   fields = {name: value for name, value in fields.items() if name not in _DECLARED[cls]}
   if not fields:
     return
-  if _completed:
+  if _made:
     raise ConfigError(
         f"{owner} declares keys ({', '.join(fields)}) after the schema was made (a config was "
         "already composed or made in this process): register it when its module is imported, "
@@ -108,21 +125,68 @@ def add_fields(cls, fields: dict[str, tuple[type, dataclasses.Field]], *, owner:
   _DECLARED[cls].update(fields)
 
 
-def complete() -> None:
-  """Makes every open section a dataclass, once: its own keys, then the declared ones."""
-  global _completed
-  if _completed:
+def build() -> None:
+  """Makes, once, a fresh dataclass of every open section: a subclass of it (and of what `build`
+  made of the open section it derives from), its own keys then the declared ones."""
+  global _made
+  if _made:
     return
-  _completed = True
+  _made = True
   for cls in _OPEN:
-    annotations = cls.__dict__.get("__annotations__")
-    if annotations is None:
-      annotations = cls.__annotations__ = {}
-    for name, (kind, field) in _DECLARED[cls].items():
-      annotations[name] = kind  # the type itself, not a string: typing.get_type_hints takes both
-      setattr(cls, name, field)
-    del cls.__init__  # _first_use: the dataclass writes the constructor
-    dataclasses.dataclass(cls)
+    parents = [_BUILT[b] for b in cls.__bases__ if b in _BUILT]
+    keys = {**_own(cls), **_DECLARED[cls]}
+    _BUILT[cls] = dataclasses.make_dataclass(
+        cls.__name__, [(name, kind, field) for name, (kind, field) in keys.items()],
+        bases=(*parents, cls), namespace={"__module__": __name__,
+                                          "__qualname__": f"BUILT.{cls.__name__}",
+                                          "__doc__": cls.__doc__})
+
+
+class _Built:
+  """Where pickle finds a built class (`runner.config.sections.BUILT.RouterConfig`: a config
+  composed in one process and typed in a job's own): in a process that has not built yet, the
+  first lookup builds, after what unpickling the job registered."""
+
+  def __getattr__(self, name: str) -> type:
+    build()
+    for made in _BUILT.values():
+      if made.__name__ == name:
+        return made
+    raise AttributeError(name)
+
+
+BUILT = _Built()
+
+
+def is_built() -> bool:
+  """Whether this process has made the schema."""
+  return _made
+
+
+def built(cls) -> type:
+  """The class `build` made of the open section `cls` (making the schema, if nothing has yet)."""
+  build()
+  return _BUILT[cls]
+
+
+def new(cls, **keys):
+  """A value of the open section `cls` (its built class's), with `keys` set."""
+  return built(cls)(**keys)
+
+
+def fields_class(cls) -> type:
+  """The class whose fields a value annotated `cls` has: the built class of an open section (the
+  section itself holds none), else `cls`."""
+  return built(cls) if is_open(cls) else cls
+
+
+def made(cls):
+  """A default_factory for a field holding the open section `cls`: an instance of its built class,
+  the schema made at that first use."""
+  def make():
+    return built(cls)()
+  make.__qualname__ = f"made({cls.__name__})"
+  return make
 
 
 def declare(section, Config, *, owner: str, prefix: str, chooser: str, noun: str,

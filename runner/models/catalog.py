@@ -18,7 +18,7 @@ import dataclasses
 import re
 from typing import Callable
 
-from runner.config import components
+from runner.config import components, sections
 from runner.config.registries import Registry
 from runner.config.schema import Classifier, ModelConfig, MoeConfig, RouterConfig
 from runner.errors import UserError
@@ -104,13 +104,13 @@ def model_config(name: str) -> ModelConfig:
         f"with size in {{{', '.join(SOFT_SIZES)}}} (the Soft MoE paper's ViT sizes).")
   tiny = bool(m["tiny"])
   hidden, layers, mlp, heads = SIZES["tiny" if tiny else m["size"]]
-  moe, router = MoeConfig(layers=[], num_experts=0), RouterConfig(k=2)
+  moe, router = MoeConfig(layers=[], num_experts=0), sections.new(RouterConfig, k=2)
   if m["kind"] == "vmoe":
     placement = f"{m['place'] or 'every'}{m['n'] or 2}"
     moe = MoeConfig(layers=placement, num_experts=int(m["e"] or (8 if tiny else 32)),
                     ensemble_size=int(m["m"] or 1), shared_experts=int(m["s"] or 0),
                     expert_split=int(m["f"] or 1))
-    router = RouterConfig(k=int(m["k"] or 2))
+    router = sections.new(RouterConfig, k=int(m["k"] or 2))
   return ModelConfig(name=name, image_size=32 if tiny else 224,
                      patch_size=4 if tiny else int(m["patch"]), hidden_size=hidden,
                      num_layers=layers, mlp_dim=mlp, num_heads=heads, moe=moe, router=router)
@@ -129,7 +129,8 @@ def _soft_moe_paper_model(name: str, m) -> ModelConfig:
     experts = int(m["e"] or (256 if patch == 14 else 128))
   # Soft MoE's slots per expert (the paper's 1 at full size); experts-choice reads no such key.
   slots = None if router_type != "soft" or m["tiny"] and not m["p"] else int(m["p"] or 1)
-  router = RouterConfig(type=router_type, capacity_ratio=1.0, slots_per_expert=slots)
+  router = sections.new(RouterConfig, type=router_type, capacity_ratio=1.0,
+                        slots_per_expert=slots)
   return ModelConfig(name=name, image_size=image, patch_size=patch, hidden_size=hidden,
                      num_layers=layers, mlp_dim=mlp, num_heads=heads, classifier=Classifier.gap,
                      attention_qk_norm=qk_norm,

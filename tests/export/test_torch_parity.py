@@ -50,7 +50,7 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from runner.config import registries  # noqa: E402
+from runner.config import registries, sections  # noqa: E402
 from runner.config.schema import (  # noqa: E402
     CapacityRounding, Classifier, EnsembleVariant, HeadConfig, HeadType, ModelConfig, MoeConfig,
     Priority, RouterConfig)
@@ -71,7 +71,7 @@ BATCH = 4
 BASE = ModelConfig(name="tiny", image_size=16, patch_size=4, hidden_size=32, num_layers=2,
                    mlp_dim=64, num_heads=2)
 # Token choice at an inference capacity of half the slots that k * tokens / E would need.
-DROPPING = RouterConfig(k=2, capacity_ratio=1.0, eval_capacity_ratio=0.5)
+DROPPING = sections.new(RouterConfig, k=2, capacity_ratio=1.0, eval_capacity_ratio=0.5)
 
 
 def moe(layers=(1,), experts=4, group=2, router=DROPPING, **moe_keys) -> dict:
@@ -80,7 +80,7 @@ def moe(layers=(1,), experts=4, group=2, router=DROPPING, **moe_keys) -> dict:
 
 
 def pbe(variant: EnsembleVariant, layers=(1,), **router_keys) -> dict:
-  return moe(layers, router=RouterConfig(k=1, capacity_ratio=1.0, eval_capacity_ratio=0.5,
+  return moe(layers, router=sections.new(RouterConfig, k=1, capacity_ratio=1.0, eval_capacity_ratio=0.5,
                                          **router_keys),
              ensemble_size=2, ensemble_variant=variant)
 
@@ -108,32 +108,32 @@ CASES = {
         router=dataclasses.replace(DROPPING, batch_priority=True, gate=Gate.sigmoid,
                                    balance=Balance.bias))), "softmax"),
     "token_choice_reference_rounding": (
-        dict(num_layers=3, **moe(layers=(1, 2), router=RouterConfig(
+        dict(num_layers=3, **moe(layers=(1, 2), router=sections.new(RouterConfig, 
             k=2, capacity_ratio=1.0, eval_capacity_ratio=0.3,
             capacity_rounding=CapacityRounding.reference))), "softmax"),
     "token_choice_one_group": (moe(group=8), "softmax"),  # the batch is smaller than a group
     "token_choice_qk_norm_map": (dict(classifier=Classifier.map, attention_qk_norm=True,
                                       **moe()), "softmax"),
-    "experts_choice": (moe(router=RouterConfig(type="experts_choice", capacity_ratio=1.0,
+    "experts_choice": (moe(router=sections.new(RouterConfig, type="experts_choice", capacity_ratio=1.0,
                                                eval_capacity_ratio=0.5)), "softmax"),
-    "soft": (moe(router=RouterConfig(type="soft", capacity_ratio=1.0)), "softmax"),
-    "soft_slots": (dict(classifier=Classifier.gap, **moe(router=RouterConfig(
+    "soft": (moe(router=sections.new(RouterConfig, type="soft", capacity_ratio=1.0)), "softmax"),
+    "soft_slots": (dict(classifier=Classifier.gap, **moe(router=sections.new(RouterConfig, 
         type="soft", slots_per_expert=3))), "softmax"),
     # DeepSeekMoE: 8 fine-grained experts of width 32, 4 chosen, plus a shared expert (GAP: the
     # drops at the inference capacity show); a shared expert beside another family.
     "token_choice_shared_split": (dict(classifier=Classifier.gap, **moe(
         shared_experts=1, expert_split=2)), "softmax"),
-    "soft_shared": (moe(router=RouterConfig(type="soft", capacity_ratio=1.0), shared_experts=2),
+    "soft_shared": (moe(router=sections.new(RouterConfig, type="soft", capacity_ratio=1.0), shared_experts=2),
                     "softmax"),
     # Dropless token choice (every assignment processed): PyTorch routes at a capacity of S slots
     # per expert, which nothing overflows; with sigmoid gates and DeepSeekMoE's experts too.
     "token_choice_dropless": (dict(classifier=Classifier.gap, **moe(
-        router=RouterConfig(k=2, dropless=True))), "softmax"),
+        router=sections.new(RouterConfig, k=2, dropless=True))), "softmax"),
     "token_choice_dropless_sigmoid_shared_split": (dict(classifier=Classifier.gap, **moe(
-        router=RouterConfig(k=2, dropless=True, gate=Gate.sigmoid), shared_experts=1,
+        router=sections.new(RouterConfig, k=2, dropless=True, gate=Gate.sigmoid), shared_experts=1,
         expert_split=2)), "softmax"),
     "token_choice_dropless_bias": (dict(classifier=Classifier.gap, **moe(
-        router=RouterConfig(k=2, dropless=True, balance=Balance.bias))), "softmax"),
+        router=sections.new(RouterConfig, k=2, dropless=True, balance=Balance.bias))), "softmax"),
     "pbe": (pbe(EnsembleVariant.pbe), "softmax"),
     "pbe_first_block": (pbe(EnsembleVariant.pbe, layers=(0, 1)), "softmax"),
     "pbe_sigmoid": (pbe(EnsembleVariant.pbe), "sigmoid"),
@@ -531,7 +531,7 @@ def test_a_family_without_torch_routing_is_refused(monkeypatch, tmp_path):
   found = registries.ROUTERS.get
   monkeypatch.setattr(registries.ROUTERS, "get",
                       lambda name: NoTorch if str(name) == NoTorch.name else found(name))
-  config = dataclasses.replace(BASE, **moe(router=RouterConfig(type=NoTorch.name)))
+  config = dataclasses.replace(BASE, **moe(router=sections.new(RouterConfig, type=NoTorch.name)))
   problem = architecture.unsupported(config)
   assert problem and NoTorch.name in problem and "torch_routing" in problem
   with pytest.raises(ValueError, match=NoTorch.name):
@@ -589,7 +589,7 @@ def test_a_plug_in_family_exports_with_its_own_source(monkeypatch, tmp_path):
   monkeypatch.setattr(registries.ROUTERS, "get",
                       lambda name: Top1Family if str(name) == Top1Family.name else found(name))
   config = dataclasses.replace(BASE, classifier=Classifier.gap, **moe(
-      router=RouterConfig(type=Top1Family.name, capacity_ratio=0.5)))
+      router=sections.new(RouterConfig, type=Top1Family.name, capacity_ratio=0.5)))
   model = build_model(config, CLASSES)
   x = images()
   params = random_params(nn.unbox(jax.eval_shape(

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 from hydra import compose, initialize_config_dir
 
-from runner.config import components, conf_dir, validate
+from runner.config import components, conf_dir, sections, validate
 from runner.config.registries import Registered, Registry
 from runner.config.resolve import train_task
 from runner.config.schema import ScheduleConfig
@@ -113,7 +113,7 @@ def test_what_a_component_reads_decides_which_keys_it_refuses():
   assert components.register(kind, "decays", _decays, reads=("end_lr_fraction",)) == ()
   assert kind.registry.get("decays") == Registered(_decays, reads=("end_lr_fraction",))
   components.register(kind, "flat", lambda step, *, lr, **_: lr)
-  section = ScheduleConfig(name="decays", end_lr_fraction=0.5)
+  section = sections.new(ScheduleConfig, name="decays", end_lr_fraction=0.5)
   assert components.unread_keys(kind, section) is None
   section.name = "flat"
   assert components.unread_keys(kind, section) == (

@@ -15,7 +15,7 @@ import typing
 import pytest
 from hydra import compose, initialize_config_dir
 
-from runner.config import conf_dir, schema, validate
+from runner.config import conf_dir, schema, sections, validate
 from runner.config.checks import Check
 from runner.config.resolve import train_task
 from runner.config.schema import TrainTask
@@ -290,7 +290,7 @@ def test_every_checked_default_passes_its_own_check():
 
 def test_overrides_keep_the_checks_of_the_keys_they_override():
   router = {f.name: f for f in dataclasses.fields(
-      typing.get_type_hints(schema.ModelOverrides)["router"])}
+      sections.fields_class(typing.get_type_hints(schema.ModelOverrides)["router"]))}
   assert router["k"].metadata["check"](0) == "must be >= 1"
   assert router["k"].default is None
 

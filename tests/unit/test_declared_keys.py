@@ -10,6 +10,7 @@ import pytest
 
 from runner.config.checks import at_least, key, positive, rate
 from runner.config.registries import OPTIMIZERS, ROUTERS, SCHEDULES
+from runner.config import sections
 from runner.config.schema import OptimConfig, RouterConfig, ScheduleConfig
 from runner.errors import ConfigError
 from runner.models.moe.routers import RouterFamily, register as register_router
@@ -17,7 +18,7 @@ from runner.train import optimizers, schedules
 
 
 def _keys(section) -> list[str]:
-  return [f.name for f in dataclasses.fields(section)]
+  return list(sections.fields_of(section))
 
 
 @dataclasses.dataclass
@@ -134,9 +135,8 @@ def test_keys_declared_after_the_schema_is_made_are_refused():
   """This process has composed configs: the sections are dataclasses, made once; a registration
   that would add keys now is refused and adds nothing, a re-registration of the same keys is a
   no-op."""
-  from runner.config import sections
-  sections.complete()
-  made = {section: section.__init__ for section in (OptimConfig, ScheduleConfig, RouterConfig)}
+  sections.build()
+  made = {section: sections.built(section) for section in (OptimConfig, ScheduleConfig, RouterConfig)}
   before = {section: _keys(section) for section in made}
   with pytest.raises(ConfigError, match=r"^optimizer 'late' declares keys \(late_key\) after the "
                      r"schema was made .* load the module with plugins=\[\.\.\.\]"):
@@ -147,21 +147,25 @@ def test_keys_declared_after_the_schema_is_made_are_refused():
   token_choice = ROUTERS.get("token_choice")
   register_router(token_choice)  # the same family's keys again (a module imported twice): no-op
   assert ROUTERS.get("token_choice") is token_choice
-  sections.complete()
+  sections.build()
   assert {section: _keys(section) for section in made} == before
-  assert {section: section.__init__ for section in made} == made
+  assert {section: sections.built(section) for section in made} == made
+  assert all(_keys(section) == [f.name for f in dataclasses.fields(made[section])]
+             for section in made)  # what the built classes hold
   assert "late" not in OPTIMIZERS and "late" not in ROUTERS
 
 
 _BEFORE_USE = """
 import dataclasses
-from runner.config import schema
+from runner.config import schema, sections
 from runner.train import optimizers
-assert not dataclasses.is_dataclass(schema.OptimConfig), "made before its first use"
+assert not sections.is_built(), "made before its first use"
 assert "b1" in [f.name for f in dataclasses.fields(optimizers.AdamConfig)]
-optim = schema.OptimConfig(lr=0.5)  # the first use makes every open section, once
-assert dataclasses.is_dataclass(schema.RouterConfig) and optim.b1 == 0.9 and optim.lr == 0.5
-print([f.name for f in dataclasses.fields(schema.OptimConfig)])
+assert not dataclasses.fields(schema.OptimConfig)  # the section itself holds no key, ever
+optim = sections.new(schema.OptimConfig, lr=0.5)  # the first use makes every open section, once
+assert sections.is_built() and optim.b1 == 0.9 and optim.lr == 0.5
+assert isinstance(optim, schema.OptimConfig) and not dataclasses.fields(schema.OptimConfig)
+print([f.name for f in dataclasses.fields(optim)])
 """
 
 
@@ -179,10 +183,10 @@ def test_the_sections_are_made_at_their_first_use_with_the_keys_registered_by_th
 _JOB_PROCESS = """
 import dataclasses, pickle, sys
 job = pickle.loads(open(sys.argv[1], 'rb').read())  # what submitit's job process unpickles first
+from runner.config import sections
+assert not sections.is_built(), "made before the job's registrations"
 cfg = pickle.loads(open(sys.argv[2], 'rb').read())  # the config composed before submission
-from runner.config import schema
-assert not dataclasses.is_dataclass(schema.RouterConfig), "made before the config was typed"
-assert not dataclasses.is_dataclass(schema.OptimConfig), "made before the launcher composed"
+assert sections.is_built(), "unpickling the config made the schema, after the job registered"
 from runner import config as config_layer
 typed = config_layer.load("pretrain", cfg, "unused", check=False)  # makes the schema here
 print(type(typed.model.router).__name__, typed.model.router.k, typed.optim.b1)

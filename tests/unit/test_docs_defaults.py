@@ -42,7 +42,7 @@ from omegaconf import MISSING
 # when imported, as the CLI imports them (tests/conftest.py does too).
 import runner.evaluators  # noqa: F401
 import runner.models  # noqa: F401
-from runner.config import schema
+from runner.config import schema, sections
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -159,7 +159,8 @@ def _section(cls, f: dataclasses.Field):
     kind = f.type
   for candidate in (kind, *typing.get_args(kind)):
     if dataclasses.is_dataclass(candidate) and isinstance(candidate, type):
-      return None if candidate.__name__.startswith("Optional") else candidate
+      return None if candidate.__name__.startswith("Optional") else sections.fields_class(
+          candidate)
   return None
 
 

@@ -12,7 +12,7 @@ import tensorflow as tf
 from omegaconf import OmegaConf
 
 from runner import parallel
-from runner.config import as_dict, derived, validate
+from runner.config import as_dict, derived, sections, validate
 from runner.config.resolve import (checkpoint_paths, fewshot_run, model_overrides,
                                    stored_model_and_data)
 from runner.config.schema import (DataConfig, DistributedConfig, FewshotConfig, FewshotMember,
@@ -230,7 +230,7 @@ def test_model_overrides_on_the_stored_model():
   for other in (soft, dense):
     assert model_overrides(given, other) == {"router": {"k": 1, "capacity_ratio": 0.5}}
   model, data = stored_model_and_data(stored, given)
-  assert model.router == RouterConfig(k=1, capacity_ratio=0.5, eval_capacity_ratio=0.5)
+  assert model.router == sections.new(RouterConfig, k=1, capacity_ratio=0.5, eval_capacity_ratio=0.5)
   assert model.hidden_size == 32 and model.moe == MoeConfig(layers=[1], num_experts=8)
   assert model.name == "vmoe_tiny" and model.num_heads == 4
   assert data.pp == "decode(3)|resize(16)"

@@ -27,6 +27,7 @@ import pytest
 import scipy.stats
 from sklearn.metrics import mutual_info_score
 
+from runner.config import sections
 from runner.config.schema import EnsembleVariant, RouterConfig
 from runner.evaluators import routing_analysis as ra, routing_plots
 from runner.models import build_model, model_config
@@ -54,7 +55,7 @@ def _info(experts: int, tokens: int, *, k: int = 2, class_token: bool = False,
           family: str = "token_choice", members: int = 1) -> ra.LayerInfo:
   patches = tokens - class_token
   side = int(math.isqrt(patches))
-  return ra.LayerInfo(family=family, router=RouterConfig(k=k), experts=experts, members=members,
+  return ra.LayerInfo(family=family, router=sections.new(RouterConfig, k=k), experts=experts, members=members,
                       group_size=1, tokens=tokens, grid=(side, side), class_token=class_token,
                       k=max(k, 2))
 

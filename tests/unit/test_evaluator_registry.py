@@ -8,6 +8,7 @@ stay as the built-in ones left them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 
 import pytest
@@ -30,13 +31,15 @@ class ProbeConfig:
 
 @pytest.fixture
 def schemas(monkeypatch):
-  """(eval.* of vmoe eval, eval.* of training) for this test alone: open copies that `register`
-  adds keys to and that are made at their first use, as the process's own sections are, with the
-  registry's entries and the sections' bookkeeping copied too."""
+  """(eval.* of vmoe eval, eval.* of training) for this test alone, as constructors of their
+  values: open copies that `register` adds keys to and that are built at their first use, as the
+  process's own sections are, with the registry's entries and the sections' bookkeeping copied
+  too."""
   monkeypatch.setattr(EVALUATORS, "_entries", dict(EVALUATORS._entries))
   own = sections.fields_of(schema.EvalSuiteConfig)
-  for name, fresh in (("_OPEN", []), ("_OWN", {}), ("_DECLARED", {}), ("_OPTIONAL_COPIES", {}),
-                      ("_completed", False)):
+  for name, fresh in (("_OPEN", []), ("_OWN", {}), ("_BODY", {}), ("_DECLARED", {}),
+                      ("_OPTIONAL_COPIES", {}),
+                      ("_BUILT", dict(sections._BUILT)), ("_made", False)):
     monkeypatch.setattr(sections, name, fresh)
   Eval = sections.open_section(type("Eval", (), {
       "__annotations__": {name: kind for name, (kind, _) in own.items()},
@@ -46,7 +49,7 @@ def schemas(monkeypatch):
       "__annotations__": {"every_steps": int}, "every_steps": 0}))
   monkeypatch.setattr(suite_lib, "EvalSuiteConfig", Eval)
   monkeypatch.setattr(suite_lib, "KIND", dataclasses.replace(suite_lib.KIND, section=Eval))
-  return Eval, TrainingEval
+  return functools.partial(sections.new, Eval), functools.partial(sections.new, TrainingEval)
 
 
 def _probe(name="probe", **declared):
@@ -86,7 +89,7 @@ RUN_WIDE = ["batch_size", "datasets", "split", "save_predictions", "plots"]
 
 
 def test_built_ins_declare_their_keys_in_their_own_modules():
-  fields = {f.name: f for f in dataclasses.fields(schema.EvalSuiteConfig)}
+  fields = {f.name: f for f in dataclasses.fields(sections.built(schema.EvalSuiteConfig))}
   for name, keys in DECLARED.items():
     cls = EVALUATORS.get(name)
     assert [k for k, f in fields.items()
@@ -102,7 +105,7 @@ def test_built_ins_declare_their_keys_in_their_own_modules():
 
 
 def test_built_in_enabling_keys_are_keys_of_eval():
-  defaults = schema.EvalSuiteConfig()
+  defaults = sections.new(schema.EvalSuiteConfig)
   for name in BUILT_IN:
     cls = EVALUATORS.get(name)
     if not cls.enabling_key:  # always on
@@ -111,7 +114,7 @@ def test_built_in_enabling_keys_are_keys_of_eval():
     assert cls.enabling_key.startswith("eval.")
     cls.setting(defaults)
     assert not cls.enabled(defaults), name
-  on = schema.EvalSuiteConfig(ood_datasets=["lfw_faces"], capacity_sweep=[0.5], retrieval=True)
+  on = sections.new(schema.EvalSuiteConfig, ood_datasets=["lfw_faces"], capacity_sweep=[0.5], retrieval=True)
   assert [n for n in BUILT_IN if EVALUATORS.get(n).enabling_key and EVALUATORS.get(n).enabled(on)
           ] == ["ood", "capacity_sweep", "retrieval"]
 
@@ -194,7 +197,7 @@ def test_a_plugin_relation_is_checked_with_the_config(schemas, own_relations):
               f"(eval.probe.top_k={eval.probe.top_k} classes); drop one.")
 
   assert relations.RELATIONS[-1].fn is probe_draws
-  config = types.SimpleNamespace(eval=schema.EvalSuiteConfig(plots=False))
+  config = types.SimpleNamespace(eval=sections.new(schema.EvalSuiteConfig, plots=False))
   config.eval.probe = ProbeConfig(enabled=True)  # the key registering adds to eval.*
   with pytest.raises(ConfigError, match=r"^eval.probe.enabled=true with eval.plots=false: the "
                      r"probe's result is its plot \(eval.probe.top_k=3 classes\); drop one.$"):
@@ -210,7 +213,7 @@ def test_built_in_relations_live_with_their_evaluators():
   assert where["capacity_sweep_needs_experts"] == "runner.evaluators.capacity_sweep"
   assert where["routing_analysis_needs_experts"] == "runner.evaluators.routing_analysis"
   with pytest.raises(ConfigError, match="eval.severities is empty but eval.corruptions"):
-    validate(types.SimpleNamespace(eval=schema.EvalSuiteConfig(corruptions=["contrast"],
+    validate(types.SimpleNamespace(eval=sections.new(schema.EvalSuiteConfig, corruptions=["contrast"],
                                                                severities=[])))
 
 

@@ -19,6 +19,7 @@ from formats.reference_tree import Dims, reference_tree
 from jax.extend import core as jax_core
 
 from runner.checkpoints import weights
+from runner.config import sections
 from runner.config.schema import DType, RouterConfig
 from runner.models import build_model, model_config
 from runner.train import objectives, optimizers, schedules, state as state_lib
@@ -26,8 +27,8 @@ from runner.train.step import make_train_step
 
 BF16, F32 = jnp.dtype("bfloat16"), jnp.dtype("float32")
 EXPERTS, CLASSES, WIDTH, MLP = 4, 10, 32, 64
-ROUTERS = {"token_choice": RouterConfig(), "experts_choice": RouterConfig(type="experts_choice"),
-           "soft": RouterConfig(type="soft")}
+ROUTERS = {"token_choice": sections.new(RouterConfig), "experts_choice": sections.new(RouterConfig, type="experts_choice"),
+           "soft": sections.new(RouterConfig, type="soft")}
 REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "cumsum")
 
 

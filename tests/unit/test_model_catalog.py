@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from runner.config import from_dict
+from runner.config import from_dict, sections
 from runner.config.schema import ModelConfig, MoeConfig, RouterConfig
 from runner.errors import ConfigError, UserError
 from runner.models import UnknownModelError, build_model, is_moe, model_config, moe_layer_indices
@@ -40,7 +40,7 @@ def test_vmoe_config_defaults_and_overrides():
   assert c.patch_size == 32 and c.num_layers == 8
   c = model_config("vmoe_b16_every2_e8_k1")
   # The name sets these; every other key keeps its schema default.
-  assert c.moe == MoeConfig(layers="every2", num_experts=8) and c.router == RouterConfig(k=1)
+  assert c.moe == MoeConfig(layers="every2", num_experts=8) and c.router == sections.new(RouterConfig, k=1)
   tiny = model_config("vmoe_tiny")
   assert tiny.moe.num_experts == 8 and tiny.patch_size == 4 and tiny.image_size == 32
   assert is_moe(tiny)
@@ -140,7 +140,7 @@ def test_every_listed_name_resolves(name):
 def test_explicit_layer_list_in_config_builds_those_moe_layers():
   c = dataclasses.replace(model_config("vit_tiny"),
                           moe=MoeConfig(layers=[0, 2], num_experts=4, group_size=4),
-                          router=RouterConfig(k=1, capacity_ratio=2.0))
+                          router=sections.new(RouterConfig, k=1, capacity_ratio=2.0))
   model = build_model(c, 10)
   assert tuple(model.moe_layers) == (0, 2)
   assert model.moe["group_size"] == 4 and model.moe["num_experts"] == 4

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from runner.config import sections
 from runner.config.schema import (
   Classifier,
   EnsembleVariant,
@@ -115,7 +116,7 @@ def _small(members: int, variant: EnsembleVariant, k: int = 1) -> ModelConfig:
       num_heads=2, classifier=Classifier.token, representation_size=6,
       moe=MoeConfig(layers=[1], num_experts=4, group_size=2, ensemble_size=members,
                     ensemble_variant=variant),
-      router=RouterConfig(k=k, capacity_ratio=1.0))
+      router=sections.new(RouterConfig, k=k, capacity_ratio=1.0))
 
 
 EMBED = 2 * 4 * (4 * 4 * 3) * 8                                  # 3072

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import QUIET, TINY_MODEL, fails_clearly
-from runner.config import resolve
+from runner.config import resolve, sections
 from runner.config.mesh import expert_mesh_axes
 from runner.config.schema import ModelConfig, RouterConfig
 from runner.models import model_config
@@ -269,15 +269,15 @@ def test_flops_count_k_experts_per_token(batch_size, train):
 
 
 def test_the_defaults_build_the_same_module_arguments():
-  kwargs = TokenChoice.module_kwargs(RouterConfig(), tokens=TOKENS, experts=E)
+  kwargs = TokenChoice.module_kwargs(sections.new(RouterConfig), tokens=TOKENS, experts=E)
   assert "dropless" not in kwargs
-  assert TokenChoice.module_kwargs(RouterConfig(dropless=True), tokens=TOKENS,
+  assert TokenChoice.module_kwargs(sections.new(RouterConfig, dropless=True), tokens=TOKENS,
                                    experts=E)["dropless"] is True
-  routing_config = TokenChoice.torch_routing(RouterConfig(), tokens=TOKENS, experts=E).config
+  routing_config = TokenChoice.torch_routing(sections.new(RouterConfig), tokens=TOKENS, experts=E).config
   assert "dropless" not in routing_config
-  assert TokenChoice.torch_routing(RouterConfig(dropless=True), tokens=TOKENS,
+  assert TokenChoice.torch_routing(sections.new(RouterConfig, dropless=True), tokens=TOKENS,
                                    experts=E).config["dropless"] is True
-  assert TokenChoice.dropped_at_capacity(RouterConfig(dropless=True), jnp.ones((1, 4, E)), 1) == {}
+  assert TokenChoice.dropped_at_capacity(sections.new(RouterConfig, dropless=True), jnp.ones((1, 4, E)), 1) == {}
 
 
 def test_a_later_stage_switches_a_checkpoint_between_capacity_and_dropless():

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from runner.config import sections
 from runner.config.schema import CapacityRounding, RouterConfig
 from runner.models.moe import routers
 from runner.models.moe.layer import MoeMlpBlock
@@ -289,12 +290,12 @@ def test_eval_capacity_ratio_applies_only_when_not_training():
   # The family (found by name) answers the same capacities from a `model.router` config.
   family = routers.family("experts_choice")
   assert family is ec.ExpertsChoice and family.module is ExpertsChoiceRouter
-  router = RouterConfig(type="experts_choice", capacity_ratio=1.0, eval_capacity_ratio=0.25)
+  router = sections.new(RouterConfig, type="experts_choice", capacity_ratio=1.0, eval_capacity_ratio=0.25)
   assert family.capacity(router, S, E, train=True) == 3
   assert family.capacity(router, S, E, train=False) == 1
   assert family.module_kwargs(router, tokens=S, experts=E) == dict(
       capacity_ratio=1.0, eval_capacity_ratio=0.25, noise_std=1.0, capacity_rounding="paper")
-  router = RouterConfig(type="experts_choice", capacity_ratio=1.0, noise_std=0.0,
+  router = sections.new(RouterConfig, type="experts_choice", capacity_ratio=1.0, noise_std=0.0,
                         capacity_rounding=CapacityRounding.reference)
   assert family.capacity(router, S, E, train=False) == 4  # no eval ratio: capacity_ratio
   assert family.capacity(router, S, E, train=True) == 4

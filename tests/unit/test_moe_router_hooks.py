@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from runner.config import sections
 from runner.config.schema import RouterConfig
 from runner.evaluators import routing_analysis as ra
 from runner.models.moe import routers
@@ -71,7 +72,7 @@ def test_a_plug_in_with_the_defaults_sows_weights_and_masks_only(plain):
 def test_a_plug_in_with_the_defaults_has_no_extra_analysis(plain):
   assert plain.analysis_views == () and plain.expert_ids(None, True) is None
   assert plain.sown_records(None) == {}
-  info = ra.LayerInfo(family=plain.name, router=RouterConfig(), experts=E, members=1,
+  info = ra.LayerInfo(family=plain.name, router=sections.new(RouterConfig), experts=E, members=1,
                       group_size=2, tokens=TOKENS, grid=(2, 3), class_token=False, k=2)
   weights = np.random.default_rng(0).dirichlet(np.ones(E), size=(4, TOKENS)).astype(np.float32)
   assert ra.dropped_patches(weights, info, [0.5, 1.0]) == {}

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from runner.config import sections
 from runner.config.schema import RouterConfig
 from runner.models.moe import routers
 from runner.models.moe.layer import MoeMlpBlock
@@ -209,16 +210,16 @@ def test_derived_slots_and_family_capacity():
   assert derived_slots(12, 128, 1.0) == 1  # 0.09: at least one
   family = routers.family("soft")
   assert family is soft_lib.Soft and family.module is SoftRouter
-  router = RouterConfig(type="soft", capacity_ratio=1.0)  # slots_per_expert, noise_std: None
+  router = sections.new(RouterConfig, type="soft", capacity_ratio=1.0)  # slots_per_expert, noise_std: None
   assert family.slots(router, 196, 8) == 24  # 24.5, to even
   assert family.capacity(router, 196, 8, train=True) == 24
   assert family.capacity(router, 196, 8, train=False) == 24
   assert family.module_kwargs(router, tokens=196, experts=8) == dict(
       slots_per_expert=24, noise_std=0.0)
-  router = RouterConfig(type="soft", capacity_ratio=2.0, slots_per_expert=1)  # the paper's P
+  router = sections.new(RouterConfig, type="soft", capacity_ratio=2.0, slots_per_expert=1)  # the paper's P
   assert family.slots(router, 196, 8) == 1
   assert family.capacity(router, 196, 8, train=False) == 1
-  router = RouterConfig(type="soft", capacity_ratio=2.0, slots_per_expert=1, noise_std=0.3)
+  router = sections.new(RouterConfig, type="soft", capacity_ratio=2.0, slots_per_expert=1, noise_std=0.3)
   assert family.module_kwargs(router, tokens=196, experts=8) == dict(
       slots_per_expert=1, noise_std=0.3)
   assert family.experts_per_token(router, 196, 8, 1) == 8.0

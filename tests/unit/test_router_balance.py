@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from runner.config import sections
 from runner.config.schema import RouterConfig
 from runner.models.moe import balance, routing
 from runner.models.moe.routers.token_choice import NoisyTopKRouter, TokenChoice
@@ -248,7 +249,7 @@ class _RouterBefore(nn.Module):
 @pytest.mark.parametrize("train", [False, True])
 def test_default_options_are_bit_identical_to_before(train):
   x, kernel = _inputs(8)
-  kwargs = TokenChoice.module_kwargs(RouterConfig(), tokens=S, experts=E)
+  kwargs = TokenChoice.module_kwargs(sections.new(RouterConfig), tokens=S, experts=E)
   assert "gate" not in kwargs and "balance_scope" not in kwargs  # the same module arguments
   plan, metrics = _apply(NoisyTopKRouter(num_experts=E, **kwargs), kernel, x, train=train)
   before_plan, before = _apply(_RouterBefore(num_experts=E, k=kwargs["k"]), kernel, x,

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from runner.checkpoints.checkpoint import CheckpointError
-from runner.config import from_dict
+from runner.config import from_dict, sections
 from runner.config.schema import ModelConfig, RouterConfig
 from runner.models import build_model, param_updates_of, transfer
 from runner.models.moe import balance
@@ -443,8 +443,8 @@ def test_the_bias_is_a_replicated_parameter_of_biased_routers_only():
     assert (balance.BIAS in router) == has
     if has:
       assert router[balance.BIAS].names == (None,) and router[balance.BIAS].value.shape == (4,)
-  assert "balance" not in TokenChoice.module_kwargs(RouterConfig(), tokens=S, experts=E)
-  assert TokenChoice.module_kwargs(RouterConfig(balance=Balance.bias), tokens=S,
+  assert "balance" not in TokenChoice.module_kwargs(sections.new(RouterConfig), tokens=S, experts=E)
+  assert TokenChoice.module_kwargs(sections.new(RouterConfig, balance=Balance.bias), tokens=S,
                                    experts=E)["balance"] == "bias"
 
 
@@ -478,14 +478,14 @@ def test_fine_tuning_loads_or_starts_the_bias():
 
 def test_the_routing_analysis_does_not_replan_biased_choices():
   weights = jnp.asarray(np.random.default_rng(0).uniform(size=(2, 4, E)), jnp.float32)
-  assert TokenChoice.dropped_at_capacity(RouterConfig(balance=Balance.bias), weights, 2) == {}
-  assert set(TokenChoice.dropped_at_capacity(RouterConfig(), weights, 2)) == {"vanilla", "bpr"}
+  assert TokenChoice.dropped_at_capacity(sections.new(RouterConfig, balance=Balance.bias), weights, 2) == {}
+  assert set(TokenChoice.dropped_at_capacity(sections.new(RouterConfig), weights, 2)) == {"vanilla", "bpr"}
 
 
 def test_export_writes_the_bias_where_it_is_used():
-  plain = TokenChoice.torch_routing(RouterConfig(), tokens=S, experts=E)
+  plain = TokenChoice.torch_routing(sections.new(RouterConfig), tokens=S, experts=E)
   assert "balance" not in plain.config and set(plain.parameters) == {"dense/kernel"}
-  biased = TokenChoice.torch_routing(RouterConfig(balance=Balance.bias), tokens=S, experts=E)
+  biased = TokenChoice.torch_routing(sections.new(RouterConfig, balance=Balance.bias), tokens=S, experts=E)
   assert biased.config["balance"] == "bias"
   assert biased.parameters[balance.BIAS] == (balance.BIAS, None)
 
