@@ -4,7 +4,14 @@ defines when it is imported (runner/plugins.py). `register()` is the one call th
 all of them, before a config is composed (the CLI, a launcher's job, the tests)."""
 from __future__ import annotations
 
+import os
+
+from runner import plugins
+from runner.config import sections
+
 _registered = False
+# The plug-ins the command loaded, for a job started in a process of its own (runner/cli.py).
+PLUGINS_VARIABLE = "VMOE_PLUGINS"
 
 
 def register() -> None:
@@ -21,3 +28,19 @@ def register() -> None:
   import runner.train.optimizers  # noqa: F401
   import runner.train.schedules  # noqa: F401
   _registered = True
+
+
+class _Schema(sections.Finder):
+  """Where pickle finds the schema's built classes. A launcher's job process (SLURM's, the
+  `parallel` launcher's) may unpickle a composed config before the job that registers: the first
+  lookup registers the built-ins and loads the plug-ins the submitting command had loaded, then
+  builds the schema with all their keys."""
+
+  def __getattr__(self, name: str) -> type:
+    register()
+    plugins.load([m for m in os.environ.get(PLUGINS_VARIABLE, "").split(",") if m])
+    return super().__getattr__(name)
+
+
+SCHEMA = _Schema()
+sections.pickled_as(__name__, "SCHEMA")

@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vmoe {sub}: error: {e}", file=sys.stderr)
     return 2
   builtins.register()
+  os.environ[builtins.PLUGINS_VARIABLE] = ",".join(plugins.loaded())  # a job process loads them
   from runner.command import config_store  # lazily, as weights above
   config_store.register_configs()  # the schemas, made once now that everything has registered
   if not any(arg.lstrip("+").lower() in ("debug=true", "debug=1") for arg in rest):

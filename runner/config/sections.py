@@ -30,6 +30,8 @@ _DECLARED: dict[type, dict[str, tuple[type, dataclasses.Field]]] = {}
 _OPTIONAL_COPIES: dict[type, list[type]] = {}
 _BUILT: dict[type, type] = {}  # section -> the class `build` made of it, once
 _made = False  # whether `build` ran: from then on no key may be declared
+# Where pickle finds a built class by name: (module, attribute); `pickled_as` moves it.
+_home = (__name__, "BUILT")
 
 
 def open_section(cls):
@@ -137,25 +139,38 @@ def build() -> None:
     keys = {**_own(cls), **_DECLARED[cls]}
     _BUILT[cls] = dataclasses.make_dataclass(
         cls.__name__, [(name, kind, field) for name, (kind, field) in keys.items()],
-        bases=(*parents, cls), namespace={"__module__": __name__,
-                                          "__qualname__": f"BUILT.{cls.__name__}",
+        bases=(*parents, cls), namespace={"__module__": _home[0],
+                                          "__qualname__": f"{_home[1]}.{cls.__name__}",
                                           "__doc__": cls.__doc__})
 
 
-class _Built:
-  """Where pickle finds a built class (`runner.config.sections.BUILT.RouterConfig`: a config
-  composed in one process and typed in a job's own): in a process that has not built yet, the
-  first lookup builds, after what unpickling the job registered."""
+def built_named(name: str) -> type:
+  """The built class of the open section named `name` (making the schema, if nothing has yet)."""
+  build()
+  for made in _BUILT.values():
+    if made.__name__ == name:
+      return made
+  raise AttributeError(name)
+
+
+class Finder:
+  """Where pickle finds a built class by name (`<module>.<attribute>.RouterConfig`): a config
+  composed in one process and unpickled in a job's own, where nothing may have built yet."""
 
   def __getattr__(self, name: str) -> type:
-    build()
-    for made in _BUILT.values():
-      if made.__name__ == name:
-        return made
-    raise AttributeError(name)
+    return built_named(name)
 
 
-BUILT = _Built()
+BUILT = Finder()
+
+
+def pickled_as(module: str, attribute: str) -> None:
+  """Makes pickle find the built classes at `module`.`attribute` (a Finder that registers what
+  a job needs before it builds: runner/builtins.py); before the build only."""
+  global _home
+  if _made:
+    raise RuntimeError("the schema is built already: its classes say where they are found")
+  _home = (module, attribute)
 
 
 def is_built() -> bool:
