@@ -672,8 +672,9 @@ def compression_fits(model: ModelConfig, run: CompressRun):
   if c.experts % (groups * split):
     return (f"compress.experts={c.experts} must be a multiple of {groups * split}: "
             f"{' and '.join(reasons)}; e.g. compress.experts={groups * split}.")
-  subsets = math.comb(experts // groups, c.experts // groups) ** groups
-  if c.method == CompressMethod.prune and subsets > PRUNE_SUBSETS_MAX:
+  subsets = (math.comb(experts // groups, c.experts // groups) ** groups
+             if c.method == CompressMethod.prune else 0)
+  if subsets > PRUNE_SUBSETS_MAX:
     return (f"compress.method=prune measures every way to keep {c.experts} of the {experts} "
             f"experts in each MoE layer: {subsets:,} subsets here, more than the "
             f"{PRUNE_SUBSETS_MAX:,} it measures; use compress.method=prune_frequency (the most "

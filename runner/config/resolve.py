@@ -193,20 +193,22 @@ def eval_run(cfg: DictConfig, workdir: str, stored: dict) -> EvalRun:
                  **_sections(cfg, workdir, "init", "eval"))
 
 
-def export_run(cfg: DictConfig, workdir: str, stored: dict) -> ExportRun:
+def _checkpoint_model_run(cls, cfg: DictConfig, workdir: str, stored: dict, *names: str):
+  """`cls` (a CheckpointModelRun) of the stored model, data, loss and objective, with the
+  command line's model.*, data.* and sections `names` on top."""
   given = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
   model, data = stored_model_and_data(stored, given.get("model"), given.get("data"))
   objective = from_dict(ObjectiveConfig, _known(ObjectiveConfig, stored.get("objective")))
-  return ExportRun(model=model, data=data, loss=stored_loss(stored), objective=objective,
-                   **_sections(cfg, workdir, "init"))
+  return cls(model=model, data=data, loss=stored_loss(stored), objective=objective,
+             **_sections(cfg, workdir, *names))
+
+
+def export_run(cfg: DictConfig, workdir: str, stored: dict) -> ExportRun:
+  return _checkpoint_model_run(ExportRun, cfg, workdir, stored, "init")
 
 
 def compress_run(cfg: DictConfig, workdir: str, stored: dict) -> CompressRun:
-  given = OmegaConf.to_container(cfg, resolve=False, enum_to_str=True)
-  model, data = stored_model_and_data(stored, given.get("model"), given.get("data"))
-  objective = from_dict(ObjectiveConfig, _known(ObjectiveConfig, stored.get("objective")))
-  return CompressRun(model=model, data=data, loss=stored_loss(stored), objective=objective,
-                     **_sections(cfg, workdir, "init", "compress"))
+  return _checkpoint_model_run(CompressRun, cfg, workdir, stored, "init", "compress")
 
 
 def checkpoint_paths(value, command: str = "fewshot") -> list[str]:

@@ -606,9 +606,9 @@ class EvalRun(RunFields):
 
 
 @dataclass
-class ExportRun(RunFields):
-  """vmoe export, resolved: the model as it runs at inference, the preprocessing its inputs
-  need (data.pp), and the loss that says whether it predicts with a softmax or sigmoids."""
+class CheckpointModelRun(RunFields):
+  """A run of one checkpoint's model: its stored model and data with the command line on top,
+  its loss and objective."""
   init: InitConfig = MISSING
   model: ModelConfig = MISSING
   data: DataConfig = MISSING
@@ -617,14 +617,15 @@ class ExportRun(RunFields):
 
 
 @dataclass
-class CompressRun(RunFields):
+class ExportRun(CheckpointModelRun):
+  """vmoe export, resolved: the model as it runs at inference, the preprocessing its inputs
+  need (data.pp), and the loss that says whether it predicts with a softmax or sigmoids."""
+
+
+@dataclass
+class CompressRun(CheckpointModelRun):
   """vmoe compress, resolved: the checkpoint's model and loss, the calibration data."""
-  init: InitConfig = MISSING
-  model: ModelConfig = MISSING
-  data: DataConfig = MISSING
-  loss: Loss = MISSING
   compress: CompressConfig = MISSING
-  objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
 
 @dataclass

@@ -40,9 +40,11 @@ class Sweep:
   def dir(self, stage: str, experiment: str, seed: int) -> pathlib.Path:
     return self.root / stage / experiment / f"seed_{seed}"
 
-  def stage(self, sub: str, experiment: str, seed: int, args: list[str], extra: list[str]) -> None:
-    """`vmoe <sub> workdir=<its folder> <args> <extra>`, unless that run already ended."""
-    workdir = self.dir(sub, experiment, seed)
+  def stage(self, sub: str, experiment: str, seed: int, args: list[str], extra: list[str],
+            folder: str | None = None) -> None:
+    """`vmoe <sub> workdir=<its folder> <args> <extra>`, unless that run already ended; the
+    folder is named after `sub` unless `folder` names it (a second run of a subcommand)."""
+    workdir = self.dir(folder or sub, experiment, seed)
     if not (workdir / "summary.json").exists():
       self.vmoe(sub, [f"workdir={workdir}", *args], extra)
 

@@ -51,15 +51,6 @@ METHODS = ("prune", "merge")
 DATASET = "uci_digits"
 
 
-def _stage(folder: str, sub: str, experiment: str, seed: int, args: list[str],
-           extra: list[str]) -> None:
-  """SWEEP.stage for a second run of one subcommand on an experiment (the short fine-tune, its
-  eval): its folder named apart from the subcommand."""
-  workdir = SWEEP.dir(folder, experiment, seed)
-  if not (workdir / "summary.json").exists():
-    SWEEP.vmoe(sub, [f"workdir={workdir}", *args], extra)
-
-
 def _trained(experiment: str, seed: int, model: list[str], extra: list[str]) -> None:
   """The demo's chain: pretrain, fine-tune from it, evaluate."""
   SWEEP.stage("pretrain", experiment, seed, [*model, f"seed={seed}", *UPSTREAM], extra)
@@ -93,11 +84,12 @@ def stages(extra: list[str]) -> None:
         compressed = f"init.checkpoint={SWEEP.dir('compress', name, seed)}"
         SWEEP.stage("eval", name, seed, [compressed], extra)
         # vmoe_tiny's k=2 fits every E' here: no compress/k, so no model.router.k to give.
-        _stage("short_finetune", "finetune", name, seed, [
+        SWEEP.stage("finetune", name, seed, [
             compressed, f"model.moe.num_experts={kept}", "init.reinit_head=false",
-            f"seed={seed}", *SHORT], extra)
-        _stage("eval_short", "eval", name, seed,
-               [f"init.checkpoint={SWEEP.dir('short_finetune', name, seed)}"], extra)
+            f"seed={seed}", *SHORT], extra, folder="short_finetune")
+        SWEEP.stage("eval", name, seed,
+                    [f"init.checkpoint={SWEEP.dir('short_finetune', name, seed)}"], extra,
+                    folder="eval_short")
       _trained(f"from_start_e{kept}", seed, [f"model.moe.num_experts={kept}"], extra)
 
 

@@ -202,7 +202,8 @@ def _summary(config, model, plans, stats, after_stats, before, after, seen, spli
   for layer, s in stats.items():
     summary.update({f"compress/{layer}/{k}": v for k, v in (
         ("chosen", s.chosen.tolist()), ("routed", s.routed.tolist()),
-        ("weights", s.weights.tolist()), ("tokens", s.tokens), ("new_expert", _new_expert(plans[layer], len(s.chosen))),
+        ("weights", s.weights.tolist()), ("tokens", s.tokens),
+        ("new_expert", _new_expert(plans[layer], len(s.chosen))),
         ("chosen_after", after_stats[layer].chosen.tolist()))})
   if getattr(model.router, "k", None) != getattr(config.model.router, "k", None):
     summary["compress/k"] = model.router.k
