@@ -1,14 +1,13 @@
-"""Why JAX computes on the CPU where a GPU was meant, in one line; and which of JAX's CUDA builds
-the NVIDIA driver can run. JAX itself only warns and carries on on the CPU, so a run, a benchmark
-or an install would otherwise find out from its speed.
+"""Why JAX computes on the CPU where a GPU was meant, in one line; which of JAX's CUDA builds the
+NVIDIA driver can run; what cuDNN's fused attention accepts. JAX itself only warns and carries
+on on the CPU, so a run, a benchmark or an install would otherwise find out from its speed.
 
     python -m runner.accelerator build auto   # the build for this driver (stdout), and why
     python -m runner.accelerator check        # exit 1, saying why, where JAX sees no GPU
 
 `make install GPU=...` runs both. Only the standard library and jax are imported (jax when a
 function needs it), so this runs on a CUDA JAX image that has nothing of vmoe's other
-dependencies (benchmarks/gpu.py).
-"""
+dependencies (benchmarks/gpu.py)."""
 from __future__ import annotations
 
 import importlib
@@ -75,9 +74,8 @@ def installed_build() -> tuple[str, str] | None:
 
 
 def _hidden_by_cuda_visible_devices(count: int) -> str | None:
-  """CUDA_VISIBLE_DEVICES when it leaves CUDA no GPU: CUDA reads its list up to the first entry
-  that is not a GPU's index or UUID, so an empty value, -1 or an index past the last GPU hides
-  them all."""
+  """CUDA_VISIBLE_DEVICES when it hides every GPU: CUDA reads it up to the first entry that is not a
+  GPU's index or UUID, so an empty value, -1 or an index past the last GPU hides them all."""
   value = os.environ.get("CUDA_VISIBLE_DEVICES")
   if value is None:
     return None
@@ -137,8 +135,7 @@ def gpu_problem() -> str | None:
   platforms = jax.config.jax_platforms
   if platforms and platforms.split(",")[0] not in ("cuda", "gpu"):
     return f"JAX_PLATFORMS={platforms} keeps JAX off the GPU: unset it"
-  hidden = _hidden_by_cuda_visible_devices(count)
-  if hidden:
+  if hidden := _hidden_by_cuda_visible_devices(count):
     return hidden
   if _major(version) < MIN_DRIVER[build]:
     try:
@@ -174,9 +171,37 @@ def _choose(gpu: str) -> str | None:
   newest = next(iter(MIN_DRIVER))
   why = (f"runs CUDA {newest[4:]}" if build == newest else
          f"is older than R{MIN_DRIVER[newest]}, which CUDA {newest[4:]} needs")
-  print(f"GPU=auto: NVIDIA driver {version} {why}: installing JAX's {build} build",
-        file=sys.stderr)
+  print(f"GPU=auto: NVIDIA driver {version} {why}: installing JAX's {build} build", file=sys.stderr)
   return build
+
+
+def cudnn_attention_problem(dtype: str, head_dim: int, *, dropout: bool, tokens: int = 0,
+                            masked: bool = False, platform: str | None = None,
+                            capability: tuple[int, int] | None = None) -> str | None:
+  """Why model.attention=cudnn cannot run an attention layer as JAX 0.10 and cuDNN accept it, or
+  None. Stated once for the config (`platform` None: not known before launch) and for the model,
+  which decides when traced, where its device is known (runner/models/vit.py). `masked`: cuDNN
+  takes a padding mask as a bias, whose gradient needs an even number of `tokens`."""
+  widest = 256 if capability is None or capability >= (9, 0) else 128
+  if dtype not in ("bfloat16", "float16"):
+    why = f"it takes bfloat16 or float16 inputs, and model.dtype={dtype}"
+  elif dropout:
+    why = ("jax.nn.dot_product_attention has no attention dropout, and "
+           "model.attention_dropout_rate > 0")
+  elif head_dim % 8 or head_dim > widest:
+    why = (f"its head dimension must be a multiple of 8 of at most {widest}, and "
+           f"model.hidden_size / model.num_heads = {head_dim}")
+  elif masked and tokens % 2:
+    why = f"a masked attention needs an even number of tokens, not {tokens}"
+  elif platform is not None and platform != "cuda":
+    why = f"it needs an NVIDIA GPU, and this process computes on {platform}"
+  elif capability is not None and capability < (8, 0):
+    why = (f"it needs compute capability 8.0 (Ampere) or newer, and this GPU has "
+           f"{capability[0]}.{capability[1]}")
+  else:
+    return None
+  return (f"model.attention=cudnn asks for cuDNN's fused attention, but {why}: use "
+          "model.attention=auto (the fused kernel where it can run, XLA elsewhere) or xla.")
 
 
 def main(argv: list[str]) -> int:
@@ -185,8 +210,7 @@ def main(argv: list[str]) -> int:
     return 0
   if argv == ["check"]:
     import jax
-    problem = gpu_problem()
-    if problem:
+    if problem := gpu_problem():
       print(f"JAX {jax.__version__} sees no GPU: {problem}", file=sys.stderr)
       return 1
     print(f"JAX {jax.__version__} sees {jax.devices()}")

@@ -17,8 +17,8 @@ from hydra.types import HydraContext, RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from runner.command import arguments
-from runner.config import conf_dir, launchers
+from runner.command import arguments, launchers
+from runner.config import conf_dir
 
 MAX_SHOWN_JOBS = 64  # `--multirun --cfg job` prints this many jobs' configs at most
 _RUN_MODE = "hydra.mode=RUN"  # what Hydra's run adds to the overrides of a config with no mode
@@ -29,8 +29,7 @@ JOB_NAME = "job"
 
 # Options of hydra/launcher and hydra/sweeper that plugins of the cluster extra provide.
 _PLUGIN_CONFIGS = {"submitit_slurm": "hydra-submitit-launcher",
-                   "submitit_local": "hydra-submitit-launcher",
-                   "optuna": "hydra-optuna-sweeper"}
+                   "submitit_local": "hydra-submitit-launcher", "optuna": "hydra-optuna-sweeper"}
 
 
 def register_requested_models(overrides: list[str]) -> None:
@@ -64,15 +63,14 @@ def explain_composition_error(err: Exception, sub: str, overrides: list[str],
             "parentheses, commas, spaces or '|' must be quoted for Hydra, e.g. "
             "'data.pp=\"decode(3)|resize(32)|value_range(-1,1)\"' (single quotes for the shell).")
   full_key = getattr(cause, "full_key", None)
-  text = str(err).split("\n")[0]
+  lines = str(err).split("\n")
+  text = lines[0]
   if "Could not find" in str(err):  # unknown option of a group
-    lines = str(err).split("\n")
     group = text.split("'")[-2].rsplit("/", 1)[0] if "'" in text else "?"
     options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
     if group == "model":
-      bad = text.split("'")[-2].split("/", 1)[-1]
       try:
-        catalog.model_config(bad)
+        catalog.model_config(text.split("'")[-2].split("/", 1)[-1])
       except catalog.UnknownModelError as e:
         return str(e)
     return (f"{text.split(': ', 1)[-1]}. Valid options for {group}=: {', '.join(options)}.")
@@ -100,14 +98,12 @@ def compose(config_dir: str | None, config_name: str, overrides: list[str],
     primary = os.path.abspath(config_dir)
     extra = [f"hydra.searchpath=[file://{conf_dir()}]"]
   with initialize_config_dir(config_dir=primary, job_name=JOB_NAME, version_base=None):
-    return hydra_compose(config_name, overrides=extra + overrides,
-                         return_hydra_config=with_hydra)
+    return hydra_compose(config_name, overrides=extra + overrides, return_hydra_config=with_hydra)
 
 
 @dataclasses.dataclass(frozen=True)
 class Composition:
-  """A run's config as the pre-flight checks composed it, with its `hydra` node, for
-  `run_composed`."""
+  """A run's config and its `hydra` node, as the pre-flight checks composed them (run_composed)."""
   config_name: str
   config: DictConfig
 
@@ -125,12 +121,10 @@ class _Callbacks:
 
 
 def run_composed(composition: Composition, task_function) -> None:
-  """Runs `task_function` on the config the pre-flight checks composed, as Hydra's run does, with
-  Hydra's public job runner (`hydra.core.utils.run_job`, what launchers call): the run's folder,
-  its .hydra files, its logging and callbacks as Hydra's own run gives them, without composing
-  the config twice more (Hydra's run composes once for `hydra.mode` and once for the job; each
-  composition costs about 0.1 s). Where the config sets no mode, Hydra's run adds `hydra.mode=RUN`
-  to the overrides; so does this."""
+  """Runs `task_function` on the config the pre-flight checks composed, as Hydra's run does (the
+  run's folder, .hydra files, logging, callbacks; `hydra.mode=RUN` added where no mode is set),
+  with Hydra's public job runner (`hydra.core.utils.run_job`, what launchers call), but without
+  Hydra's two more compositions (one for `hydra.mode`, one for the job: about 0.1 s each)."""
   config = composition.config
   with read_write(config.hydra), open_dict(config.hydra):
     if config.hydra.mode is None:
@@ -148,14 +142,12 @@ def run_composed(composition: Composition, task_function) -> None:
 
 def study_params(choices: dict) -> dict:
   """A sweep study's `hydra.sweeper.params` (empty for the primary configs)."""
-  params = choices["params"]
-  return dict(OmegaConf.to_container(params)) if params else {}
+  return dict(OmegaConf.to_container(choices["params"])) if choices["params"] else {}
 
 
 def hydra_choices(config_dir: str | None, config_name: str, overrides: list[str]) -> dict:
-  """The sweep's Hydra config composed with the hydra.* overrides (a launcher's or sweeper's
-  option of the wrong type fails here): the launcher and sweeper chosen, and a study's
-  `hydra.sweeper.params`."""
+  """The sweep's Hydra config composed with the hydra.* overrides (a launcher's or sweeper's option
+  of the wrong type fails here): the launcher and sweeper chosen, a study's hydra.sweeper.params."""
   first = arguments.sweep_axes(overrides, {})[0]
   hydra_given = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
   composed = compose(config_dir, config_name, first + hydra_given, with_hydra=True)
@@ -167,19 +159,17 @@ def hydra_choices(config_dir: str | None, config_name: str, overrides: list[str]
     del composed["hydra"]
   return {"launcher": node.runtime.choices.get("hydra/launcher", "basic"),
           "sweeper": node.runtime.choices.get("hydra/sweeper", "basic"),
-          "params": node.sweeper.get("params"),
+          "params": node.sweeper.get("params"), "mode": node.get("mode"),
           "plugins": {section: OmegaConf.to_container(node[section], resolve=False,
                                                       enum_to_str=True)
                       for section in ("launcher", "sweeper")},
-          "mode": node.get("mode"),
           "job": first, "composed": composed,  # the job without sweep values, composed
           "composition": composition}
 
 
 def show_sweep(sub: str, args: list[str]) -> int:
-  """`--multirun ... --cfg job`: each job's composed config, as `--cfg job` shows one run's
-  (Hydra itself refuses the pair), with the job's own folder as its workdir. A search
-  (hydra/sweeper=optuna) shows its fixed config and the ranges searched."""
+  """`--multirun ... --cfg job` (Hydra refuses the pair): each job's config, its own folder as its
+  workdir; a search (hydra/sweeper=optuna): its fixed config and the ranges searched."""
   flags, overrides, _ = arguments.split_args(args)
   what = flags.get("--cfg") or flags.get("-c")
   if what != "job":

@@ -11,18 +11,16 @@ import sys
 from hydra.types import RunMode
 
 from runner import config as config_layer, plugins
-from runner.command import arguments, compose
-from runner.config import launchers
+from runner.command import arguments, compose, launchers
 from runner.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
 class Preflight:
-  """What the checks found: the error paragraph (None: none), and whether every job was checked
-  against this process's devices too (then the job, run here by the basic launcher, does not
-  check them again); `workdir`: the run's workdir as composed without sweep values (None when
-  nothing was composed); `composition`: a run's config with its `hydra` node, which the run
-  takes (compose.run_composed; None for a sweep, whose jobs Hydra composes)."""
+  """What the checks found: the error paragraph (None: none); whether every job was checked against
+  this process's devices too (the job, run here by the basic launcher, skips them); `workdir`:
+  the run's workdir composed without sweep values (None when nothing was); `composition`: a run's
+  config and `hydra` node for compose.run_composed (None for a sweep: Hydra composes its jobs)."""
   problem: str | None = None
   devices_checked: bool = False
   workdir: str | None = None
@@ -30,9 +28,8 @@ class Preflight:
 
 
 def _devices_here(composed, launcher: str) -> int | None:
-  """The device count when this process is the job itself (the basic launcher, not part of a
-  multi-process job); None where the job runs elsewhere (SLURM, the parallel launcher, other
-  hosts), which checks its devices when it starts."""
+  """The device count when this process is the job itself (the basic launcher, one process); None
+  where the job runs elsewhere (SLURM, the parallel launcher, other hosts), checking them there."""
   from runner.parallel.distributed import cluster_detected  # lazily, as the library's modules
   if launcher != "basic" or composed.get("distributed", {}).get("coordinator_address") \
       or cluster_detected():
@@ -42,9 +39,8 @@ def _devices_here(composed, launcher: str) -> int | None:
 
 
 def check(sub: str, args: list[str], checkpoints=None) -> Preflight:
-  """Whether the overrides (every job of a sweep) compose and validate, and the launcher can
-  start the jobs from here. `checkpoints`: the runner.checkpoints.weights.Checkpoints that opens the paths
-  they name (a new one by default)."""
+  """Whether the overrides (every job of a sweep) compose and validate, and the launcher can start
+  the jobs from here. `checkpoints` (a new weights.Checkpoints by default) opens the paths named."""
   if checkpoints is None:
     from runner.checkpoints import weights  # lazily, as every library module here (runner/command)
     checkpoints = weights.Checkpoints()
@@ -86,10 +82,9 @@ def check(sub: str, args: list[str], checkpoints=None) -> Preflight:
     except UserError as err:
       swept = [o for o in job if o not in overrides]
       return Preflight((f"in the sweep job {' '.join(swept)}: " if swept else "") + str(err))
-  problem = None
   sweeps = arguments.multirun(args) or choices["mode"] == RunMode.MULTIRUN
-  if not compose_only and arguments.multirun(args):
-    problem = _submission_problem(choices["plugins"]["launcher"])
+  problem = (_submission_problem(choices["plugins"]["launcher"])
+             if not compose_only and arguments.multirun(args) else None)
   return Preflight(problem, devices_checked=checked_here and not compose_only and not problem,
                    workdir=str(choices["composed"].workdir),
                    composition=None if sweeps else choices["composition"])
@@ -110,10 +105,9 @@ def _submission_problem(launcher: dict) -> str | None:
 
 
 def with_recorded_plugins(sub: str, args: list[str], checkpoints) -> list[str]:
-  """A stage started from runs trained with plug-ins loads them too, and records them as its own
-  `plugins=` (so a job in a process of its own, and the next stage, load them): their router
-  families, models and evaluators are what those checkpoints need. Said in one line.
-  `checkpoints` (runner.checkpoints.weights.Checkpoints) opens the paths."""
+  """A stage started from runs trained with plug-ins loads them too (said in one line) and records
+  them as its own `plugins=` (so a job in a process of its own, and the next stage, load them):
+  those checkpoints need their router families, models and evaluators. `checkpoints` opens paths."""
   overrides = arguments.split_args(args)[1]
   given = plugins.requested(overrides)
   recorded = {}  # module -> the first run that recorded it
@@ -140,8 +134,7 @@ def with_recorded_plugins(sub: str, args: list[str], checkpoints) -> list[str]:
   if any("],[" in a.replace(" ", "") for a in given_as):
     return args  # a sweep over plug-in lists: each job's list stands as given
   names = ",".join(given + list(recorded))
-  kept = [a for a in args if a not in given_as]
-  return kept + [f"plugins=[{names}]"]
+  return [a for a in args if a not in given_as] + [f"plugins=[{names}]"]
 
 
 def _init_checkpoints(overrides: list[str]) -> list[str]:

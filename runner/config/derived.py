@@ -38,15 +38,13 @@ def moe_layers(model: ModelConfig) -> tuple[int, ...]:
 
 
 def expert_split(model: ModelConfig) -> int:
-  """m of DeepSeekMoE's fine-grained experts (model.moe.expert_split): each of the
-  model.moe.num_experts experts split into m narrower ones; 1 for a V-MoE's experts and a ViT."""
+  """m of DeepSeekMoE's fine-grained experts (each expert split into m); 1 for V-MoEs and ViTs."""
   return int(model.moe.expert_split) if model.moe.num_experts and moe_layers(model) else 1
 
 
 def num_experts(model: ModelConfig) -> int:
-  """Routed experts per MoE layer, 0 for a dense ViT: model.moe.num_experts E, or E*m
-  fine-grained experts (`expert_split`), the experts the router chooses among and the leading
-  axis of the layer's expert weights."""
+  """Routed experts per MoE layer (E, or E*m fine-grained ones: the router's choices and the
+  expert weights' leading axis); 0 for a dense ViT."""
   if not (model.moe.num_experts and moe_layers(model)):
     return 0
   return int(model.moe.num_experts) * int(model.moe.expert_split)
@@ -69,16 +67,12 @@ def ensemble_size(model: ModelConfig) -> int:
 
 
 def expert_partitions(model: ModelConfig) -> int:
-  """How many routers split the experts between them: a partitioned ensemble's M members (not
-  tiling_only's one router over all), else 1."""
-  if model.moe.ensemble_variant == EnsembleVariant.tiling_only:
-    return 1
-  return ensemble_size(model)
+  """How many routers split the experts between them (tiling_only has one over all)."""
+  return 1 if model.moe.ensemble_variant == EnsembleVariant.tiling_only else ensemble_size(model)
 
 
 def predictions_per_image(model: ModelConfig) -> int:
-  """How many member predictions a model makes: M for a tiled ensemble (pbe, tiling_only), else 1
-  (partition_only combines its partitions inside the layer)."""
+  """M for a tiled ensemble (pbe, tiling_only), else 1 (partition_only combines in the layer)."""
   if model.moe.ensemble_variant == EnsembleVariant.partition_only:
     return 1
   return ensemble_size(model)
@@ -86,8 +80,7 @@ def predictions_per_image(model: ModelConfig) -> int:
 
 def tokens_per_image(model: ModelConfig) -> int:
   """Patches, plus the class token of a `token` classifier."""
-  classifier = str(model.classifier)
-  return (model.image_size // model.patch_size) ** 2 + (classifier == "token")
+  return (model.image_size // model.patch_size) ** 2 + (str(model.classifier) == "token")
 
 
 def tokens_per_group(model: ModelConfig) -> int:
@@ -104,16 +97,14 @@ def experts_per_router(model: ModelConfig) -> int:
 
 
 def router_family(model: ModelConfig):
-  """The router family `model.router.type` names (registered by runner/models/moe/routers or a
-  plug-in)."""
+  """The family `model.router.type` names (runner/models/moe/routers, or a plug-in's)."""
   return registries.ROUTERS.get(model.router.type)
 
 
 def router(model: ModelConfig):
-  """model.router as the routers route: the config itself, or with fine-grained experts
-  (`expert_split` m > 1) as its family splits it (`RouterFamily.split_router`; token-choice: each
-  token chooses k*m of the E*m experts). What the model, FLOP counting, active parameters, the
-  routing analysis and export hand the family."""
+  """model.router as the routers route: with fine-grained experts (m > 1) as its family splits
+  it (`RouterFamily.split_router`; token-choice: k*m of the E*m experts). What the model, FLOP
+  counting, active parameters, the routing analysis and export hand the family."""
   m = expert_split(model)
   if m == 1:
     return model.router
@@ -150,8 +141,8 @@ def model_output(loss) -> str:
 
 
 def held_models(run) -> list[ModelConfig]:
-  """The full model configs a run holds: one per checkpoint of a few-shot or ensemble run, the
-  model of a training or resolved eval run, none before a later stage has read its checkpoint."""
+  """The full model configs a run holds: each member's, the model of a training or resolved
+  run, none before a later stage has read its checkpoint."""
   members = getattr(run, "members", None)
   if members is not None:
     return [m.model for m in members]

@@ -1,9 +1,8 @@
 """Rules between config keys, each stated once: k <= experts, a batch that tiles the devices, ...
 
-A relation's parameters name config sections and their annotations the schema each must be, so
-it applies to every config that has them, and returns what is wrong in one sentence, or None.
-`run: RunFields` receives a whole config of any task; `devices` the device count, so that such a
-relation runs once the devices are known (after multi-host start-up).
+A relation's parameters name config sections, annotated with the schema each must be, so it
+applies to every config that has them; it returns what is wrong in one sentence, or None. `run`
+receives a whole config; `devices` the device count (the relation runs once it is known).
 """
 from __future__ import annotations
 
@@ -13,16 +12,16 @@ import math
 import typing
 from typing import Callable
 
+from runner.accelerator import cudnn_attention_problem
 from runner.config import derived, registries, sections
 from runner.config.schema import (PRUNE_SUBSETS_MAX, CompressMethod, CompressRun,
                                   ContrastiveLoss, DataConfig, InitConfig, DistributedConfig,
                                   EnsembleRun, EnsembleVariant, EvalConfig, EvalRun,
                                   EvalSuiteConfig, ExportRun, FewshotConfig, FewshotRun, HeadConfig,
                                   HeadType, ModelConfig, MoeConfig, Objective, ObjectiveConfig,
-                                  OptimConfig, RunFields, ScheduleConfig, TextConfig,
-                                  TokenizerKind, TrainConfig, TrainTask)
+                                  OptimConfig, RunFields, TextConfig, TokenizerKind, TrainConfig)
 from runner.config.mesh import expert_mesh_axes, mesh_shape
-from runner.errors import ConfigError, UserError
+from runner.errors import ConfigError
 
 
 def shown(value) -> str:
@@ -60,8 +59,8 @@ class Relation:
     if self.needs_checkpoints:
       args["checkpoints"] = checkpoints
     for name, schema in self.sections.items():
-      value = config if isinstance(config, schema) and name == "run" else getattr(config, name,
-                                                                                   None)
+      value = (config if isinstance(config, schema) and name == "run"
+               else getattr(config, name, None))
       if not isinstance(value, schema):
         return None
       args[name] = value
@@ -106,10 +105,8 @@ def moe_layers_exist(model: ModelConfig):
             "model.moe.layers=[] for a dense ViT).")
 
 
-# The model.moe keys a dense ViT (no MoE layer) may hold: its (empty) layers, the ensemble keys
-# (a relation of their own checks them there, ensemble_needs_experts), and expert dropout, which
-# the fine-tuning recipe (conf/finetune.yaml) sets for every model and a ViT, with no expert to
-# drop, ignores.
+# The model.moe keys a dense ViT may hold: its (empty) layers, the ensemble keys (checked by
+# ensemble_needs_experts), and expert dropout, which conf/finetune.yaml sets for every model.
 _DENSE_KEYS = ("layers", "ensemble_size", "ensemble_variant", "expert_dropout")
 
 
@@ -123,8 +120,7 @@ def _moe_layers(model: ModelConfig) -> tuple[int, ...] | None:
 
 @relation
 def dense_model_has_no_router(model: ModelConfig):
-  """A dense ViT (model.moe.layers=[]) reads no router and no MoE key: one that leaves its
-  default is a mistake (a router chosen for a model that has none trains a plain ViT)."""
+  """A dense ViT reads no router or MoE key: one given would silently train a plain ViT."""
   if _moe_layers(model) != ():
     return None  # a V-MoE, or invalid layers
   given = (changed_keys(model.router, "model.router")
@@ -139,8 +135,7 @@ def dense_model_has_no_router(model: ModelConfig):
 
 @relation
 def router_options_apply(model: ModelConfig):
-  """A key of model.router (or model.moe.dispatcher) that the chosen router does not read is an
-  error unless it keeps its default: a value that would change nothing is a mistake."""
+  """A model.router key (or model.moe.dispatcher) the chosen router does not read, given."""
   if not _moe_layers(model):
     return None  # a dense ViT (dense_model_has_no_router) or invalid layers
   family = derived.router_family(model)
@@ -159,8 +154,7 @@ def router_options_apply(model: ModelConfig):
 
 @relation
 def grouped_matmul_applies(model: ModelConfig):
-  """model.moe.grouped_matmul chooses how experts run rows sorted by expert; a router that fills
-  fixed-capacity buffers runs none."""
+  """A router that fills fixed-capacity buffers runs no grouped matmul."""
   chosen = model.moe.grouped_matmul
   if chosen == MoeConfig().grouped_matmul or not _moe_layers(model):
     return None  # the default, or a dense ViT (dense_model_has_no_router)
@@ -176,8 +170,7 @@ def grouped_matmul_applies(model: ModelConfig):
 
 @relation
 def router_family_rules(model: ModelConfig):
-  """The chosen router family's own rules (`RouterFamily.problem`, stated in its module: e.g.
-  token-choice's k <= experts)."""
+  """The chosen router family's own rules (`RouterFamily.problem`: token-choice's k <= E)."""
   if not derived.num_experts(model):
     return None
   return derived.router_family(model).problem(model)
@@ -211,9 +204,8 @@ def ensemble_needs_experts(model: ModelConfig):
 
 @relation
 def deepseek_experts_apply(model: ModelConfig):
-  """Shared and fine-grained experts (DeepSeekMoE; a dense ViT, which has neither, is refused by
-  dense_model_has_no_router): one router per layer, a family that splits its experts, and a split
-  that divides the MLP's width."""
+  """Shared and fine-grained experts (DeepSeekMoE): one router per layer, a family that splits
+  its experts, and a split that divides the MLP's width."""
   moe = model.moe
   if (moe.shared_experts == 0 and moe.expert_split == 1) or not _moe_layers(model) or (
       moe.num_experts < 1):
@@ -266,39 +258,9 @@ def het_xl_noise_fits_the_pre_logits(model: ModelConfig):
             f"model.head.latent_dim={width} or null.")
 
 
-def cudnn_attention_problem(dtype: str, head_dim: int, *, dropout: bool, tokens: int = 0,
-                            masked: bool = False, platform: str | None = None,
-                            capability: tuple[int, int] | None = None) -> str | None:
-  """Why model.attention=cudnn cannot run an attention layer as JAX 0.10 and cuDNN accept it, or
-  None. Stated once for the config (`platform` None: not known before launch) and for the model,
-  which decides when traced, where its device is known (runner/models/vit.py). `masked`: cuDNN
-  takes a padding mask as a bias, whose gradient needs an even number of `tokens`."""
-  widest = 256 if capability is None or capability >= (9, 0) else 128
-  if dtype not in ("bfloat16", "float16"):
-    why = f"it takes bfloat16 or float16 inputs, and model.dtype={dtype}"
-  elif dropout:
-    why = ("jax.nn.dot_product_attention has no attention dropout, and "
-           "model.attention_dropout_rate > 0")
-  elif head_dim % 8 or head_dim > widest:
-    why = (f"its head dimension must be a multiple of 8 of at most {widest}, and "
-           f"model.hidden_size / model.num_heads = {head_dim}")
-  elif masked and tokens % 2:
-    why = f"a masked attention needs an even number of tokens, not {tokens}"
-  elif platform is not None and platform != "cuda":
-    why = f"it needs an NVIDIA GPU, and this process computes on {platform}"
-  elif capability is not None and capability < (8, 0):
-    why = (f"it needs compute capability 8.0 (Ampere) or newer, and this GPU has "
-           f"{capability[0]}.{capability[1]}")
-  else:
-    return None
-  return (f"model.attention=cudnn asks for cuDNN's fused attention, but {why}: use "
-          "model.attention=auto (the fused kernel where it can run, XLA elsewhere) or xla.")
-
-
 @relation
 def cudnn_attention_applies(model: ModelConfig):
-  """The device itself is checked when the model is traced (runner/models/vit.py): relations
-  know the device count, not the platform."""
+  """The device itself is checked when the model is traced (runner/models/vit.py)."""
   if shown(model.attention) != "cudnn" or model.hidden_size % model.num_heads:
     return None  # heads_split_the_width reports the latter
   return cudnn_attention_problem(shown(model.dtype), model.hidden_size // model.num_heads,
@@ -328,8 +290,7 @@ def image_folder_has_a_root(data: DataConfig):
 
 @relation
 def contrastive_heads(objective: ObjectiveConfig, model: ModelConfig):
-  """A contrastive model's towers end in embeddings: of the heads, only the choice between
-  deterministic and HET-XL-noisy representations (and HET-XL's noise options) means something."""
+  """A contrastive model's towers end in embeddings: only det or HET-XL-noisy ones apply."""
   if objective.name != Objective.contrastive:
     return None
   head, defaults = model.head, HeadConfig()
@@ -377,8 +338,7 @@ def contrastive_batches_stay_whole(objective: ObjectiveConfig, train: TrainConfi
 
 @relation
 def contrastive_measurements_in_training(objective: ObjectiveConfig, eval: EvalConfig):
-  """Contrastive validation measures the loss, in-batch retrieval and zero-shot accuracy; the
-  classifier measurements of a contrastive model are vmoe eval's (zero-shot)."""
+  """A contrastive model's classifier measurements are vmoe eval's (zero-shot)."""
   if objective.name != Objective.contrastive:
     return None
   given = [cls.enabling_key or f"the evaluator {cls.name} (always on)" for cls in _evaluators()
@@ -415,51 +375,12 @@ def duration_given(train: TrainConfig):
             f"train.steps=null to train for {train.epochs:g} epochs, or drop train.epochs.")
 
 
-def warmup_problem(schedule: ScheduleConfig, optim: OptimConfig, steps: int,
-                   length: str) -> str | None:
-  """A warm-up as long as the run never reaches optim.lr and never decays: the run would not be
-  the schedule asked for; then the chosen schedule's own rules against the run (its `problem`,
-  runner/train/schedules.py). `length` says where the run's steps come from (`train.steps=20`)."""
-  warmup = schedule.warmup_steps
-  if warmup and warmup >= steps:
-    last = optim.lr * steps / warmup
-    return (f"schedule.warmup_steps={warmup} is not shorter than the run ({length}): the "
-            f"learning rate would rise for the whole run, to {last:.3g} at its last step, never "
-            f"reaching optim.lr={optim.lr:g} nor decaying (schedule={schedule.name}); give a "
-            "warm-up shorter than the run, e.g. "
-            + (f"schedule.warmup_steps={steps // 5} (a fifth of it) or " if steps >= 5 else "")
-            + "schedule.warmup_steps=0.")
-  chosen = registries.SCHEDULES.get(schedule.name)  # its own rules (rsqrt: the cooldown)
-  return chosen.problem(schedule, steps, length) if chosen.problem else None
-
-
-def warmup_warning(schedule: ScheduleConfig, steps: int, length: str) -> str | None:
-  """A warm-up longer than half the run still peaks and decays, but it is most of the run: said
-  once as the stage starts, since shrinking train.steps alone keeps the recipe's warm-up."""
-  warmup = schedule.warmup_steps
-  if warmup and 2 * warmup > steps:
-    left = steps - warmup
-    return (f"schedule.warmup_steps={warmup} is {warmup / steps:.0%} of the run ({length}), "
-            f"leaving {left} step{'s' if left > 1 else ''} of schedule={schedule.name} after "
-            "it; set schedule.warmup_steps to change that.")
-  return None
-
-
 @relation
 def optimizer_rules(optim: OptimConfig):
   """The chosen optimizer's own rules between its keys (its `problem`, stated where it is
   registered; none of the built-in ones has any)."""
   chosen = registries.OPTIMIZERS.get(optim.name)
   return chosen.problem(optim) if chosen.problem else None
-
-
-@relation
-def warmup_fits_the_run(schedule: ScheduleConfig, optim: OptimConfig, train: TrainConfig):
-  """With train.steps given; a run of train.epochs is checked once its split size is known
-  (runner/stages/fit.py)."""
-  if train.steps is None:
-    return None
-  return warmup_problem(schedule, optim, train.steps, f"train.steps={train.steps}")
 
 
 @relation
@@ -494,9 +415,8 @@ def _contrastive_sections(eval: EvalSuiteConfig) -> list[str]:
 
 @relation
 def evaluations_during_training(eval: EvalConfig, objective: ObjectiveConfig):
-  """In training the measurements run on the run's own validation split (a contrastive run's
-  zero-shot validation reads the sections only a contrastive checkpoint reads); the evaluators
-  that are not `in_training` are vmoe eval's."""
+  """Training measures its own validation split (a contrastive run's zero-shot reads the
+  contrastive-only sections); evaluators not `in_training` are vmoe eval's."""
   defaults = sections.new(EvalConfig)
   names = ("datasets", "split", "save_predictions")
   if objective.name != Objective.contrastive:
@@ -512,8 +432,8 @@ def evaluations_during_training(eval: EvalConfig, objective: ObjectiveConfig):
 
 
 def _contrastive_keys(eval: EvalSuiteConfig) -> list[str]:
-  """The eval.* keys given that only a contrastive checkpoint reads (the keys of its sections,
-  its prompts, and the evaluators that are not `on_classifier`)."""
+  """The eval.* keys given that only a contrastive checkpoint reads (its sections' keys, the
+  evaluators not `on_classifier`)."""
   given = []
   for name in _contrastive_sections(eval):
     given += changed_keys(getattr(eval, name), f"eval.{name}", show=_listed)
@@ -528,9 +448,8 @@ def _listed(value):
 
 @relation
 def zero_shot_needs_a_contrastive_checkpoint(run: EvalRun):
-  """A contrastive checkpoint is evaluated as a zero-shot classifier; its class names, prompt
-  templates and the evaluators not `on_classifier` mean nothing for a classifier's checkpoint,
-  and the evaluators not `on_contrastive` nothing for a contrastive one."""
+  """Prompts and the evaluators not `on_classifier` mean nothing for a classifier's checkpoint,
+  those not `on_contrastive` nothing for a contrastive one (a zero-shot classifier)."""
   if run.init.tower is not None:
     return (f"init.tower={shown(run.init.tower)} means nothing in vmoe eval: a contrastive "
             "checkpoint is evaluated whole, as a zero-shot classifier (its image tower's "
@@ -650,8 +569,8 @@ def exporter_expresses_the_router(model: ModelConfig, run: ExportRun):
 
 @relation
 def compression_fits(model: ModelConfig, run: CompressRun):
-  """E' fewer than the experts, a whole number per member and per fine-grained expert; a family
-  whose tokens choose experts (the statistics both methods read)."""
+  """E' fewer than the experts, whole per member and per fine-grained expert, and a family whose
+  tokens choose experts."""
   c, experts = run.compress, derived.num_experts(model)
   if not experts:
     return (f"init.checkpoint={run.init.checkpoint} is a dense ViT (model {model.name}): it has no "
@@ -757,9 +676,8 @@ def inference_batch_fits(run: RunFields, devices: int):
 
 @relation
 def experts_split_for_the_router(run: RunFields):
-  """Sharding rules that split the experts over devices for a router that cannot run so. Said of
-  the config, whatever the device count, so that a run refused on a cluster is refused on a laptop
-  too."""
+  """Sharding that splits the experts for a router that cannot run so; whatever the device
+  count, so that a run refused on a cluster is refused on a laptop too."""
   sharding = run.sharding
   if not expert_mesh_axes(sharding.name, sharding.rules):
     return None

@@ -33,11 +33,6 @@ class Classifier(enum.StrEnum):
   map = "map"
 
 
-class Priority(enum.StrEnum):
-  max = "max"
-  sum = "sum"
-
-
 class Dispatcher(enum.StrEnum):
   indices = "indices"
   einsum = "einsum"
@@ -68,12 +63,6 @@ class FewshotProtocol(enum.StrEnum):
   """How the few-shot ridge sees the features (runner/evaluators/fewshot_math.py)."""
   reference = "reference"  # standardised by the shots' mean and std, bias feature 100 (vmoe)
   plain = "plain"  # raw features, a bias column of ones
-
-
-class CapacityRounding(enum.StrEnum):
-  """How an expert's buffer size follows from k * tokens * C / E (runner/models/moe/routing.py)."""
-  paper = "paper"  # round half up, at least 1 (V-MoE §2.4)
-  reference = "reference"  # ceil, then up to a multiple of 4 (vmoe/moe.py compute_capacity)
 
 
 class Objective(enum.StrEnum):

@@ -1,17 +1,11 @@
 """The schema sections that take keys declared elsewhere, made once, fresh.
 
-A router family declares its `model.router.*` keys in its own dataclass, an optimizer its
-`optim.*` keys, a schedule its `schedule.*` keys (`declare`), an evaluator its `eval.*` keys
-(`add_fields`). The sections that take them (`RouterConfig`, `OptimConfig`, `ScheduleConfig`,
-`EvalSuiteConfig` and what derives from or copies them) are declared `@open_section` with the
-keys they read themselves: each becomes a dataclass that holds no key, never changed after, and
-registering adds its keys to a list. `build()` then makes, once per process, a fresh dataclass
-of each: a subclass with its own keys followed by the declared ones in registration order, which
-the schema's fields default to (`made`), Hydra's store and the resolver type configs with, and
-code makes values of (`new`). It runs at the schema's first use: the Hydra store (before any
-composition), or the first section made. So the modules register (the built-ins by
-`runner.builtins.register()`, a plug-in's from `plugins=`) before any config exists, and keys
-declared after that are refused with their names rather than missing from classes in use.
+Router families, optimizers and schedules `declare` their keys, evaluators `add_fields` theirs, to
+an `@open_section` (`RouterConfig`, `OptimConfig`, ...): a dataclass holding no key, never changed.
+`build()` then makes, once per process, a fresh subclass of each with its own keys followed by
+the declared ones, which the schema's fields default to (`made`), Hydra and the resolver type
+configs with, and code makes values of (`new`). It runs at the schema's first use, so modules
+register before any config exists; a key declared after that is refused with its name.
 """
 from __future__ import annotations
 
@@ -35,10 +29,9 @@ _home = (__name__, "BUILT")
 
 
 def open_section(cls):
-  """Declares `cls` (a class with annotated keys, as for `@dataclass`) a section that takes
-  declared keys. `cls` becomes a dataclass that holds no key of its own: its keys, own and
-  declared, are the fields of the class `build` makes from it, a subclass (so `cls` still names
-  the section in annotations and isinstance), which `made(cls)` and `built(cls)` give."""
+  """Makes `cls` (annotated keys, as for `@dataclass`) a section that takes declared keys: a
+  dataclass holding none, whose keys are the fields of the subclass `build` makes of it (so `cls`
+  still names the section in annotations and isinstance)."""
   own = {name: cls.__dict__.get(name, dataclasses.MISSING)
          for name in cls.__dict__.get("__annotations__", {})}
   body = {k: v for k, v in cls.__dict__.items()
@@ -64,19 +57,16 @@ def own_keys(cls) -> tuple[str, ...]:
 def _own(cls) -> dict[str, tuple[type, dataclasses.Field]]:
   """The keys the class body of the open section `cls` declares."""
   hints = typing.get_type_hints(_BODY[cls])
-  return {name: (hints[name], dataclasses.field(**_field_kwargs(value)) if isinstance(
-      value, dataclasses.Field) else dataclasses.field(default=value))
-          for name, value in _OWN[cls].items()}
+  fields = {name: value if isinstance(value, dataclasses.Field)
+            else dataclasses.field(default=value) for name, value in _OWN[cls].items()}
+  return {name: (hints[name], _copy(f)) for name, f in fields.items()}
 
 
-def _field_kwargs(f: dataclasses.Field) -> dict:
-  """A field's declaration, so that each class made from it gets a field of its own."""
-  kwargs = {"metadata": f.metadata}
+def _copy(f: dataclasses.Field) -> dataclasses.Field:
+  """A field's declaration again, so that each class made from it gets a field of its own."""
   if f.default_factory is not dataclasses.MISSING:
-    kwargs["default_factory"] = f.default_factory
-  elif f.default is not dataclasses.MISSING:
-    kwargs["default"] = f.default
-  return kwargs
+    return dataclasses.field(default_factory=f.default_factory, metadata=f.metadata)
+  return dataclasses.field(default=f.default, metadata=f.metadata)
 
 
 def fields_of(cls) -> dict[str, tuple[type, dataclasses.Field]]:
@@ -90,10 +80,6 @@ def fields_of(cls) -> dict[str, tuple[type, dataclasses.Field]]:
   return found
 
 
-def mirror(cls, optional_copy) -> None:
-  _OPTIONAL_COPIES.setdefault(cls, []).append(optional_copy)
-
-
 def optional_copy(cls, name: str):
   """An open section named `name` with every key of the open section `cls` optional and None by
   default, taking each key declared to `cls` as well."""
@@ -103,14 +89,13 @@ def optional_copy(cls, name: str):
                          "__annotations__": {key: kind for key, (kind, _) in fields.items()},
                          **{key: f for key, (_, f) in fields.items()}})
   copy = open_section(copy)
-  mirror(cls, copy)
+  _OPTIONAL_COPIES.setdefault(cls, []).append(copy)
   return copy
 
 
 def add_fields(cls, fields: dict[str, tuple[type, dataclasses.Field]], *, owner: str) -> None:
-  """Adds `name -> (type, dataclasses.field(...))` to the open section `cls`; `owner` names the
-  declaring one in the error if the schema is already made. A key declared already (the same
-  module registering again) is kept as it was."""
+  """Adds `name -> (type, field)` to the open section `cls` (and its optional copies); a key
+  declared already (a module registering again) is kept as it was."""
   fields = {name: value for name, value in fields.items() if name not in _DECLARED[cls]}
   if not fields:
     return
@@ -206,12 +191,10 @@ def made(cls):
 
 def declare(section, Config, *, owner: str, prefix: str, chooser: str, noun: str,
             nouns: str) -> tuple[str, ...]:
-  """Adds the fields of `Config` (a dataclass: the keys one router family, optimizer or schedule
-  reads) to the open section `section`, whose key `chooser` chooses among them; returns their
-  names. A key the section declares itself cannot be declared again, and a key that several
-  declare must have the same type and default in each. `owner` names the declaring one in errors
-  ("router family 'soft'"), `prefix` the section's keys ("model.router"), `noun`/`nouns` its
-  kind ("family"/"families")."""
+  """Adds the fields of `Config` (the keys one router family, optimizer or schedule reads) to
+  `section`, whose key `chooser` chooses among them; returns their names. A key shared by several
+  must have one type and default. `owner`, `prefix`, `noun`/`nouns` word the errors ("router
+  family 'soft'", "model.router", "family"/"families")."""
   own = _own(section)
   declared = _DECLARED[section]
   hints = typing.get_type_hints(Config)
@@ -229,12 +212,7 @@ def declare(section, Config, *, owner: str, prefix: str, chooser: str, noun: str
             f"{noun} registered before it: a key shared by {nouns} must mean the same; rename "
             "it, or give it the same type and default.")
       continue
-    kwargs = dict(metadata=f.metadata)
-    if f.default_factory is not dataclasses.MISSING:
-      kwargs["default_factory"] = f.default_factory
-    else:
-      kwargs["default"] = f.default
-    new[f.name] = (hints[f.name], dataclasses.field(**kwargs))
+    new[f.name] = (hints[f.name], _copy(f))
   add_fields(section, new, owner=owner)
   return tuple(f.name for f in dataclasses.fields(Config))
 

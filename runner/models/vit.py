@@ -1,9 +1,8 @@
 """Vision Transformer with optional sparse MoE MLPs (ViT, Dosovitskiy et al.; V-MoE, Riquelme et al.).
 
-One module covers both: a V-MoE is a ViT whose MLPs at `moe_layers` are `MoeMlpBlock`s. The forward
-pass returns logits and a dict of extras: pre-logits (for few-shot and OOD scores), per-layer
-routing metrics and the summed MoE auxiliary loss.
-"""
+A V-MoE is a ViT whose MLPs at `moe_layers` are `MoeMlpBlock`s. The forward pass returns logits and
+extras: pre-logits (for few-shot and OOD scores), per-layer routing metrics, the summed MoE
+auxiliary loss."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -12,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from runner.config.relations import cudnn_attention_problem
+from runner.accelerator import cudnn_attention_problem
 from runner.config.schema import Attention
 from runner.errors import ConfigError
 from runner.models import ensemble
@@ -57,17 +56,14 @@ def _device() -> dict:
 def attention_path(attention: str, dtype, head_dim: int, tokens: int, *, masked: bool,
                    dropout: bool) -> str:
   """Which attention runs: "cudnn" or "xla", the implementations of
-  `jax.nn.dot_product_attention`, or "explicit", vmoe's own softmax(QK^T/sqrt(d))V written out
-  (compiled by XLA too), the one path with attention dropout (`dropout`: on, at a rate > 0),
-  whatever `attention` asks.
+  `jax.nn.dot_product_attention`, or "explicit", vmoe's own softmax(QK^T/sqrt(d))V (compiled by
+  XLA too), the one path with attention dropout (`dropout`: on, at a rate > 0), whatever
+  `attention` asks.
 
-  `attention` (model.attention): "auto" takes cuDNN's fused kernel where it can run and vmoe's
-  own attention elsewhere (the program every earlier version ran: on a CPU it is a little faster
-  than jax.nn.dot_product_attention's XLA implementation, benchmarks/README.md); JAX 0.10's
-  `implementation=None` always means XLA, so the choice is made here. "cudnn" raises a
-  ConfigError where it cannot run, at trace time, before any compute; "xla" asks
-  jax.nn.dot_product_attention for XLA's implementation.
-  """
+  `attention` (model.attention): "auto" takes cuDNN's fused kernel where it can run and vmoe's own
+  attention elsewhere (what earlier versions ran; on a CPU a little faster than XLA's
+  implementation, benchmarks/README.md; JAX 0.10's `implementation=None` always means XLA).
+  "cudnn" raises a ConfigError at trace time where it cannot run; "xla" asks for XLA's."""
   attention = str(attention)
   if attention not in ATTENTIONS:
     raise ValueError(f"unknown attention {attention!r}; valid: {ATTENTIONS}")
@@ -83,10 +79,10 @@ def attention_path(attention: str, dtype, head_dim: int, tokens: int, *, masked:
 
 def fused_attention(q, k, v, *, mask, scale: float, implementation: str, pad_odd=None):
   """jax.nn.dot_product_attention, with an odd sequence padded by one token for cuDNN, whose
-  gradient takes an even number of tokens only (a ViT-B/16 at 224 px has 197; seen refused on an
-  H200, 2026-11-28): the padded token is masked out by the keys' lengths and its output dropped,
-  which leaves every real token's output and gradient as they were. `pad_odd` None: pad for
-  cuDNN only (a masked attention is refused at an odd length by cudnn_attention_problem)."""
+  gradient takes an even number of tokens only (ViT-B/16 at 224 px has 197; refused on an H200,
+  2026-11-28): the pad is masked out by the keys' lengths and its output dropped, every real
+  token's output and gradient unchanged. `pad_odd` None: for cuDNN only (which refuses a masked
+  attention at an odd length, cudnn_attention_problem)."""
   n = q.shape[1]
   pad_odd = implementation == "cudnn" if pad_odd is None else pad_odd
   if not pad_odd or n % 2 == 0 or mask is not None:
@@ -103,11 +99,9 @@ def fused_attention(q, k, v, *, mask, scale: float, implementation: str, pad_odd
 class SelfAttention(nn.Module):
   """Multi-head self-attention with one fused QKV projection (one matmul instead of three).
 
-  `qk_norm` normalises queries and keys over each head's dimensions (a LayerNorm with a scale and
-  no bias, as flax's `normalize_qk` that the Soft MoE paper's ViTs use; Dehghani et al. 2023).
-  `attention` chooses how softmax(QK^T/sqrt(d))V is computed (`attention_path`); the parameters
-  are the same whichever runs.
-  """
+  `qk_norm` normalises queries and keys over each head's dimensions (a LayerNorm with a scale, no
+  bias: flax's `normalize_qk`, as the Soft MoE paper's ViTs; Dehghani et al. 2023). `attention`
+  chooses how softmax(QK^T/sqrt(d))V is computed (`attention_path`), with the same parameters."""
   num_heads: int
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
@@ -187,11 +181,8 @@ class EncoderBlock(nn.Module):
 
 
 class MapHead(nn.Module):
-  """Multihead attention pooling with a learned probe (used by V-MoE-15B, from Zhai et al.).
-
-  `qk_norm`: flax's `normalize_qk` in its attention; the model sets it to `attention_qk_norm`, as
-  the reference's MapHead (vmoe/nn/vit_moe.py) does.
-  """
+  """Multihead attention pooling with a learned probe (used by V-MoE-15B, from Zhai et al.);
+  `qk_norm` (the model's `attention_qk_norm`, as the reference's MapHead, vmoe/nn/vit_moe.py)."""
   num_heads: int
   mlp_dim: int
   dtype: Any = jnp.float32
@@ -205,9 +196,8 @@ class MapHead(nn.Module):
     probe = jnp.tile(probe, (b, 1, 1)).astype(self.dtype)
     # jax.nn.dot_product_attention (XLA's) for flax's: float32 logits and softmax under bfloat16.
     y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dtype=self.dtype,
-                                        normalize_qk=self.qk_norm,
-                                        attention_fn=jax.nn.dot_product_attention,
-                                        name="attention")(probe, x)
+                                        normalize_qk=self.qk_norm, name="attention",
+                                        attention_fn=jax.nn.dot_product_attention)(probe, x)
     z = nn.LayerNorm(dtype=self.dtype, name="norm")(y)
     y = y + MlpBlock(self.mlp_dim, dtype=self.dtype, name="mlp")(z, train=train, dropout=dropout)
     return y[:, 0]
@@ -216,18 +206,15 @@ class MapHead(nn.Module):
 class VisionTransformer(nn.Module):
   """ViT / V-MoE classifier. Argument names are the config keys under `model.`.
 
-  A partitioned batch ensemble (`moe["ensemble_size"]` M > 1, variant "pbe" or "tiling_only")
-  tiles its representation M times right before the first MoE block, so everything before runs
-  once; `logits` are then the members' mean probability as logits (`output` says whether members
-  are softmax or sigmoid classifiers), `extras["member_logits"]` (B, M, C) the members' own, and
-  `extras["pre_logits"]` the members' representations side by side (B, M*width): the joint
-  features of few-shot evaluation and Mahalanobis scores.
+  A tiled partitioned batch ensemble (`moe["ensemble_size"]` M > 1, "pbe" or "tiling_only") tiles
+  its representation M times right before the first MoE block, so everything before runs once;
+  `logits` are the members' mean probability (`output`: softmax or sigmoid members) as logits,
+  `extras["member_logits"]` (B, M, C) the members' own, `extras["pre_logits"]` their
+  representations side by side (B, M*width), the joint features of few-shot and Mahalanobis.
 
-  A heteroscedastic head (`head`, runner/models/heads.py) returns the log of its MC-mean
-  probability as logits, with `extras["loc_logits"]` (the noise-free logits) and
-  `extras["temperature"]`; the pre-logits stay deterministic. With `num_classes=0` there is no
-  head: the model returns its representation (the image tower of runner/models/contrastive.py).
-  """
+  A heteroscedastic head (`head`, heads.py) returns the log of its MC-mean probability as logits,
+  with `extras["loc_logits"]` (noise-free) and `extras["temperature"]`; the pre-logits stay
+  deterministic. With `num_classes=0` the model returns its representation (contrastive.py)."""
   num_classes: int
   patch_size: int
   hidden_size: int
@@ -269,10 +256,9 @@ class VisionTransformer(nn.Module):
       if self.tiles > 1 and i == min(self.moe_layers):
         x = jnp.repeat(x, self.tiles, axis=0)  # image-major: row b*M + m is member m's copy
       block = EncoderBlock(self.mlp_dim, self.num_heads, self.dropout_rate,
-                           self.attention_dropout_rate,
+                           self.attention_dropout_rate, name=f"block_{i}",
                            moe=self.moe if i in self.moe_layers else None, dtype=self.dtype,
-                           qk_norm=self.attention_qk_norm, attention=self.attention,
-                           name=f"block_{i}")
+                           qk_norm=self.attention_qk_norm, attention=self.attention)
       x, metrics = block(x, train=train, dropout=dropout)
       if metrics:
         routing_metrics[f"layer_{i}"] = metrics

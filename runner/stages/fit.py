@@ -11,6 +11,7 @@ from runner import data
 from runner.config import relations
 from runner.config.schema import TrainTask
 from runner.errors import ConfigError
+from runner.train import schedules
 from runner.train.loop import total_steps
 
 # Each stage's recipe sets its own batch (conf/<stage>.yaml), which a small dataset meets first.
@@ -29,8 +30,7 @@ def _largest_batch(config: TrainTask, examples: int, shards: int) -> int | None:
 
 
 def _split_said(config: TrainTask, split: str, source: data.Source) -> str:
-  """The training split, and the part held out of it for validation when the dataset has no
-  validation split."""
+  """The training split, and the part held out of it for validation (a dataset without one)."""
   asked = config.data.split
   said = f"split {split!r} of {source.name!r}"
   if split != asked and split.startswith(f"{asked}["):
@@ -53,12 +53,11 @@ def check_batch_fits_the_split(config: TrainTask, split: str, source: data.Sourc
   largest = _largest_batch(config, per_shard, shards)
   sharded = (f" read in data.num_shards={shards} shards of {per_shard} examples, each giving "
              f"{part} images of every batch," if shards > 1 else "")
-  fix = (f"use data.batch_size={largest} or less" if largest else "use a smaller data.batch_size")
+  fix = f"Use data.batch_size={largest} or less" if largest else "Use a smaller data.batch_size"
   raise data.DataError(
       f"data.batch_size={d.batch_size} is larger than the training data: "
       f"{_split_said(config, split, source)} has {examples} examples{sharded} and every step "
-      f"trains on a whole batch. {fix[0].upper() + fix[1:]} ({RECIPE_BATCHES}), or train on "
-      "more data.")
+      f"trains on a whole batch. {fix} ({RECIPE_BATCHES}), or train on more data.")
 
 
 def check_schedule_fits_the_run(config: TrainTask, split: str, source: data.Source) -> int:
@@ -71,10 +70,10 @@ def check_schedule_fits_the_run(config: TrainTask, split: str, source: data.Sour
   length = (f"train.steps={t.steps}" if t.steps else
             f"train.epochs={t.epochs:g} = {steps} steps of data.batch_size={d.batch_size} over "
             f"{examples} examples")
-  problem = relations.warmup_problem(config.schedule, config.optim, steps, length)
+  problem = schedules.warmup_problem(config.schedule, config.optim, steps, length)
   if problem:
     raise ConfigError(problem)
-  warning = relations.warmup_warning(config.schedule, steps, length)
+  warning = schedules.warmup_warning(config.schedule, steps, length)
   if warning and jax.process_index() == 0:
     print(f"warning: {warning}", file=sys.stderr)
   return steps

@@ -4,7 +4,8 @@ plug-in's, registered by name).
 A schedule that reads keys of its own declares them in a `Config` dataclass registered with it
 (`register`), which adds them to the schema's `ScheduleConfig` (rsqrt: timescale,
 cooldown_steps); `ScheduleConfig` itself holds what every schedule reads (name, warmup_steps)
-and end_lr_fraction, which those that decay to it say they read (linear, cosine)."""
+and end_lr_fraction, which those that decay to it say they read (linear, cosine). The warm-up's
+rules against the run's length are stated here too (`warmup_problem`, `warmup_warning`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,8 @@ import jax.numpy as jnp
 
 from runner.config import components, registries
 from runner.config.checks import at_least, key
+from runner.config.relations import relation
+from runner.config.schema import OptimConfig, ScheduleConfig, TrainConfig
 
 
 def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0,
@@ -36,8 +39,7 @@ def make_schedule(name: str, lr: float, total_steps: int, warmup_steps: int = 0,
   Against vmoe's `big_vision_rsqrt_schedule` (vmoe/train/schedule.py), whose linear warmup starts
   at 0 at count 0: ours(step) = vmoe(step + 1) during warmup and decay. In the cooldown vmoe
   holds the rate reached when the cooldown starts and decays that linearly, at count step + 1
-  lr / sqrt(1 + (T - W - C) / t) * (T - step - 1) / C.
-  """
+  lr / sqrt(1 + (T - W - C) / t) * (T - step - 1) / C."""
   chosen = registries.SCHEDULES.get(name)
   make_value, values = chosen.fn, chosen.values(options)
   warmup_steps = min(warmup_steps, total_steps)
@@ -109,3 +111,42 @@ def _rsqrt(step, *, lr, warmup_steps, total_steps, timescale, cooldown_steps, **
   if cooldown_steps:
     value = value * jnp.clip((total_steps - step) / cooldown_steps, 0.0, 1.0)
   return value
+
+
+def warmup_problem(schedule: ScheduleConfig, optim: OptimConfig, steps: int,
+                   length: str) -> str | None:
+  """A warm-up as long as the run never reaches optim.lr and never decays: the run would not be
+  the schedule asked for; then the chosen schedule's own rules against the run (its `problem`).
+  `length` says where the run's steps come from (`train.steps=20`)."""
+  warmup = schedule.warmup_steps
+  if warmup and warmup >= steps:
+    last = optim.lr * steps / warmup
+    return (f"schedule.warmup_steps={warmup} is not shorter than the run ({length}): the "
+            f"learning rate would rise for the whole run, to {last:.3g} at its last step, never "
+            f"reaching optim.lr={optim.lr:g} nor decaying (schedule={schedule.name}); give a "
+            "warm-up shorter than the run, e.g. "
+            + (f"schedule.warmup_steps={steps // 5} (a fifth of it) or " if steps >= 5 else "")
+            + "schedule.warmup_steps=0.")
+  chosen = registries.SCHEDULES.get(schedule.name)  # its own rules (rsqrt: the cooldown)
+  return chosen.problem(schedule, steps, length) if chosen.problem else None
+
+
+def warmup_warning(schedule: ScheduleConfig, steps: int, length: str) -> str | None:
+  """A warm-up longer than half the run still peaks and decays, but it is most of the run: said
+  once as the stage starts, since shrinking train.steps alone keeps the recipe's warm-up."""
+  warmup = schedule.warmup_steps
+  if warmup and 2 * warmup > steps:
+    left = steps - warmup
+    return (f"schedule.warmup_steps={warmup} is {warmup / steps:.0%} of the run ({length}), "
+            f"leaving {left} step{'s' if left > 1 else ''} of schedule={schedule.name} after "
+            "it; set schedule.warmup_steps to change that.")
+  return None
+
+
+@relation
+def warmup_fits_the_run(schedule: ScheduleConfig, optim: OptimConfig, train: TrainConfig):
+  """With train.steps given; a run of train.epochs is checked once its split size is known
+  (runner/stages/fit.py)."""
+  if train.steps is None:
+    return None
+  return warmup_problem(schedule, optim, train.steps, f"train.steps={train.steps}")

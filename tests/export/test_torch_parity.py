@@ -52,12 +52,12 @@ import jax.numpy as jnp  # noqa: E402
 
 from runner.config import registries, sections  # noqa: E402
 from runner.config.schema import (  # noqa: E402
-    CapacityRounding, Classifier, EnsembleVariant, HeadConfig, HeadType, ModelConfig, MoeConfig,
-    Priority, RouterConfig)
+    Classifier, EnsembleVariant, HeadConfig, HeadType, ModelConfig, MoeConfig, RouterConfig)
 from runner.export import architecture, card, files, layout  # noqa: E402
 from runner.models import build_model, heads  # noqa: E402
 from runner.models.moe import routing  # noqa: E402
 from runner.models.moe.routers import RouterFamily  # noqa: E402
+from runner.models.moe.routers.token_choice import CapacityRounding, Priority  # noqa: E402
 from runner.models.moe.routers.base import TorchRouting  # noqa: E402
 from runner.models.moe.routers.token_choice import Balance, Gate, TokenChoice  # noqa: E402
 

@@ -52,7 +52,7 @@ def test_capacity_rounding_reaches_the_router():
   import jax
   import jax.numpy as jnp
 
-  from runner.config.schema import CapacityRounding
+  from runner.models.moe.routers.token_choice import CapacityRounding
   from runner.models.moe.routing import expert_capacity
   tiny = model_config("vmoe_tiny")
   assert tiny.router.capacity_rounding == CapacityRounding.paper

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from runner.config import sections
-from runner.config.schema import CapacityRounding, RouterConfig
+from runner.config.schema import RouterConfig
 from runner.models.moe import routers
 from runner.models.moe.layer import MoeMlpBlock
 from runner.models.moe.routers import experts_choice as ec
 from runner.models.moe.routers.experts_choice import ExpertsChoiceRouter, experts_capacity
+from runner.models.moe.routers.token_choice import CapacityRounding
 from router_reference import (compute_capacity, einsum_combine, einsum_dispatch,
                               experts_choice_selection, experts_choice_tensors, is_half_tie,
                               mlp_experts, softmax)

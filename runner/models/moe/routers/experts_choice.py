@@ -1,10 +1,8 @@
 """Experts-choice routing: each expert picks its top-C tokens of a routing group (Zhou et al. 2022).
 
 As the reference code's `NoisyTopItemsPerExpertRouter` (vmoe/nn/routing.py, vmoe/moe.py
-`get_top_items_per_expert_dispatcher`); docs/routers.md states the computation. A token is
-processed by 0 to E experts, and one that no expert picked passes through the residual only; no
-auxiliary loss: every expert is full by construction.
-"""
+`get_top_items_per_expert_dispatcher`); docs/routers.md states the computation. A token gets 0 to
+E experts (none: the residual only); no auxiliary loss, as every expert is full by construction."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,10 +13,9 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from runner.config.schema import CapacityRounding
 from runner.models.moe import routing, z_loss
 from runner.models.moe.routers.base import RouterFamily, TorchRouting, register
-from runner.models.moe.routers.token_choice import SHARED_KEYS
+from runner.models.moe.routers.token_choice import KERNEL_INIT, SHARED_KEYS, CapacityRounding
 
 
 @dataclasses.dataclass
@@ -31,18 +28,12 @@ class ExpertsChoiceConfig:
   z_loss_weight: float = SHARED_KEYS["z_loss_weight"]()
 
 
-_KERNEL_INIT = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ExpertsChoicePlan:
-  """For G groups of S tokens and E experts of C slots: slot s = expert * C + position.
-
-  token_of_slot[g, s] is the token in slot s (every slot is filled: C <= S);
-  weight_of_slot[g, s] its combine weight, the gate G[token, expert];
-  gates[g, t, e] the routing gates.
-  """
+  """For G groups of S tokens and E experts of C slots (slot s = expert * C + position):
+  token_of_slot[g, s] the token in slot s (every slot is filled: C <= S), weight_of_slot[g, s] its
+  combine weight, the gate G[token, expert]; gates[g, t, e] the routing gates."""
   token_of_slot: jax.Array
   weight_of_slot: jax.Array
   gates: jax.Array
@@ -96,9 +87,8 @@ class ExpertsChoicePlan:
 def top_tokens_per_expert(gates: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
   """(weights, tokens), each (G, E, C): every expert's C largest gates, largest first, ties to the
   lower token index."""
-  weights, tokens = jax.lax.top_k(jax.lax.stop_gradient(gates).transpose(0, 2, 1), capacity)
+  _, tokens = jax.lax.top_k(jax.lax.stop_gradient(gates).transpose(0, 2, 1), capacity)
   picked = jnp.take_along_axis(gates.transpose(0, 2, 1), tokens, axis=-1)  # gradient flows here
-  del weights
   return picked, tokens.astype(jnp.int32)
 
 
@@ -124,16 +114,14 @@ class ExpertsChoiceRouter(nn.Module):
     num_groups, num_tokens, _ = x.shape
     e = self.num_experts
     logits = nn.Dense(e, use_bias=False, dtype=jnp.float32, param_dtype=jnp.float32,
-                      kernel_init=_KERNEL_INIT, name="dense")(x.astype(jnp.float32))
+                      kernel_init=KERNEL_INIT, name="dense")(x.astype(jnp.float32))
     z = z_loss.z_loss(logits) if self.z_loss_weight else None  # before noise, over the experts
     noise_std = self.noise_std / e
     if train and noise_std > 0:
       logits = logits + noise_std * jax.random.normal(self.make_rng("gating"), logits.shape)
     gates = jax.nn.softmax(logits)
-    ratio = self.capacity_ratio
-    if not train and self.eval_capacity_ratio is not None:
-      ratio = self.eval_capacity_ratio
-    capacity = experts_capacity(num_tokens, e, ratio, self.capacity_rounding)
+    capacity = experts_capacity(num_tokens, e, routing.ratio_in_force(self, train),
+                                self.capacity_rounding)
     weights, tokens = top_tokens_per_expert(gates, capacity)
     plan = ExpertsChoicePlan(token_of_slot=tokens.reshape(num_groups, e * capacity),
                              weight_of_slot=weights.reshape(num_groups, e * capacity),
@@ -169,10 +157,8 @@ class ExpertsChoice(RouterFamily):
 
   @classmethod
   def capacity(cls, router, tokens: int, experts: int, *, train: bool) -> int:
-    ratio = router.capacity_ratio
-    if not train and router.eval_capacity_ratio is not None:
-      ratio = router.eval_capacity_ratio
-    return experts_capacity(tokens, experts, ratio, router.capacity_rounding)
+    return experts_capacity(tokens, experts, routing.ratio_in_force(router, train),
+                            router.capacity_rounding)
 
   @classmethod
   def experts_per_token(cls, router, tokens: int, experts: int, capacity: int) -> float:
@@ -182,22 +168,17 @@ class ExpertsChoice(RouterFamily):
   def torch_routing(cls, router, *, tokens: int, experts: int) -> TorchRouting:
     """experts_choice_torch.py at the inference capacity ratio (eval_capacity_ratio when set)."""
     del tokens, experts
-    ratio = router.capacity_ratio
-    if router.eval_capacity_ratio is not None:
-      ratio = router.eval_capacity_ratio
     return TorchRouting(
-        config=dict(capacity_ratio=float(ratio),
+        config=dict(capacity_ratio=float(routing.ratio_in_force(router, train=False)),
                     capacity_rounding=str(router.capacity_rounding)),
         source=pathlib.Path(__file__).with_name("experts_choice_torch.py").read_text(),
         class_name="ExpertsChoiceRouter")
 
   @classmethod
-  def dropped_at_capacity(cls, router, weights: jax.Array, capacity: int
-                          ) -> dict[str, jax.Array]:
+  def dropped_at_capacity(cls, router, weights: jax.Array, capacity: int) -> dict[str, jax.Array]:
     """Each expert's top-`capacity` tokens; the tokens no expert picks are dropped."""
     groups, tokens, _ = weights.shape
     _, picked = top_tokens_per_expert(weights, capacity)  # (G, E, C) token ids
     kept = jnp.zeros((groups, tokens), bool).at[
         jnp.arange(groups)[:, None], picked.reshape(groups, -1)].set(True)
     return {"vanilla": ~kept}
-

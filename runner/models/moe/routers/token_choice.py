@@ -1,9 +1,7 @@
 """Token-choice routing, the router of V-MoE: each token picks its TOP-k experts (Riquelme et al.).
 
-docs/routers.md states its options (gates, capacity, Batch Prioritized Routing, balancing,
-dropless); the policy itself is `runner.models.moe.routing`. The reference code names this router
-`NoisyTopExpertsPerItemRouter` (vmoe/nn/routing.py).
-"""
+docs/routers.md states its options; the policy itself is `runner.models.moe.routing`. The reference
+code names this router `NoisyTopExpertsPerItemRouter` (vmoe/nn/routing.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +15,6 @@ import flax.linen as nn
 
 from runner.config import derived
 from runner.config.checks import at_least, key, positive
-from runner.config.schema import CapacityRounding, Priority
 from runner.models.moe import balance, routing, z_loss
 from runner.models.moe.routers.base import RouterFamily, TorchRouting, register
 from runner.models.param_updates import ParamUpdate
@@ -34,6 +31,18 @@ SHARED_KEYS = {
     "z_loss_weight": lambda: key(0.0, at_least(0), "c_z of ST-MoE's router z-loss (eq. 5), "
                                  "added to the training loss: the paper's 0.001; 0: off"),
 }
+
+
+class Priority(enum.StrEnum):
+  """Batch Prioritized Routing's score: a token's largest gate, or the sum of its TOP-k."""
+  max = "max"
+  sum = "sum"
+
+
+class CapacityRounding(enum.StrEnum):
+  """How an expert's buffer size follows from k * tokens * C / E (runner/models/moe/routing.py)."""
+  paper = "paper"  # round half up, at least 1 (V-MoE §2.4)
+  reference = "reference"  # ceil, then up to a multiple of 4 (vmoe/moe.py compute_capacity)
 
 
 class Gate(enum.StrEnum):
@@ -77,7 +86,8 @@ class TokenChoiceConfig:
   z_loss_weight: float = SHARED_KEYS["z_loss_weight"]()
 
 
-_KERNEL_INIT = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
+# The initialiser of the (D, E) router kernel (experts-choice's too).
+KERNEL_INIT = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None))
 # Whole on every device: every routing group adds all of it.
 _BIAS_INIT = nn.with_logical_partitioning(nn.initializers.zeros, (None,))
 
@@ -89,25 +99,19 @@ class _PartitionedKernel(nn.Module):
 
   @nn.compact
   def __call__(self, dim: int) -> jax.Array:
-    return self.param("kernel", _KERNEL_INIT, (dim, self.num_experts), jnp.float32)
+    return self.param("kernel", KERNEL_INIT, (dim, self.num_experts), jnp.float32)
 
 
 class NoisyTopKRouter(nn.Module):
   """g(x) = TOP_k(softmax(Wx + eps)); returns a `DispatchPlan` and per-layer metrics.
 
-  With `partitions` P > 1 (a partitioned batch ensemble, E³) the E experts form P contiguous
-  partitions of E/P, and group g is routed by partition g % P alone: its own E/P router columns,
-  softmax, noise (std noise_std / (E/P)), TOP-k, capacity and auxiliary losses, exactly as a
-  V-MoE with E/P experts (Allingham et al., eq. 3 and Ω_partition of App. D.2). The plan then
-  indexes the E/P experts of each group's partition.
-
-  With `balance="bias"` (auxiliary-loss-free balancing, docs/routers.md) the router has a
-  parameter `balance_bias` (E,) and, in training, sows the batch's loads (P, E/P) in the
-  `balance_loads` collection for the train step to move the bias (balance.py).
-
-  The router always computes in float32: routing decisions are discrete and bfloat16 rounding of
-  the gates would change them.
-  """
+  With `partitions` P > 1 (a partitioned batch ensemble, E³) group g is routed by partition g % P
+  of E/P contiguous experts alone, exactly as a V-MoE with E/P experts (its own router columns,
+  noise std noise_std / (E/P), capacity and auxiliary losses; Allingham et al., eq. 3 and
+  Ω_partition of App. D.2); the plan indexes the experts of the group's partition. With
+  `balance="bias"` (docs/routers.md) the router has a parameter `balance_bias` (E,) and, in
+  training, sows the batch's loads (P, E/P) in `balance_loads` for the train step (balance.py).
+  Always float32: routing decisions are discrete, and bfloat16 rounding would change them."""
   num_experts: int
   k: int = 2
   capacity_ratio: float = 1.05
@@ -133,7 +137,7 @@ class NoisyTopKRouter(nn.Module):
     if p == 1:
       # The expert dimension of the router stays whole on every device: top-k needs all of it.
       logits = nn.Dense(self.num_experts, use_bias=False, dtype=jnp.float32,
-                        param_dtype=jnp.float32, kernel_init=_KERNEL_INIT, name="dense")(x)
+                        param_dtype=jnp.float32, kernel_init=KERNEL_INIT, name="dense")(x)
     else:  # (G/P, P, S, D) x (D, P, E/P): each group meets its partition's columns only
       kernel = _PartitionedKernel(self.num_experts, name="dense")(dim).reshape(dim, p, experts)
       logits = jnp.einsum("gpsd,dpe->gpse", x.reshape(num_groups // p, p, num_tokens, dim),
@@ -146,17 +150,15 @@ class NoisyTopKRouter(nn.Module):
     noise_std = self.noise_std / experts
     routed = logits  # what the TOP-k is chosen on
     if train and noise_std > 0:
-      noisy = routed = logits + noise_std * jax.random.normal(self.make_rng("gating"),
-                                                              logits.shape)
+      noisy = routed = logits + noise_std * jax.random.normal(self.make_rng("gating"), logits.shape)
       gates = routing.gate_weights(noisy, self.gate, self.k)
       metrics["load_loss"] = balance.load_loss(logits, noisy, noise_std, self.k,
                                                self.balance_scope, p)
       metrics["auxiliary_loss"] = 0.5 * metrics["importance_loss"] + 0.5 * metrics["load_loss"]
     else:
       # No noise (evaluation, or noise_std = 0): no load loss, and the importance loss keeps its
-      # weight 1/2, as in the reference code, whose auxiliary loss is
-      # importance_loss_weight * importance (+ load_loss_weight * load with noise), both weights
-      # lambda / 2 (0.005; vmoe/nn/routing.py, vmoe/configs/vmoe_paper/common.py).
+      # weight 1/2, as in the reference code, whose two loss weights are both lambda / 2 (0.005;
+      # vmoe/nn/routing.py, vmoe/configs/vmoe_paper/common.py).
       gates = gates_clean
       metrics["auxiliary_loss"] = 0.5 * metrics["importance_loss"]
     select = None
@@ -170,16 +172,12 @@ class NoisyTopKRouter(nn.Module):
       raise ValueError(f"unknown balance {self.balance!r}; valid: {balance.BALANCES}")
     if self.dropless:  # every assignment processed: no capacity, nothing dropped
       return self._dropless(gates, metrics, select, train)
-    ratio = self.capacity_ratio
-    if not train and self.eval_capacity_ratio is not None:
-      ratio = self.eval_capacity_ratio
-    capacity = routing.expert_capacity(num_tokens, experts, self.k, ratio, self.capacity_rounding)
-    plan = routing.plan_dispatch(gates, k=self.k, capacity=capacity,
-                                 batch_priority=self.batch_priority, priority=self.priority,
-                                 select=select)
+    capacity = routing.expert_capacity(num_tokens, experts, self.k,
+                                       routing.ratio_in_force(self, train), self.capacity_rounding)
+    plan = routing.plan_dispatch(gates, k=self.k, capacity=capacity, select=select,
+                                 batch_priority=self.batch_priority, priority=self.priority)
     if select is not None and train:  # the train step moves the bias (TokenChoice.param_updates)
-      self.sow(balance.LOADS, balance.BIAS,
-               balance.assignment_counts(plan, p).reshape(p, experts))
+      self.sow(balance.LOADS, balance.BIAS, balance.assignment_counts(plan, p).reshape(p, experts))
     kept = plan.kept
     metrics["fraction_dropped_tokens"] = jnp.mean(~kept.any(axis=-1))
     metrics["fraction_dropped_assignments"] = jnp.mean(~kept)
@@ -191,10 +189,8 @@ class NoisyTopKRouter(nn.Module):
 
   def _dropless(self, gates: jax.Array, metrics: dict, select: jax.Array | None,
                 train: bool) -> tuple[routing.DroplessPlan, dict]:
-    """The TOP-k of every token (chosen on `select` with a balance bias), all kept
-    (`routing.plan_dropless`), and the metrics of a router that drops nothing; an expert's load
-    is its share of the group's S tokens (`capacity`, the buffer that nothing overflows),
-    averaged over groups."""
+    """Every token's TOP-k kept (`routing.plan_dropless`), and the metrics of a router that drops
+    nothing: an expert's load is its share of the group's S tokens, a buffer nothing overflows."""
     if self.partitions > 1:
       raise ValueError("dropless routing does not form partitioned batch ensembles")
     plan = routing.plan_dropless(gates, k=self.k, select=select)
@@ -220,10 +216,9 @@ class TokenChoice(RouterFamily):
 
   @classmethod
   def problem(cls, model) -> str | None:
-    """k <= the experts a token chooses among (those of its member in an ensemble); Batch
-    Prioritized Routing by the sum of the TOP-k weights means nothing with sigmoid gates, whose
-    TOP-k weights sum to 1 for every token (routing.sigmoid_gates); a bias update rate needs the
-    bias it moves (balance=bias)."""
+    """k <= the experts a token chooses among (its member's in an ensemble); priority=sum means
+    nothing with sigmoid gates, whose TOP-k weights sum to 1 (routing.sigmoid_gates); a bias update
+    rate needs the bias it moves (balance=bias)."""
     router = model.router
     dropless = _dropless_problem(model)
     if dropless:
@@ -253,8 +248,7 @@ class TokenChoice(RouterFamily):
 
   @classmethod
   def param_updates(cls, router, stage: str) -> tuple[ParamUpdate, ...]:
-    """With balance=bias, the bias' update after every train step (balance.bias_param_update),
-    at `bias_update_rate`."""
+    """With balance=bias, the bias' update after every train step at `bias_update_rate`."""
     if str(router.balance) != "bias":
       return ()
     return (balance.bias_param_update(bias_update_rate(router, stage)),)
@@ -287,11 +281,9 @@ class TokenChoice(RouterFamily):
                   eval_capacity_ratio=router.eval_capacity_ratio,
                   batch_priority=router.batch_priority, priority=str(router.priority),
                   noise_std=1.0 if router.noise_std is None else router.noise_std)
-    if str(router.capacity_rounding) != "paper":  # the default's arguments stay as they were
-      kwargs["capacity_rounding"] = str(router.capacity_rounding)
-    for option, default in (("gate", "softmax"), ("balance_scope", "group"),
-                            ("balance", "aux_loss")):
-      if str(getattr(router, option)) != default:
+    for option, default in (("capacity_rounding", "paper"), ("gate", "softmax"),
+                            ("balance_scope", "group"), ("balance", "aux_loss")):
+      if str(getattr(router, option)) != default:  # the default's arguments stay as they were
         kwargs[option] = str(getattr(router, option))
     if _is_dropless(router):
       kwargs["dropless"] = True
@@ -303,8 +295,8 @@ class TokenChoice(RouterFamily):
   def capacity(cls, router, tokens: int, experts: int, *, train: bool) -> int:
     if _is_dropless(router):  # no buffer; an expert takes each token at most once
       return tokens
-    return routing.expert_capacity(tokens, experts, router.k, _ratio(router, train),
-                                   router.capacity_rounding)
+    return routing.expert_capacity(tokens, experts, router.k,
+                                   routing.ratio_in_force(router, train), router.capacity_rounding)
 
   @classmethod
   def expert_rows(cls, router, tokens: int, experts: int, capacity: int) -> float:
@@ -315,9 +307,8 @@ class TokenChoice(RouterFamily):
 
   @classmethod
   def at_inference(cls, given: dict) -> dict:
-    """As any family's; and a later stage's model.router.dropless=true sets the keys of capacity
-    routing that the checkpoint was trained with back to their defaults (those given stay, and
-    are refused): dropless routing reads none of them."""
+    """As any family's; a later stage's dropless=true also sets the checkpoint's keys of capacity
+    routing back to their defaults (those given stay, and are refused): dropless reads none."""
     given = super().at_inference(given)
     if given.get("dropless") in (True, "true"):
       return {**_CAPACITY_DEFAULTS, **given}
@@ -363,7 +354,7 @@ class TokenChoice(RouterFamily):
     if bias:
       parameters[balance.BIAS] = (balance.BIAS, None)
     return TorchRouting(
-        config=dict(k=int(router.k), capacity_ratio=float(_ratio(router, train=False)),
+        config=dict(k=int(router.k), capacity_ratio=float(routing.ratio_in_force(router, False)),
                     capacity_rounding=str(router.capacity_rounding),
                     batch_priority=bool(router.batch_priority), priority=str(router.priority),
                     **({} if str(router.gate) == "softmax" else {"gate": str(router.gate)}),
@@ -373,11 +364,9 @@ class TokenChoice(RouterFamily):
         class_name="TokenChoiceRouter", parameters=parameters)
 
   @classmethod
-  def dropped_at_capacity(cls, router, weights: jax.Array, capacity: int
-                          ) -> dict[str, jax.Array]:
-    """Vanilla routing and Batch Prioritized Routing of the gates, TOP-k as configured; none
-    where a bias chose the TOP-k (balance=bias): the gates alone cannot replan its choices; none
-    for a dropless router, which drops nothing at any capacity ratio."""
+  def dropped_at_capacity(cls, router, weights: jax.Array, capacity: int) -> dict[str, jax.Array]:
+    """Vanilla routing and Batch Prioritized Routing of the gates; none where a bias chose the
+    TOP-k (the gates alone cannot replan it), or for a dropless router, which drops nothing."""
     if str(getattr(router, "balance", "aux_loss")) == "bias" or _is_dropless(router):
       return {}
     dropped = {}
@@ -406,8 +395,7 @@ def _is_dropless(router) -> bool:
   return bool(getattr(router, "dropless", False))
 
 
-# The keys of capacity routing, at their defaults: what a later stage's dropless=true leaves of a
-# checkpoint's (TokenChoice.at_inference).
+# Capacity routing's keys at their defaults, as a later stage's dropless=true leaves them.
 _CAPACITY_DEFAULTS = {"capacity_ratio": SHARED_KEYS["capacity_ratio"]().default,
                       "eval_capacity_ratio": None,
                       "capacity_rounding": CapacityRounding.paper.value, "batch_priority": False}
@@ -447,11 +435,3 @@ def _dropless_problem(model) -> str | None:
             "among its own partition of them. Use model.router.dropless=false (capacity "
             "routing), or model.moe.ensemble_size=1.")
   return None
-
-
-def _ratio(router, train: bool) -> float:
-  """The capacity ratio in force: eval_capacity_ratio at inference when it is set."""
-  if not train and router.eval_capacity_ratio is not None:
-    return router.eval_capacity_ratio
-  return router.capacity_ratio
-
