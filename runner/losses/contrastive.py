@@ -1,8 +1,6 @@
-"""Contrastive losses of image-text models: the symmetric softmax loss (CLIP, LiT; the HET-XL
-paper's Eq. 6), with HET-XL's noisy representations (its Eq. 8), and the sigmoid loss (SigLIP).
-docs/contrastive.md states them. HET-XL's samples are taken a chunk at a time: the B x B logits of
-one chunk exist at once, never S of them.
-"""
+"""Contrastive losses of image-text models (docs/contrastive.md): the symmetric softmax loss (CLIP,
+LiT; the HET-XL paper's Eq. 6), with HET-XL's noisy representations (its Eq. 8), and the sigmoid
+loss (SigLIP). HET-XL's samples are taken a chunk at a time: B x B logits of one chunk, never S."""
 from __future__ import annotations
 
 import math
@@ -19,9 +17,8 @@ def _correct_log_probs(queries: jax.Array, keys: jax.Array, scale) -> jax.Array:
 
 
 def _direction_loss(queries: jax.Array, keys: jax.Array, scale, chunk: int) -> jax.Array:
-  """(B,) −log of the mean over samples of each query's softmax probability of its own pair.
-
-  queries (B, S, E): the (noisy) classified embeddings; keys (B, E): the other tower's."""
+  """(B,) −log of the mean over samples of each query's softmax probability of its own pair;
+  queries (B, S, E): the (noisy) classified embeddings, keys (B, E): the other tower's."""
   b, s, _ = queries.shape
   c = min(chunk, s)
   if c == s:
@@ -42,11 +39,9 @@ def _direction_loss(queries: jax.Array, keys: jax.Array, scale, chunk: int) -> j
 
 def softmax_loss(zimg: jax.Array, ztxt: jax.Array, scale, *, image_samples=None,
                  text_samples=None, chunk: int = 8) -> tuple[jax.Array, dict]:
-  """The symmetric softmax loss and its in-batch accuracies.
-
-  zimg, ztxt (B, E): the deterministic embeddings (the "classifier weights" of the other
-  direction); image_samples, text_samples (B, S, E): HET-XL's noisy embeddings (None: the
-  deterministic ones, S = 1: Eq. 6)."""
+  """The symmetric softmax loss and its in-batch accuracies. zimg, ztxt (B, E): the deterministic
+  embeddings (the other direction's "classifier weights"); image_samples, text_samples (B, S, E):
+  HET-XL's noisy embeddings (None: the deterministic ones, S = 1: Eq. 6)."""
   images = zimg[:, None] if image_samples is None else image_samples
   texts = ztxt[:, None] if text_samples is None else text_samples
   i2t = _direction_loss(images, ztxt, scale, chunk)

@@ -16,20 +16,17 @@ def is_moe(config: ModelConfig) -> bool:
 
 
 def param_updates_of(config: ModelConfig, stage: str) -> tuple:
-  """What the train step of `stage` sets after the optimizer: the `ParamUpdate`s
-  (runner/models/param_updates.py) the router family declares for its routers
-  (`RouterFamily.param_updates`; token-choice: loss-free balancing's bias); none for a dense
-  ViT."""
+  """What the train step of `stage` sets after the optimizer: the `ParamUpdate`s the router family
+  declares (`RouterFamily.param_updates`; token-choice: loss-free balancing's bias); none for a
+  dense ViT."""
   if not derived.num_experts(config):
     return ()
   return tuple(derived.router_family(config).param_updates(derived.router(config), stage))
 
 
 def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") -> VisionTransformer:
-  """A `VisionTransformer` from a model config (the `model.` keys), with a head of `num_classes`.
-
-  `output` ("softmax" or "sigmoid", from train.loss) is how ensemble members' predictions average.
-  """
+  """A `VisionTransformer` from a model config (the `model.` keys), with a head of `num_classes`;
+  `output` ("softmax" or "sigmoid", from train.loss): how ensemble members' predictions average."""
   moe, moe_layers = None, ()
   experts = derived.num_experts(config)  # E, or E*m fine-grained experts; 0 for a dense ViT
   if experts:
@@ -63,8 +60,8 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
       num_layers=config.num_layers, mlp_dim=config.mlp_dim, num_heads=config.num_heads,
       classifier=str(config.classifier), representation_size=config.representation_size,
       dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate,
-      attention_qk_norm=config.attention_qk_norm, head_bias_init=config.head_bias_init, moe_layers=moe_layers, moe=moe, head=head,
-      output=output,
+      attention_qk_norm=config.attention_qk_norm, head_bias_init=config.head_bias_init,
+      moe_layers=moe_layers, moe=moe, head=head, output=output,
       dtype=jnp.dtype(str(config.dtype)), attention=str(config.attention))
 
 

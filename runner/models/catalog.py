@@ -10,8 +10,7 @@
 
 docs/models.md and docs/routers.md ("Models") say what each part means; the Soft MoE paper's
 models (`softmoe_*`, `ecmoe_*`) have that paper's own ViT sizes (`SOFT_SIZES`), and their CPU
-sizes vmoe_tiny's shape with one image per routing group.
-"""
+sizes vmoe_tiny's shape with one image per routing group."""
 from __future__ import annotations
 
 import dataclasses
@@ -87,30 +86,27 @@ def model_config(name: str) -> ModelConfig:
   """The full model config (constructor arguments plus image_size) for a name in the grammar,
   or registered by a plug-in."""
   if name in _REGISTERED:
-    config = _REGISTERED.get(name)()
-    return dataclasses.replace(config, name=name)
+    return dataclasses.replace(_REGISTERED.get(name)(), name=name)
   soft = _SOFT_NAME.match(name)
   if soft and not (soft["kind"] == "ecmoe" and soft["p"]):
     return _soft_moe_paper_model(name, soft)
   m = _NAME.match(name)
-  if not m or (m["kind"] == "vit" and (m["place"] or m["e"] or m["k"] or m["s"] or m["f"]
-                                       or m["m"])):
+  if not m or (m["kind"] == "vit" and any(m[g] for g in ("place", "e", "k", "s", "f", "m"))):
     raise UnknownModelError(
-        f"unknown model {name!r}. Valid names: "
-        f"{', '.join(registered_names())}, or any "
+        f"unknown model {name!r}. Valid names: {', '.join(registered_names())}, or any "
         "vit_<size><patch> / vmoe_<size><patch>_<every|last><n>[_e<E>][_k<k>][_s<S>][_f<F>]"
         f"[_m<M>] with size in {{{', '.join(s for s in SIZES if s != 'tiny')}}} (e.g. "
-        "vmoe_b16_every2_e32_k2, vmoe_tiny_k1_m2, vmoe_tiny_s1_f2), softmoe_<size><patch>[_e<E>][_p<P>] or ecmoe_<size><patch>[_e<E>] "
-        f"with size in {{{', '.join(SOFT_SIZES)}}} (the Soft MoE paper's ViT sizes).")
+        "vmoe_b16_every2_e32_k2, vmoe_tiny_k1_m2, vmoe_tiny_s1_f2), softmoe_<size><patch>[_e<E>]"
+        f"[_p<P>] or ecmoe_<size><patch>[_e<E>] with size in {{{', '.join(SOFT_SIZES)}}} (the "
+        "Soft MoE paper's ViT sizes).")
   tiny = bool(m["tiny"])
   hidden, layers, mlp, heads = SIZES["tiny" if tiny else m["size"]]
-  moe, router = MoeConfig(layers=[], num_experts=0), sections.new(RouterConfig, k=2)
+  moe, router = MoeConfig(layers=[], num_experts=0), sections.new(RouterConfig, k=int(m["k"] or 2))
   if m["kind"] == "vmoe":
     placement = f"{m['place'] or 'every'}{m['n'] or 2}"
     moe = MoeConfig(layers=placement, num_experts=int(m["e"] or (8 if tiny else 32)),
                     ensemble_size=int(m["m"] or 1), shared_experts=int(m["s"] or 0),
                     expert_split=int(m["f"] or 1))
-    router = sections.new(RouterConfig, k=int(m["k"] or 2))
   return ModelConfig(name=name, image_size=32 if tiny else 224,
                      patch_size=4 if tiny else int(m["patch"]), hidden_size=hidden,
                      num_layers=layers, mlp_dim=mlp, num_heads=heads, moe=moe, router=router)
@@ -129,10 +125,8 @@ def _soft_moe_paper_model(name: str, m) -> ModelConfig:
     experts = int(m["e"] or (256 if patch == 14 else 128))
   # Soft MoE's slots per expert (the paper's 1 at full size); experts-choice reads no such key.
   slots = None if router_type != "soft" or m["tiny"] and not m["p"] else int(m["p"] or 1)
-  router = sections.new(RouterConfig, type=router_type, capacity_ratio=1.0,
-                        slots_per_expert=slots)
+  router = sections.new(RouterConfig, type=router_type, capacity_ratio=1.0, slots_per_expert=slots)
   return ModelConfig(name=name, image_size=image, patch_size=patch, hidden_size=hidden,
                      num_layers=layers, mlp_dim=mlp, num_heads=heads, classifier=Classifier.gap,
-                     attention_qk_norm=qk_norm,
-                     moe=MoeConfig(layers=placement, num_experts=experts, group_size=1),
-                     router=router)
+                     attention_qk_norm=qk_norm, router=router,
+                     moe=MoeConfig(layers=placement, num_experts=experts, group_size=1))

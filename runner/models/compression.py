@@ -1,22 +1,18 @@
 """Fewer experts per MoE layer without retraining, from what a calibration set's routing says.
 
-Each method gives a plan: for each new expert, the old experts it is made of, each new expert the
-frequency-weighted average of its group's parameters (`apply_plan`).
+Each method gives a plan: for each new expert, the old experts whose parameters it averages,
+weighted by frequency (`apply_plan`).
 - prune (Lu et al., ACL 2024, "Not All Experts are Equal"): of every way to keep E' of the E
   experts (`subsets`), the one whose layer output on the calibration tokens is nearest the
   layer's with all its experts (the caller measures it: runner/stages/calibration.py);
-- prune_frequency (the frequency baseline of the merging papers): keep the experts the
-  calibration tokens choose most often;
-- merge (HC-SMoE, Chen et al. 2024, arXiv 2410.08589): every expert applied to every calibration
-  token, its outputs averaged over the tokens; hierarchical clustering of these average outputs
-  (average linkage, Euclidean distance) into as many clusters as experts are kept, each cluster
-  merged by the average of its experts weighted by how often the calibration set chose them.
+- prune_frequency (the merging papers' baseline): the experts the calibration tokens choose most;
+- merge (HC-SMoE, Chen et al. 2024, arXiv 2410.08589): every expert's outputs averaged over the
+  calibration tokens, clustered hierarchically (average linkage, Euclidean distance) into as many
+  clusters as experts are kept, each cluster merged by its experts' frequency-weighted average.
 
-A merged expert needs one router column: vmoe gives it the same frequency-weighted average of its
-group's columns (and of loss-free balancing's bias), so that the router stays one linear map of
-the token with one logit per expert, which a V-MoE's softmax over all experts then reads. A
-partitioned batch ensemble compresses each member's partition of experts on its own.
-"""
+A merged expert's router column (and loss-free balancing's bias) is the same weighted average of
+its group's, so the router stays one linear map with one logit per expert, which a V-MoE's
+softmax reads. A partitioned batch ensemble compresses each member's partition on its own."""
 from __future__ import annotations
 
 import itertools
@@ -96,9 +92,8 @@ def apply_plan(experts: dict, router: dict, plan: list[list[int]],
     new = np.stack([np.tensordot(w, value[g], axes=1) for g, w in zip(plan, weights)])
     return np.moveaxis(new, 0, axis).astype(value.dtype)
 
-  new_experts = {k: combine(v, 0) for k, v in experts.items()}
-  new_router = {k: combine(v, -1) for k, v in router.items()}
-  return new_experts, new_router
+  return ({k: combine(v, 0) for k, v in experts.items()},
+          {k: combine(v, -1) for k, v in router.items()})
 
 
 def _partitions(experts: int, partitions: int) -> list[list[int]]:

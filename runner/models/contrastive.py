@@ -2,8 +2,7 @@
 
 docs/contrastive.md states the model: the towers, the learned scale and bias, HET-XL's noise on
 each tower's embedding in training (`noise`; deterministic at evaluation, the paper's App. M) and
-LiT's locked image tower (`lock_image`: inference mode, no gradient reaches it).
-"""
+LiT's locked image tower (`lock_image`: inference mode, no gradient reaches it)."""
 from __future__ import annotations
 
 from typing import Any
@@ -99,14 +98,12 @@ class TwoTowers(nn.Module):
         jnp.log(self.temperature_init)), (), jnp.float32)
     extras["temperature"] = jnp.exp(log_scale)
     if self.bias_init is not None:
-      extras["bias"] = self.param("bias", nn.initializers.constant(self.bias_init), (),
-                                  jnp.float32)
+      extras["bias"] = self.param("bias", nn.initializers.constant(self.bias_init), (), jnp.float32)
     ztxt = self.embed_text(tokens, train=train) if tokens is not None else None
     if self.noise is not None:
-      noises = {"image": RepresentationNoise(self.noise["num_factors"],
-                                             self.noise["parameter_efficient"], name="image_noise"),
-                "text": RepresentationNoise(self.noise["num_factors"],
-                                            self.noise["parameter_efficient"], name="text_noise")}
+      noises = {name: RepresentationNoise(self.noise["num_factors"],
+                                          self.noise["parameter_efficient"], name=f"{name}_noise")
+                for name in ("image", "text")}
       if train and ztxt is not None:
         for name, z in (("image", zimg), ("text", ztxt)):
           extras[f"{name}_samples"] = self._noisy(noises[name], z)
@@ -124,9 +121,8 @@ class TwoTowers(nn.Module):
 
 def build_two_towers(model_config, text_config, objective, vocab_size: int, *,
                      lock_image: bool = False) -> TwoTowers:
-  """The contrastive model of a config: `model` the image tower (any catalog model; its head
-  type chooses HET-XL noise), `text` the text tower, `objective` the loss's settings;
-  `lock_image`: LiT (the task locks a tower it starts from a checkpoint)."""
+  """The contrastive model: `model_config` the image tower (any catalog model; its head type
+  chooses HET-XL noise), `objective` the loss's settings; `lock_image`: LiT."""
   het = model_config.head.type == HeadType.het_xl
   head = model_config.head
   noise = dict(num_factors=head.num_factors, parameter_efficient=head.parameter_efficient,

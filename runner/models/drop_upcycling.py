@@ -1,11 +1,10 @@
-"""Drop-Upcycling (Nakamura et al., ICLR 2025, arXiv 2502.19261). Sparse upcycling copies a dense
-model's MLP into every expert; Drop-Upcycling then re-initialises, in each expert, a fraction r of
-the MLP's intermediate dimensions chosen at random: the matching columns of the first kernel and
-rows of the second, drawn from a normal distribution with the mean and standard deviation of the
-dense matrix they replace. The experts start diverse and keep most of what the dense model learned
-(r = 0.5 was the paper's best). The paper's MLPs have no biases: here the first layer's bias at the
-chosen dimensions is drawn likewise from the dense bias's statistics, and the second's bias, one
-value per output shared by every dimension, is kept."""
+"""Drop-Upcycling (Nakamura et al., ICLR 2025, arXiv 2502.19261): sparse upcycling copies a dense
+model's MLP into every expert, then each expert re-initialises a random fraction r of the MLP's
+intermediate dimensions (the first kernel's columns, the second's rows) from a normal with the
+mean and standard deviation of the dense matrix they replace: the experts start diverse and keep
+most of what the dense model learned (r = 0.5 was the paper's best). The paper's MLPs have no
+biases: here the first bias at the chosen dimensions is drawn likewise from the dense bias's
+statistics, and the second's (one value per output, shared by every dimension) is kept."""
 from __future__ import annotations
 
 import numpy as np

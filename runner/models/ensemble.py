@@ -1,9 +1,8 @@
 """The members of an ensemble as one prediction: the mean of their probabilities, in log space.
 
 Allingham et al. (E³, App. D.1): members are trained on the mean of their cross-entropies and
-combined at evaluation by averaging probabilities, never logits. Rows of a tiled batch are
-image-major (row b*M + m is member m's copy of image b), so (B*M, ...) -> (B, M, ...) is a reshape.
-"""
+combined at evaluation by averaging probabilities, never logits. A tiled batch's rows are
+image-major (row b*M + m is member m's copy of image b): (B*M, ...) -> (B, M, ...) is a reshape."""
 from __future__ import annotations
 
 import jax
@@ -14,10 +13,8 @@ OUTPUTS = ("softmax", "sigmoid")
 
 def combine_logits(member_logits, output: str = "softmax"):
   """(..., M, C) member logits -> (..., C) logits whose softmax (or sigmoid) is the members'
-  mean probability p̄: log p̄ for softmax, logit(p̄) for sigmoid (multi-label) outputs.
-
-  For M = 1 this is log_softmax(z) (resp. z): the same probabilities as the member's.
-  """
+  mean probability p̄: log p̄ for softmax, logit(p̄) for sigmoid (multi-label) outputs; for M = 1
+  log_softmax(z) (resp. z), the member's probabilities."""
   z = jnp.asarray(member_logits, jnp.float32)
   log_m = jnp.log(z.shape[-2])
   if output == "softmax":
@@ -38,13 +35,10 @@ class Ensemble:
   """Separate models (a deep ensemble) or one model sampled with dropout on (MC-dropout), applied
   like one model: `apply({"params": (params of each model, ...)}, images)` returns the mean
   probability as logits and extras with every member's logits (B, M, C), their representations
-  side by side (B, sum of widths), and routing metrics and sown intermediates under
-  `member_<i>/`. Inference only; MC-dropout's sample i draws with a key folded from `seed`, so
-  the same call always draws the same samples.
-  """
+  side by side (B, sum of widths), and routing metrics and sown intermediates under `member_<i>/`.
+  Inference only; MC-dropout's sample i draws with a key folded from `seed`, always the same."""
 
-  def __init__(self, models: list, *, output: str = "softmax", mc_samples: int = 0,
-               seed: int = 0):
+  def __init__(self, models: list, *, output: str = "softmax", mc_samples: int = 0, seed: int = 0):
     if mc_samples and len(models) != 1:
       raise ValueError("MC-dropout samples one model")
     self.models, self.output, self.mc_samples, self.seed = list(models), output, mc_samples, seed
@@ -63,8 +57,7 @@ class Ensemble:
       raise ValueError("an Ensemble of separate models is for inference; train its members")
     member_logits, features, routing, states, aux = [], [], {}, {}, 0.0
     for name, model, params, kwargs in self._runs(variables["params"]):
-      out = model.apply({"params": params}, images, train=False, mutable=mutable or False,
-                        **kwargs)
+      out = model.apply({"params": params}, images, train=False, mutable=mutable or False, **kwargs)
       if mutable:
         out, state = out
         states[name] = state

@@ -1,20 +1,18 @@
 """Analytic model FLOPs: the matmul FLOPs of a forward pass, counted from the architecture.
 
-Conventions (the V-MoE / MFU convention): a (m x k) @ (k x n) matmul costs 2*m*k*n FLOPs; an MoE
-layer costs what its router family answers (`RouterFamily.expert_rows`, `router_flops`: experts
-at their padded capacity, every buffer slot computed, filled or not; dropless token choice: k
-expert MLPs per token exactly; DeepSeekMoE's experts: docs/routers.md); dispatch bookkeeping,
-softmax, normalisation and activations are not counted. A training step costs three forward
-passes (forward, and two matmuls per matmul in the backward pass).
+Conventions (V-MoE / MFU): a (m x k) @ (k x n) matmul costs 2*m*k*n FLOPs; an MoE layer costs
+what its router family answers (`RouterFamily.expert_rows`, `router_flops`: every buffer slot at
+padded capacity, filled or not; dropless: k expert MLPs per token; DeepSeekMoE: docs/routers.md);
+dispatch bookkeeping, softmax, normalisation and activations are not counted. A training step
+costs three forward passes (two matmuls per matmul in the backward pass).
 
-Partitioned batch ensembles (E³, `model.moe.ensemble_size` M > 1; the efficient-ensembles paper, Section 4 and Appendix D; Table 11 its FLOPs).
-A routing group is routed as one or several blocks, each a router family's routing of some
-tokens among some experts, costed by the family as a group of its own (token-choice: capacity
+Partitioned batch ensembles (E³, `model.moe.ensemble_size` M > 1; the efficient-ensembles paper,
+Section 4 and Appendix D; Table 11 its FLOPs): a routing group is routed as one or several
+blocks, each costed by the family as a group of its own (token-choice: capacity
 expert_capacity(tokens, experts, k, C), router 2·tokens·D·experts):
-  pbe             the representation is repeated M times right before the first block with an MoE
-                  MLP; that block (its attention included), every later block, the pre-logits layer
-                  and the head run on M rows per image. Each replica routes within its member's
-                  E/M experts with that member's router columns: M blocks of group_size·T tokens
+  pbe             the representation is repeated M times right before the first MoE block, so
+                  that block, every later one, the pre-logits and the head run on M rows per image; each replica routes among its
+                  member's E/M experts with its router columns: M blocks of group_size·T tokens
                   and E/M experts per routing group (router: M·D·E/M = D·E per token).
   tiling_only     repeated as pbe, but one router over all E experts on every replica: one block
                   of group_size·M·T rows and E experts (router: M·D·E per token); for a family
@@ -22,16 +20,13 @@ expert_capacity(tokens, experts, k, C), router 2·tokens·D·experts):
                   pass), M blocks of group_size·T tokens and E experts.
   partition_only  no repetition; each token is routed in every partition with the member routers:
                   M blocks of group_size·T tokens and E/M experts (router: D·E per token).
-In every case an MoE layer computes E·capacity/group_size expert slots per image. M = 1 is a
-V-MoE, one block of group_size·T tokens and E experts; a model without MoE layers (a ViT)
-ignores M.
+In every case an MoE layer computes E·capacity/group_size expert slots per image; M = 1 is a
+V-MoE (one block of group_size·T tokens, E experts), and a ViT ignores M.
 
-Heteroscedastic heads (HET-XL paper, Table 11; S MC samples, R factors, D the pre-logits' width,
-K classes, Q = K for HET and D for HET-XL): the mean classifier 2·D·K; the rank-1 scale 2·D·Q;
-the low-rank scale 2·D·Q (parameter-efficient v(x)) plus 2·S·R·Q for the draws through J, or
-2·D·Q·R plus 2·S·R·Q (full); HET-XL also sends every sample through the classifier, 2·S·D·K.
-S is the training or the evaluation number of samples.
-"""
+Heteroscedastic heads (HET-XL paper, Table 11; S training or evaluation MC samples, R factors, D
+the pre-logits' width, K classes, Q = K for HET and D for HET-XL): the mean classifier 2·D·K; the
+rank-1 scale 2·D·Q; the low-rank scale 2·D·Q (parameter-efficient v(x)) plus 2·S·R·Q for the
+draws through J, or 2·D·Q·R plus 2·S·R·Q (full); HET-XL's samples through the classifier 2·S·D·K."""
 from __future__ import annotations
 
 from runner.config import derived
@@ -42,11 +37,8 @@ from runner.models.moe import routers
 
 def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size: int,
                             train: bool = True) -> float:
-  """Forward matmul FLOPs per image of a model config (the `model.` keys) at `batch_size`.
-
-  Counted per input image: with a tiled ensemble (pbe, tiling_only) the M replicas of an image
-  are all part of its cost.
-  """
+  """Forward matmul FLOPs per input image of a model config (the `model.` keys) at `batch_size`;
+  with a tiled ensemble (pbe, tiling_only) the M replicas of an image are all part of its cost."""
   d, m, layers = config.hidden_size, config.mlp_dim, config.num_layers
   p = config.patch_size
   patches = (config.image_size // p) ** 2
@@ -70,8 +62,7 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
   family = routers.family(router.type) if moe_layers else None
   # Per routing group: `blocks` routings of `replicas` rows per image among `experts` experts.
   if members > 1 and variant == EnsembleVariant.tiling_only:
-    # One router over the copies; copies of a family that forms no ensembles (MC-dropout's
-    # samples, runner/stages/members.py) are routed one by one.
+    # One router over the copies, unless they are MC-dropout's samples (no ensembles): one by one.
     blocks, replicas = (1, members) if family.supports_ensembles else (members, 1)
     experts = e
   elif members > 1:  # pbe (a member's replicas), partition_only (every token, each partition)
@@ -88,8 +79,7 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
       flops += rows * dense_mlp
       continue
     group = min(moe.group_size, batch_size)  # images per routing group (per member when tiled)
-    # The router family says what a block costs. Slots that are parameters (Soft MoE) follow
-    # the configured group, not the batch.
+    # Slots that are parameters (Soft MoE) follow the configured group, not the batch.
     fixed = not family.capacity_at_inference
     block_tokens = (moe.group_size if fixed else group) * replicas * tokens
     capacity = family.capacity(router, block_tokens, experts, train=train)

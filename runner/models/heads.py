@@ -1,10 +1,7 @@
 """Heteroscedastic classifier heads: HET and HET-XL (Collier et al., "Massively Scaling
 Heteroscedastic Classifiers"), with a temperature learned on the training loss; docs/heads.md
-states the model, the loss and the randomness.
-
-Samples are processed `mc_chunk_size` at a time under rematerialisation, so the B x S x K (or
-B x S x D) tensors never exist whole.
-"""
+states the model, the loss and the randomness. Samples are processed `mc_chunk_size` at a time
+under rematerialisation, so the B x S x K (or B x S x D) tensors never exist whole."""
 from __future__ import annotations
 
 import math
@@ -22,8 +19,7 @@ part = nn.with_logical_partitioning
 
 
 def num_classes(params: dict) -> int:
-  """Classes a parameter tree's head predicts (a linear head, or a heteroscedastic head's mean
-  classifier)."""
+  """Classes a parameter tree's head predicts (linear, or a heteroscedastic mean classifier)."""
   head = params["head"]
   return int((head["loc_layer"] if "loc_layer" in head else head)["kernel"].shape[-1])
 
@@ -48,11 +44,9 @@ def mc_logits(sample_logits: Callable, draws: tuple, num_samples: int, num_class
               batch: int, *, output: str = "softmax", chunk_size: int | None = None) -> jax.Array:
   """(B, K) logits of the mean over `num_samples` of σ(sample_logits(draws of the samples)).
 
-  `draws` are arrays with the sample axis second, (B or 1, S, ...); `sample_logits` maps a chunk
-  of them to (B, c, K) logits (already divided by τ). With `chunk_size` c < S the chunks run in a
-  `lax.scan` whose body is rematerialised: memory grows with c, not S. The draws are made for all
-  S samples up front, so the result does not depend on c.
-  """
+  `draws`: arrays with the sample axis second, (B or 1, S, ...), made for all S samples up front
+  (so the result does not depend on c); `sample_logits` maps a chunk to (B, c, K) logits (divided
+  by τ). With `chunk_size` c < S, a rematerialised `lax.scan`: memory grows with c, not S."""
   c = min(chunk_size or num_samples, num_samples)
   chunks = math.ceil(num_samples / c)
   pad = chunks * c - num_samples
@@ -130,11 +124,9 @@ class _Linear(nn.Module):
 class HeteroscedasticHead(nn.Module):
   """HET (`latent=False`) or HET-XL (`latent=True`). Argument names are `model.head.*` keys.
 
-  `loc_layer` is the mean classifier (zero-initialised with `head_bias_init`, as the
-  deterministic head, whose parameters it takes over when fine-tuning); the noise layers keep
-  lecun-normal initialisations, so that the low-rank part trains (zero-initialising both
-  parameter-efficient scale layers would freeze it).
-  """
+  `loc_layer` is the mean classifier (zero-initialised with `head_bias_init` as the deterministic
+  head, whose parameters it takes over when fine-tuning); the noise layers keep lecun-normal initialisations so that the
+  low-rank part trains (zeros in both parameter-efficient scale layers would freeze it)."""
   num_classes: int
   latent: bool = False
   num_factors: int = 50

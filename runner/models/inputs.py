@@ -1,11 +1,9 @@
 """Images as the model takes them: float32, made on the device from the uint8 pixels that cross.
 
 A spec that ends in value_range leaves that op to the jitted step (runner/data/pipeline.py): the
-batch holds the uint8 `image`, a quarter of float32's bytes host to device, and each row the op's
-constants under `DEVICE_VALUE_RANGE`, which `images(batch)` applies in float32 to within one
-rounding of the host's op (tests/unit/test_model_inputs.py). A float image passes as it is. Every
-jitted function that reads a batch's images reads them through here.
-"""
+batch holds the uint8 `image` (a quarter of float32's bytes) and each row the op's constants under
+`DEVICE_VALUE_RANGE`, applied here in float32 to within one rounding of the host's op. A float
+image passes as it is. Every jitted function reads a batch's images through here."""
 from __future__ import annotations
 
 import jax

@@ -1,10 +1,8 @@
 """One way to look inside a model: the routing decisions its MoE layers sow, read back by layer.
 
-Applied with `mutable=["intermediates"]`, every MoE layer (runner/models/moe/layer.py) sows what
-its router decided; `routing_records` gathers them as {layer: {name: array}}, keyed
-"layer_<i>" (block i), or "member_<j>/layer_<i>" for the models of a deep ensemble
-(runner/models/ensemble.py). Every array has the images first; what a layer sows is what its
-router family answers (runner/models/moe/routers, `RouterFamily`):
+Applied with `mutable=["intermediates"]`, every MoE layer (moe/layer.py) sows what its router
+family (`RouterFamily`) decided; `routing_records` gathers them as {layer: {name: array}}, keyed
+"layer_<i>" (block i) or "member_<j>/layer_<i>" (a deep ensemble's models), images first:
 
   expert_weights    (images, tokens, E) float32   the weight each token gives each expert
   expert_mask       (images, tokens, E) bool      the experts each token chose (or that picked it:
@@ -16,11 +14,9 @@ router family answers (runner/models/moe/routers, `RouterFamily`):
   <the family's>    (images, tokens, N)           `sown_records`; Soft MoE: dispatch_weights and
                                                   combine_weights, (images, tokens, E*P)
 
-For a tiled partitioned batch ensemble the tokens axis holds the M members' copies one after the
-other (M * tokens), and a member's weights are zero outside its partition of the experts.
-PGD's routing change (runner/evaluators/adversarial.py) and the routing analysis
-(runner/evaluators/routing_analysis.py) both read these.
-"""
+For a tiled partitioned batch ensemble the tokens axis holds the M members' copies in turn (M *
+tokens), a member's weights zero outside its partition; partition_only gives (images, tokens, M*k)
+ids. PGD's routing change and the routing analysis (runner/evaluators) read these."""
 from __future__ import annotations
 
 import re

@@ -1,9 +1,7 @@
 """Parameters that the train step sets after the optimizer, by a rule of their own, from what the
-model sows in training (auxiliary-loss-free balancing's bias is one; docs/extending.md, "State
-the train step updates"). Such a value is a parameter only so that it is initialised,
-checkpointed, restored, loaded and exported with the others; no gradient, optimizer, weight decay
-or clipping moves it.
-"""
+model sows in training (e.g. auxiliary-loss-free balancing's bias; docs/extending.md, "State the
+train step updates"). Such a value is a parameter only to be initialised, checkpointed, restored,
+loaded and exported with the others; no gradient, optimizer, weight decay or clipping moves it."""
 from __future__ import annotations
 
 import dataclasses
@@ -64,10 +62,9 @@ def _update(update: ParamUpdate, before, after, sown):
 
 def apply_param_updates(updates: Sequence[ParamUpdate], before, after,
                         sown: Mapping[str, object] | None):
-  """`after` (the parameters the optimizer updated) with every parameter an update names set
-  anew from its value in `before` (see `ParamUpdate`); `sown`: {collection: what the model sowed
-  in it}, as the objective returned it. An update with a rule whose collection the objective did
-  not return is an error."""
+  """`after` (the optimizer's parameters) with every parameter an update names set anew from its
+  value in `before` (`ParamUpdate`); `sown`: {collection: what the model sowed}, as the objective
+  returned it, which must hold the collection of every update with a rule."""
   for update in updates:
     values = (sown or {}).get(update.collection)
     if update.rule is not None and values is None:

@@ -1,7 +1,6 @@
 """The text tower of a contrastive model: a Transformer encoder over tokens, as LiT's and CLIP's
 (docs/contrastive.md), with runner/models/vit.py's pre-LN blocks, padding (token id 0) masked out
-of attention, and one vector per caption (`pool`).
-"""
+of attention, and one vector per caption (`pool`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -39,9 +38,8 @@ class TextTransformer(nn.Module):
     """tokens (B, L) int32 -> (B, width) float32."""
     b, length = tokens.shape
     mask = tokens > 0
-    embed = nn.Embed(self.vocab_size, self.width, dtype=self.dtype, name="token_embedding",
-                     embedding_init=part(nn.initializers.normal(0.02), (None, "embed")))
-    x = embed(tokens)
+    x = nn.Embed(self.vocab_size, self.width, dtype=self.dtype, name="token_embedding",
+                 embedding_init=part(nn.initializers.normal(0.02), (None, "embed")))(tokens)
     pos = self.param("pos_embedding", part(nn.initializers.normal(0.02), (None, None, "embed")),
                      (1, length, self.width))
     x = x + pos.astype(x.dtype)

@@ -2,11 +2,9 @@
 
 docs/training.md states the rules (a new head, resized position embeddings, dense_to_experts,
 another router family's routers left out: `new_router`, or `routers_fit` for a checkpoint without
-a config). Besides: a class token the model does not have is left out; a router's balance bias
-that the checkpoint lacks starts at its initialisation, zeros, and one the model lacks is refused
-with a hint. Everything else is copied and must match in shape; all mismatches are reported
-together, by parameter name, before any training.
-"""
+a config). Besides: a class token the model lacks is left out; a balance bias the checkpoint lacks
+starts at zeros, one the model lacks is refused with a hint. Everything else is copied and must
+match in shape; all mismatches are reported together, by parameter name, before any training."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,6 +17,7 @@ _ROUTER = "/moe/router/"  # the scope of an MoE layer's router parameters
 _BIAS = _ROUTER + "balance_bias"  # auxiliary-loss-free balancing's (runner/models/moe/balance.py)
 _EXPERT_FROM_DENSE = {"fc1_kernel": "fc1/kernel", "fc1_bias": "fc1/bias",
                       "fc2_kernel": "fc2/kernel", "fc2_bias": "fc2/bias"}
+_REINIT_HINT = "set init.reinit_head=true for a new number of classes or head type"
 
 
 def flatten(tree) -> dict[str, np.ndarray]:
@@ -38,21 +37,17 @@ def unflatten(flat: dict[str, np.ndarray]) -> dict:
 
 
 def routers_fit(restored, family) -> bool:
-  """Whether a checkpoint's routers have the parameters of `family`'s
-  (`RouterFamily.router_parameters`), so that they can initialise its routers; a checkpoint
-  without routers (a ViT) has nothing that would not fit."""
+  """Whether a checkpoint's routers have `family`'s parameters (`router_parameters`), so that they
+  can initialise its routers; true without routers (a ViT)."""
   names = {name.split(_ROUTER, 1)[1] for name in flatten(restored) if _ROUTER in name}
   return not names or names == set(family.router_parameters)
 
 
 def resize_position_embedding(posemb: np.ndarray, num_tokens: int) -> np.ndarray:
-  """(1, n*n, D) -> (1, m*m, D) by corner-aligned linear interpolation of the n x n grid.
-
-  As big_vision's `resample_posemb` and vmoe's `VitZoomTransformation` do:
-  `scipy.ndimage.zoom(grid, (m/n, m/n, 1), order=1)`, whose default grid mode aligns the corner
-  cells (new cell j samples old position j * (n-1) / (m-1)), so the four corner embeddings are kept
-  exactly. Computed in float64, returned in the input's dtype.
-  """
+  """(1, n*n, D) -> (1, m*m, D) by corner-aligned linear interpolation of the n x n grid, as
+  big_vision's `resample_posemb` and vmoe's `VitZoomTransformation`: `scipy.ndimage.zoom(grid,
+  (m/n, m/n, 1), order=1)`, whose default grid mode keeps the four corners exactly (new cell j
+  samples old position j * (n-1) / (m-1)). Computed in float64, returned in the input's dtype."""
   from scipy import ndimage  # only fine-tuning at a new resolution needs it
 
   _, old, dim = posemb.shape
@@ -70,7 +65,7 @@ def resize_position_embedding(posemb: np.ndarray, num_tokens: int) -> np.ndarray
 def _dense_source(name: str) -> str | None:
   """'block_1/moe/experts/fc1_kernel' -> 'block_1/mlp/fc1/kernel'."""
   parts = name.split("/")
-  if len(parts) == 4 and parts[1] == "moe" and parts[2] == "experts" and parts[3] in _EXPERT_FROM_DENSE:
+  if len(parts) == 4 and parts[1:3] == ["moe", "experts"] and parts[3] in _EXPERT_FROM_DENSE:
     return f"{parts[0]}/mlp/{_EXPERT_FROM_DENSE[parts[3]]}"
   return None
 
@@ -104,13 +99,9 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
                  drop_upcycling: tuple[float, int] = (0.0, 0)):
   """Parameters shaped like `fresh` (a freshly initialised tree), filled from `restored`.
   `drop_upcycling` (ratio, seed): with `dense_to_experts`, each MoE block's experts copied from a
-  dense MLP are drop-upcycled (runner/models/drop_upcycling.py), the block's draws seeded by
-  (seed, block) so that they do not depend on the devices or the order of the blocks.
-
+  dense MLP are drop-upcycled, seeded by (seed, block): independent of devices and block order.
   Keeping the head (`reinit_head=False`) across head types maps a linear head onto a
-  heteroscedastic head's mean classifier (and back); the noise parameters a linear head lacks
-  start fresh.
-  """
+  heteroscedastic head's mean classifier (and back); the noise parameters start fresh."""
   old, new = flatten(restored), flatten(fresh)
   out, problems, used = {}, [], set()
   linear_head = "head/kernel" in old
@@ -118,10 +109,7 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
     used.update(n for n in old if _ROUTER in n)
   for name, target in new.items():
     shape = tuple(np.shape(target))
-    if new_router and _ROUTER in name:
-      out[name] = np.asarray(target)
-      continue
-    if name.startswith("head/") and reinit_head:
+    if (new_router and _ROUTER in name) or (reinit_head and name.startswith("head/")):
       out[name] = np.asarray(target)
       used.add(name)
       continue
@@ -134,7 +122,7 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
           out[name] = value
         else:
           problems.append(f"{name}: checkpoint {counterpart} {value.shape} vs model {shape} "
-                          "(set init.reinit_head=true for a new number of classes or head type)")
+                          f"({_REINIT_HINT})")
         continue
       if linear_head or name.endswith("pre_sigmoid_temperature"):
         out[name] = np.asarray(target)  # a new heteroscedastic head's noise layers, a learned τ
@@ -150,24 +138,20 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
         except ValueError as e:
           problems.append(f"{name}: {e}")
       else:
-        hint = (" (set init.reinit_head=true for a new number of classes or head type)"
-                if name.startswith("head/") else "")
+        hint = f" ({_REINIT_HINT})" if name.startswith("head/") else ""
         problems.append(f"{name}: checkpoint {value.shape} vs model {shape}{hint}")
       continue
     dense = _dense_source(name)
     if dense_to_experts and dense in old:
       value = np.asarray(old[dense])
       used.add(dense)
-      num_experts = shape[0]
-      if (num_experts,) + value.shape != shape:
+      if (shape[0],) + value.shape != shape:
         problems.append(f"{name}: dense {dense} {value.shape} cannot fill experts of shape {shape}")
       else:
         out[name] = np.broadcast_to(value, shape).copy()
       continue
-    if dense_to_experts and _ROUTER in name:
-      out[name] = np.asarray(target)
-      continue
-    if name.endswith(_BIAS):  # a checkpoint balanced otherwise: the bias starts at zeros
+    # A router dense_to_experts adds, or the bias of a checkpoint balanced otherwise (zeros).
+    if (dense_to_experts and _ROUTER in name) or name.endswith(_BIAS):
       out[name] = np.asarray(target)
       continue
     if dense is not None and dense in old:
@@ -189,7 +173,7 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
     _drop_upcycle(out, old, ratio, seed)
   problems.sort(key=lambda p: (" vs model " not in p, p))  # shape mismatches first
   if problems:
-    shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+    more = f"; and {len(problems) - 6} more" if len(problems) > 6 else ""
     raise CheckpointError(f"the {source} does not fit the model ({len(problems)} parameter(s)): "
-                          f"{shown}.")
+                          f"{'; '.join(problems[:6])}{more}.")
   return unflatten(out)

@@ -1,10 +1,8 @@
 """A contrastive model as a classifier: zero-shot classification (CLIP, LiT).
 
 `ZeroShotClassifier` holds the class embeddings (each class's normalised mean prompt embedding)
-as a parameter, `classes` (C, E), and looks like a catalog classifier, so that every evaluator of
-`vmoe eval` runs on it unchanged. (A sigmoid-loss model's bias shifts every class alike and is left
-out: the softmax ignores it.)
-"""
+as a parameter, `classes` (C, E), and looks like a catalog classifier to `vmoe eval`'s evaluators.
+A sigmoid-loss model's bias, the same for every class, is left out (softmax ignores it)."""
 from __future__ import annotations
 
 import flax.linen as nn

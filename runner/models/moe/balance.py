@@ -1,13 +1,11 @@
-"""How evenly token-choice routing spreads a batch over the experts: the auxiliary losses at the
-scope of a routing group or of the whole batch, the diagnostics every step logs, and
-auxiliary-loss-free balancing by a per-expert bias (docs/routers.md states each).
+"""How evenly token-choice routing spreads a batch over the experts: the auxiliary losses per
+routing group or per batch, the diagnostics every step logs, and auxiliary-loss-free balancing by
+a per-expert bias (docs/routers.md states each).
 
-The sums run over the batch's group axis, which jit shards over devices, so under data or expert
-parallelism they are global reductions (every group, every device) without a collective written
-here. With P partitions (a partitioned batch ensemble) group g routes among partition g % P's
-experts: sums run over the groups of one partition. The bias is a parameter only so that it is
-checkpointed, restored, loaded and exported with the others; no gradient or optimizer moves it.
-"""
+The sums run over the batch's group axis, which jit shards: under data or expert parallelism,
+global reductions with no collective written here. With P partitions (a partitioned batch
+ensemble) group g routes among partition g % P's experts, and sums run over one partition's
+groups. The bias is a parameter only to be checkpointed, loaded, exported; no gradient moves it."""
 from __future__ import annotations
 
 import functools
@@ -80,8 +78,7 @@ BALANCES = ("aux_loss", "bias")
 
 def group_bias(bias: jax.Array, groups: int, partitions: int = 1) -> jax.Array:
   """(E,) bias -> (G, 1, E/P): group g routes among partition g % P's experts, with their bias."""
-  per_partition = bias.reshape(partitions, -1)
-  return jnp.tile(per_partition, (groups // partitions, 1))[:, None, :]
+  return jnp.tile(bias.reshape(partitions, -1), (groups // partitions, 1))[:, None, :]
 
 
 def bias_update(bias: jax.Array, loads: jax.Array, rate: float) -> jax.Array:

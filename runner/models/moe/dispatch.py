@@ -1,21 +1,15 @@
 """Dispatch mechanics: move tokens into expert buffers and expert outputs back, given a plan.
 
-A `DispatchPlan` says where each (token, choice) assignment goes; routing (routing.py and the
-router families) decides it, this module only carries it out, so it imports neither.
-
-Buffers are expert-major, (E, G, C, D), so each expert's tokens from every group are contiguous
-and the experts run as one batched matmul with no transposes around it.
+A `DispatchPlan` says where each (token, choice) assignment goes; routing decides it, this module
+only carries it out. Buffers are expert-major, (E, G, C, D): each expert's tokens from every group
+are contiguous, and the experts run as one batched matmul with no transposes around it.
 
 Two implementations of the same contract, chosen by name:
-- "indices" (default): row gathers in both directions. The backward of each gather is the gather
-  through the inverse index map, which the plan already holds, so forward and backward are plain
-  gathers whose cost is linear in tokens * k * hidden, independent of E * capacity.
-- "einsum": the one-hot formulation of GShard and the reference V-MoE, whose time and memory grow
-  with tokens x experts x capacity; kept as an independent reference for tests and benchmarks.
-
-A `DroplessPlan` (dropless token choice) has no buffers: its rows, sorted by expert, go through
-the same custom-VJP row gathers as "indices".
-"""
+- "indices" (default): row gathers both ways, each backward the gather through the inverse index
+  map the plan already holds: cost linear in tokens * k * hidden, independent of E * capacity.
+- "einsum": the one-hot formulation of GShard and the reference V-MoE (time and memory grow with
+  tokens x experts x capacity), kept as an independent reference for tests and benchmarks.
+A `DroplessPlan` has no buffers: its rows, sorted by expert, go through the same row gathers."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,10 +30,8 @@ class DispatchPlan:
   slot_of_assignment[g, a] is the slot, or E * C when the assignment was dropped.
   assignment_of_slot[g, s] is the assignment, or S * k when the slot is empty (zero padded).
   combine_weights[g, t, i] is the gate of token t's i-th choice, 0 where it was dropped.
-  experts[g, t, i] is token t's i-th choice (TOP-k, before capacity drops) and gates[g, t, e]
-  the routing weights the choices were made from; either may be None in plans built from the
-  other arrays alone.
-  """
+  experts[g, t, i] is token t's i-th choice (before capacity drops), gates[g, t, e] the routing
+  weights; either may be None in plans built from the other arrays alone."""
   slot_of_assignment: jax.Array
   assignment_of_slot: jax.Array
   combine_weights: jax.Array
@@ -88,12 +80,9 @@ def _take_rows(src: jax.Array, index: jax.Array) -> jax.Array:
 
 @jax.custom_vjp
 def gather_rows(src: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
-  """out[m] = src[index[m]], zero where index is out of range.
-
-  `inverse` (R, n) lists, for each source row, the output rows that read it (out of range for
-  none), so the gradient is a gather too: d_src[r] = sum_j d_out[inverse[r, j]]. This avoids the
-  scatter-add that autodiff of a gather would produce.
-  """
+  """out[m] = src[index[m]], zero where index is out of range. `inverse` (R, n) lists each source
+  row's readers (out of range: none), so the gradient is a gather too, d_src[r] = sum_j
+  d_out[inverse[r, j]], not the scatter-add that autodiff of a gather would produce."""
   del inverse
   return _take_rows(src, index)
 
@@ -113,12 +102,9 @@ gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
 def _global_indices(plan: DispatchPlan, num_tokens: int):
-  """Per-group indices of the plan turned into row indices of the flat arrays.
-
-  Returns token_of_slot (E*G*C,) into the (G*S) tokens, slot_of_assignment (G*S*k,) into the
-  (E*G*C) slots, and assignment_of_slot (E*G*C,) into the (G*S*k) assignments; out-of-range values
-  mean "none".
-  """
+  """The plan's per-group indices as rows of the flat arrays (out of range: none): token_of_slot
+  (E*G*C,) into the G*S tokens, slot_of_assignment (G*S*k,) into the E*G*C slots, and
+  assignment_of_slot (E*G*C,) into the G*S*k assignments."""
   g = plan.slot_of_assignment.shape[0]
   e, c, k = plan.num_experts, plan.capacity, plan.k
   s = num_tokens
@@ -179,13 +165,10 @@ def _dispatch_tensor(plan: DispatchPlan, num_tokens: int, dtype, weights=None) -
 
 
 class RaggedLayout(typing.NamedTuple):
-  """A dropless plan's M = G*S*k assignments laid out as rows sorted by expert.
-
-  Row r holds assignment order[r] (a = (group * S + token) * k + choice); rows of one expert are
-  contiguous, in assignment order, and the experts come in ascending order, as
-  `jax.lax.ragged_dot` reads them: group_sizes[e] rows of expert e. inverse[a] is the row of
-  assignment a, experts[r] the expert of row r.
-  """
+  """A dropless plan's M = G*S*k assignments as rows sorted by expert, as `jax.lax.ragged_dot`
+  reads them: row r holds assignment order[r] (a = (group * S + token) * k + choice), one
+  expert's rows contiguous in assignment order, group_sizes[e] of expert e, experts ascending;
+  inverse[a] is the row of assignment a, experts[r] the expert of row r."""
   order: jax.Array  # (M,) int32
   inverse: jax.Array  # (M,) int32
   experts: jax.Array  # (M,) int32, ascending
@@ -197,16 +180,11 @@ class RaggedLayout(typing.NamedTuple):
 class DroplessPlan:
   """Dropless token choice: every (token, choice) assignment is processed, none dropped.
 
-  experts[g, t, i] is token t's i-th choice and combine_weights[g, t, i] its gate (the TOP-k
-  weight, none zeroed), gates[g, t, e] the routing weights. There are no buffers: the MoE layer
-  (layer.py) asks for the `layout`, runs the experts on the assignments' rows sorted by expert
-  with a grouped matmul (experts.apply_experts_ragged) and combines them back (`combine_rows`).
-  `dispatch` and `combine` are not defined.
-
-  `capacity` is S, the tokens of a group: an expert takes each token at most once, so a buffer
-  of S slots is one nothing can overflow (what `expert_load` divides by, and what an exported
-  PyTorch router uses to drop nothing).
-  """
+  experts[g, t, i] is token t's i-th choice, combine_weights[g, t, i] its TOP-k weight, gates[g,
+  t, e] the routing weights. No buffers, no `dispatch` or `combine`: the MoE layer runs the
+  experts on the `layout`'s rows with a grouped matmul and combines them back (`combine_rows`).
+  `capacity` is S, a group's tokens: an expert takes each token at most once, so nothing
+  overflows S slots (what `expert_load` divides by, and an exported router uses to drop nothing)."""
   experts: jax.Array
   combine_weights: jax.Array
   num_experts: int = dataclasses.field(metadata=dict(static=True))
@@ -240,8 +218,8 @@ class DroplessPlan:
         self.experts.reshape(g, -1).astype(jnp.int32))
 
   def layout(self) -> RaggedLayout:
-    """The assignments (of the groups this device holds) sorted by expert: one sort of G*S*k
-    keys, so every expert's rows from every group are contiguous for one grouped matmul."""
+    """This device's assignments sorted by expert (one sort of G*S*k keys), so that every
+    expert's rows from every group are contiguous for one grouped matmul."""
     flat = self.experts.reshape(-1).astype(jnp.int32)
     ids = jnp.arange(flat.shape[0], dtype=jnp.int32)
     experts, order = jax.lax.sort((flat, ids), num_keys=2)

@@ -1,9 +1,7 @@
 """E independent two-layer GELU MLPs, each applied to its own buffer, as one batched matmul.
 
-The module only owns the parameters; `apply_experts` is a pure function so that the MoE layer can
-run it inside `shard_map` on each device's share of the experts. `apply_experts_ragged` applies
-them to rows sorted by expert instead (dropless routing), as grouped matmuls.
-"""
+The module only owns the parameters; `apply_experts` is pure so that the MoE layer can run it in
+`shard_map` on each device's experts; `apply_experts_ragged` on rows sorted by expert (dropless)."""
 from __future__ import annotations
 
 import jax
@@ -15,8 +13,7 @@ from runner.models.moe.grouped_matmul import grouped_matmul
 # Logical axes of the four expert parameters, in the order MlpExperts returns them.
 LOGICAL_AXES = (("expert", "embed", "mlp"), ("expert", "mlp"), ("expert", "mlp", "embed"),
                 ("expert", "embed"))
-# Shared experts (DeepSeekMoE) process every token on every device: their leading axis is
-# replicated, never split over the `expert` mesh axis.
+# Shared experts (DeepSeekMoE) process every token on every device: leading axis replicated.
 SHARED_AXES = tuple((None,) + axes[1:] for axes in LOGICAL_AXES)
 
 
@@ -38,8 +35,7 @@ class MlpExperts(nn.Module):
   @nn.compact
   def __call__(self, dim: int) -> tuple[jax.Array, ...]:
     e = self.num_experts
-    xavier = nn.initializers.xavier_uniform()
-    tiny = nn.initializers.normal(1e-6)
+    xavier, tiny = nn.initializers.xavier_uniform(), nn.initializers.normal(1e-6)
     part = nn.with_logical_partitioning
     shapes = ((e, dim, self.mlp_dim), (e, self.mlp_dim), (e, self.mlp_dim, dim), (e, dim))
     names = ("fc1_kernel", "fc1_bias", "fc2_kernel", "fc2_bias")
@@ -68,10 +64,8 @@ def apply_experts_ragged(weights, rows: jax.Array, experts: jax.Array, group_siz
                          dropout_rate: float = 0.0, rng=None, dtype=jnp.float32,
                          method: str = "auto") -> jax.Array:
   """rows: (M, D) sorted by expert, group_sizes[e] of them expert e's, experts[r] the expert of
-  row r -> (M, D), row r through its expert's MLP. Each layer is one grouped matmul ((M, D) rows
-  by (E, D, H) kernels, as `jax.lax.ragged_dot`; `method`: grouped_matmul.py's, by blocks unless
-  ragged_dot is measured to be a grouped kernel); the biases are gathered per row. Expert
-  dropout draws its masks per row, as `apply_experts` does per buffer slot."""
+  row r -> (M, D), row r through its expert's MLP: one grouped matmul per layer (`method`:
+  grouped_matmul.py's), the biases gathered per row, expert dropout's masks drawn per row."""
   w1, b1, w2, b2 = (w.astype(dtype) for w in weights)
   x = rows.astype(dtype)
   h = nn.gelu(grouped_matmul(x, w1, group_sizes, method) + jnp.take(b1, experts, axis=0))

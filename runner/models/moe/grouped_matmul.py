@@ -1,18 +1,15 @@
 """The grouped matmul of dropless routing: rows sorted by expert, each through its expert's kernel.
 
-XLA lowers `jax.lax.ragged_dot` as a dense product of every row with every expert's kernel (E
-times the rows' own FLOPs; docs/routers.md), so `grouped_matmul` computes it by blocks instead,
-as MegaBlocks does: one batched matmul runs every block of B rows through its expert's kernel.
-"auto" takes ragged_dot only where it has been measured to run as a grouped kernel (nowhere yet).
-"""
+XLA lowers `jax.lax.ragged_dot` densely, every row with every expert's kernel (E times the FLOPs;
+docs/routers.md), so `grouped_matmul` runs every block of B rows through its expert's kernel in
+one batched matmul, as MegaBlocks does; "auto" takes ragged_dot only where measured grouped."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 METHODS = ("auto", "blocks", "ragged_dot")
-# Backends (jax.default_backend()) whose ragged_dot has been measured to be a grouped kernel,
-# not the dense fallback: none yet with jaxlib 0.10.
+# Backends (jax.default_backend()) whose ragged_dot is measured to be grouped: none (jaxlib 0.10).
 RAGGED_DOT_IS_GROUPED: frozenset[str] = frozenset()
 
 
@@ -49,8 +46,7 @@ def _by_blocks(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int) -
   padded = (group_sizes + block - 1) // block * block
   padded_end = jnp.cumsum(padded)
   start, padded_start = jnp.cumsum(group_sizes) - group_sizes, padded_end - padded
-  expert = jnp.repeat(jnp.arange(experts, dtype=jnp.int32), group_sizes,
-                      total_repeat_length=rows)
+  expert = jnp.repeat(jnp.arange(experts, dtype=jnp.int32), group_sizes, total_repeat_length=rows)
   slot = padded_start[expert] + jnp.arange(rows, dtype=jnp.int32) - start[expert]  # row -> slot
   blocks = jnp.zeros((num_blocks * block, dim), x.dtype).at[slot].set(x, unique_indices=True)
   # The expert of each block; blocks past the last expert's (all zeros) take the last kernel.

@@ -1,15 +1,11 @@
 """A sparse MoE MLP block: group tokens, route, dispatch, run experts, combine.
 
-On one device everything is plain JAX. On a mesh, routing runs data-parallel under the compiler's
-partitioner, and dispatch -> experts -> combine runs under `shard_map`: each device dispatches its
-own routing groups locally; when the expert weights are split over the `expert` mesh axis, an
-all-to-all sends each expert's buffer slice to the device holding that expert and another brings
-the outputs back. The per-device code is the single-device code.
-
-A dropless plan (`plan.ragged`) has no buffers: the experts run as grouped matmuls on the
-assignments sorted by expert, replicated on a mesh, as rows of varying count per expert cannot go
-through the all-to-all of fixed-size buffers.
-"""
+On a mesh, routing runs data-parallel under the compiler's partitioner, and dispatch -> experts ->
+combine under `shard_map`, each device on its own routing groups with the single-device code;
+with the expert weights split over the `expert` mesh axis, an all-to-all sends each expert's
+buffer slice to the device holding it and another brings the outputs back. A dropless plan
+(`plan.ragged`) has no buffers: grouped matmuls on the assignments sorted by expert, replicated on
+a mesh, as a varying count of rows per expert cannot go through the all-to-all."""
 from __future__ import annotations
 
 import jax
@@ -54,11 +50,12 @@ def _partition_blocks(outputs: jax.Array, partitions: int) -> jax.Array:
 
 
 class MoeMlpBlock(nn.Module):
-  """Replaces a ViT MLP. Tokens of `group_size` consecutive images form one routing group; all
-  tokens of a group compete for the same expert buffers (what Batch Prioritized Routing sorts).
+  """Replaces a ViT MLP. Tokens of `group_size` consecutive images form one routing group, whose
+  tokens compete for the same expert buffers (what Batch Prioritized Routing sorts). The router
+  is the family `router["type"]` names (the schema's default when absent).
 
-  A partitioned batch ensemble (`ensemble_size` M > 1, Allingham et al.) splits the E experts into
-  M partitions of E/M, one per member:
+  A partitioned batch ensemble (`ensemble_size` M > 1, Allingham et al.; only families that
+  `supports_ensembles`) splits the E experts into M partitions of E/M, one per member:
   - "pbe": rows are tiled, image-major (row b*M + m is member m's copy of image b, as
     `jnp.repeat`); a routing group holds `group_size` images x M copies, and member m's tokens are
     routed among its partition's experts only, by its own router columns.
@@ -66,25 +63,13 @@ class MoeMlpBlock(nn.Module):
   - "partition_only": rows are not tiled; each token is routed in every partition (k experts in
     each) and the M partitions' outputs are summed (the ablation without tiling).
 
-  The router is the family `router["type"]` names (runner/models/moe/routers; the schema's
-  default family when absent); only families that `supports_ensembles` form ensembles.
+  With mutable=["intermediates"] it sows the records runner/models/introspection.py lists (global
+  ids; partition_only puts every token's M partitions side by side). The chosen set depends on the
+  token alone, what survives the buffers on its group's other images too: PGD's default protocol
+  compares the former, the reference code the latter.
 
-  Applied with mutable=["intermediates"], it also sows what the routing decided (read back with
-  runner/models/introspection.py), asking the family and its plan, with the images first:
-  `expert_weights`; for a `discrete` family `expert_mask` and `routed_mask` (chosen before
-  capacity drops, and processed); `selected_experts` and `routed_experts` where the family gives
-  k ids per token (-1 where dropped); and the family's own `sown_records`. The chosen set is a
-  property of the token alone, whereas what survives the buffers also depends on the other images
-  of its routing group: PGD's default protocol compares the former, the reference code the latter.
-
-  DeepSeekMoE's experts (docs/routers.md) need nothing new of the routing; the `shared_experts`
-  are separate MLPs, parameters `shared/` shaped like `experts/` with a leading axis of K_s,
-  replicated over the devices (experts.SHARED_AXES).
-
-  In an ensemble, tiled rows give (images, M*tokens, ...) with a member's weights and masks
-  zero outside its partition of the experts, and partition_only gives every token's M
-  partitions side by side ((images, tokens, M*k) ids); ids are global expert ids.
-  """
+  The `shared_experts` (DeepSeekMoE, docs/routers.md) are separate MLPs, parameters `shared/`
+  shaped like `experts/` with a leading axis of K_s, replicated over the devices (SHARED_AXES)."""
   num_experts: int
   mlp_dim: int
   group_size: int = 8
@@ -163,9 +148,8 @@ class MoeMlpBlock(nn.Module):
     return y.sum(axis=0).reshape(rows, tokens, dim)
 
   def _per_image(self, values, num_groups, group_size, tokens, partitions, tiled) -> jax.Array:
-    """(G*P, S, E/P) per-block values over each partition's experts -> (images, rows, E) over
-    the global experts, zero outside a member's partition: (images, M*T, E) for tiled rows,
-    (images, T, E) for partition_only (each token's M partitions side by side)."""
+    """(G*P, S, E/P) per-block values -> (images, rows, E) over the global experts, zero outside
+    a member's partition: (images, M*T, E) tiled, (images, T, E) for partition_only."""
     images = num_groups * group_size
     if partitions == 1:  # rows of a tiled batch are image-major: one image's copies are adjacent
       return values.reshape(images, -1, values.shape[-1])
@@ -179,8 +163,7 @@ class MoeMlpBlock(nn.Module):
     return full.transpose(0, 2, 1, 3, 4).reshape(images, m * tokens, m * e)
 
   def _sow_routing(self, family, plan, num_groups, group_size, tokens, partitions, tiled):
-    """What the routing decided (see the class docstring), as the family and its plan answer.
-    No-ops unless the caller made "intermediates" mutable (runner/models/introspection.py)."""
+    """What the routing decided (the class docstring); a no-op unless "intermediates" is mutable."""
     layout = (num_groups, group_size, tokens, partitions, tiled)
     self.sow("intermediates", "expert_weights", self._per_image(plan.expert_weights(), *layout))
     images = num_groups * group_size
@@ -214,8 +197,7 @@ class MoeMlpBlock(nn.Module):
   def _experts_local(self, blocks, plan, weights, rng, partitions, *, expert_axis):
     """Dispatch, experts, combine on this device's groups; all-to-all over `expert_axis`."""
     if getattr(plan, "ragged", False):
-      return self._experts_ragged(blocks, plan, weights, rng, partitions,
-                                  expert_axis=expert_axis)
+      return self._experts_ragged(blocks, plan, weights, rng, partitions, expert_axis=expert_axis)
     buffers = plan.dispatch(blocks, self.dispatcher)  # (E/P, G*P, C, D)
     if partitions > 1:
       buffers = _partition_major(buffers, partitions)  # (E, G, C, D)
@@ -230,8 +212,8 @@ class MoeMlpBlock(nn.Module):
     return plan.combine(outputs, self.dispatcher)
 
   def _experts_ragged(self, blocks, plan, weights, rng, partitions, *, expert_axis):
-    """A dropless plan on this device's groups: every assignment's token, sorted by expert, through
-    its expert as one grouped matmul per layer, then weighted back into its token."""
+    """A dropless plan on this device's groups: the assignments' tokens sorted by expert, one
+    grouped matmul per layer, weighted back into their tokens."""
     if partitions > 1 or expert_axis is not None:
       raise ValueError("dropless routing runs with every expert on every device and without "
                        "ensemble partitions: its rows sorted by expert vary in number per "

@@ -1,11 +1,8 @@
 """Routing policy of V-MoE: which expert buffer slot each (token, choice) assignment gets
 (V-MoE §2.3-2.4, Algorithms 1 and 2; docs/routers.md).
 
-The result is a `DispatchPlan`: a partial bijection between assignments and buffer slots; or,
-for dropless routing (`plan_dropless`), a `DroplessPlan` that keeps every assignment. How tokens
-are physically moved into the buffers is dispatch.py's business, which knows nothing of how the
-plan was chosen.
-"""
+The result is a `DispatchPlan`, a partial bijection between assignments and buffer slots, or for
+dropless routing a `DroplessPlan` that keeps every assignment; dispatch.py moves the tokens."""
 from __future__ import annotations
 
 import fractions
@@ -17,10 +14,9 @@ import jax.numpy as jnp
 from runner.models.moe.dispatch import DispatchPlan, DroplessPlan
 
 PRIORITIES = ("max", "sum")
-
-
 CAPACITY_ROUNDINGS = ("paper", "reference")
 CAPACITY_MULTIPLE = 4  # the reference's `capacity_multiple_of` default
+GATES = ("softmax", "sigmoid")
 
 
 def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_ratio: float,
@@ -29,14 +25,10 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_ratio: f
 
   "paper": B_e = round(k * N * C / E) (V-MoE §2.4), rounding half up, and at least one slot;
   computed exactly from the decimal C (0.7 * 45 / 3 is 10.5, not 10.4999...).
-
-  "reference": what google-research/vmoe runs (vmoe/moe.py `compute_capacity` with its defaults
-  `ceil_or_round="ceil"`, `multiple_of=4`, called with num_tokens = group size * k): ceil of
-  k * N * C / E evaluated in floating point in that order, ((N * k) * C) / E, as the reference
-  does, so a product such as 400 * 1.05 = 420.00000000000006 rounds up as it does there; then
-  increased to the next multiple of 4. The ceil is >= 1 for any group with a token, so the
-  smallest capacity is 4.
-  """
+  "reference": google-research/vmoe's (vmoe/moe.py `compute_capacity` with its defaults
+  `ceil_or_round="ceil"`, `multiple_of=4`, num_tokens = group size * k): the ceil of
+  ((N * k) * C) / E in floating point in that order, so 400 * 1.05 = 420.00000000000006 rounds up
+  as there, then the next multiple of 4 (at least 4)."""
   rounding = str(rounding)
   if rounding == "reference":
     capacity = max(1, math.ceil(num_tokens * k * float(capacity_ratio) / num_experts))
@@ -47,6 +39,14 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int, capacity_ratio: f
   return max(1, math.floor(exact + fractions.Fraction(1, 2)))
 
 
+def ratio_in_force(router, train: bool) -> float:
+  """The capacity ratio of a model.router config (or router module): eval_capacity_ratio at
+  inference when it is set, else capacity_ratio."""
+  if not train and router.eval_capacity_ratio is not None:
+    return router.eval_capacity_ratio
+  return router.capacity_ratio
+
+
 def _pick(values: jax.Array, index: jax.Array) -> jax.Array:
   """values[..., index] as a one-hot product: its gradient is dense, not a (slow) scatter."""
   onehot = jax.nn.one_hot(index, values.shape[-1], dtype=values.dtype)
@@ -55,10 +55,8 @@ def _pick(values: jax.Array, index: jax.Array) -> jax.Array:
 
 def top_k_indices(values: jax.Array, k: int) -> jax.Array:
   """Indices of the k largest values along the last axis, largest first, ties to the lower index.
-
-  k rounds of argmax: for the small k of routing this is cheaper than `lax.top_k`, which XLA's
-  CPU backend turns into a full sort of every row when its result feeds a broadcast.
-  """
+  k rounds of argmax: for routing's small k cheaper than `lax.top_k`, which XLA's CPU backend
+  turns into a full sort of every row when its result feeds a broadcast."""
   values = jax.lax.stop_gradient(values)
   picked = []
   for _ in range(k):
@@ -81,11 +79,9 @@ def plan_dispatch(gates: jax.Array, *, k: int, capacity: int, batch_priority: bo
                   priority: str = "max", select: jax.Array | None = None) -> DispatchPlan:
   """Assigns each token's TOP-k experts to buffer slots, dropping what does not fit.
 
-  gates: (G, S, E) routing weights (softmax outputs, or `sigmoid_gates`). Implemented with one
-  sort per group over the S*k assignments, so the cost grows with tokens * log(tokens), not with
-  the number of experts times the capacity. `select` (G, S, E), when given, chooses the TOP-k in
-  place of the gates, which remain the combine weights (`biased_gates`).
-  """
+  gates: (G, S, E) routing weights (softmax, or `sigmoid_gates`); `select` (G, S, E), when given,
+  chooses the TOP-k instead, the gates staying the combine weights (`biased_gates`). One sort per
+  group over the S*k assignments: the cost grows with tokens * log(tokens), not E * capacity."""
   if priority not in PRIORITIES:
     raise ValueError(f"unknown routing priority {priority!r}; valid: {PRIORITIES}")
   num_groups, num_tokens, num_experts = gates.shape
@@ -137,10 +133,8 @@ def plan_dispatch(gates: jax.Array, *, k: int, capacity: int, batch_priority: bo
 
 
 def plan_dropless(gates: jax.Array, *, k: int, select: jax.Array | None = None) -> DroplessPlan:
-  """Each token's TOP-k experts, every assignment kept, with its TOP-k weight as combine weight
-  (the weights `plan_dispatch` gives the assignments it keeps). gates: (G, S, E); `select`, as
-  for `plan_dispatch`, chooses the TOP-k instead (a balance bias), the weights still read from
-  `gates`."""
+  """Each token's TOP-k experts, every assignment kept with its TOP-k weight (as `plan_dispatch`
+  weighs those it keeps); gates and `select` (G, S, E) as for `plan_dispatch`."""
   weights, experts = top_k_gates(gates, k, select)
   return DroplessPlan(experts=experts, combine_weights=weights, num_experts=gates.shape[-1], k=k,
                       gates=gates)
@@ -158,24 +152,19 @@ def importance_loss(gates_clean: jax.Array) -> jax.Array:
 
 def load_loss(logits_clean: jax.Array, logits_noisy: jax.Array, noise_std: float,
               k: int) -> jax.Array:
-  """Appendix A.2, eqs. 3-6: squared CV of the expected expert load under re-sampled noise.
-
-  threshold(x) is the k-th largest noisy logit; p_i(x) = P(eps_new >= threshold - (Wx)_i) with
-  eps_new ~ N(0, noise_std^2); load_i = sum over tokens of p_i(x).
-  """
+  """Appendix A.2, eqs. 3-6: squared CV of the expected expert load under re-sampled noise:
+  load_i = sum over tokens of p_i(x) (`entry_probability`)."""
   return squared_cv(entry_probability(logits_clean, logits_noisy, noise_std, k).sum(axis=-2))
 
 
 def entry_probability(logits_clean: jax.Array, logits_noisy: jax.Array, noise_std: float,
                       k: int) -> jax.Array:
-  """p_i(x) of the load loss (eqs. 4-5): the probability that expert i enters the token's TOP-k
-  when the noise is drawn again. It depends on the logits' order only, so it is the same for any
-  increasing gate of the logits (softmax, sigmoid)."""
+  """p_i(x) of the load loss (eqs. 4-5), the probability that expert i enters the token's TOP-k
+  when the noise is drawn again: P(eps_new >= threshold - (Wx)_i), eps_new ~ N(0, noise_std^2),
+  threshold the k-th largest noisy logit. It depends on the logits' order only, so it is the same
+  for any increasing gate (softmax, sigmoid)."""
   threshold = _pick(logits_noisy, top_k_indices(logits_noisy, k)[..., -1:])
   return 1.0 - jax.scipy.stats.norm.cdf((threshold - logits_clean) / noise_std)
-
-
-GATES = ("softmax", "sigmoid")
 
 
 def gate_weights(logits: jax.Array, gate: str, k: int) -> jax.Array:
@@ -189,10 +178,8 @@ def gate_weights(logits: jax.Array, gate: str, k: int) -> jax.Array:
 
 def importance_weights(logits: jax.Array, gates: jax.Array, gate: str) -> jax.Array:
   """What the importance loss sums per expert: the softmax gates, or for sigmoid the scores
-  normalized over all E experts (DeepSeek-V3's s'_i, eq. 19), since the TOP-k normalization of
-  `sigmoid_gates` leaves the other experts' scale arbitrary. The load loss needs no such choice:
-  its probability of entering the TOP-k (`entry_probability`) depends on the logits' order only,
-  which sigmoid keeps."""
+  normalized over all E experts (DeepSeek-V3's s'_i, eq. 19), since `sigmoid_gates`' TOP-k
+  normalization leaves the other experts' scale arbitrary (the load loss reads the order only)."""
   if gate == "softmax":
     return gates
   scores = jax.nn.sigmoid(logits)
@@ -201,12 +188,9 @@ def importance_weights(logits: jax.Array, gates: jax.Array, gate: str) -> jax.Ar
 
 def sigmoid_gates(logits: jax.Array, k: int) -> jax.Array:
   """DeepSeek-V3's gates (arXiv 2412.19437, eqs. 15-16): scores s = sigmoid(logits), each token's
-  TOP-k chosen on s and their weights g_i = s_i / sum_{j in TOP-k} s_j.
-
-  Returned as the whole row s / sum_{TOP-k} s (G, S, E): scaling a row by a positive number
-  keeps its order, so `plan_dispatch` picks the same TOP-k from it and reads the normalized
-  weights as the combine weights (and Batch Prioritized Routing as its priority).
-  """
+  TOP-k chosen on s, weights g_i = s_i / sum_{j in TOP-k} s_j. Returned as the whole row s /
+  sum_{TOP-k} s (G, S, E), which keeps the order: `plan_dispatch` picks the same TOP-k and reads
+  the normalized weights as combine weights (and Batch Prioritized Routing's priority)."""
   scores = jax.nn.sigmoid(logits)
   top = _pick(scores, top_k_indices(scores, k)).sum(axis=-1, keepdims=True)
   return scores / top
@@ -215,11 +199,9 @@ def sigmoid_gates(logits: jax.Array, k: int) -> jax.Array:
 def biased_gates(logits: jax.Array, gate: str, k: int,
                  bias: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Auxiliary-loss-free balancing (Wang et al. 2024, arXiv 2408.15664; DeepSeek-V3, eq. 16):
-  (gates, select) for `plan_dispatch`. The scores s (softmax(logits), or sigmoid(logits)) plus
-  the per-expert `bias` (broadcast against the logits) choose each token's TOP-k (`select`); the
-  bias never weighs: the gates are the unbiased scores, softmax's probabilities, or for sigmoid
-  s / sum_{j in TOP-k of s + b} s_j, the chosen experts' scores normalized to sum to 1. No
-  gradient reaches the bias."""
+  (gates, select) for `plan_dispatch`. The scores s (softmax or sigmoid) plus the per-expert
+  `bias` choose each token's TOP-k (`select`); the bias never weighs: the gates are the unbiased
+  scores, for sigmoid s / sum_{j in TOP-k of s + b} s_j. No gradient reaches the bias."""
   if gate not in GATES:
     raise ValueError(f"unknown gate {gate!r}; valid: {GATES}")
   scores = jax.nn.softmax(logits) if gate == "softmax" else jax.nn.sigmoid(logits)

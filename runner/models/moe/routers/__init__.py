@@ -1,10 +1,8 @@
 """Router families, found by name (`model.router.type`): one module each, in this package or in a
-researcher's own file loaded with `plugins=` (docs/extending.md).
-
-A family's Flax module returns `(plan, metrics)`: `plan` (`Plan`) is a pytree whose every array
-has the G groups first, so that expert parallelism shards it like the tokens. No family is told
-apart by its name outside this package: whatever differs is a `RouterFamily` hook.
-"""
+researcher's own file loaded with `plugins=` (docs/extending.md). A family's Flax module returns
+`(plan, metrics)`, `plan` (`Plan`) a pytree whose every array has the G groups first, so that
+expert parallelism shards it like the tokens. Outside this package no family is told apart by its
+name: whatever differs is a `RouterFamily` hook."""
 from __future__ import annotations
 
 from runner.models.moe.routers.base import (DEFAULT, Plan, RouterFamily, TorchRouting, family,

@@ -26,25 +26,21 @@ class Plan(Protocol):
     """(E, G, C, D) expert outputs -> (G, S, D) tokens."""
 
   def expert_weights(self) -> jax.Array:
-    """(G, S, E) the weight each token gives each expert: the routing gates, or for a soft
-    router each token's share of its dispatch mass per expert (rows sum to 1)."""
+    """(G, S, E) the weight each token gives each expert: the gates, or (soft) each token's share
+    of its dispatch mass per expert (rows sum to 1)."""
 
   def expert_mask(self, routed: bool) -> jax.Array | None:
-    """(G, S, E) bool: the experts a token chose (`routed=False`), or the experts that process
-    it after capacity (`routed=True`). Asked only of a `discrete` family's plan; None for a
-    router without discrete choices (soft)."""
+    """(G, S, E) bool: the experts a token chose, or (`routed`) that process it after capacity.
+    Asked only of a `discrete` family's plan; None without discrete choices (soft)."""
 
-  # A plan whose class sets `ragged = True` (token choice's dropless `DroplessPlan`) has no
-  # buffers: the layer asks it for `layout()`, `rows(x, layout)` and `combine_rows(y, layout)`
-  # instead of `dispatch` and `combine` (runner/models/moe/layer.py).
+  # A plan whose class sets `ragged = True` (dropless `DroplessPlan`) has no buffers: the layer
+  # asks it for `layout()`, `rows(x, layout)` and `combine_rows(y, layout)` instead (layer.py).
 
 
 @dataclasses.dataclass(frozen=True)
 class TorchRouting:
-  """How a family routes in PyTorch: what `vmoe export` (runner/export) writes for its routers
-  (docs/extending.md, "Export", states each field). A family keeps `source` in a file next to its
-  module, `<module>_torch.py`, that nothing imports.
-  """
+  """How a family routes in PyTorch, what `vmoe export` writes for its routers (docs/extending.md,
+  "Export", states each field); `source` is kept in `<module>_torch.py`, which nothing imports."""
   config: Mapping[str, typing.Any]
   source: str
   class_name: str
@@ -53,14 +49,10 @@ class TorchRouting:
 
 
 class RouterFamily:
-  """A router family's answers to the rest of vmoe; `router` is the `model.router` config.
-
-  Whatever differs between families is asked of this class (or of its plan, `Plan`), never
-  decided by the family's name. A plug-in defines `name`, `module`, `Config`, `summary`,
-  `module_kwargs`, `capacity` and `experts_per_token`; every other hook has a default that suits
-  a router whose tokens pick experts by a (D, E) gate kernel (docs/extending.md says who asks
-  each hook, and its default).
-  """
+  """A router family's answers to the rest of vmoe (never decided by its name); `router` is the
+  `model.router` config. A plug-in defines `name`, `module`, `Config`, `summary`, `module_kwargs`,
+  `capacity` and `experts_per_token`; every other hook defaults to what suits tokens picking
+  experts by a (D, E) gate kernel (docs/extending.md says who asks each hook)."""
   name: str = ""
   module: type  # the Flax module class
   Config: type  # a dataclass: the model.router.* keys this family reads (besides `type`)
@@ -89,9 +81,8 @@ class RouterFamily:
 
   @classmethod
   def split_router(cls, router, m: int):
-    """`router` (the model.router config) as it routes E*m fine-grained experts, each of an E
-    experts' MLP split into m (DeepSeekMoE); None: this family cannot, and vmoe refuses
-    model.moe.expert_split > 1 with it."""
+    """`router` as it routes E*m fine-grained experts, each expert's MLP split into m
+    (DeepSeekMoE); None: this family cannot, and vmoe refuses model.moe.expert_split > 1."""
     del router, m
     return None
 
@@ -110,11 +101,9 @@ class RouterFamily:
 
   @classmethod
   def at_inference(cls, given: dict) -> dict:
-    """A later stage's given model.router.* keys (a dict of those given) as they apply to a
-    checkpoint at inference: the capacity ratio that matters there is eval_capacity_ratio, so a
-    given capacity_ratio sets it too unless it is given, where the capacity may change at
-    inference; elsewhere (Soft MoE) the key keeps its training meaning, so the keys that trained
-    a model evaluate it too."""
+    """A later stage's given model.router.* keys (a dict) as they apply at inference: where the
+    capacity may change there, a given capacity_ratio sets eval_capacity_ratio too unless that is
+    given; elsewhere (Soft MoE) it keeps its training meaning, as the keys that trained a model."""
     if cls.capacity_at_inference and "capacity_ratio" in given and (
         "eval_capacity_ratio" not in given):
       return {**given, "eval_capacity_ratio": given["capacity_ratio"]}
@@ -122,9 +111,8 @@ class RouterFamily:
 
   @classmethod
   def later_stage_problem(cls, stored: dict, given: dict) -> str | None:
-    """What a later stage's given model.router.* keys change that the checkpoint fixed
-    (`stored`: its router keys as trained; both plain dicts, before typing): where the capacity
-    is fixed at training, the keys that size the slots, parameters."""
+    """What a later stage's given model.router.* keys change that the checkpoint fixed (`stored`:
+    as trained; both plain dicts): where the capacity is fixed at training, the slots' keys."""
     if cls.capacity_at_inference:
       return None
     for key in ("capacity_ratio", "slots_per_expert"):
@@ -138,17 +126,15 @@ class RouterFamily:
 
   @classmethod
   def expert_parallel_problem(cls, router, sharding: str) -> str | None:
-    """Why `router` cannot run where the experts' weights are split over devices (`sharding`:
-    the setting that splits them, as one would type it, e.g. "sharding=ep"); None: it can, as
-    buffers of a fixed capacity travel by all-to-all."""
+    """Why `router` cannot run with the experts' weights split over devices (`sharding`: that
+    setting as typed, e.g. "sharding=ep"); None: it can (fixed-capacity buffers, all-to-all)."""
     del router, sharding
     return None
 
   @classmethod
   def without_capacity(cls, router) -> str | None:
-    """Why `router` has no capacity for the capacity sweep to vary, a clause naming its key (the
-    sweep refuses it with it); None: it has one (or it is fixed at training, which
-    `capacity_at_inference` says)."""
+    """Why `router` has no capacity for the capacity sweep to vary, a clause naming its key;
+    None: it has one (or it is fixed at training: `capacity_at_inference`)."""
     del router
     return None
 
@@ -165,8 +151,8 @@ class RouterFamily:
 
   @classmethod
   def expert_rows(cls, router, tokens: int, experts: int, capacity: int) -> float:
-    """Rows the experts compute for a routing group of `tokens` tokens: every buffer slot,
-    filled or not, E * capacity (FLOP counting's padded capacity)."""
+    """Rows the experts compute for a routing group of `tokens` tokens: every buffer slot, E *
+    capacity, filled or not (FLOP counting's padded capacity)."""
     del router, tokens
     return experts * capacity
 
@@ -182,48 +168,41 @@ class RouterFamily:
 
   @classmethod
   def expert_ids(cls, plan, routed: bool) -> jax.Array | None:
-    """(G, S, k) int32: each token's k chosen experts (ids among the plan's experts) before
-    capacity (`routed=False`), or with -1 in place of the choices that no buffer processes
-    (`routed=True`); None for a router without a fixed number of choices per token."""
+    """(G, S, k) int32: each token's k chosen experts (the plan's ids) before capacity, or
+    (`routed`) -1 where no buffer processes the choice; None without k choices per token."""
     del plan, routed
     return None
 
   @classmethod
   def sown_records(cls, plan) -> dict[str, jax.Array]:
-    """{record name: (G, S, N) array}: what the layer also sows about the plan, per image as
-    (images, tokens, N)."""
+    """{name: (G, S, N) array}: what the layer also sows, per image as (images, tokens, N)."""
     del plan
     return {}
 
   @classmethod
   def param_updates(cls, router, stage: str) -> tuple[ParamUpdate, ...]:
-    """The parameters the train step of `stage` ("pretrain", "finetune") sets after the
-    optimizer, with the keys of `router`; none by default."""
+    """What the train step of `stage` ("pretrain", "finetune") sets after the optimizer."""
     del router, stage
     return ()
 
   @classmethod
   def torch_routing(cls, router, *, tokens: int, experts: int) -> TorchRouting | None:
-    """How this family's routers run in PyTorch at inference, for `vmoe export`; `tokens` are
-    those of a full routing group, `experts` the layer's. None: this family does not say how it
-    routes in PyTorch, and vmoe export refuses a model that uses it."""
+    """How this family's routers run in PyTorch at inference, for `vmoe export` (arguments as
+    `module_kwargs`); None: vmoe export refuses a model that uses it."""
     del router, tokens, experts
     return None
 
   @classmethod
-  def dropped_at_capacity(cls, router, weights: jax.Array, capacity: int
-                          ) -> dict[str, jax.Array]:
-    """{routing: (G, S) bool, True where no expert processes the token} when groups whose tokens
-    gave the experts `weights` (G, S, E) (as `Plan.expert_weights`) are routed again at
-    `capacity` slots per expert; one entry per routing the family can use ("vanilla", "bpr").
-    Empty: the family draws no dropped-patch maps (it drops nothing, or cannot replan)."""
+  def dropped_at_capacity(cls, router, weights: jax.Array, capacity: int) -> dict[str, jax.Array]:
+    """{routing ("vanilla", "bpr"): (G, S) bool, True where no expert processes the token} when
+    groups with `weights` (G, S, E) (as `Plan.expert_weights`) are routed again at `capacity`
+    slots per expert. Empty: no dropped-patch maps (it drops nothing, or cannot replan)."""
     del router, weights, capacity
     return {}
 
 
 def register(family_cls: type[RouterFamily]) -> type[RouterFamily]:
-  """Registers a router family under `family_cls.name` (a class decorator), a built-in's as a
-  plug-in's (runner/config/components.py `register`)."""
+  """Registers a router family under `family_cls.name` (a class decorator, as for plug-ins)."""
   family_cls.options = components.register(components.ROUTER, family_cls.name, family_cls,
                                            family_cls.Config)
   return family_cls

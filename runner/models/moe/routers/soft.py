@@ -1,11 +1,9 @@
 """Soft MoE: every slot is a weighted mix of the group's tokens (Puigcerver et al. 2023).
 
 As the reference code's `SoftRouter` (vmoe/projects/soft_moe/router.py) and the paper's Algorithm 1;
-docs/routers.md states the computation. Every token contributes to every slot: nothing is dropped,
-there is no auxiliary loss, and the cost depends not on the tokens but on the E * P slots.
-Metrics: the means over tokens (slots) of the smallest and largest combine (dispatch) weights, as
-the reference reports.
-"""
+docs/routers.md states the computation. Nothing is dropped, no auxiliary loss, and the cost depends
+on the E * P slots, not the tokens. Metrics: the means over tokens (slots) of the smallest and
+largest combine (dispatch) weights, as the reference reports."""
 from __future__ import annotations
 
 import dataclasses
@@ -74,8 +72,8 @@ class SoftPlan:
     return per_expert / jnp.sum(per_expert, axis=-1, keepdims=True)
 
   def expert_mask(self, routed: bool = True) -> None:
-    """None: every token reaches every expert, so there is no choice whose change one could
-    measure (the PGD evaluator reports no routing change for Soft MoE layers)."""
+    """None: every token reaches every expert, so there is no choice whose change to measure (PGD
+    reports no routing change for Soft MoE layers)."""
     del routed
     return None
 
@@ -166,4 +164,3 @@ class Soft(RouterFamily):
   def sown_records(cls, plan: SoftPlan) -> dict[str, jax.Array]:
     """Which tokens each slot mixes, and which slots each token mixes: (G, S, E * P) each."""
     return {"dispatch_weights": plan.dispatch_weights, "combine_weights": plan.combine_weights}
-
