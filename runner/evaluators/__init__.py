@@ -1,8 +1,7 @@
 """Evaluators as plug-ins: one class each, derived from `Evaluator` and registered with `register`
-(runner/evaluators/suite.py; docs/extending.md). The built-in ones register here, in the order
-they run; a plug-in's after them. Nothing outside this package names an evaluator; `contrastive`
-adds the zero-shot prompts (eval.zero_shot.*), which no evaluator owns.
-"""
+(runner/evaluators/suite.py; docs/extending.md). The built-in ones register here, in the order they
+run; a plug-in's after them. Nothing outside this package names an evaluator; `contrastive` adds the
+zero-shot prompts (eval.zero_shot.*), which no evaluator owns."""
 from runner.config.registries import EVALUATORS
 from runner.config.relations import relation
 from runner.evaluators import (adversarial, capacity_sweep, classification, compute, contrastive,

@@ -1,16 +1,15 @@
 """L∞ PGD attacks on ViT / V-MoE classifiers: error, loss, changed predictions and routing change.
 
-Follows Puigcerver et al. 2022, "On the Adversarial Robustness of Mixture of Experts" (App. F)
-and its reference code (google-research/vmoe, vmoe/projects/adversarial_attacks: attacks.py
+Follows Puigcerver et al. 2022, "On the Adversarial Robustness of Mixture of Experts" (App. F) and
+its reference code (google-research/vmoe, vmoe/projects/adversarial_attacks: attacks.py
 `stateless_attack_pgd`, `sum_intersection_over_union`; restore.py `get_combine_weights`);
 docs/evaluation.md states both protocols. "default" steps by 2.5·ε/steps (Madry et al. 2018), so
-that the attack can reach the border of the ball and still move along it, each step clipped into
-the ball and [-1, 1] so that adversarial images stay images; "reference" steps by ε/steps with no
-projection, and compares the experts that process each token (a token dropped on both images
-counts IoU 0, as the reference's `jnp.where(union > 0, intersection / union, 0)`). No random
-start, so ε = 0 returns the image unchanged; the attacked loss has no MoE auxiliary loss and the
-model runs in inference mode (the reference's `attack_auxiliary_loss=False`, deterministic=True).
-"""
+that the attack can reach the border of the ball and still move along it, each step clipped into the
+ball and [-1, 1] so that adversarial images stay images; "reference" steps by ε/steps with no
+projection, and compares the experts that process each token (a token dropped on both images counts
+IoU 0, as the reference's `jnp.where(union > 0, intersection / union, 0)`). No random start, so
+ε = 0 returns the image unchanged; the attacked loss has no MoE auxiliary loss and the model runs in
+inference mode (the reference's `attack_auxiliary_loss=False`, deterministic=True)."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,6 +27,7 @@ from runner.config.preprocessing import DEVICE_VALUE_RANGE
 from runner.config.relations import relation
 from runner.config.schema import EvalSuiteConfig
 from runner.evaluators import suite as suite_lib
+from runner.evaluators.figures import new_figure, save_png
 from runner.logging.progress import Progress
 from runner.losses.classification import LOSSES, precision_at_1
 from runner.models import inputs
@@ -58,14 +58,12 @@ def default_step_size(epsilon, steps: int):
 def make_pgd_attack(model, loss_name: str = "softmax_xent", *, steps: int,
                     step_size_fn: Callable | None = None, protocol="default"):
   """Jitted (params, images, labels, epsilon) -> adversarial images, by `steps` sign-gradient steps.
-
   `epsilon` and `step_size_fn(epsilon)` are in [0, 1] pixel units; `epsilon` is traced, so one
   compilation serves every ε. "default": the loss is summed over the batch (each image's gradient
   is its own loss's: padded rows with all-zero labels have zero softmax loss and do not move),
   every step is clipped to the 2ε ball and [-1, 1]. "reference": the mean loss (as the reference;
   the sign of each image's gradient is the same), step ε/steps unless `step_size_fn` is given, no
-  clipping.
-  """
+  clipping."""
   if steps < 1:
     raise ValueError(f"PGD needs steps >= 1, got {steps}")
   protocol = _protocol(protocol)
@@ -105,9 +103,8 @@ def make_pgd_attack(model, loss_name: str = "softmax_xent", *, steps: int,
 
 
 def _change(intersection: jax.Array, union: jax.Array, reference: bool) -> jax.Array:
-  """(batch,) from per-token set sizes (batch, tokens): 1 − IoU averaged over tokens. A token
-  whose union is empty (dropped on both images) counts IoU 0, as the reference's
-  `jnp.where(union > 0, intersection / union, 0)`; `reference` averages the IoU before taking it
+  """(batch,) from per-token set sizes (batch, tokens): 1 − IoU averaged over tokens (an empty
+  union counts IoU 0, see the module docstring); `reference` averages the IoU before taking it
   from 1, as the reference does (1 − sum_iou / num_tokens)."""
   iou = jnp.where(union > 0, intersection / jnp.maximum(union, 1), 0.0).astype(jnp.float32)
   if reference:
@@ -122,13 +119,10 @@ def mask_change(clean: jax.Array, adversarial: jax.Array, *, reference: bool = F
 
 
 def make_measure_step(model, loss_name: str = "softmax_xent", protocol="default"):
-  """Jitted (params, batch, adversarial_images) -> sums over the real rows of the batch.
-
-  `batch` holds "image", "labels" and "_mask". Keys: clean/error, clean/loss, error, loss,
-  changed_predictions, routing_change/layer_<i> for each MoE layer, and count. Routing change
-  compares the TOP-k before capacity drops ("default") or the experts that process each token
-  ("reference"; see the module docstring).
-  """
+  """Jitted (params, batch, adversarial_images) -> sums over the real rows of the batch, which
+  holds "image", "labels" and "_mask". Keys: clean/error, clean/loss, error, loss,
+  changed_predictions, routing_change/layer_<i> for each MoE layer (`AdversarialProtocol` says
+  which experts it compares), and count."""
   loss_fn = LOSSES[loss_name]
   reference = _protocol(protocol) == "reference"
   sown = "routed_mask" if reference else "expert_mask"
@@ -168,12 +162,10 @@ def _layer_order(key: str) -> int:
 
 class AdversarialEvaluator:
   """PGD at each ε of a sweep on the same examples; averages over the real examples seen.
-
   `step_size`: the step in [0, 1] pixel units, a float or a function of ε; None for the
-  protocol's rule (2.5·ε/steps, or ε/steps for "reference"). `protocol`: "default" or
-  "reference", see the module docstring. `max_examples` counts rows of this process's batches (the
-  first `max_examples`), so that every process stops after the same number of batches.
-  """
+  protocol's rule (2.5·ε/steps, or ε/steps for "reference"). `max_examples` counts rows of this
+  process's batches (the first `max_examples`), so that every process stops after the same
+  number of batches."""
 
   def __init__(self, model, *, epsilons, steps: int, step_size=None,
                loss_name: str = "softmax_xent", prefix: str, put=lambda batch: batch,
@@ -235,23 +227,15 @@ class AdversarialEvaluator:
       changes = {k: v / count for k, v in sums.items() if k.startswith("routing_change/")}
       out.update({f"{name}/{k}": v / count for k, v in sums.items()
                   if not k.startswith("routing_change/")})
-      for k in sorted(changes, key=_layer_order):
-        out[f"{name}/{k}"] = changes[k]
+      out.update({f"{name}/{k}": changes[k] for k in sorted(changes, key=_layer_order)})
       if changes:
         out[f"{name}/routing_change/mean"] = float(np.mean(list(changes.values())))
     return out
 
 
 def plot_pgd(metrics: dict, prefix: str, path: str, title: str = "") -> str:
-  """Writes a PNG of error vs ε and routing change vs ε per MoE layer; returns the path.
-
-  Reads the keys `AdversarialEvaluator.run` writes; the clean error is drawn at ε = 0. A bare Agg
-  figure, not pyplot, so no global backend or figure state changes.
-  """
-  # lazily: matplotlib is slow to import, and only a run that draws needs it
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
-
+  """Writes a PNG of error vs ε and routing change vs ε per MoE layer; returns the path. Reads
+  the keys `AdversarialEvaluator.run` writes; the clean error is drawn at ε = 0."""
   base = f"{prefix}/pgd/"
   pattern = re.compile(re.escape(base) + r"eps_([^/]+)/(.+)")
   by_eps: dict[float, dict[str, float]] = {}
@@ -266,8 +250,7 @@ def plot_pgd(metrics: dict, prefix: str, path: str, title: str = "") -> str:
                    if k.startswith("routing_change/") and k != "routing_change/mean"},
                   key=_layer_order)
 
-  figure = Figure(figsize=(10 if layers else 5, 4), dpi=100)
-  FigureCanvasAgg(figure)
+  figure = new_figure(10 if layers else 5, 4)
   axes = figure.add_subplot(1, 2 if layers else 1, 1)
   xs, errors = list(epsilons), [by_eps[e].get("error", np.nan) for e in epsilons]
   if f"{base}clean/error" in metrics and 0.0 not in by_eps:
@@ -275,9 +258,7 @@ def plot_pgd(metrics: dict, prefix: str, path: str, title: str = "") -> str:
   axes.plot(xs, errors, marker="o", label="error")
   axes.plot(epsilons, [by_eps[e].get("changed_predictions", np.nan) for e in epsilons],
             marker="x", linestyle="--", label="changed predictions")
-  axes.set_xlabel("ε (L∞, [0, 1] pixel units)")
-  axes.set_ylim(0, 1)
-  axes.set_title("error under PGD")
+  axes.set(xlabel="ε (L∞, [0, 1] pixel units)", ylim=(0, 1), title="error under PGD")
   axes.legend(loc="lower right")
   if layers:
     route = figure.add_subplot(1, 2, 2)
@@ -286,23 +267,18 @@ def plot_pgd(metrics: dict, prefix: str, path: str, title: str = "") -> str:
                  marker="o", label=layer.replace("_", " "))
     route.plot(epsilons, [by_eps[e].get("routing_change/mean", np.nan) for e in epsilons],
                color="black", linestyle="--", label="mean")
-    route.set_xlabel("ε (L∞, [0, 1] pixel units)")
-    route.set_ylabel("1 − IoU of selected experts")
-    route.set_ylim(0, 1)
-    route.set_title("routing change under PGD")
+    route.set(xlabel="ε (L∞, [0, 1] pixel units)", ylabel="1 − IoU of selected experts",
+              ylim=(0, 1), title="routing change under PGD")
     route.legend(loc="upper left")
   if title:
     figure.suptitle(title)
-  figure.tight_layout()
-  figure.savefig(path, format="png")
-  return path
+  return save_png(figure, path)
 
 
 @dataclasses.dataclass
 class AdversarialConfig:
   """eval.adversarial.*: PGD's radii, steps and rules."""
-  epsilons: List[float] = checks.key([], checks.Items(checks.Range(0, 1),
-                                                      example="[0.001,0.003]"),
+  epsilons: List[float] = checks.key([], checks.Items(checks.Range(0, 1), example="[0.001,0.003]"),
                                      "L-inf radii in [0, 1] pixel units")
   steps: int = checks.key(40, checks.at_least(1), "PGD steps")
   step_size: Optional[float] = checks.key(None, checks.positive(), "null: 2.5 * epsilon / steps "

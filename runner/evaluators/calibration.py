@@ -1,17 +1,15 @@
-"""Expected calibration error (Guo et al. 2017) with equal-width bins, accumulated batch by batch.
-
-Only per-bin sums are kept, so evaluating a large split keeps memory flat.
-"""
+"""Expected calibration error (Guo et al. 2017) with equal-width bins, accumulated batch by batch:
+only per-bin sums are kept, so evaluating a large split keeps memory flat."""
 from __future__ import annotations
 
 import numpy as np
 
+from runner.evaluators.figures import new_figure, save_png
+
 
 class CalibrationAccumulator:
   """Per-bin counts, summed confidence and summed correctness over the real rows seen so far.
-
-  Bin i is (i/B, (i+1)/B]; a confidence of exactly 0 goes in the first bin.
-  """
+  Bin i is (i/B, (i+1)/B]; a confidence of exactly 0 goes in the first bin."""
 
   def __init__(self, num_bins: int = 15):
     if num_bins < 1:
@@ -25,10 +23,9 @@ class CalibrationAccumulator:
     self.correct_sums = np.zeros(num_bins, np.float64)
 
   def update(self, probs: np.ndarray, labels: np.ndarray, mask: np.ndarray | None = None) -> None:
-    """probs (N, C) predicted probabilities; labels (N, C) one-hot or multi-hot; mask (N,) bool of real rows.
-
-    confidence = max prob; correct = labels[row, argmax] > 0 (multi-label aware, like precision@1).
-    """
+    """probs (N, C) predicted probabilities; labels (N, C) one-hot or multi-hot; mask (N,) bool of
+    real rows. confidence = max prob; correct = labels[row, argmax] > 0 (multi-label aware, like
+    precision@1)."""
     probs, labels = np.asarray(probs), np.asarray(labels)
     if mask is not None:
       mask = np.asarray(mask, bool)
@@ -44,11 +41,9 @@ class CalibrationAccumulator:
     self.correct_sums += np.bincount(bins, correct.astype(np.float64), minlength=self.num_bins)
 
   def result(self) -> dict:
-    """ECE and the per-bin statistics a reliability diagram needs.
-
-    Empty bins have count 0 and NaN confidence/accuracy; ece = sum_b (n_b / N) |accuracy_b -
-    confidence_b| over non-empty bins (NaN before any example is seen).
-    """
+    """ECE and the per-bin statistics a reliability diagram needs. Empty bins have count 0 and
+    NaN confidence/accuracy; ece = sum_b (n_b / N) |accuracy_b - confidence_b| over non-empty bins
+    (NaN before any example is seen)."""
     counts = self.bin_counts
     num_examples = int(counts.sum())
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -61,23 +56,15 @@ class CalibrationAccumulator:
 
 
 def plot_reliability_diagram(result: dict, path: str, title: str = "") -> str:
-  """Writes a PNG reliability diagram of a `CalibrationAccumulator.result()` and returns the path.
-
-  Bars: accuracy per confidence bin against the diagonal of perfect calibration; bin counts as a
-  light histogram on a second axis. Built on a bare Agg figure, not pyplot, so no global backend
-  or figure state changes (safe in headless runs and inside other programs' plotting).
-  """
-  # lazily: matplotlib is slow to import, and only a run that draws needs it
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
-
+  """Writes a PNG reliability diagram of a `CalibrationAccumulator.result()` and returns the path:
+  accuracy per confidence bin against the diagonal of perfect calibration, and bin counts as a
+  light histogram on a second axis."""
   edges = np.asarray(result["bin_edges"])
   counts = np.asarray(result["bin_counts"])
   accuracy = np.nan_to_num(np.asarray(result["bin_accuracy"], np.float64))
   lefts, widths = edges[:-1], np.diff(edges)
 
-  figure = Figure(figsize=(5, 5), dpi=100)
-  FigureCanvasAgg(figure)
+  figure = new_figure(5, 5)
   axes = figure.add_subplot()
   count_axes = axes.twinx()
   count_axes.bar(lefts, counts, width=widths, align="edge", color="tab:gray", alpha=0.2,
@@ -88,13 +75,8 @@ def plot_reliability_diagram(result: dict, path: str, title: str = "") -> str:
   axes.bar(lefts, accuracy, width=widths, align="edge", color="tab:blue", edgecolor="black",
            alpha=0.8, label="accuracy")
   axes.plot([0, 1], [0, 1], linestyle="--", color="tab:red", label="perfect calibration")
-  axes.set_xlim(0, 1)
-  axes.set_ylim(0, 1)
-  axes.set_xlabel("confidence")
-  axes.set_ylabel("accuracy")
+  axes.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy")
   axes.legend(loc="upper left")
   heading = f"ECE = {result['ece']:.4f} (N = {result['num_examples']})"
   axes.set_title(f"{title}\n{heading}" if title else heading)
-  figure.tight_layout()
-  figure.savefig(path, format="png")
-  return path
+  return save_png(figure, path)

@@ -2,8 +2,7 @@
 
 At inference, lowering the capacity ratio C drops tokens and saves expert FLOPs; Batch Prioritized
 Routing chooses which tokens to drop by their routing score, so it degrades more gracefully than
-vanilla routing. Each row of a sweep is one (C, routing) evaluation.
-"""
+vanilla routing. Each row of a sweep is one (C, routing) evaluation."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,26 +17,12 @@ from runner.config.relations import relation
 from runner.config.schema import EvalSuiteConfig, RunFields
 from runner.evaluators import predictions, suite as suite_lib
 from runner.evaluators.compute import xla_gflops_per_image
-
-
-def sweep_key(capacity_ratio: float, batch_priority: bool) -> str:
-  return f"capacity_sweep/C_{capacity_ratio:g}/{'bpr' if batch_priority else 'vanilla'}"
-
-
-def write_sweep_json(rows: list[dict], path: str) -> str:
-  with open(path, "w") as f:
-    json.dump(rows, f, indent=2)
-  return path
+from runner.evaluators.figures import new_figure, save_png
 
 
 def plot_capacity_sweep(rows: list[dict], path: str, metric: str = "prec@1", title: str = "") -> str:
   """One line per routing (vanilla, BPR): `metric` against GFLOPs per image, points labelled by C."""
-  # lazily: matplotlib is slow to import, and only a run that draws needs it
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
-
-  figure = Figure(figsize=(6, 4.5), dpi=100)
-  FigureCanvasAgg(figure)
+  figure = new_figure(6, 4.5)
   axes = figure.add_subplot()
   for bpr, style in ((False, "o--"), (True, "s-")):
     points = sorted((r["gflops_per_image"], r[metric], r["capacity_ratio"]) for r in rows
@@ -48,14 +33,11 @@ def plot_capacity_sweep(rows: list[dict], path: str, metric: str = "prec@1", tit
     axes.plot(x, y, style, label="Batch Prioritized Routing" if bpr else "vanilla routing")
     for xi, yi, ci in points:
       axes.annotate(f"C={ci:g}", (xi, yi), textcoords="offset points", xytext=(4, -10), fontsize=8)
-  axes.set_xlabel("GFLOPs per image (XLA cost analysis)")
-  axes.set_ylabel(metric)
+  axes.set(xlabel="GFLOPs per image (XLA cost analysis)", ylabel=metric)
   axes.grid(alpha=0.3)
   axes.legend(loc="best")
   axes.set_title(title or f"{metric} vs inference compute")
-  figure.tight_layout()
-  figure.savefig(path, format="png")
-  return path
+  return save_png(figure, path)
 
 
 def _runs_as(members, capacity_ratio: float, batch_priority: bool) -> bool:
@@ -108,10 +90,6 @@ class Evaluator(suite_lib.Evaluator):
   in_training = False  # changes the checkpoint's capacity: vmoe eval's (a relation says so)
   Keys = CapacitySweepKeys
 
-  @classmethod
-  def enabled(cls, config) -> bool:
-    return bool(config.capacity_sweep)
-
   def run(self) -> suite_lib.Result:
     s = self.suite
     ds, members = s.in_distribution, s.members
@@ -128,25 +106,25 @@ class Evaluator(suite_lib.Evaluator):
       for c in s.config.capacity_sweep:
         changes = dict(eval_capacity_ratio=float(c), batch_priority=bpr)
         analytic = members.analytic_flops(s.batch_size, **changes) / 1e9
-        if _runs_as(members, float(c), bpr):
-          rows.append({"capacity_ratio": float(c), "batch_priority": bpr, **main,
-                       "gflops_per_image_analytic": analytic})
-          continue
-        step = jax.jit(predictions.make_predict_step(members.model(**changes)))
-        stats = predictions.PredictionStats(loss_name=s.loss_name)
-        s.evaluate(s.batches(ds), stats, f"{ds.name} C={c:g} {'BPR' if bpr else 'vanilla'}",
-                   step=step)
-        m = stats.metrics("")
-        rows.append({"capacity_ratio": float(c), "batch_priority": bpr, "prec@1": m["/prec@1"],
-                     "nll": m["/nll"],
-                     "gflops_per_image": xla_gflops_per_image(step, s.params, example,
-                                                              s.batch_size),
+        measured = main
+        if not _runs_as(members, float(c), bpr):
+          step = jax.jit(predictions.make_predict_step(members.model(**changes)))
+          stats = predictions.PredictionStats(loss_name=s.loss_name)
+          s.evaluate(s.batches(ds), stats, f"{ds.name} C={c:g} {'BPR' if bpr else 'vanilla'}",
+                     step=step)
+          m = stats.metrics("")
+          measured = {"prec@1": m["/prec@1"], "nll": m["/nll"],
+                      "gflops_per_image": xla_gflops_per_image(step, s.params, example,
+                                                               s.batch_size)}
+        rows.append({"capacity_ratio": float(c), "batch_priority": bpr, **measured,
                      "gflops_per_image_analytic": analytic})
     result = suite_lib.Result()
     for r in rows:
-      key = sweep_key(r["capacity_ratio"], r["batch_priority"])
+      routing = "bpr" if r["batch_priority"] else "vanilla"
+      key = f"capacity_sweep/C_{r['capacity_ratio']:g}/{routing}"
       result.summary.update({f"{key}/{k}": r[k] for k in ("prec@1", "nll", "gflops_per_image")})
-    write_sweep_json(rows, s.path("capacity_sweep.json"))
+    with open(s.path("capacity_sweep.json"), "w") as f:
+      json.dump(rows, f, indent=2)
     if s.plots:
       result.images["capacity_sweep"] = plot_capacity_sweep(
           rows, s.path("capacity_sweep.png"), title=f"{ds.name}: prec@1 vs compute")

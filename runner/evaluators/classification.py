@@ -19,15 +19,12 @@ from runner.evaluators.predictions import PredictionStats, probabilities
 
 
 class ClassificationEvaluator:
-  """Evaluates parameters on one split; `put` places a host batch on the devices."""
+  """Evaluates parameters on one split (`batches`, a re-iterable dataset of padded numpy
+  batches); `step` is a jitted `runner.train.step.make_eval_step(...)`, shared by evaluators of
+  the same model; `put` places a host batch on the devices."""
 
   def __init__(self, step, batches, *, prefix: str, put=lambda batch: batch):
-    """`step` is a jitted `runner.train.step.make_eval_step(...)`, shared by evaluators of the
-    same model."""
-    self.step = step
-    self.batches = batches  # a re-iterable dataset of padded numpy batches
-    self.prefix = prefix
-    self.put = put
+    self.step, self.batches, self.prefix, self.put = step, batches, prefix, put
 
   def run(self, params) -> dict:
     totals: dict[str, float] = {}

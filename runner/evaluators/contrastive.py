@@ -3,8 +3,7 @@ prompts, and retrieval recall@k over a whole split (docs/contrastive.md).
 
 The class names and prompt templates are keys of their own, eval.zero_shot.*, declared here as a
 section that only a contrastive checkpoint reads: zero-shot classification is no evaluator of its
-own, but what makes such a checkpoint the classifier the evaluators measure.
-"""
+own, but what makes such a checkpoint the classifier the evaluators measure."""
 from __future__ import annotations
 
 import dataclasses
@@ -95,9 +94,7 @@ class PairEvaluator:
     self.embed = jax.jit(lambda p, t: class_embeddings(model, p, t, num_templates))
 
   def run(self, params) -> dict:
-    classes = None
-    if self.class_tokens is not None:
-      classes = self.embed(params, self.class_tokens)
+    classes = None if self.class_tokens is None else self.embed(params, self.class_tokens)
     totals: dict[str, float] = {}
     start = time.perf_counter()
     for batch in self.batches.as_numpy_iterator():
@@ -123,6 +120,5 @@ def recall_at_k(zimg: np.ndarray, ztxt: np.ndarray, ks=RECALL_AT, block: int = 1
       own = sims[np.arange(len(q)), np.arange(start, start + len(q))]
       ranks.append((sims >= own[:, None]).sum(1) - 1)  # keys at least as similar as the partner
     ranks = np.concatenate(ranks)
-    for k in ks:
-      out[f"{name}_recall@{k}"] = float(np.mean(ranks < k))
+    out.update({f"{name}_recall@{k}": float(np.mean(ranks < k)) for k in ks})
   return out

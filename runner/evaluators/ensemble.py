@@ -4,8 +4,7 @@ Every kind of ensemble ends as member logits (B, M, C) per batch, which
 `runner.models.ensemble.combine_logits` turns into "logits" of the mean probability, so the
 single-model code works on the ensemble unchanged. `EnsembleStats` adds what only an ensemble has:
 per-member metrics and pairwise diversity (Allingham et al. 2022's KL, and disagreement). Only
-running sums are kept, so memory stays flat in the split size.
-"""
+running sums are kept, so memory stays flat in the split size."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,20 +19,16 @@ _DISAGREEMENT_EPS = 1e-7
 
 
 class EnsembleStats:
-  """Running per-member and diversity statistics of an ensemble over one split.
-
-  Per member: prec@1, NLL and ECE as `PredictionStats` defines them for a single model.
-  Diversity (docs/ensembles.md), averaged over unordered pairs i < j and over test points; for
-  sigmoid models the KL sums the classes' Bernoulli KLs. A zero p_i term adds 0 to the KL; a zero
-  p_j under a positive p_i is floored at 1e-12 (a large finite KL rather than inf).
-  """
+  """Running per-member and diversity statistics of an ensemble over one split. Per member: prec@1,
+  NLL and ECE as `PredictionStats` defines them for a single model. Diversity (docs/ensembles.md),
+  averaged over unordered pairs i < j and over test points; for sigmoid models the KL sums the
+  classes' Bernoulli KLs. A zero p_i term adds 0 to the KL; a zero p_j under a positive p_i is
+  floored at 1e-12 (a large finite KL rather than inf)."""
 
   def __init__(self, *, num_bins: int = 15, output: str = "softmax", keep: bool = False):
     if output not in ("softmax", "sigmoid"):
       raise ValueError(f"output must be 'softmax' or 'sigmoid', got {output!r}")
-    self.num_bins = num_bins
-    self.output = output
-    self.keep = keep
+    self.num_bins, self.output, self.keep = num_bins, output, keep
     self.shape: tuple[int, int] | None = None  # (M, C), fixed by the first batch
     self.count = 0
     self.ensemble_correct = 0.0
@@ -42,18 +37,15 @@ class EnsembleStats:
     self.calibration: list[CalibrationAccumulator] = []
     self._kept: list[np.ndarray] = []
 
-  def _start(self, num_members: int, num_classes: int) -> None:
-    self.shape = (num_members, num_classes)
-    self.member_sums = {"prec@1": np.zeros(num_members), "nll": np.zeros(num_members)}
-    self.calibration = [CalibrationAccumulator(self.num_bins) for _ in range(num_members)]
-
   def update(self, member_probs, labels, mask) -> None:
     """member_probs (B, M, C); labels (B, C) one-hot or multi-hot; mask (B,) bool of real rows."""
     probs = np.asarray(member_probs, np.float64)
     if probs.ndim != 3:
       raise ValueError(f"member_probs must be (B, M, C), got shape {probs.shape}")
     if self.shape is None:
-      self._start(*probs.shape[1:])
+      self.shape = probs.shape[1:]
+      self.member_sums = {"prec@1": np.zeros(self.shape[0]), "nll": np.zeros(self.shape[0])}
+      self.calibration = [CalibrationAccumulator(self.num_bins) for _ in range(self.shape[0])]
     elif probs.shape[1:] != self.shape:
       raise ValueError(f"member_probs (B, M, C) changed from (·, {self.shape[0]}, {self.shape[1]}) "
                        f"to {probs.shape}")
@@ -103,12 +95,10 @@ class EnsembleStats:
     if self.shape is None:
       return {}
     n = self.count if self.count else float("nan")
-    out = {}
     per_member = {"prec@1": self.member_sums["prec@1"] / n, "nll": self.member_sums["nll"] / n,
                   "ece": np.array([c.result()["ece"] for c in self.calibration])}
-    for name, values in per_member.items():
-      for m, value in enumerate(values):
-        out[f"{prefix}/member_{m}/{name}"] = float(value)
+    out = {f"{prefix}/member_{m}/{name}": float(value)
+           for name, values in per_member.items() for m, value in enumerate(values)}
     for name, values in per_member.items():
       out[f"{prefix}/member_mean/{name}"] = float(np.mean(values))
     if self.shape[0] >= 2:

@@ -1,9 +1,8 @@
 """Linear few-shot evaluation of frozen features, shared by `vmoe fewshot` and training.
 
 Padded eval batches stream through one or more feature extractors (jitted batch -> pre-logits);
-their features are concatenated per image, so an ensemble is probed as one representation. The
-ridge classifiers, shot sampling and L2 selection are `fewshot_math`'s.
-"""
+their features are concatenated per image, so an ensemble is probed as one representation. The ridge
+classifiers, shot sampling and L2 selection are `fewshot_math`'s."""
 from __future__ import annotations
 
 import re
@@ -15,6 +14,7 @@ import numpy as np
 
 from runner.config.preprocessing import DEVICE_VALUE_RANGE
 from runner.evaluators import fewshot_math
+from runner.evaluators.figures import new_figure, save_png
 from runner.evaluators.predictions import to_host
 from runner.logging import Progress
 from runner.models import inputs
@@ -45,15 +45,13 @@ def _num_batches(batches) -> int:
 def extract_features(feature_fns: Sequence[Callable], batches: Iterable[dict],
                      put: Callable = lambda batch: batch, *,
                      progress: Progress | None = None) -> tuple[np.ndarray, np.ndarray]:
-  """(features (N, D1 + D2 + ...) float32, labels (N,) int64) of the real rows of `batches`.
-
-  `batches` are padded eval batches (`image`, one-hot `labels`, `_mask` marking real rows), a
-  tf.data dataset or any iterable of dicts; `put` places a host batch on the devices. Each
-  extractor's output is flattened per image and the extractors' features are concatenated in order.
-  Rows come back in the split's order whatever the number of processes (each reads a contiguous
-  share), so the shots drawn from them do not depend on it. The next batch is dispatched before
-  the previous one is fetched: host copies overlap compute.
-  """
+  """(features (N, D1 + D2 + ...) float32, labels (N,) int64) of the real rows of `batches`:
+  padded eval batches (`image`, one-hot `labels`, `_mask` marking real rows), a tf.data dataset or
+  any iterable of dicts; `put` places a host batch on the devices. Each extractor's output is
+  flattened per image and the extractors' features are concatenated in order. Rows come back in
+  the split's order whatever the number of processes (each reads a contiguous share), so the
+  shots drawn from them do not depend on it. The next batch is dispatched before the previous one
+  is fetched: host copies overlap compute."""
   if not feature_fns:
     raise ValueError("extract_features needs at least one feature function")
   features, keys = [], []
@@ -92,11 +90,9 @@ def extract_features(feature_fns: Sequence[Callable], batches: Iterable[dict],
 
 class FewshotEvaluator:
   """Few-shot accuracy on several datasets, from features extracted afresh at every `run`.
-
   datasets[name] = (train_batches, test_batches, num_classes): the pool the shots are drawn from
   and the test split, as padded eval batches; `protocol`: fewshot_math's. Returns its keys, under
-  `prefix/` if any: `<name>/<s>shot/accuracy`, `mean/<s>shot/accuracy`, `mean/<s>shot/l2_reg`.
-  """
+  `prefix/` if any: `<name>/<s>shot/accuracy`, `mean/<s>shot/accuracy`, `mean/<s>shot/l2_reg`."""
 
   def __init__(self, feature_fns: Sequence[Callable] | None, datasets: dict[str, tuple],
                shots: Sequence[int] = (1, 5, 10, 25), seeds: Sequence[int] = (0, 1, 2),
@@ -110,9 +106,7 @@ class FewshotEvaluator:
     self.seeds = [int(s) for s in seeds]
     self.l2_regs = fewshot_math.L2_REGS if l2_regs is None else np.asarray(l2_regs, np.float64)
     self.protocol = fewshot_math.protocol_name(protocol)
-    self.put = put
-    self.prefix = prefix
-    self.progress = progress
+    self.put, self.prefix, self.progress = put, prefix, progress
 
   def features(self, feature_fns: Sequence[Callable] | None = None) -> dict[str, tuple]:
     """name -> (train_x, train_y, test_x, test_y, num_classes), as fewshot_metrics takes them."""
@@ -121,10 +115,8 @@ class FewshotEvaluator:
     for name, (train_batches, test_batches, num_classes) in self.datasets.items():
       arrays = []
       for split, batches in (("train", train_batches), ("test", test_batches)):
-        progress = None
-        if self.progress:
-          total = _num_batches(batches)
-          progress = Progress(max(total, 1), 0, 1, desc=f"features {name} {split}")
+        progress = (Progress(max(_num_batches(batches), 1), 0, 1, desc=f"features {name} {split}")
+                    if self.progress else None)
         try:
           arrays += extract_features(fns, batches, self.put, progress=progress)
         finally:
@@ -169,17 +161,9 @@ def format_table(metrics: dict) -> str:
 
 
 def plot_accuracy_vs_shots(metrics: dict, path: str, title: str = "") -> str:
-  """Writes a PNG of accuracy against shots per class, one line per dataset (mean dashed).
-
-  A bare Agg figure, not pyplot: no global backend or figure state changes.
-  """
-  # lazily: matplotlib is slow to import, and only a run that draws needs it
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
-
+  """Writes a PNG of accuracy against shots per class, one line per dataset (mean dashed)."""
   names, shots, table = accuracy_table(metrics)
-  figure = Figure(figsize=(6, 4.5), dpi=100)
-  FigureCanvasAgg(figure)
+  figure = new_figure(6, 4.5)
   axes = figure.add_subplot()
   for name, row in zip(names, table):
     style = dict(linestyle="--", color="black") if name == "mean" else {}
@@ -188,12 +172,8 @@ def plot_accuracy_vs_shots(metrics: dict, path: str, title: str = "") -> str:
     axes.set_xscale("log")
   axes.set_xticks(shots)
   axes.set_xticklabels([str(s) for s in shots])
-  axes.set_ylim(0, 1)
-  axes.set_xlabel("shots per class")
-  axes.set_ylabel("test accuracy")
+  axes.set(ylim=(0, 1), xlabel="shots per class", ylabel="test accuracy")
   axes.grid(True, alpha=0.3)
   axes.legend(loc="lower right")
   axes.set_title(title or "linear few-shot accuracy (ridge on frozen pre-logits)")
-  figure.tight_layout()
-  figure.savefig(path, format="png")
-  return path
+  return save_png(figure, path)

@@ -1,11 +1,10 @@
 """Linear few-shot evaluation: closed-form ridge on frozen features (ViT / V-MoE / big_vision).
 
-Every L2 strength of the grid is solved from one eigendecomposition. Host-side numpy in float64:
-the systems are small (n or d+1 at most a few thousand) and single precision loses the
-small-lambda solutions. docs/fewshot.md states the two protocols of the design matrix; with
-"reference"'s bias feature of 100 the bias's penalty is 10^4 times smaller than a weight's of the
-same effect: almost unregularised.
-"""
+Every L2 strength of the grid is solved from one eigendecomposition. Host-side numpy in float64: the
+systems are small (n or d+1 at most a few thousand) and single precision loses the small-lambda
+solutions. docs/fewshot.md states the two protocols of the design matrix; with "reference"'s bias
+feature of 100 the bias's penalty is 10^4 times smaller than a weight's of the same effect: almost
+unregularised."""
 from __future__ import annotations
 
 from typing import Callable
@@ -43,10 +42,8 @@ def protocol_name(protocol) -> str:
 
 def design_fn(train_x, protocol="reference") -> Callable[[np.ndarray], np.ndarray]:
   """features -> the float64 design matrix the ridge sees, fixed by the training features.
-
   "reference": (x - mean) / (std + 1e-5) with the training set's per-dimension mean and std
-  (ddof 0), then a column of 100. "plain": x and a column of ones.
-  """
+  (ddof 0), then a column of 100. "plain": x and a column of ones."""
   protocol = protocol_name(protocol)
   train_x = _matrix(train_x)
   if protocol == "reference":
@@ -89,12 +86,10 @@ def _factors(x: np.ndarray, y: np.ndarray, num_classes: int):
 
 
 def ridge_factors(train_x, train_y, num_classes: int, protocol="reference"):
-  """(P, s, Q) with W_lambda = P diag(1 / (s + lambda)) Q = (X^T X + lambda I)^-1 X^T Y.
-
-  X is the design matrix of `protocol` (n x (d+1), see `design_fn`), Y = 2 * onehot - 1. One
+  """(P, s, Q) with W_lambda = P diag(1 / (s + lambda)) Q = (X^T X + lambda I)^-1 X^T Y. X is the
+  design matrix of `protocol` (n x (d+1), see `design_fn`), Y = 2 * onehot - 1. One
   eigendecomposition serves every lambda: of the kernel X X^T (dual, P = X^T U, Q = U^T Y) when
-  n <= d+1, else of X^T X (primal, P = V, Q = V^T X^T Y); the inner size is min(n, d+1).
-  """
+  n <= d+1, else of X^T X (primal, P = V, Q = V^T X^T Y); the inner size is min(n, d+1)."""
   x = design_fn(train_x, protocol)(train_x)
   y = _check_labels(train_y, num_classes, x.shape[0], "train_y")
   return _factors(x, y, num_classes)
@@ -102,13 +97,11 @@ def ridge_factors(train_x, train_y, num_classes: int, protocol="reference"):
 
 def ridge_accuracies(train_x, train_y, test_x, test_y, num_classes: int,
                      l2_regs=L2_REGS, chunk: int = 8192, protocol="reference") -> np.ndarray:
-  """(len(l2_regs),) test accuracies of argmax(X_test W_lambda), one per lambda.
-
-  X_test is the test features through the training set's design (`design_fn`: for "reference",
-  standardised with the training statistics). Scores are (X_test P) diag(1 / (s + lambda)) Q:
-  X_test P is computed once (in chunks of test rows to bound memory), so each lambda costs
-  m * min(n, d+1) * C, not a weight matrix.
-  """
+  """(len(l2_regs),) test accuracies of argmax(X_test W_lambda), one per lambda. X_test is the test
+  features through the training set's design (`design_fn`: for "reference", standardised with the
+  training statistics). Scores are (X_test P) diag(1 / (s + lambda)) Q: X_test P is computed once
+  (in chunks of test rows to bound memory), so each lambda costs m * min(n, d+1) * C, not a weight
+  matrix."""
   design = design_fn(train_x, protocol)
   x_train = design(train_x)
   y_train = _check_labels(train_y, num_classes, x_train.shape[0], "train_y")
@@ -129,12 +122,10 @@ def ridge_accuracies(train_x, train_y, test_x, test_y, num_classes: int,
 
 
 def sample_shots(labels: np.ndarray, shots: int, seed: int, num_classes: int) -> np.ndarray:
-  """Indices of `shots` examples of every class, without replacement, fixed by the seed.
-
-  Each class's examples are permuted by default_rng(seed), in class order, and the first `shots`
-  taken: for one seed the k-shot sample is a subset of the (k+1)-shot one, so curves over shots
-  are not noised by resampling.
-  """
+  """Indices of `shots` examples of every class, without replacement, fixed by the seed. Each
+  class's examples are permuted by default_rng(seed), in class order, and the first `shots` taken:
+  for one seed the k-shot sample is a subset of the (k+1)-shot one, so curves over shots are not
+  noised by resampling."""
   labels = np.asarray(labels)
   if shots < 1:
     raise ValueError(f"shots must be >= 1, got {shots}")
@@ -152,10 +143,8 @@ def sample_shots(labels: np.ndarray, shots: int, seed: int, num_classes: int) ->
 
 def mean_ranks(accuracies: dict[str, np.ndarray]) -> np.ndarray:
   """Rank of every lambda per dataset (best = 0, ties share the average rank), mean over datasets.
-
-  Ranks, not accuracies, are averaged so that datasets with a wide accuracy range do not decide
-  the lambda alone.
-  """
+  Ranks, not accuracies, are averaged so that datasets with a wide accuracy range do not decide the
+  lambda alone."""
   if not accuracies:
     raise ValueError("no datasets to rank")
   shapes = {np.shape(a) for a in accuracies.values()}
@@ -175,11 +164,9 @@ def select_by_mean_rank(accuracies: dict[str, np.ndarray]) -> int:
 def fewshot_metrics(features: dict[str, tuple], shots: list[int], seeds: list[int],
                     l2_regs=L2_REGS, protocol="reference") -> dict[str, float]:
   """features[name] = (train_x, train_y, test_x, test_y, num_classes); `protocol`: see the module.
-
-  Returns {f"{name}/{s}shot/accuracy", f"mean/{s}shot/accuracy", f"mean/{s}shot/l2_reg"} for
-  every dataset name and s in shots: accuracies are means over seeds, all at the one lambda
-  chosen for s by mean rank across datasets.
-  """
+  Returns {f"{name}/{s}shot/accuracy", f"mean/{s}shot/accuracy", f"mean/{s}shot/l2_reg"} for every
+  dataset name and s in shots: accuracies are means over seeds, all at the one lambda chosen for s
+  by mean rank across datasets."""
   protocol = protocol_name(protocol)
   l2_regs = np.asarray(l2_regs, np.float64)
   if l2_regs.ndim != 1 or not len(l2_regs) or np.any(l2_regs <= 0) or np.any(np.diff(l2_regs) <= 0):

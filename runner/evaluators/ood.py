@@ -1,7 +1,5 @@
-"""Out-of-distribution detection: per-example scores and the metrics that compare them.
-
-In every score, larger means more in-distribution, so one set of metrics serves all of them.
-"""
+"""Out-of-distribution detection: per-example scores and the metrics that compare them. In every
+score, larger means more in-distribution, so one set of metrics serves all of them."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,9 +9,7 @@ SCORES = ("msp", "max_logit", "entropy", "mahalanobis")
 
 def logit_scores(logits: np.ndarray) -> dict[str, np.ndarray]:
   """Scores from (N, C) logits: max softmax probability, max logit, and negative softmax entropy.
-
-  Computed in float64 through log-sum-exp, so large logits neither overflow nor give log(0).
-  """
+  Computed in float64 through log-sum-exp, so large logits neither overflow nor give log(0)."""
   logits = np.asarray(logits, np.float64)
   max_logit = logits.max(axis=-1)
   shifted = logits - max_logit[:, None]
@@ -26,16 +22,13 @@ def logit_scores(logits: np.ndarray) -> dict[str, np.ndarray]:
 
 
 class MahalanobisFit:
-  """Class means and one shared (tied) covariance of pre-logit features (Lee et al. 2018).
-
-  Fitted on the in-distribution training split in a streaming way: per-class sums of x and a
-  pooled sum of outer products, so memory does not grow with the split. The covariance is the
-  pooled within-class one, normalised by the number of examples N (Lee et al.'s estimator).
-  """
+  """Class means and one shared (tied) covariance of pre-logit features (Lee et al. 2018). Fitted on
+  the in-distribution training split in a streaming way: per-class sums of x and a pooled sum of
+  outer products, so memory does not grow with the split. The covariance is the pooled within-class
+  one, normalised by the number of examples N (Lee et al.'s estimator)."""
 
   def __init__(self, num_classes: int, dim: int):
-    self.num_classes = num_classes
-    self.dim = dim
+    self.num_classes, self.dim = num_classes, dim
     self.class_counts = np.zeros(num_classes, np.int64)
     self.class_sums = np.zeros((num_classes, dim), np.float64)
     self.outer_sum = np.zeros((dim, dim), np.float64)
@@ -104,10 +97,8 @@ class MahalanobisFit:
 
 
 def _accepted_counts(in_scores: np.ndarray, out_scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """(in-distribution, OOD) counts with score >= t, for each distinct score t from high to low.
-
-  Tied scores form one threshold, so no ordering among ties is ever assumed.
-  """
+  """(in-distribution, OOD) counts with score >= t, for each distinct score t from high to low. Tied
+  scores form one threshold, so no ordering among ties is ever assumed."""
   scores = np.concatenate([in_scores, out_scores]).astype(np.float64)
   is_in = np.concatenate([np.ones(len(in_scores)), np.zeros(len(out_scores))])
   order = np.argsort(scores, kind="stable")[::-1]
@@ -127,31 +118,27 @@ def _average_precision(positive_scores: np.ndarray, negative_scores: np.ndarray)
 
 
 def _fpr_at_95_tpr(positive_scores: np.ndarray, negative_scores: np.ndarray) -> float:
-  """The fraction of negatives scored >= the highest threshold that catches >= 95% of positives.
-
-  The first point of the ROC curve (distinct thresholds descending, no intermediate point
-  dropped) whose TPR >= 0.95: the smallest FPR that reaches it; no interpolation.
-  """
+  """The fraction of negatives scored >= the highest threshold that catches >= 95% of positives. The
+  first point of the ROC curve (distinct thresholds descending, no intermediate point dropped) whose
+  TPR >= 0.95: the smallest FPR that reaches it; no interpolation."""
   true_positives, false_positives = _accepted_counts(positive_scores, negative_scores)
   first = np.argmax(true_positives / len(positive_scores) >= 0.95)  # the last threshold: TPR 1
   return float(false_positives[first] / len(negative_scores))
 
 
 def detection_metrics(in_scores: np.ndarray, out_scores: np.ndarray) -> dict[str, float]:
-  """AUROC, AUPRC-in/out and FPR at 95% TPR in both conventions of the literature.
+  """AUROC, AUPRC-in/out and FPR at 95% TPR in both conventions of the literature. An example is
+  accepted as in-distribution when its score is >= the threshold; thresholds are the distinct
+  observed scores. auroc is the Mann-Whitney U / (n_in n_out) with ties counted 1/2 (the trapezoid
+  under the tie-grouped ROC curve), the same whichever class is positive. auprc_in: average
+  precision, in-dist positive; auprc_out: OOD positive with negated scores.
 
-  An example is accepted as in-distribution when its score is >= the threshold; thresholds are the
-  distinct observed scores. auroc is the Mann-Whitney U / (n_in n_out) with ties counted 1/2 (the
-  trapezoid under the tie-grouped ROC curve), the same whichever class is positive. auprc_in:
-  average precision, in-dist positive; auprc_out: OOD positive with negated scores.
-
-  FPR@95 is reported twice, as docs/evaluation.md states, because papers use both and they
-  differ: fpr95_in_positive (Hendrycks & Gimpel 2017) and fpr95_ood_positive
-  (uncertainty-baselines' `compute_ood_metrics`, used by the E³ paper: `fpr[argmax(tpr >= 0.95)]`
-  of `sklearn.metrics.roc_curve(is_ood, -score)`, here with no point dropped, which matters only
-  when tied scores make a straight run of the curve end past 95%). Both take the first point of
-  the ROC curve whose TPR >= 0.95, with no interpolation.
-  """
+  FPR@95 is reported twice, as docs/evaluation.md states, because papers use both and they differ:
+  fpr95_in_positive (Hendrycks & Gimpel 2017) and fpr95_ood_positive (uncertainty-baselines'
+  `compute_ood_metrics`, used by the E³ paper: `fpr[argmax(tpr >= 0.95)]` of
+  `sklearn.metrics.roc_curve(is_ood, -score)`, here with no point dropped, which matters only when
+  tied scores make a straight run of the curve end past 95%). Both take the first point of the ROC
+  curve whose TPR >= 0.95, with no interpolation."""
   in_scores = np.asarray(in_scores, np.float64).ravel()
   out_scores = np.asarray(out_scores, np.float64).ravel()
   if not len(in_scores) or not len(out_scores):

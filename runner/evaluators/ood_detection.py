@@ -26,10 +26,8 @@ class Evaluator(suite_lib.Evaluator):
     s = self.suite
     keep = bool(getattr(s.config, "save_predictions", False))
     in_dist = s.in_distribution
-    num_classes = in_dist.source.num_classes
-    fit = predictions.fit_mahalanobis(s.step, s.params,
-                                      s.batches(in_dist, in_dist.config.split), num_classes,
-                                      put=s.placement.put)
+    fit = predictions.fit_mahalanobis(s.step, s.params, s.batches(in_dist, in_dist.config.split),
+                                      in_dist.source.num_classes, put=s.placement.put)
     result = suite_lib.Result()
     result.summary[f"{in_dist.name}/mahalanobis_fit_examples"] = int(fit.class_counts.sum())
     if fit.unreliable():

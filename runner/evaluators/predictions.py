@@ -3,8 +3,7 @@
 The jitted step returns logits and pre-logits; the host folds each batch into running sums
 (precision@1, NLL, Brier, calibration bins) and keeps only what is one number per example (the OOD
 scores), so memory stays flat as the split grows. Full probabilities are kept only on request
-(`keep_probs`, for predictions.npz).
-"""
+(`keep_probs`, for predictions.npz)."""
 from __future__ import annotations
 
 import time
@@ -22,14 +21,12 @@ from runner.models.introspection import apply_with_routing
 
 
 def make_predict_step(model, hooks: dict | None = None):
-  """(params, batch) -> logits and float32 pre-logits of every row (padded rows included), and
-  per MoE layer the fraction of real tokens that no expert processed (summed over real rows).
-
-  For an ensemble (a partitioned batch ensemble, or `runner.models.ensemble.Ensemble`) the logits
-  are those of the members' mean probability, `member_logits` (B, M, C) the members' own, and the
-  pre-logits the members' side by side. `hooks` (name -> an evaluator's `PassHook`) add
-  `hooks[name]`, what each hook computes from the routing records of the batch.
-  """
+  """(params, batch) -> logits and float32 pre-logits of every row (padded rows included), and per
+  MoE layer the fraction of real tokens that no expert processed (summed over real rows). For an
+  ensemble (a partitioned batch ensemble, or `runner.models.ensemble.Ensemble`) the logits are those
+  of the members' mean probability, `member_logits` (B, M, C) the members' own, and the pre-logits
+  the members' side by side. `hooks` (name -> an evaluator's `PassHook`) add `hooks[name]`, what
+  each hook computes from the routing records of the batch."""
   def step(params, batch):
     images = inputs.images(batch)
     if hooks:
@@ -76,12 +73,10 @@ def probabilities(logits: np.ndarray, loss_name: str) -> np.ndarray:
 
 
 class PredictionStats:
-  """Running classification, calibration and OOD statistics of one split.
-
-  For softmax models: NLL = -log p(y) with y the (normalised) label distribution, Brier =
-  sum_c (p_c - y_c)^2. For sigmoid (multi-label) models both are sums over classes of the binary
-  terms. Precision@1 counts the top class as correct when it is any true label.
-  """
+  """Running classification, calibration and OOD statistics of one split. For softmax models: NLL =
+  -log p(y) with y the (normalised) label distribution, Brier = sum_c (p_c - y_c)^2. For sigmoid
+  (multi-label) models both are sums over classes of the binary terms. Precision@1 counts the top
+  class as correct when it is any true label."""
 
   def __init__(self, *, loss_name: str = "softmax_xent", ece_bins: int = 15, scores: bool = False,
                mahalanobis: MahalanobisFit | None = None, keep_probs: bool = False,
@@ -155,8 +150,7 @@ class PredictionStats:
 
 def run_pass(step, params, batches, stats: PredictionStats | None, put=lambda b: b,
              progress=None, on_batch=None) -> float:
-  """Feeds every batch into `stats` (and `on_batch`); returns images/s over the pass (after its
-  first batch)."""
+  """Feeds every batch into `stats` (and `on_batch`); returns images/s after the first batch."""
   count, t0, first = 0, None, 0
   for out in predict_batches(step, params, batches, put):
     if stats is not None:
@@ -200,11 +194,9 @@ def count_params(params) -> int:
 
 
 def active_params(params, num_experts: int, k: float) -> int:
-  """Parameters one token uses: the experts count k / E of their weights (V-MoE's "active");
-  k may be fractional (experts-choice routing: E * capacity / tokens on average).
-
-  For a partitioned batch ensemble pass E / M: a member's token chooses among its partition.
-  """
+  """Parameters one token uses: the experts count k / E of their weights (V-MoE's "active"); k may
+  be fractional (experts-choice routing: E * capacity / tokens on average). For a partitioned batch
+  ensemble pass E / M: a member's token chooses among its partition."""
   e = num_experts
   total = 0
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
@@ -225,4 +217,3 @@ def zeros_batch_like(batches) -> dict:
   """A batch of zeros with the shapes of `batches` (what cost analysis needs)."""
   first = next(batches.take(1).as_numpy_iterator())
   return {k: np.zeros_like(v) for k, v in first.items()}
-

@@ -1,8 +1,6 @@
 """Image-text retrieval of a contrastive checkpoint (`eval.retrieval=true`): image->text and
-text->image recall@1/5/10 over a whole eval split, each image paired with its first caption.
-Ranked block by block on the host (runner/evaluators/contrastive.py `recall_at_k`): never N x N
-at once.
-"""
+text->image recall@1/5/10 over a whole eval split, each image paired with its first caption. Ranked
+block by block on the host (runner/evaluators/contrastive.py `recall_at_k`): never N x N at once."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +8,6 @@ import dataclasses
 import jax
 import numpy as np
 
-from runner import data
 from runner.data.pipeline import TextSpec
 from runner.errors import ConfigError
 from runner.evaluators import predictions, suite as suite_lib
@@ -79,17 +76,12 @@ class Evaluator(suite_lib.Evaluator):
 
   def run(self) -> suite_lib.Result:
     s, spec = self.suite, self.spec
-    checkpoint = s.members.checkpoints[0]
-    towers = spec.towers(checkpoint.config)
-    step = jax.jit(make_embed_step(towers))
+    step = jax.jit(make_embed_step(spec.towers(s.members.checkpoints[0].config)))
     summary = {}
     for ds in self.pairs:
       text = TextSpec(ds.source.text_key, spec.tokenizer, spec.text.max_length)
-      batches = data.eval_batches(ds.source, ds.split, ds.config.pp,
-                                  s.batch_size // jax.process_count(),
-                                  process_index=jax.process_index(),
-                                  process_count=jax.process_count(), cache=False, text=text)
-      images, texts = embed_pairs(step, s.params["towers"], batches, put=s.placement.put)
+      images, texts = embed_pairs(step, s.params["towers"], s.batches(ds, text=text),
+                                  put=s.placement.put)
       recalls = recall_at_k(images, texts)
       summary.update({f"{ds.name}/{k}": v for k, v in recalls.items()})
       summary[f"{ds.name}/retrieval_pairs"] = len(images)

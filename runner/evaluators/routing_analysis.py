@@ -1,11 +1,10 @@
 """What routers learn: the V-MoE paper's routing analysis (Section 5, Appendix E) on any checkpoint.
 
-`eval.routing_analysis=true`; the options are `eval.routing.*`. Streamed over the evaluation
-split: each batch's routing records (runner/models/introspection.py) are reduced on the device to
-fixed-size sums, so memory does not grow with the number of examples. Scalars go to summary.json
-as routing/<layer>/..., the matrices to routing_analysis.npz, and the pictures to routing_*.png
-(and W&B); docs/routing-analysis.md says what each is and how to read it.
-"""
+`eval.routing_analysis=true`; the options are `eval.routing.*`. Streamed over the evaluation split:
+each batch's routing records (runner/models/introspection.py) are reduced on the device to
+fixed-size sums, so memory does not grow with the number of examples. Scalars go to summary.json as
+routing/<layer>/..., the matrices to routing_analysis.npz, and the pictures to routing_*.png (and
+W&B); docs/routing-analysis.md says what each is and how to read it."""
 from __future__ import annotations
 
 import dataclasses
@@ -51,23 +50,20 @@ def layer_info(model_config, batch_size: int) -> LayerInfo:
   side = model_config.image_size // model_config.patch_size
   router = derived.router(model_config)  # fine-grained experts: k*m of E*m
   k = router.k if "k" in family.options else 2
-  tiled = derived.predictions_per_image(model_config)
-  experts = derived.num_experts(model_config)
-  return LayerInfo(family=family.name, router=router,
-                   experts=experts, members=tiled,
+  experts, per_router = derived.num_experts(model_config), derived.experts_per_router(model_config)
+  return LayerInfo(family=family.name, router=router, experts=experts,
+                   members=derived.predictions_per_image(model_config),
                    group_size=min(model_config.moe.group_size, batch_size),
                    tokens=tokens_per_image(model_config), grid=(side, side),
                    class_token=str(model_config.classifier) == "token",
-                   k=max(2, min(k, derived.experts_per_router(model_config))),
-                   partitions=experts // derived.experts_per_router(model_config) if experts
-                   else 1, views=tuple(family.analysis_views))
+                   k=max(2, min(k, per_router)), partitions=experts // per_router if experts else 1,
+                   views=tuple(family.analysis_views))
 
 
 def member_records(key: str, records: dict, info: LayerInfo) -> dict[str, dict]:
-  """The records of one layer split per member of a partitioned batch ensemble
-  ("<key>/member_<m>"): a tiled member's own tokens (pbe, tiling_only), restricted to its
-  partition of the experts (pbe; partition_only: every token, once per partition); the layer
-  itself otherwise."""
+  """The records of one layer split per member of a partitioned batch ensemble ("<key>/member_<m>"):
+  a tiled member's own tokens (pbe, tiling_only), restricted to its partition of the experts (pbe;
+  partition_only: every token, once per partition); the layer itself otherwise."""
   if info.members == 1 and info.partitions == 1:
     return {key: records}
   t, e = info.tokens, info.experts // info.partitions
@@ -82,12 +78,10 @@ def member_records(key: str, records: dict, info: LayerInfo) -> dict[str, dict]:
 
 def batch_sums(records: dict, labels, mask, k: int, patches: slice,
                views: tuple[str, ...] = ()) -> dict:
-  """The fixed-size sums of one batch and one layer (traced, or NumPy for the tests).
-
-  records: `expert_weights` (B, T, E) and, for a discrete router, `routed_mask`; for the
-  "slot_mixing" view `dispatch_weights`, `combine_weights` (B, T, E*P). labels (B, C), mask (B,)
-  of real rows; `views` the family's (`LayerInfo.views`).
-  """
+  """The fixed-size sums of one batch and one layer (traced, or NumPy for the tests). records:
+  `expert_weights` (B, T, E) and, for a discrete router, `routed_mask`; for the "slot_mixing" view
+  `dispatch_weights`, `combine_weights` (B, T, E*P). labels (B, C), mask (B,) of real rows; `views`
+  the family's (`LayerInfo.views`)."""
   xp = jnp if isinstance(records["expert_weights"], jax.Array) else np
   w = records["expert_weights"].astype(xp.float32)
   b, t, e = w.shape
@@ -171,8 +165,7 @@ class Hook:
       info = self._info(key)
       patches = slice(1, None) if info.class_token else slice(0, None)
       for name, rec in member_records(key, layer, info).items():
-        out[name] = batch_sums(rec, batch["labels"], batch["_mask"], info.k, patches,
-                               info.views)
+        out[name] = batch_sums(rec, batch["labels"], batch["_mask"], info.k, patches, info.views)
     first = min((k for k in records if self._wanted(k)), default=None,
                 key=lambda k: (k.split("/")[0], int(k.rsplit("_", 1)[1])))
     if first is not None:  # the first MoE layer of the (first) model: its first routing groups
@@ -204,8 +197,7 @@ class RoutingAnalysisKeys:
 @dataclasses.dataclass
 class RoutingAnalysisConfig:
   """eval.routing.*: the routing analysis' options (eval.routing_analysis=true)."""
-  layers: List[int] = checks.key([], checks.Items(checks.at_least(0), unique=True,
-                                                  example="[1,3]"),
+  layers: List[int] = checks.key([], checks.Items(checks.at_least(0), unique=True, example="[1,3]"),
                                  "block indices of MoE layers; []: every MoE layer")
   capacities: List[float] = checks.key(
       [1.0, 0.5, 0.25, 0.1], checks.Items(checks.positive(), nonempty=True,
@@ -253,8 +245,7 @@ class Evaluator(suite_lib.Evaluator):
         f"member_{j}" for j in range(len(configs) * samples)]
     configs = configs * samples if len(configs) == 1 else configs
     self.infos = {key: layer_info(c, suite.batch_size) for key, c in zip(keys, configs)}
-    layers = list(suite.config.routing.layers)
-    self._hook = Hook(self.infos, tuple(layers) if layers else None,
+    self._hook = Hook(self.infos, tuple(suite.config.routing.layers) or None,
                       images=suite.config.routing.images)
 
   def hook(self):
@@ -267,10 +258,7 @@ class Evaluator(suite_lib.Evaluator):
     result = suite_lib.Result()
     arrays, analysed = {}, {}
     for key in sorted(hook.totals, key=_key_order):
-      info = hook._info(key)
-      t = hook.totals[key]
-      a = analyse(t, info)
-      analysed[key] = a
+      a = analysed[key] = analyse(hook.totals[key], hook._info(key))
       result.summary.update({f"routing/{key}/{k}": v for k, v in a["scalars"].items()})
       arrays.update({f"{key}/{k}": v for k, v in a["arrays"].items()})
     drops = {}
@@ -307,8 +295,7 @@ def analyse(totals: dict, info: LayerInfo) -> dict:
   top_mean = totals["top_sum"] / (images * info.tokens)
   scalars = {"mutual_information_class": mutual_c, "uncertainty_class": uncertainty_c,
              "mutual_information_position": mutual_s, "uncertainty_position": uncertainty_s}
-  for i, v in enumerate(top_mean, start=1):
-    scalars[f"top{i}"] = float(v)
+  scalars.update({f"top{i}": float(v) for i, v in enumerate(top_mean, start=1)})
   arrays = {"class_weights": class_weight / tokens, "position_weights": position,
             "top_histogram": totals["top_hist"], "top_bins": np.arange(BINS + 1) * BIN}
   if "load" in totals:
@@ -320,9 +307,8 @@ def analyse(totals: dict, info: LayerInfo) -> dict:
     scalars["dropped_fraction"] = float(totals["dropped"] / (images * info.tokens))
     # The same scores from the assignments actually processed (the discrete routing, not the
     # soft gates, whose near-uniform mass dilutes the dependence).
-    for name, joint in (("class", totals["class_processed"]),
-                        ("position", totals["position_processed"])):
-      mutual, uncertainty, _ = dependence(joint)
+    for name in ("class", "position"):
+      mutual, uncertainty, _ = dependence(totals[f"{name}_processed"])
       scalars[f"mutual_information_{name}_routed"] = mutual
       scalars[f"uncertainty_{name}_routed"] = uncertainty
     arrays.update(class_processed=totals["class_processed"], load=load,

@@ -1,7 +1,6 @@
 """The routing analysis' pictures (runner/evaluators/routing_analysis.py; docs/routing-analysis.md),
 as PNG files: one figure per kind, one panel per analysed layer (and member). Reads only what the
-analysis hands over; bare Agg figures, no pyplot state.
-"""
+analysis hands over; bare Agg figures, no pyplot state."""
 from __future__ import annotations
 
 import math
@@ -84,16 +83,12 @@ def positions(analysed: dict, grid: dict, path: pathlib.Path) -> str:
     vmax = float(p.max()) or 1.0
     for e in range(p.shape[1]):
       axes = figure.add_subplot(len(keys), experts, r * experts + e + 1)
-      axes.imshow(p[:, e].reshape(h, w), cmap="magma", vmin=0, vmax=vmax,
-                  interpolation="nearest")
-      axes.set_xticks([])
-      axes.set_yticks([])
+      axes.imshow(p[:, e].reshape(h, w), cmap="magma", vmin=0, vmax=vmax, interpolation="nearest")
+      axes.set(xticks=[], yticks=[])
       if e == 0:
         routed = scalars.get("uncertainty_position_routed")
-        label = f"{key}\nU(E|S)={scalars['uncertainty_position']:.3f}"
-        if routed is not None:
-          label += f"\nrouted {routed:.3f}"
-        axes.set_ylabel(label, fontsize=7)
+        axes.set_ylabel(f"{key}\nU(E|S)={scalars['uncertainty_position']:.3f}"
+                        + ("" if routed is None else f"\nrouted {routed:.3f}"), fontsize=7)
       if r == 0:
         axes.set_title(f"expert {e}", fontsize=7)
   return _save(figure, path)
@@ -108,8 +103,7 @@ def top_weights(analysed: dict, path: pathlib.Path) -> str:
     centres = (np.arange(hist.shape[1]) + 0.5) * (edges[1] - edges[0])
     axes = figure.add_subplot(rows, cols, i + 1)
     for j, counts in enumerate(hist, start=1):
-      total = max(counts.sum(), 1.0)
-      axes.step(centres, counts / total, where="mid",
+      axes.step(centres, counts / max(counts.sum(), 1.0), where="mid",
                 label=f"TOP-{j} (mean {a['scalars'][f'top{j}']:.2f})")
     axes.set_title(key, fontsize=9)
     axes.set_xlabel("routing weight", fontsize=8)
@@ -143,15 +137,13 @@ def dropped(drops: dict, sample: dict, info, images: int, path: pathlib.Path, ti
         picture = _picture(np.asarray(sample["image"][i]))
         ph, pw = picture.shape[0] // h, picture.shape[1] // w
         gone = mask[i, first_patch:first_patch + h * w].reshape(h, w)
-        picture = picture.copy()
         for y, x in zip(*np.nonzero(gone)):
           picture[y * ph:(y + 1) * ph, x * pw:(x + 1) * pw] = 1.0
         axes = figure.add_subplot(len(settings), shown * len(kinds),
                                   r * shown * len(kinds) + j * shown + i + 1)
         axes.imshow(picture if picture.shape[-1] == 3 else picture[..., 0], cmap="gray",
                     interpolation="nearest")
-        axes.set_xticks([])
-        axes.set_yticks([])
+        axes.set(xticks=[], yticks=[])
         if i == 0:
           axes.set_title(f"C={c} {kind}", fontsize=7)
   figure.suptitle(title, fontsize=9)
@@ -163,14 +155,12 @@ def experts_per_token(analysed: dict, grid: dict, path: pathlib.Path) -> str:
   figure = _figure(6.0, 2.6 * len(keys))
   for r, key in enumerate(keys):
     a = analysed[key]["arrays"]
-    h, w = grid[key]
     axes = figure.add_subplot(len(keys), 2, 2 * r + 1)
-    image = axes.imshow(a["experts_per_token_position"].reshape(h, w), cmap="viridis",
+    image = axes.imshow(a["experts_per_token_position"].reshape(grid[key]), cmap="viridis",
                         interpolation="nearest")
     figure.colorbar(image, ax=axes, fraction=0.046)
     axes.set_title(f"{key}: mean experts per patch", fontsize=8)
-    axes.set_xticks([])
-    axes.set_yticks([])
+    axes.set(xticks=[], yticks=[])
     axes = figure.add_subplot(len(keys), 2, 2 * r + 2)
     hist = a["experts_per_token_histogram"]
     axes.bar(np.arange(len(hist)), hist / max(hist.sum(), 1.0))
@@ -184,13 +174,10 @@ def soft_slots(analysed: dict, grid: dict, path: pathlib.Path, slots: int = 16) 
   figure = _figure(1.2 * slots + 1, 1.4 * len(keys))
   for r, key in enumerate(keys):
     weights = analysed[key]["arrays"]["slot_position_weights"]  # (slots, patches)
-    h, w = grid[key]
-    shown = min(slots, weights.shape[0])
-    for n in range(shown):
+    for n in range(min(slots, weights.shape[0])):
       axes = figure.add_subplot(len(keys), slots, r * slots + n + 1)
-      axes.imshow(weights[n].reshape(h, w), cmap="magma", interpolation="nearest")
-      axes.set_xticks([])
-      axes.set_yticks([])
+      axes.imshow(weights[n].reshape(grid[key]), cmap="magma", interpolation="nearest")
+      axes.set(xticks=[], yticks=[])
       if n == 0:
         axes.set_ylabel(f"{key}\nH(comb.)="
                         f"{analysed[key]['scalars']['combine_entropy']:.2f}", fontsize=7)
@@ -240,14 +227,12 @@ def compressed_experts(layers: dict, method: str, path: pathlib.Path) -> str:
     axes.bar(range(len(shares)), shares,
              color=[colours(new_of[e] % 20) if e in new_of else "0.8" for e in range(len(shares))])
     axes.set_title(f"{layer}: before ({method})", fontsize=9)
-    axes.set_xlabel("expert")
-    axes.set_ylabel("share of choices")
+    axes.set(xlabel="expert", ylabel="share of choices")
     after_shares = np.asarray(after, float) / max(float(np.sum(after)), 1.0)
     axes = figure.add_subplot(rows, 2, 2 * i + 2)
     axes.bar(range(len(after_shares)), after_shares,
              color=[colours(j % 20) for j in range(len(after_shares))])
     axes.set_title(f"{layer}: after", fontsize=9)
     axes.set_xlabel("new expert")
-    axes.set_xticks(range(len(after_shares)),
-                    ["+".join(map(str, g)) for g in plan], fontsize=7)
+    axes.set_xticks(range(len(after_shares)), ["+".join(map(str, g)) for g in plan], fontsize=7)
   return _save(figure, path)

@@ -1,8 +1,7 @@
 """What the evaluators of one run share: the model, its parameters, the datasets and how to read
 them, where to write, and the main prediction pass that other evaluators may ride along. `vmoe
 eval`, `vmoe ensemble` and the training loop each build a `Suite`; `run` runs every evaluator the
-`eval.*` keys enable, in registration order, and merges what they measured.
-"""
+`eval.*` keys enable, in registration order, and merges what they measured."""
 from __future__ import annotations
 
 import dataclasses
@@ -62,13 +61,11 @@ Reader = Callable[["Dataset", dict], None]
 
 
 class Suite:
-  """The shared state of one evaluation (see the module docstring).
-
-  `model` and `params`: one flax model (an ensemble is one model too) and its placed parameters;
-  `members`: the checkpoints behind it (runner/stages/members.py), for what only they know
-  (compute, capacity changes; None in training, which runs neither); `datasets`: eval.datasets,
-  the first in-distribution; `ood`: eval.ood_datasets.
-  """
+  """The shared state of one evaluation (see the module docstring). `model` and `params`: one flax
+  model (an ensemble is one model too) and its placed parameters; `members`: the checkpoints behind
+  it (runner/stages/members.py), for what only they know (compute, capacity changes; None in
+  training, which runs neither); `datasets`: eval.datasets, the first in-distribution; `ood`:
+  eval.ood_datasets."""
 
   def __init__(self, config, *, model, params, placement, batch_size: int, loss: str,
                datasets: list[Dataset], ood: list[Dataset] | None = None, members=None,
@@ -106,11 +103,12 @@ class Suite:
       self.warned.add(text)
       print(f"warning: {text}.", file=sys.stderr, flush=True)
 
-  def batches(self, dataset: Dataset, split: str | None = None, pp: str | None = None):
+  def batches(self, dataset: Dataset, split: str | None = None, pp: str | None = None,
+              text: data.TextSpec | None = None):
     return data.eval_batches(dataset.source, split or dataset.split, pp or dataset.config.pp,
                              self.batch_size // jax.process_count(),
                              process_index=jax.process_index(),
-                             process_count=jax.process_count(), cache=False)
+                             process_count=jax.process_count(), cache=False, text=text)
 
   def evaluate(self, batches, stats, what: str, step=None, on_batch=None) -> float:
     """One pass feeding `stats`; returns images/s (after the first batch)."""
@@ -119,28 +117,21 @@ class Suite:
     self.say(f"[eval] {what}: {stats.count} images, {rate:.0f} images/s")
     return rate
 
-  def hooked_step(self):
-    """The prediction step with every hook's sums (the first dataset's main pass)."""
-    if not self.hooks:
-      return self.step
-    return jax.jit(predictions.make_predict_step(self.model, hooks=dict(self.hooks)))
-
-  def feed_hooks(self, out: dict) -> None:
-    for name, hook in self.hooks.items():
-      hook.update(out["hooks"][name], out)
-
   def main_pass(self, dataset: Dataset, stats, *, first: bool) -> float:
     """Classification's pass over `dataset`, which others ride instead of passing again: the
     hooks the first dataset's, the readers every dataset's. Returns images/s."""
     hooked = first and bool(self.hooks)
+    step = (jax.jit(predictions.make_predict_step(self.model, hooks=dict(self.hooks))) if hooked
+            else None)
 
     def on_batch(out):
       if hooked:
-        self.feed_hooks(out)
+        for name, hook in self.hooks.items():
+          hook.update(out["hooks"][name], out)
       for read in self.readers.values():
         read(dataset, out)
     rate = self.evaluate(self.batches(dataset), stats, f"{dataset.name}/{dataset.split}",
-                         step=self.hooked_step() if hooked else None, on_batch=on_batch)
+                         step=step, on_batch=on_batch)
     self.read.add(dataset.name)
     return rate
 
@@ -150,8 +141,7 @@ class Suite:
     hook = self.hooks[name]
     step = jax.jit(predictions.make_predict_step(self.model, hooks={name: hook}))
     ds = self.in_distribution
-    rate = predictions.run_pass(step, self.params, self.batches(ds), None,
-                                put=self.placement.put,
+    rate = predictions.run_pass(step, self.params, self.batches(ds), None, put=self.placement.put,
                                 on_batch=lambda out: hook.update(out["hooks"][name], out))
     self.say(f"[eval] {name} on {ds.name}/{ds.split}: {rate:.0f} images/s")
 
@@ -159,9 +149,7 @@ class Suite:
     """Passes over the datasets no main pass fed to evaluator `name`'s reader (in training,
     where the loop evaluates classification itself, every dataset)."""
     read = self.readers[name]
-    for ds in self.datasets:
-      if ds.name in self.read:
-        continue
+    for ds in [d for d in self.datasets if d.name not in self.read]:
       rate = predictions.run_pass(self.step, self.params, self.batches(ds), None,
                                   put=self.placement.put, on_batch=lambda out, ds=ds: read(ds, out))
       self.say(f"[eval] {name} on {ds.name}/{ds.split}: {rate:.0f} images/s")
@@ -185,11 +173,9 @@ class Evaluator:
   on_contrastive = True  # measures a contrastive checkpoint evaluated as a zero-shot classifier
   on_classifier = True  # measures a classifier's checkpoint (False: needs a contrastive one)
   needs_labels = True  # False: also measures a dataset without labels (captions alone)
-  # A dataclass of its own keys, eval.<section>.*; None: no section.
-  Config: type | None = None
+  Config: type | None = None  # a dataclass of its own keys, eval.<section>.*; None: no section
   section = ""  # the name of Config's section ("": `name`), e.g. "routing" for eval.routing.*
-  # A dataclass whose fields are keys of eval.* itself, eval.<field>; None: none.
-  Keys: type | None = None
+  Keys: type | None = None  # a dataclass of keys of eval.* itself, eval.<field>; None: none
 
   def __init__(self, suite: Suite):
     self.suite = suite
