@@ -1,7 +1,7 @@
 """vmoe's own router families, evaluators, optimizers, schedules, model names, embedded datasets,
-preprocessing ops and corruptions, and the config checks that open a run's inputs, registered as a plug-in's are: each module registers what it
-defines when it is imported (runner/plugins.py). `register()` is the one call that does it for
-all of them, before a config is composed (the CLI, a launcher's job, the tests)."""
+preprocessing ops, corruptions and the config checks that open a run's inputs, registered as a
+plug-in's are: each module registers what it defines when imported (runner/plugins.py). The one
+call `register()` does it for them all, before a config is composed (CLI, launcher job, tests)."""
 from __future__ import annotations
 
 import os
@@ -10,13 +10,11 @@ from runner import plugins
 from runner.config import sections
 
 _registered = False
-# The plug-ins the command loaded, for a job started in a process of its own (runner/cli.py).
-PLUGINS_VARIABLE = "VMOE_PLUGINS"
+PLUGINS_VARIABLE = "VMOE_PLUGINS"  # the command's plug-ins, for a job's own process (runner/cli.py)
 
 
 def register() -> None:
-  """Imports the modules that register the built-ins, once per process (lazily: `vmoe --help`
-  stays fast)."""
+  """Imports the built-ins' modules, once per process (lazily, so that `vmoe --help` stays fast)."""
   global _registered
   if _registered:
     return
@@ -31,10 +29,8 @@ def register() -> None:
 
 
 class _Schema(sections.Finder):
-  """Where pickle finds the schema's built classes. A launcher's job process (SLURM's, the
-  `parallel` launcher's) may unpickle a composed config before the job that registers: the first
-  lookup registers the built-ins and loads the plug-ins the submitting command had loaded, then
-  builds the schema with all their keys."""
+  """Where pickle finds the schema's built classes. A launcher's job process may unpickle a config
+  before the job registers: the first lookup registers the built-ins and the command's plug-ins."""
 
   def __getattr__(self, name: str) -> type:
     register()

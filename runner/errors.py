@@ -1,11 +1,10 @@
-"""Errors that stop a run with one paragraph and an exit code, never a traceback (unless debug=true).
+"""Errors that stop a run with one paragraph and an exit code, not a traceback (unless debug=true).
 
 Two families, told apart by their exit code:
 - `UserError` (exit 2): bad input — a config value, a dataset, a checkpoint — found before compute.
 - `RunError` (exit 1): a run that cannot go on — it diverged, a checkpoint could not be saved.
 A signal that stops a run after saving exits with 128 + the signal number, as shells expect.
-Anything else is a bug and keeps its traceback.
-"""
+Anything else is a bug and keeps its traceback."""
 
 
 class VmoeError(Exception):

@@ -1,9 +1,6 @@
-"""Research code in a user's own module: `plugins=[my_lab.hash_router,my_lab.metrics]`
-(docs/extending.md says what a plug-in may register, and the `vmoe.plugins` entry points).
-
-Plug-ins load before a config is composed (their keys and names must exist for the schema), in
-the process that checks a command line and again in every job that runs it.
-"""
+"""Research code in a user's own module: `plugins=[my_lab.hash_router,my_lab.metrics]` (see
+docs/extending.md; also the `vmoe.plugins` entry points). Plug-ins load before a config is composed
+(the schema needs their keys), in the checking process and again in every job."""
 from __future__ import annotations
 
 import importlib
@@ -16,8 +13,7 @@ import traceback
 from runner.errors import UserError
 
 ENTRY_POINT_GROUP = "vmoe.plugins"
-# A dotted module name, as `import` takes it.
-_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")  # a dotted module name, as `import` takes it
 
 _loaded: dict[str, object] = {}
 
@@ -49,8 +45,7 @@ def load(names=(), *, entry_points: bool = True) -> list[str]:
   """Imports each named module once (the working directory is searched first, as `python -m`
   does) and the entry-point group's; returns the modules loaded, in order."""
   names = [str(n) for n in (names or [])]
-  bad = [n for n in names if not _MODULE.fullmatch(n)]
-  if bad:
+  if bad := [n for n in names if not _MODULE.fullmatch(n)]:
     raise PluginError(
         f"plugins={names} names {', '.join(map(repr, bad))}, which is not a Python module name: "
         "give importable module names, e.g. plugins=[my_lab.hash_router] for my_lab/hash_router.py "

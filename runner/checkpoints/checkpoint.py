@@ -1,12 +1,8 @@
-"""The one door to checkpoints: Orbax `CheckpointManager` under `<workdir>/checkpoints`, each step
-holding `params`, `opt_state`, `meta` (step and data position) and `config` (so later stages know
-the model and data).
-
-Checkpoints get damaged (a full disk, a killed copy, a flaky file system), so every read names the
-step and item that failed in a `CheckpointError`, a resumed run falls back past unreadable newer
-steps (moving them to `<workdir>/unreadable_checkpoints/`), and a failed save, synchronous or
-not, stops the run with a `CheckpointSaveError` that keeps the older checkpoints.
-"""
+"""The one door to checkpoints: Orbax `CheckpointManager` under `<workdir>/checkpoints`, a step
+holding `params`, `opt_state`, `meta` (step, data position) and `config` (for later stages).
+Checkpoints get damaged (a full disk, a killed copy, a flaky file system): every read names the
+failing step and item in a `CheckpointError`, a resumed run skips unreadable newer steps (moving
+them aside), and a failed save, even in the background, stops the run (`CheckpointSaveError`)."""
 from __future__ import annotations
 
 import contextlib
@@ -94,8 +90,7 @@ def _looks_like_step(d: pathlib.Path) -> bool:
 
 def _incomplete(d: pathlib.Path) -> str | None:
   """Why step folder `d` is not a whole save (an item or the commit marker missing), or None."""
-  missing = [item for item in ITEMS if not (d / item).is_dir()]
-  if missing:
+  if missing := [item for item in ITEMS if not (d / item).is_dir()]:
     return f"{', '.join(missing)} missing"
   if not (d / COMMIT_MARKER).is_file():
     return f"no {COMMIT_MARKER}"
@@ -158,16 +153,13 @@ def _mismatch(stored: dict, abstract) -> str | None:
 
 
 def locate(path: str) -> tuple[pathlib.Path, int]:
-  """(manager directory, step) for a workdir, its checkpoints/ folder, or a step folder.
-
-  A workdir gives its newest step; if that one is partial it is an error, not a silent fallback
-  to an older step: the user says which step a later stage starts from.
-  """
+  """(manager directory, step) of a workdir, its checkpoints/ folder or a step folder. A partial
+  newest step is an error, not a fallback: the user says which step a later stage starts from."""
   p = pathlib.Path(path).expanduser()
   if not p.exists():
     raise CheckpointError(f"init.checkpoint={path!r} does not exist; give the workdir of an "
-                          "earlier stage (e.g. runs/up), its checkpoints/ folder, or one step folder "
-                          "inside it.")
+                          "earlier stage (e.g. runs/up), its checkpoints/ folder, or one step "
+                          "folder inside it.")
   for directory, name in ((p / "checkpoints", None), (p, None), (p.parent, p.name)):
     steps = {s: d for s, d in _step_dirs(directory).items() if _looks_like_step(d)}
     if name is None and steps:
@@ -176,20 +168,18 @@ def locate(path: str) -> tuple[pathlib.Path, int]:
       step = int(name)
     else:
       continue
-    problem = _incomplete(steps[step])
-    if problem:
+    if problem := _incomplete(steps[step]):
       raise CheckpointError(
           f"checkpoint {steps[step]} is partial ({problem}): it may be a save that was interrupted "
           f"or a copy that did not finish; {_advice(directory, step, 'the previous')}")
     return directory, step
-  raise CheckpointError(f"no checkpoint found under {path!r}: expected <workdir>/checkpoints/<step>/ "
-                        "with params, opt_state, meta and config, as written by `vmoe pretrain` or "
-                        "`vmoe finetune`.")
+  raise CheckpointError(f"no checkpoint found under {path!r}: expected <workdir>/checkpoints/"
+                        "<step>/ with params, opt_state, meta and config, as written by `vmoe "
+                        "pretrain` or `vmoe finetune`.")
 
 
 def has_checkpoints(workdir: str | os.PathLike) -> bool:
-  """Whether `<workdir>/checkpoints` holds step folders: a rerun resumes (or fails), never
-  initialises over them."""
+  """Whether `<workdir>/checkpoints` holds steps: a rerun resumes (or fails), never starts over."""
   return bool(_step_dirs(pathlib.Path(workdir) / "checkpoints"))
 
 
@@ -236,16 +226,12 @@ class Checkpointer:
     d, m = self.directory, self.manager
     params = _restore_item(m, d, step, "params", ocp.args.StandardRestore(abstract_params))
     opt_state = _restore_item(m, d, step, "opt_state", ocp.args.StandardRestore(abstract_opt_state))
-    meta = dict(_restore_item(m, d, step, "meta", ocp.args.JsonRestore()))
-    return params, opt_state, meta
+    return params, opt_state, dict(_restore_item(m, d, step, "meta", ocp.args.JsonRestore()))
 
   def restore_latest(self, abstract_params, abstract_opt_state) -> Restored | None:
-    """The newest step that reads whole, or None in a fresh directory.
-
-    Unreadable newer steps move to `<workdir>/unreadable_checkpoints/` so that Orbax neither lists
-    them nor refuses to save their step again when training gets there. If no step reads, this
-    raises and moves nothing: a run never starts from scratch over checkpoints.
-    """
+    """The newest step that reads whole, or None in a fresh directory. Newer unreadable steps move
+    to `<workdir>/unreadable_checkpoints/` (Orbax would list them, and refuse to save their step
+    again); if no step reads, this raises and moves nothing: a run never starts over checkpoints."""
     skipped = []
     for step in sorted(_step_dirs(self.directory), reverse=True):
       try:
@@ -268,12 +254,10 @@ class Checkpointer:
   def _read_step(self, step: int, abstract_params, abstract_opt_state):
     """(params, opt_state, meta) of a whole step, else a CheckpointError with a `reason`."""
     d = self.directory
-    problem = _incomplete(d / str(step))
-    if problem:
+    if problem := _incomplete(d / str(step)):
       raise CheckpointError(f"checkpoint {d / str(step)} is partial ({problem})",
                             reason=f"partial ({problem})")
-    mismatch = _mismatch(_metadata_tree(self.manager, d, step), abstract_params)
-    if mismatch:
+    if mismatch := _mismatch(_metadata_tree(self.manager, d, step), abstract_params):
       raise CheckpointError(
           f"checkpoint {d / str(step)} does not fit this model ({mismatch}): rerun with the model "
           "and model.* overrides of the run that wrote it, or use a new workdir.")
@@ -312,8 +296,7 @@ class Checkpointer:
     except Exception as e:
       raise self._save_error(step, e) from e
     if step is not None:  # some failures Orbax only logs: check the step was committed
-      problem = _incomplete(self.directory / str(step))
-      if problem:
+      if problem := _incomplete(self.directory / str(step)):
         raise self._save_error(step, RuntimeError(f"the step folder is partial ({problem})"))
 
   def close(self) -> None:
@@ -357,8 +340,7 @@ def _reader(directory: pathlib.Path) -> ocp.CheckpointManager:
 
 
 def read_config(path: str, located: tuple[pathlib.Path, int] | None = None) -> dict:
-  """The resolved config stored with the checkpoint at `path` (`located`: what `locate(path)`
-  gave, for a caller that located it already)."""
+  """The resolved config stored at `path` (`located`: what `locate(path)` gave, if known)."""
   directory, step = located or locate(path)
   with _reading(directory, step, "config"):
     return dict(_restore_item(_reader(directory), directory, step, "config",

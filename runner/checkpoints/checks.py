@@ -1,7 +1,6 @@
-"""The config checks that open a run's inputs: what a starting checkpoint was trained for, and
-whether the run to export or compress has ended. They are relations (runner/config/relations.py)
-with a `checkpoints` parameter, the runner.checkpoints.weights.Checkpoints that the pre-flight
-checks and the job give them; the config layer itself reads no file."""
+"""The config checks that open a run's inputs (what a starting checkpoint was trained for, whether
+the run to export or compress has ended): relations (runner/config/relations.py) whose `checkpoints`
+(weights.Checkpoints) the pre-flight checks and the job give; config reads no file."""
 from __future__ import annotations
 
 from runner.config.relations import relation, shown
@@ -21,9 +20,8 @@ def _checkpoint_objective(path: str, checkpoints) -> str | None:
 
 @relation
 def classifier_from_a_tower(run: TrainTask, checkpoints):
-  """A classifier starts from a contrastive checkpoint only from the tower init.tower names, and
-  init.tower names a tower only of a contrastive checkpoint. `checkpoints` reads what
-  init.checkpoint was trained for (runner.checkpoints.weights.Checkpoints; given before launch)."""
+  """A classifier starts from a contrastive checkpoint only from the tower init.tower names, which
+  names only a contrastive checkpoint's tower (`checkpoints` reads what init.checkpoint was)."""
   init, tower = run.init, f"init.tower={shown(run.init.tower)}"
   if init.tower is not None and not init.checkpoint:
     return (f"{tower} names a tower of init.checkpoint, which is not set; give "
@@ -69,8 +67,7 @@ def _finished_classifier(run, command: str, verb: str, checkpoints) -> str | Non
 
 @relation
 def export_a_finished_classifier(run: ExportRun, checkpoints):
-  """An export takes a classifier whose run has ended; `checkpoints`
-  (runner.checkpoints.weights.Checkpoints) says whether the run is finished."""
+  """An export takes a classifier whose run has ended (`checkpoints` says whether it has)."""
   return _finished_classifier(run, "export", "writes", checkpoints)
 
 

@@ -1,17 +1,15 @@
 """Released checkpoints' parameter names -> this project's (runner/models/vit.py).
 
-Three layouts are understood (`detect_layout`), flat "/"-joined names, with or without a leading
-`params/` (the entries of a train state beside it — optimizer state, step, rngs — are ignored):
+Three layouts are understood (`detect_layout`; their scope names: `_SPECS`), flat "/"-joined
+names, with or without a leading `params/` (the entries of a train state beside it — optimizer
+state, step, rngs — are ignored):
 
-* vmoe (google-research/vmoe: V-MoE, E³, ViT): blocks `Encoder/encoderblock_{i}/` with
-  LayerNorm_0, SelfAttention, LayerNorm_1, Mlp or Moe; `Encoder/posembed_input/pos_embedding`
-  (1, N+1, D) with a class token (added after it is concatenated), `Encoder/encoder_norm`.
+* vmoe (google-research/vmoe: V-MoE, E³, ViT): blocks `Encoder/encoderblock_{i}/`, Mlp or Moe;
+  pos_embedding (1, N+1, D) with a class token (added after it is concatenated).
 * big_vision: blocks `Transformer/encoderblock_{i}/` (scanned: `Transformer/encoderblock/`, depth
-  axis first) with LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1, MlpBlock_0; top-level
-  `pos_embedding` (1, N, D), added before the class token is concatenated (as ours is).
-* vision_transformer (augreg): blocks `Transformer/encoderblock_{i}/` with LayerNorm_0,
-  MultiHeadDotProductAttention_1, LayerNorm_2, MlpBlock_3; `Transformer/posembed_input/
-  pos_embedding` (1, N+1, D) with a class token.
+  axis first); top-level pos_embedding (1, N, D), added before the class token (as ours is).
+* vision_transformer (augreg): blocks `Transformer/encoderblock_{i}/`; pos_embedding (1, N+1, D)
+  with a class token.
 
 and map onto our names (`to_ours`):
 
@@ -23,9 +21,7 @@ and map onto our names (`to_ours`):
   Moe/Mlp/Dense_0 (E, D, F), bias      block_{i}/moe/experts/fc1_kernel, fc1_bias
   Moe/Mlp/Dense_1 (E, F, D), bias      block_{i}/moe/experts/fc2_kernel, fc2_bias
   Moe/Router/dense/kernel              block_{i}/moe/router/dense/kernel (D, E) (token- and
-                                       experts-choice routers); an E³ router stored (D, M, E/M)
-                                       is read row-major as (D, E): member m's experts are
-                                       columns m*E/M .. (m+1)*E/M - 1, as ours
+                                       experts-choice); E³'s (D, M, E/M) read as (D, E): `_moe`
   Moe/Router/mu (D, E, P), scale ()    block_{i}/moe/router/mu, scale (Soft MoE)
   {query,key}_ln/scale (hd,)           block_{i}/attention/{query,key}_ln/scale (qk-norm)
   encoder_norm                         encoder_norm
@@ -38,8 +34,7 @@ and map onto our names (`to_ours`):
 Every array is checked against the dimensions the tree itself implies (hidden size from its
 layer norms, heads from its attention, MLP width, experts); whatever is missing, mis-shaped or
 left over (a layer our model does not have) is reported in one `CheckpointError`, by the
-checkpoint's own names.
-"""
+checkpoint's own names."""
 from __future__ import annotations
 
 import collections
@@ -68,17 +63,17 @@ class _Layout:
   attention: str
   norm2: str
   mlp: str
-  moe: str | None  # the sparse MoE MLP of a block (vmoe only)
-  map_head: str
-  map_attention: str
-  map_norm: str
-  map_mlp: str
+  moe: str | None = None  # the sparse MoE MLP of a block (vmoe only)
+  # The MAP head's scopes (vision_transformer has no MAP head: vmoe's names, unused).
+  map_head: str = "MapHead"
+  map_attention: str = "MultiHeadDotProductAttention"
+  map_norm: str = "LayerNorm"
+  map_mlp: str = "Mlp"
 
 
 _SPECS = {
     "vmoe": _Layout("vmoe", "Encoder", "Encoder/posembed_input/pos_embedding", True,
-                    "LayerNorm_0", "SelfAttention", "LayerNorm_1", "Mlp", "Moe",
-                    "MapHead", "MultiHeadDotProductAttention", "LayerNorm", "Mlp"),
+                    "LayerNorm_0", "SelfAttention", "LayerNorm_1", "Mlp", "Moe"),
     "big_vision": _Layout("big_vision", "Transformer", "pos_embedding", False,
                           "LayerNorm_0", "MultiHeadDotProductAttention_0", "LayerNorm_1",
                           "MlpBlock_0", None, "MAPHead_0", "MultiHeadDotProductAttention_0",
@@ -86,9 +81,7 @@ _SPECS = {
     "vision_transformer": _Layout("vision_transformer", "Transformer",
                                   "Transformer/posembed_input/pos_embedding", True,
                                   "LayerNorm_0", "MultiHeadDotProductAttention_1", "LayerNorm_2",
-                                  "MlpBlock_3", None,
-                                  # vision_transformer has no MAP head; vmoe's names, unused.
-                                  "MapHead", "MultiHeadDotProductAttention", "LayerNorm", "Mlp"),
+                                  "MlpBlock_3"),
 }
 _UNDERSTOOD = ("google-research/vmoe V-MoE / E³ / ViT (Encoder/encoderblock_<i>/..., "
                "Encoder/posembed_input), big_vision ViT (Transformer/encoderblock[_<i>]/..., "
@@ -128,8 +121,7 @@ def detect_layout(flat: Mapping[str, np.ndarray]) -> str:
 
 
 def _unscan(params: dict[str, np.ndarray], problems: list[str]) -> dict[str, np.ndarray]:
-  """A scanned big_vision encoder (`Transformer/encoderblock/...`, depth first) as numbered
-  blocks; the blocks are views of the stacked arrays."""
+  """A scanned big_vision encoder (`Transformer/encoderblock/...`) as numbered blocks (views)."""
   scope = "Transformer/encoderblock/"
   scanned = [name for name in params if name.startswith(scope)]
   if not scanned:
@@ -168,11 +160,6 @@ class _Dims:
   blocks: tuple[int, ...]
 
 
-def _block_indices(params, layout: _Layout) -> tuple[int, ...]:
-  pattern = re.compile(rf"^{layout.encoder}/encoderblock_(\d+)/")
-  return tuple(sorted({int(m[1]) for name in params if (m := pattern.match(name))}))
-
-
 def _dims(params, layout: _Layout) -> _Dims:
   shapes = {name: np.shape(value) for name, value in params.items()}
   hidden = _mode(s[0] for n, s in shapes.items()
@@ -180,7 +167,8 @@ def _dims(params, layout: _Layout) -> _Dims:
   if hidden is None and len(shapes.get("embedding/kernel", ())) == 4:
     hidden = shapes["embedding/kernel"][-1]
   qh = _mode(s[1:] for n, s in shapes.items() if n.endswith("/query/kernel") and len(s) == 3)
-  blocks = _block_indices(params, layout)
+  block = re.compile(rf"^{layout.encoder}/encoderblock_(\d+)/")
+  blocks = tuple(sorted({int(m[1]) for name in params if (m := block.match(name))}))
   mlp = _mode([s[-1] for n, s in shapes.items()
                if re.search(rf"/encoderblock_\d+/{layout.mlp}/Dense_0/kernel$", n) and len(s) == 2]
               + [s[-1] for n, s in shapes.items()
@@ -219,20 +207,16 @@ class _Reader:
         e is not None and a != e for a, e in zip(actual, shape))):
       self.problems.append(f"{name}: shape {actual}, expected {_fmt(shape)}")
       return None
-    wrong = check(actual) if check is not None else None
-    if wrong:
+    if check is not None and (wrong := check(actual)):
       self.problems.append(f"{name}: shape {actual}, {wrong}")
       return None
     return np.asarray(value)
 
 
 def _fold_class_position(cls: np.ndarray, posemb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """(ours cls, ours pos_embedding) from a reference posemb with a class row (1, N+1, D).
-
-  Our model adds position embeddings to the patch tokens only, then prepends `cls`; the
-  reference's class token input is cls + posemb[:, 0], a constant formed by that one addition.
-  Storing that sum as our `cls` gives the very same input, bit for bit: the fold is exact.
-  """
+  """(ours cls, ours pos_embedding) from a reference posemb with a class row (1, N+1, D). We add
+  position embeddings to the patch tokens only, then prepend `cls`; the reference's class token
+  input, cls + posemb[:, 0], is a constant: as our `cls` it gives the same input, bit for bit."""
   return cls + posemb[:, :1], posemb[:, 1:]  # the second is a view
 
 
@@ -310,22 +294,17 @@ def _moe(reader: _Reader, scope: str, dims: _Dims, out: dict, ours: str, ensembl
 
 def to_ours(flat: Mapping[str, np.ndarray], *, ensemble_size: int = 1) -> dict[str, np.ndarray]:
   """Our flat parameter names (runner.models.transfer.flatten's) for a released checkpoint's.
-
-  `ensemble_size` > 1: the model is a partitioned batch ensemble of that many members; a router
-  stored (D, M, E/M) must have M equal to it. Arrays are views of the input where possible (the
-  fused q/k/v and the folded class token are new arrays).
-  """
+  `ensemble_size` > 1: a partitioned batch ensemble of that many members, the M of a router stored
+  (D, M, E/M). Arrays are views of the input where possible (not the fused q/k/v, folded cls)."""
   params = _parameters(flat)
   layout = _SPECS[_layout_of(params)]
   problems: list[str] = []
   if layout.name == "big_vision":
     params = _unscan(params, problems)
   dims = _dims(params, layout)
-  d = dims.hidden
+  d, blocks = dims.hidden, dims.blocks
   reader = _Reader(params, problems)
   out: dict[str, np.ndarray | None] = {}
-
-  blocks = dims.blocks
   if not blocks:
     problems.append(f"{layout.encoder}/encoderblock_0: missing (no encoder blocks)")
   for i in range(max(blocks) + 1 if blocks else 0):
@@ -407,9 +386,8 @@ def model_hint(flat: Mapping[str, np.ndarray]) -> dict:
   soft = [shape(slots.format(i)) for i in moe_layers if slots.format(i) in params]
   kernel, posemb = shape("embedding/kernel"), shape(layout.posemb)
   patch = kernel[0] if kernel and len(kernel) == 4 else None
-  tokens = None
-  if posemb and len(posemb) == 3:
-    tokens = posemb[1] - (1 if "cls" in params and layout.class_position else 0)
+  tokens = (posemb[1] - (1 if "cls" in params and layout.class_position else 0)
+            if posemb and len(posemb) == 3 else None)
   side = math.isqrt(tokens) if tokens else None
   head = shape("head/kernel")
   rep = shape("pre_logits/kernel")

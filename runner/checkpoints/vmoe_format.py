@@ -1,7 +1,6 @@
 """Reads the sharded checkpoints of google-research/vmoe (their released V-MoE and E³ weights)
-with plain files, msgpack and numpy: their own loader needs TensorFlow and their package.
-
-The layout, as their vmoe/checkpoints/{partitioned,serialization}.py write it:
+with plain files, msgpack and numpy: their own loader needs TensorFlow and their package. The
+layout, as their vmoe/checkpoints/{partitioned,serialization}.py write it:
 
 * `<prefix>.index`: a msgpack map {"shard_count": N, "index": tree, "version": "20220622"}, without
   "version" in checkpoints written before mid 2022. Each leaf of the tree is msgpack extension
@@ -13,8 +12,7 @@ The layout, as their vmoe/checkpoints/{partitioned,serialization}.py write it:
   pieces (extension type 1: shape, dtype name, C-order bytes) are the chunk flattened and cut in
   parts of at most 1 GiB, the slice is extension type 6. Arrays are numbered in JAX's flatten order
   of the tree: dict keys sorted, lists in order, None skipped. (Unversioned checkpoints used the
-  order of the saved pytree itself, the same for the nested dicts of the released weights.)
-"""
+  order of the saved pytree itself, the same for the nested dicts of the released weights.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -58,19 +56,14 @@ class _Leaf:
 
 
 def is_vmoe_checkpoint(path: str) -> bool:
-  """True for a prefix whose `.index` file exists, or for that file: a cheap test to pick this
-  reader before reading anything."""
+  """True for a prefix with an `.index` file, or that file: a cheap test that reads nothing."""
   return os.path.isfile(_prefix(path) + ".index")
 
 
 def read(path: str) -> dict[str, np.ndarray]:
-  """Every array of the checkpoint at `path` (prefix or `.index` file), keyed by its tree path
-  joined with "/", in its stored dtype and global shape.
-
-  Each array is allocated once and the data shards are streamed one chunk at a time, so the peak
-  memory is the arrays plus ~3 copies of the chunk being read, never a whole shard (a B/16 V-MoE
-  is ~4 GB). Raises CheckpointError.
-  """
+  """Every array of the checkpoint at `path` (prefix or `.index` file) by its "/"-joined tree path,
+  in its stored dtype and global shape; raises CheckpointError. The shards are streamed a chunk at a
+  time into arrays allocated once: peak memory is the arrays plus ~3 copies of a chunk."""
   prefix = _prefix(path)
   index_path = prefix + ".index"
   if not os.path.isfile(index_path):
@@ -280,8 +273,7 @@ def _fill(leaf: _Leaf, array: np.ndarray, pieces: list, axes: Any) -> None:
   if found != wanted:
     raise _Bad(f"holds a chunk {_show(box)} of {leaf.name} with {found} values where its slice "
                f"has {wanted}")
-  wrong = [p.dtype for p in pieces if p.dtype != leaf.dtype]
-  if wrong:
+  if wrong := [p.dtype for p in pieces if p.dtype != leaf.dtype]:
     raise _Bad(f"holds a chunk {_show(box)} of {leaf.name} in {wrong[0]}, where the index says "
                f"{leaf.dtype}")
   if wanted:

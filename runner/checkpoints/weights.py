@@ -1,10 +1,7 @@
-"""Where a stage's parameters come from: a run of this project (runner.checkpoints.checkpoint),
-or a released checkpoint, which holds bare parameters under the reference's names and no config
-(so the stages that read the model and data from a checkpoint need `model=` and `data=`).
-
-A path given by the user is opened once (`open`): its kind is decided there, and the `Opened`
-value answers every later question. `Checkpoints` opens each path of one command once.
-"""
+"""Where a stage's parameters come from: a run of this project (runner.checkpoints.checkpoint), or a
+released checkpoint, bare parameters under the reference's names without config (stages that read
+the model and data from a checkpoint then need `model=` and `data=`). A path is opened once
+(`open`), its kind decided there; the `Opened` value answers every later question."""
 from __future__ import annotations
 
 import copy
@@ -25,15 +22,13 @@ NPZ = "ViT .npz (big_vision / vision_transformer)"
 
 
 def open(path: str) -> Opened:
-  """The checkpoint at `path`, its kind decided: a released one (VMOE, NPZ) by its files, else one
-  of our runs (the workdir, its checkpoints/ folder or a step folder), located now; fails
-  (CheckpointError) when `path` is neither."""
+  """The checkpoint at `path`, its kind decided: released (VMOE, NPZ) by its files, else one of our
+  runs (workdir, checkpoints/ or step folder), located now; CheckpointError when neither."""
   if vmoe_format.is_vmoe_checkpoint(str(path)):
     return Opened(str(path), VMOE)
   if str(path).endswith(".npz") and pathlib.Path(path).expanduser().is_file():
     return Opened(str(path), NPZ)
-  directory, step = checkpoint.locate(path)
-  return Opened(str(path), RUN, directory, step)
+  return Opened(str(path), RUN, *checkpoint.locate(path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +52,9 @@ class Opened:
     return self.directory.parent if self.directory.name == "checkpoints" else self.directory
 
   def unfinished(self) -> str | None:
-    """Why the run has no final checkpoint to take: it is still being written (a vmoe process
-    holds its workdir), or its stage stopped before the end (no summary.json). A step folder
-    named explicitly is taken as it is; so is a released checkpoint."""
+    """Why the run has no final checkpoint: a vmoe process still holds its workdir, or its stage
+    stopped early (no summary.json). A step folder named explicitly is taken as it is; so is a
+    released checkpoint."""
     folder = self.run_folder
     if folder is None:
       return None
@@ -74,23 +69,14 @@ class Opened:
     return None
 
   def stored_config(self) -> dict | None:
-    """The config stored with one of our checkpoints; None for a released checkpoint (it has
-    none).
-
-    Read once per process and checkpoint: the checks before launch and the job each open the
-    path (a new checkpoint under it is read anew)."""
+    """The config stored with our checkpoint, None for a released one; read once per process and
+    checkpoint, as the checks before launch and the job each ask (a new checkpoint is read anew)."""
     if self.released:
       return None
     key = (str(self.directory), self.step, _modified(self.directory / str(self.step)))
     if key not in _STORED_CONFIGS:
       _STORED_CONFIGS[key] = checkpoint.read_config(self.path, (self.directory, self.step))
     return copy.deepcopy(_STORED_CONFIGS[key])
-
-  def read_released(self) -> dict[str, np.ndarray]:
-    """The reference-named flat parameters of a released checkpoint."""
-    if self.kind == VMOE:
-      return vmoe_format.read(self.path)
-    return _read_npz(self.path)
 
   def describe(self) -> str:
     """'a google-research/vmoe checkpoint (hidden size 512, ...)' for error messages about a
@@ -104,21 +90,17 @@ class Opened:
     return f"a {self.kind}" + (f" ({listed})" if listed else "")
 
   def load(self, *, ensemble_size: int = 1) -> tuple[dict, dict, int]:
-    """(parameters as host NumPy arrays under our names, stored config, step).
-
-    A released checkpoint gives an empty config and step 0; a partitioned-ensemble (E³) router
-    stored as (D, M, E/M) is checked against `ensemble_size` and read as (D, E).
-    """
+    """(host NumPy parameters under our names, stored config, step); a released checkpoint gives
+    {} and step 0, an E³ router stored (D, M, E/M) checked on `ensemble_size`, read as (D, E)."""
     if not self.released:
       params, _, step = checkpoint.load_params(self.path, (self.directory, self.step),
                                                with_config=False)
       return params, self.stored_config(), step
-    flat = self.read_released()
+    flat = vmoe_format.read(self.path) if self.kind == VMOE else _read_npz(self.path)
     try:
       ours = mapping.to_ours(flat, ensemble_size=ensemble_size)
     except CheckpointError as e:
       raise CheckpointError(f"init.checkpoint={self.path} ({self.kind}): {e}") from None
-    del flat
     return transfer.unflatten(ours), {}, 0
 
 
@@ -128,9 +110,8 @@ def load(path: str, *, ensemble_size: int = 1) -> tuple[dict, dict, int]:
 
 
 class Checkpoints:
-  """The checkpoints one command names, each path opened once: the checks before launch (or the
-  job) ask about the same path again and again. runner.config reads them through it (its
-  CheckpointReader)."""
+  """The checkpoints one command names, each path opened once (the checks before launch, or the job,
+  ask about one path again and again): runner.config's CheckpointReader."""
 
   def __init__(self):
     self._opened: dict[str, Opened | CheckpointError] = {}

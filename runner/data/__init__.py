@@ -1,9 +1,6 @@
 """Input data: embedded offline TFDS datasets, any prepared TFDS dataset, image folders, files of
-image-caption pairs; and tokenizers for the captions.
-
-Importing this package quiets TensorFlow and hides accelerators from it, so tf.data never takes
-GPU/TPU memory that JAX needs.
-"""
+image-caption pairs; and tokenizers for the captions. Importing this package quiets TensorFlow and
+hides accelerators from it, so tf.data never takes GPU/TPU memory that JAX needs."""
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

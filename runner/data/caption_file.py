@@ -1,11 +1,6 @@
-"""A user's image-caption pairs: a JSONL or CSV file of rows (image, caption[, split]).
-
-`image` is a path relative to the file's folder, `caption` its text, `split` one of SPLITS (rows
-without one are training rows). The whole file is checked before any compute, every row and every
-image, so that a user fixes all the faults in one go. The checked rows are then read by
-`CaptionFile`, which answers what `Source` asks of a TFDS builder (features, split sizes,
-`as_dataset`), giving Source the images encoded, so the usual `decode(3)|resize(...)` applies.
-"""
+"""A user's image-caption pairs: a JSONL or CSV file of rows (image, caption[, split]), image paths
+relative to its folder, `split` one of SPLITS (train if none). Every row and image is checked before
+any compute, so that a user fixes all faults at once; then `CaptionFile` reads the rows."""
 from __future__ import annotations
 
 import collections
@@ -30,8 +25,7 @@ _SPLIT = re.compile(r"^(?P<name>\w+)(\[(?P<start>\d*):(?P<stop>\d*)\])?$")
 Pair = collections.namedtuple("Pair", ["image_path", "caption"])  # absolute image path
 
 
-# Kinds of fault in a row: (one, many).
-KINDS = {
+KINDS = {  # kinds of fault in a row: (one, many)
     "json": ("line that is not a JSON object", "lines that are not JSON objects"),
     "image": ("row without an image", "rows without an image"),
     "caption": ("row with an empty or missing caption", "rows with an empty or missing caption"),
@@ -107,7 +101,8 @@ def scan(path: str, workers: int = 8) -> Scan:
 
   paths = sorted({full for _, _, full, _, _ in rows})
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    why = dict(zip(paths, pool.map(_missing_or_unreadable, paths)))
+    why = dict(zip(paths, pool.map(
+        lambda path: "missing" if not os.path.isfile(path) else unreadable(path), paths)))
   examples = {}
   for line, image, full, text, split in rows:
     if why[full] == "missing":
@@ -129,8 +124,7 @@ def _rows(path: str, faults: dict[str, list[str]], file_faults: list[str]):
     return
   if path.lower().endswith(".csv"):
     reader = csv.DictReader(io.StringIO(content, newline=""))
-    missing = [c for c in ("image", "caption") if c not in (reader.fieldnames or [])]
-    if missing:
+    if missing := [c for c in ("image", "caption") if c not in (reader.fieldnames or [])]:
       file_faults.append(f"a header with columns {reader.fieldnames or []}, without "
                          f"{' and '.join(missing)} (the first line names the columns)")
       return
@@ -150,12 +144,6 @@ def _rows(path: str, faults: dict[str, list[str]], file_faults: list[str]):
       faults["json"].append(f"line {line}")
 
 
-def _missing_or_unreadable(path: str) -> str | None:
-  if not os.path.isfile(path):
-    return "missing"
-  return unreadable(path)
-
-
 @dataclasses.dataclass
 class _Info:
   features: tfds.features.FeaturesDict
@@ -163,11 +151,8 @@ class _Info:
 
 
 class CaptionFile:
-  """The checked pairs of a caption file, read the way Source reads a TFDS builder.
-
-  Each split is in a fixed shuffled order (random.Random(split name), as tfds' ImageFolder), so
-  that a held-out slice of train is a sample of it, whatever the order of the file.
-  """
+  """The checked pairs, read as Source reads a TFDS builder; each split in a fixed shuffled order
+  (random.Random(split name), as tfds' ImageFolder), so a held-out slice of train samples it."""
   name = "captions"
 
   def __init__(self, path: str, examples: dict[str, list[Pair]]):
@@ -204,4 +189,3 @@ class CaptionFile:
     ds = tf.data.Dataset.from_tensor_slices((tf.constant([p.image_path for p in pairs], tf.string),
                                              tf.constant([p.caption for p in pairs], tf.string)))
     return ds.map(read, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-

@@ -1,10 +1,7 @@
-"""Captioned versions of the embedded digit sets, for contrastive image-text training offline.
-
-A caption is the class name written into one of TRAIN_TEMPLATES, chosen by the example's index
-(the same on every machine). Such captions carry only the label: a model trained on them learns a
-classifier through a text tower, which is what zero-shot evaluation with HELD_OUT_TEMPLATES
-(never seen in training) then measures, not real image-text understanding.
-"""
+"""Captioned versions of the embedded digit sets, for contrastive image-text training offline: a
+caption is the class name in one of TRAIN_TEMPLATES, picked by the example's index. Trained on such
+captions (only the label), a model learns a classifier through a text tower, which zero-shot
+evaluation with HELD_OUT_TEMPLATES (unseen in training) measures, not image-text understanding."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,8 +22,7 @@ TRAIN_TEMPLATES = (
     "a blurry {}.",
 )
 
-# Prompts for zero-shot classification only: no training caption uses them.
-HELD_OUT_TEMPLATES = (
+HELD_OUT_TEMPLATES = (  # prompts for zero-shot classification only: no training caption uses them
     "a picture of the number {}.",
     "a digit {} drawn by a person.",
     "this is a {}.",

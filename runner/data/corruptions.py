@@ -1,14 +1,10 @@
 """CIFAR-10-C image corruptions as a preprocessing op: "decode(3)|corrupt('contrast', 3)|...".
-
-Computing the corruptions of Hendrycks & Dietterich (2019) in the input pipeline, instead of
-shipping their fixed .npy files, lets any dataset, image size and evaluation be corrupted the same
-way. Severity tables are those of the reference script github.com/hendrycks/robustness,
-ImageNet-C/create_c/make_cifar_c.py (the CIFAR variant); where it calls PIL, skimage or OpenCV the
-TensorFlow equivalent is used (see each function). docs/evaluation.md lists what is implemented.
-
-Random corruptions draw from the example's stateless seed (`_next_seed`), so one `_rng` always
-gives one corrupted image, as for the random augmentations in pp_ops.
-"""
+Computed in the input pipeline rather than shipped as the fixed .npy files of Hendrycks & Dietterich
+(2019), they apply to any dataset, image size and evaluation. Severity tables are those of the
+reference script github.com/hendrycks/robustness, ImageNet-C/create_c/make_cifar_c.py (the CIFAR
+variant); where it calls PIL, skimage or OpenCV, each function says its TensorFlow equivalent;
+docs/evaluation.md lists what is implemented. Random corruptions draw from the example's stateless
+seed (`_next_seed`), as pp_ops' random augmentations: one `_rng`, one image."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,8 +13,7 @@ import tensorflow as tf
 from runner.config import preprocessing
 from runner.data.pp_ops import PreprocessError, _next_seed, register
 
-# Severity 1..5 -> parameter, copied from make_cifar_c.py (function of the same name there).
-_PARAMS = {
+_PARAMS = {  # severity 1..5 -> parameter, copied from make_cifar_c.py (its function of that name)
     "gaussian_noise": (0.04, 0.06, .08, .09, .10),  # std of additive noise on [0, 1]
     "shot_noise": (500, 250, 100, 75, 50),  # photons per unit intensity: Poisson(x * c) / c
     "impulse_noise": (.01, .02, .03, .05, .07),  # fraction of values set to 0 or 1 (salt & pepper)
@@ -167,9 +162,8 @@ def _box_resize(x, size):
 
 
 def _pixelate(x, c, seed):
-  """PIL BOX resize to int(side * c), then BOX back up (nearest-pixel copies). The reference
-  resizes uint8 PIL images, rounding after each pass; on integer input this differs from it by at
-  most 1/255."""
+  """PIL BOX resize to int(side * c), then BOX back up (nearest-pixel copies). The reference rounds
+  to uint8 after each pass; on integer input this differs from it by at most 1/255."""
   hw = tf.shape(x)[:2]
   small = tf.maximum(tf.cast(tf.floor(tf.cast(hw, tf.float64) * c), tf.int32), 1)
   return _box_resize(_box_resize(x, small), hw)

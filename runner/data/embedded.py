@@ -1,10 +1,6 @@
-"""Offline TFDS datasets built from real images that ship inside registry packages (docs/data.md).
-
-No machine is assumed to reach the internet, so the default data must come from packages. Each is
-a real `tfds.core.GeneratorBasedBuilder`; preparing one takes well under a second. Splits are
-fixed, class-stratified permutations, identical on every machine (a class subset keeps each
-example in the split it has in the full set).
-"""
+"""Offline TFDS datasets of real images shipped inside registry packages (docs/data.md): no machine
+is assumed to reach the internet. Each is a `tfds.core.GeneratorBasedBuilder` prepared in well under
+a second, with fixed class-stratified splits (a class subset keeps each example's split)."""
 from __future__ import annotations
 
 import numpy as np
@@ -122,7 +118,8 @@ def _subset(base, classes: tuple[int, ...], suffix: str):
       "__module__": __name__,
       "name": f"{tfds.core.naming.camelcase_to_snakecase(base.__name__)}_{suffix}",
       "CLASSES": classes,
-      "DESCRIPTION": f"{base.DESCRIPTION} Only classes {classes}, relabelled 0..{len(classes) - 1}.",
+      "DESCRIPTION": (f"{base.DESCRIPTION} Only classes {classes}, relabelled "
+                      f"0..{len(classes) - 1}."),
   })
 
 
@@ -141,9 +138,8 @@ EmbeddedBuilder = _ArrayBuilder  # what a plug-in's embedded dataset subclasses
 
 def register(name: str):
   """Adds `data.name=<name>` for a plug-in (a class decorator): a subclass of `EmbeddedBuilder`
-  whose `load_arrays()` returns (images uint8 (N, H, W, C), labels int64 (N,)), with its
-  IMAGE_SHAPE and NUM_CLASSES; vmoe prepares it as a TFDS dataset with stratified splits on
-  first use, exactly as the built-in embedded sets."""
+  whose `load_arrays()` returns (images uint8 (N, H, W, C), labels int64 (N,)), with its IMAGE_SHAPE
+  and NUM_CLASSES, prepared on first use as the built-in sets are (TFDS, stratified splits)."""
   def wrap(builder):
     components.register(KIND, name, builder)
     return builder

@@ -1,9 +1,6 @@
 """A user's image folder, <root>/<split>/<class>/<image>: scanned once, then read by a TFDS builder.
-
 The scan runs before any compute and finds every fault at once (unreadable images, stray files,
-empty classes, classes missing from a split, empty splits), so that a user fixes them all in one
-go instead of meeting them one traceback at a time mid-training.
-"""
+empty classes, classes missing from a split, empty splits), so a user fixes them all in one go."""
 from __future__ import annotations
 
 import collections
@@ -17,8 +14,7 @@ from PIL import Image
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")  # what tfds' ImageFolder reads, in any case
 SHOWN = 5  # paths (or caption rows) listed per kind of fault; the counts are always exact
-# Formats that tf.io.decode_image reads (a .png holding a GIF still decodes; a TIFF does not).
-_DECODABLE = {"JPEG", "MPO", "PNG", "GIF", "BMP"}
+_DECODABLE = {"JPEG", "MPO", "PNG", "GIF", "BMP"}  # tf.io.decode_image's formats, whatever suffix
 
 Example = collections.namedtuple("Example", ["image_path", "label"])  # the fields tfds reads
 
@@ -67,19 +63,15 @@ class Scan:
 
 
 def scan(root: str, workers: int = 8) -> Scan:
-  """Lists <root>/<split>/<class>/<image> and checks every image; threads hide disk and network
-  file-system latency (on a local, cached disk the checks are CPU bound and threads add little).
-
-  Hidden entries, files directly in root or in a split folder are ignored: they are not examples.
-  """
+  """Lists <root>/<split>/<class>/<image> and checks every image (threads hide file-system latency);
+  hidden entries and files directly in root or in a split folder are not examples, so ignored."""
   candidates = {}  # split -> class -> [image path]
   stray = []  # (path, why): not an image, but inside a class folder
   for split in _folders(root):
     candidates[split] = {}
     for label in _folders(os.path.join(root, split)):
       images = candidates[split][label] = []
-      folder = os.path.join(root, split, label)
-      for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+      for entry in sorted(os.scandir(os.path.join(root, split, label)), key=lambda e: e.name):
         if entry.name.startswith("."):
           continue
         if entry.is_dir():
@@ -109,20 +101,16 @@ def scan(root: str, workers: int = 8) -> Scan:
   compared = [s for s in candidates if examples[s]]  # an empty split is reported once, above
   for label in sorted({label for s in compared for label in candidates[s]}):
     have = [f"{s}/" for s in compared if label in candidates[s]]
-    lack = [f"{s}/" for s in compared if label not in candidates[s]]
-    if lack:
+    if lack := [f"{s}/" for s in compared if label not in candidates[s]]:
       missing_classes.append(f"'{label}' is in {', '.join(have)} but not in {', '.join(lack)}")
   return Scan(root=root, examples=examples, bad_files=bad_files, empty_classes=empty_classes,
               missing_classes=missing_classes, empty_splits=empty_splits)
 
 
 def unreadable(path: str) -> str | None:
-  """Why tf.io.decode_image would fail on the file, or None: cheap checks, no full decode.
-
-  PIL's verify() walks a PNG's chunks and checks their CRCs, which catches truncation; for a JPEG
-  it checks next to nothing, so a JPEG must also end with its end-of-image marker FF D9 (a few
-  bytes of trailing padding are tolerated, as some cameras write them).
-  """
+  """Why tf.io.decode_image would fail on the file, or None, by cheap checks. PIL's verify() checks
+  a PNG's chunk CRCs (truncation) but next to nothing of a JPEG, which must end with its
+  end-of-image marker FF D9 (bar a few bytes of padding, as some cameras write)."""
   try:
     with open(path, "rb") as f:
       size = os.fstat(f.fileno()).st_size
@@ -147,11 +135,9 @@ def unreadable(path: str) -> str | None:
 
 
 class ScannedImageFolder(tfds.folder_dataset.ImageFolder, skip_registration=True):
-  """tfds' ImageFolder over scanned, checked examples, so that skipped files stay out.
-
-  Same label space and record order as tfds' own: labels are the sorted class names of all splits;
-  each split is sorted by (class, path) and then shuffled with random.Random(split name).
-  """
+  """tfds' ImageFolder over scanned, checked examples, so that skipped files stay out. Same label
+  space and record order as tfds' own: labels are the sorted class names of all splits; each
+  split is sorted by (class, path) and then shuffled with random.Random(split name)."""
   name = "image_folder"
 
   def __init__(self, root: str, examples: dict[str, list[tuple[str, str]]]):

@@ -1,11 +1,8 @@
-"""tf.data input pipelines: an endless, deterministic, resumable training stream and padded eval batches.
-
-The training stream is a pure function of (seed, position), where position counts the examples
-this process has consumed, so resuming at a checkpointed position replays exactly what an
-uninterrupted run would have read, augmentations included; resuming skips at most one epoch of
-(still encoded, so cheap) records. Image-text data adds a caption's `tokens` (in training a
-random one of an example's captions, in evaluation the first).
-"""
+"""tf.data input pipelines: an endless, deterministic, resumable training stream and padded eval
+batches. The training stream is a pure function of (seed, position), position counting the examples
+this process consumed: resuming at a checkpointed position replays what an uninterrupted run would
+have read, augmentations included, skipping at most one epoch of (still encoded, cheap) records.
+Image-text data adds a caption's `tokens` (random in training, else the first)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,10 +17,8 @@ from runner.data import pp_ops
 from runner.data.sources import DataError, Source, text_of
 from runner.data.tokenizers import PAD, Tokenizer
 
-# Cache raw records in memory for splits this small (encoded images: CIFAR-10 is ~130 MB).
-_CACHE_MAX_EXAMPLES = 200_000
-# Folded into an example's seed to pick its caption, apart from the seeds of the augmentations.
-_CAPTION_SEED = 7_919
+_CACHE_MAX_EXAMPLES = 200_000  # raw records of splits this small are cached (CIFAR-10: ~130 MB)
+_CAPTION_SEED = 7_919  # folded into an example's seed to pick its caption, apart from augmentations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,17 +31,13 @@ class TextSpec:
 
 def _finish(source: Source, spec: str, text: TextSpec | None = None,
             train: bool = False) -> callable:
-  """User preprocessing, then one/multi-hot `labels` unless the spec made them, then drop extras.
-
-  A spec that ends in value_range on a uint8 image leaves that op to the jitted step
-  (runner/models/inputs.py); any other image leaves as float32, every op applied here. With
-  `text`, also the caption's `tokens`; `labels` only if the dataset has classes.
-  """
+  """User preprocessing, then one/multi-hot `labels` unless the spec made them, extras dropped. A
+  spec ending in value_range on a uint8 image leaves that op to the jitted step
+  (runner/models/inputs.py); other images leave as float32. With `text`, the caption too."""
   ops = preprocessing.build(spec)
   tail = preprocessing.device_tail(spec)
-  if tail is not None and tail["key"] != source.image_key:
-    tail = None
-  host, last = (ops[:-1], ops[-1]) if tail is not None else (ops, None)
+  on_device = tail is not None and tail["key"] == source.image_key
+  host, last = (ops[:-1], ops[-1]) if on_device else (ops, None)
 
   def fn(example):
     if text:
@@ -91,10 +82,9 @@ def _pick_caption(captions: tf.Tensor, rng: tf.Tensor, train: bool) -> tf.Tensor
 
 
 def _tokenized(batches: Iterator[dict], text: TextSpec) -> Iterator[dict[str, np.ndarray]]:
-  """Numpy batches with each `_caption` turned into `tokens` (B, max_length) int32, in the thread
-  that reads them: a Python tokenizer inside tf.data (tf.numpy_function) deadlocks when an
-  iterator with calls in flight is dropped (its destructor waits for them, holding the GIL).
-  Padding rows (`_mask` False) get all-zero tokens."""
+  """Numpy batches with each `_caption` as `tokens` (B, max_length) int32, zero in padding rows;
+  tokenized in the reading thread, as a Python tokenizer in tf.data (tf.numpy_function) deadlocks
+  when an iterator with calls in flight is dropped (its destructor waits, holding the GIL)."""
   for batch in batches:
     captions = batch.pop("_caption")
     tokens = np.stack([text.tokenizer.encode(c.decode("utf-8", "replace"), text.max_length)
@@ -138,17 +128,15 @@ LABEL_NOISE_SEED = 20_221_107
 def noisy_labels(source: Source, fraction: float):
   """A fixed `fraction` of the examples, chosen by their index, get a uniformly random class
   (possibly their own): the label-noise variant of a dataset (evaluation labels stay clean)."""
-  key = source.label_key
-
   def fn(example):
     index = tf.cast(example["_index"], tf.int32)
     seed = tf.stack([tf.constant(LABEL_NOISE_SEED, tf.int32), index])
     flip = tf.random.stateless_uniform([], seed=seed) < fraction
     random_class = tf.random.stateless_uniform([], seed=seed + 1, minval=0,
                                                maxval=source.num_classes, dtype=tf.int32)
-    label = example[key]
+    label = example[source.label_key]
     example = dict(example)
-    example[key] = tf.where(flip, tf.cast(random_class, label.dtype), label)
+    example[source.label_key] = tf.where(flip, tf.cast(random_class, label.dtype), label)
     del example["_index"]
     return example
   return fn
@@ -159,18 +147,13 @@ def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed:
                   process_count: int = 1, label_noise: float = 0.0,
                   num_shards: int | None = None, cache: bool | None = None,
                   text: TextSpec | None = None) -> Iterator[dict[str, np.ndarray]]:
-  """Endless batches of this process (`batch_size` rows) from example position `start` (counted
-  per process) onwards.
-
-  The split is read in `num_shards` contiguous shards (default: one per process), each shuffled
-  and augmented on its own, and every global batch is the shards' equal parts in shard order;
-  a process reads its own consecutive shards. So a run's batches depend on the number of shards,
-  not of processes: `num_shards=2` in one process gives the batches of a 2-process job.
-  Each batch dict holds `image` (B, H, W, C) (uint8 where the spec ends in value_range: `_finish`)
-  and `labels` (B, num_classes) float32; with `text`, also `tokens` (B, max_length) int32, and
-  `labels` only if the dataset has classes. `label_noise` and `cache`: data.label_noise and
-  data.cache (docs/data.md).
-  """
+  """Endless batches of this process (`batch_size` rows) from example position `start` (counted per
+  process) onwards. The split is read in `num_shards` contiguous shards (default: one per process),
+  each shuffled and augmented on its own; every global batch is the shards' equal parts in shard
+  order, each process reading consecutive shards. A run's batches thus depend on the number of
+  shards, not of processes (`num_shards=2` in one process gives a 2-process job's batches). A batch
+  holds `image` (B, H, W, C) (uint8 if the spec ends in value_range) and `labels` (B, num_classes)
+  float32; with `text`, also `tokens` (B, max_length) int32, `labels` only if there are classes."""
   _check_labels(source, text)
   if label_noise and not source.num_classes:
     raise DataError(f"data.label_noise={label_noise} replaces training labels by random classes, "
@@ -180,10 +163,9 @@ def train_batches(source: Source, split: str, pp: str, batch_size: int, *, seed:
     raise ValueError(f"data.num_shards={shards} must be a multiple of the {process_count} "
                      f"processes and divide the batch of {batch_size * process_count}")
   mine = shards // process_count  # consecutive shards of this process
-  streams = [_shard_stream(source, split, pp, batch_size // mine, seed=seed,
-                           start=start // mine, shuffle_buffer=shuffle_buffer,
-                           shard=process_index * mine + i, shards=shards,
-                           label_noise=label_noise, cache=cache, text=text)
+  streams = [_shard_stream(source, split, pp, batch_size // mine, seed=seed, start=start // mine,
+                           shuffle_buffer=shuffle_buffer, shard=process_index * mine + i,
+                           shards=shards, label_noise=label_noise, cache=cache, text=text)
              for i in range(mine)]
   if mine == 1:
     ds = streams[0]
@@ -199,11 +181,9 @@ def _shard_stream(source: Source, split: str, pp: str, batch_size: int, *, seed:
                   cache: bool | None = None, text: TextSpec | None = None) -> tf.data.Dataset:
   """Endless batches of one shard of the split from position `start` (counted in the shard)."""
   preprocess = _finish(source, pp, text, train=True)
+  raw = source.read(split, shard, shards, with_index=bool(label_noise))
   if label_noise:
-    raw = source.read(split, shard, shards, with_index=True).map(
-        noisy_labels(source, label_noise))
-  else:
-    raw = source.read(split, shard, shards)
+    raw = raw.map(noisy_labels(source, label_noise))
   num = source.num_examples(split) // shards
   if num < batch_size:  # the training task checks this first, naming the keys (tasks/fit.py)
     raise DataError(f"split {split!r} of {source.name!r} has {num} examples per shard, fewer "
@@ -226,15 +206,11 @@ def _shard_stream(source: Source, split: str, pp: str, batch_size: int, *, seed:
 def eval_batches(source: Source, split: str, pp: str, batch_size: int, *, process_index: int = 0,
                  process_count: int = 1, cache: bool | None = None,
                  text: TextSpec | None = None) -> tf.data.Dataset | TokenizedBatches:
-  """A re-iterable dataset of full-size batches; `_mask` marks real examples, the rest is padding.
-
-  Every example of the split is read by exactly one process, and every process yields the same
-  number of batches (the collective eval step needs that), padding with masked-out batches.
-  `cache` keeps the raw split in memory for repeated evaluation during training (None: where it
-  has at most 200,000 examples); a one-pass evaluation turns it off (False) so that memory does
-  not grow with the split. With `text`, batches hold `tokens` of each example's first caption too
-  (and `labels` only if the dataset has classes).
-  """
+  """A re-iterable dataset of full-size batches, `_mask` marking real examples. Every example of the
+  split is read by exactly one process, and every process yields the same number of batches (the
+  collective eval step needs that). `cache` keeps the raw split in memory for repeated evaluation
+  (None: if it has at most 200,000 examples); a one-pass evaluation sets False, so memory does not
+  grow. With `text`, also `tokens` of each first caption; `labels` only if there are classes."""
   _check_labels(source, text)
   preprocess = _finish(source, pp, text)
   raw = source.read(split, process_index, process_count, drop_remainder=False)

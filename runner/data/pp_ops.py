@@ -1,10 +1,7 @@
-"""Preprocessing ops addressed by strings: "decode(3)|resize(32)|flip_lr|value_range(-1,1)".
-
-Ops read and write `example["image"]` unless told otherwise; the spec's grammar and the table of
-registered ops are the config layer's (runner/config/preprocessing.py). Random ops are stateless:
-they draw from `example["_rng"]` (derived from the run seed and the example's position in the
-stream) so a resumed run sees exactly the same augmentations as an uninterrupted one.
-"""
+"""Preprocessing ops addressed by strings: "decode(3)|resize(32)|flip_lr|value_range(-1,1)". Ops
+read and write `example["image"]` unless told otherwise (grammar and table of ops:
+runner/config/preprocessing.py). Random ops are stateless, drawing from `example["_rng"]` (run seed,
+position in the stream): a resumed run sees exactly an uninterrupted one's augmentations."""
 from __future__ import annotations
 
 from typing import Callable
@@ -61,8 +58,7 @@ def get_decode(channels: int = 3, key: str = "image"):
     image = example[key]
     if image.dtype == tf.string:
       image = tf.io.decode_image(image, channels=0, expand_animations=False)
-    # Grey (1), grey+alpha (2), RGB (3) or RGBA (4) in; alpha is dropped.
-    grey = tf.shape(image)[-1] <= 2
+    grey = tf.shape(image)[-1] <= 2  # grey (1), grey+alpha (2), RGB (3) or RGBA (4): alpha dropped
     if channels == 3:
       image = tf.cond(grey, lambda: tf.image.grayscale_to_rgb(image[..., :1]),
                       lambda: image[..., :3])

@@ -1,8 +1,6 @@
 """Opening a dataset by name: embedded offline builders, any prepared TFDS dataset, an image folder,
-or a file of image-caption pairs.
-
-Every failure here happens before any compute and says what is valid instead.
-"""
+or a file of image-caption pairs. Every failure here happens before any compute and says what is
+valid instead."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,16 +25,10 @@ class DataError(UserError, ValueError):
   """A dataset that cannot be opened: unknown, not prepared, missing split, wrong folder."""
 
 
-def default_data_dir() -> str:
-  return os.environ.get("TFDS_DATA_DIR") or os.path.expanduser("~/tensorflow_datasets")
-
-
 @dataclasses.dataclass
 class Source:
   """An opened dataset: its builder, label space and split sizes, and where its captions are.
-
-  An image-text dataset without classes has num_classes 0 and no class_names.
-  """
+  An image-text dataset without classes has num_classes 0 and no class_names."""
   name: str
   builder: tfds.core.DatasetBuilder
   num_classes: int
@@ -89,13 +81,10 @@ class Source:
 
   def read(self, split: str, process_index: int = 0, process_count: int = 1, *,
            drop_remainder: bool = True, with_index: bool = False) -> tf.data.Dataset:
-    """Raw examples of `split` (images still encoded), this process's contiguous share of them.
-
-    With drop_remainder every process gets n // count examples (training: equal streams);
-    without, the first n % count processes get one more, so every example is read once.
-    `with_index` adds `_index`, each example's position in its named split (stable across
-    processes, slices and epochs).
-    """
+    """Raw examples of `split` (encoded images), this process's contiguous share of them: with
+    drop_remainder every process gets n // count (training: equal streams); without, the first
+    n % count processes get one more, so every example is read once. `with_index` adds `_index`,
+    each example's position in its named split (stable across processes, slices and epochs)."""
     name, first, last = self._slice(split)
     begin, end = process_share(last - first, process_index, process_count, drop_remainder)
     start, stop = first + begin, first + end
@@ -114,8 +103,7 @@ class Source:
     return ds
 
   def captions(self, split: str) -> list[str]:
-    """Every caption of `split` (all of an example's, where it has several), in order: the text
-    a tokenizer is trained on."""
+    """Every caption of `split` (all of an example's), in order: the text a tokenizer trains on."""
     if not self.text_key:
       raise DataError(f"dataset {self.name!r} has no captions: set data.text_key to its text "
                       f"feature (its features are {sorted(self.builder.info.features.keys())}).")
@@ -150,11 +138,10 @@ def open_source(name: str, data_dir: str | None = None, root: str | None = None,
                 image_key: str = "image", label_key: str = "label",
                 skip_unreadable: bool = False, text_key: str | None = None) -> Source:
   """Opens (and for embedded datasets, prepares) a dataset, or raises DataError explaining why not.
-
   skip_unreadable (image folders and caption files) leaves out unreadable and non-image files with
-  a warning instead of failing. With `text_key` (the captions), a dataset needs no label.
-  """
-  data_dir = data_dir or default_data_dir()
+  a warning instead of failing. With `text_key` (the captions), a dataset needs no label."""
+  data_dir = (data_dir or os.environ.get("TFDS_DATA_DIR")
+              or os.path.expanduser("~/tensorflow_datasets"))
   if name == IMAGE_FOLDER:
     builder = _image_folder(root, skip_unreadable)
   elif name == CAPTIONS:
@@ -233,13 +220,7 @@ def _image_folder(root: str | None, skip_unreadable: bool = False):
     raise DataError(f"data.root={root!r} must contain a train/ folder of class sub-folders "
                     f"(and test/, optionally validation/); "
                     + (f"it contains {found}." if found is not None else "it does not exist."))
-  scan = image_folder.scan(root)
-  if skip_unreadable and scan.bad_files:
-    print(scan.warning(), file=sys.stderr)
-  error = scan.error(skip_unreadable)
-  if error:
-    raise DataError(error)
-  return image_folder.ScannedImageFolder(root, scan.examples)
+  return image_folder.ScannedImageFolder(root, _checked(image_folder.scan(root), skip_unreadable))
 
 
 def _caption_file(root: str | None, skip_unreadable: bool = False) -> caption_file.CaptionFile:
@@ -261,13 +242,16 @@ def _caption_file(root: str | None, skip_unreadable: bool = False) -> caption_fi
   elif not path.lower().endswith((".jsonl", ".csv")):
     raise DataError(f"data.root={root!r} is neither a .jsonl nor a .csv file of rows (image, "
                     f"caption[, split]), nor a folder holding {files}.")
-  scan = caption_file.scan(path)
+  return caption_file.CaptionFile(path, _checked(caption_file.scan(path), skip_unreadable))
+
+
+def _checked(scan, skip_unreadable: bool) -> dict:
+  """A scan's usable examples; a warning names what skip_unreadable left out, DataError the rest."""
   if skip_unreadable and scan.warning():
     print(scan.warning(), file=sys.stderr)
-  error = scan.error(skip_unreadable)
-  if error:
+  if error := scan.error(skip_unreadable):
     raise DataError(error)
-  return caption_file.CaptionFile(path, scan.examples)
+  return scan.examples
 
 
 def _prepared_tfds_builder(name: str, data_dir: str):
@@ -277,16 +261,15 @@ def _prepared_tfds_builder(name: str, data_dir: str):
     raise DataError(
         f"unknown dataset {name!r}: it is neither embedded ({', '.join(sorted(EMBEDDED))}), nor "
         f"'{IMAGE_FOLDER}' (with data.root=<dir>), nor '{CAPTIONS}' (with data.root=<file of "
-        "image-caption pairs>), nor a TFDS dataset name "
-        "(e.g. cifar10, cifar100, imagenet2012, oxford_iiit_pet).") from None
+        "image-caption pairs>), nor a TFDS dataset name (e.g. cifar10, cifar100, imagenet2012, "
+        "oxford_iiit_pet).") from None
   except Exception as e:  # a TFDS builder whose module cannot import, a bad config name...
     raise DataError(f"TFDS cannot open dataset {name!r}: {e}") from None
   if not _is_prepared(builder):
     raise DataError(
         f"TFDS dataset {name!r} is not prepared under data_dir {data_dir!r} (looked for "
-        f"{builder.data_dir}). Prepare it where the network is reachable, e.g. "
-        f"`tfds build {name} --data_dir {data_dir}`, and copy the folder here; or pass "
-        "data.data_dir=<dir> where it is prepared. Offline alternatives: "
-        f"{', '.join(sorted(EMBEDDED))}, data=image_folder data.root=<dir>, or data=captions "
-        "data.root=<file of image-caption pairs>.")
+        f"{builder.data_dir}). Prepare it where the network is reachable, e.g. `tfds build {name} "
+        f"--data_dir {data_dir}`, and copy the folder here; or pass data.data_dir=<dir> where it "
+        f"is prepared. Offline alternatives: {', '.join(sorted(EMBEDDED))}, data=image_folder "
+        "data.root=<dir>, or data=captions data.root=<file of image-caption pairs>.")
   return builder

@@ -1,10 +1,7 @@
-"""Captions to token ids for the text tower: UTF-8 bytes, a user's SentencePiece model, or one
-trained here on the training captions.
-
-Every tokenizer reserves id 0 for padding (the text tower masks it out) and ends each caption with
-an end-of-text id, whose position the tower pools at (`text.pool=last`). Ids of the `bytes` and
-`train` kinds: pad 0, end 1, unknown 2, then the vocabulary.
-"""
+"""Captions to token ids: UTF-8 bytes, a user's SentencePiece model, or one trained here on the
+training captions. Every tokenizer reserves id 0 for padding (the text tower masks it out) and ends
+each caption with an end-of-text id, where the tower pools (`text.pool=last`). Ids of the `bytes`
+and `train` kinds: pad 0, end 1, unknown 2, then the vocabulary."""
 from __future__ import annotations
 
 import dataclasses
@@ -62,12 +59,8 @@ def make_tokenizer(config: TokenizerConfig, *, texts: Iterable[str] | None = Non
 
 
 def load_sentencepiece(path: str) -> Tokenizer:
-  """A SentencePiece model file as a Tokenizer.
-
-  A model with padding at 0 and an end id (ours; T5's, LiT's) keeps its ids. Any other (the
-  SentencePiece defaults: unknown 0, no padding) has its ids shifted by one, so that 0 is free
-  for padding, and gets an end id after its vocabulary if it has none.
-  """
+  """A SentencePiece model file as a Tokenizer: ours, T5's or LiT's (pad 0, an end id) keep their
+  ids; others' shift by one to free 0 for padding, with an end id after the vocabulary if none."""
   import sentencepiece  # lazily: only the sentencepiece and train tokenizer kinds need it
 
   resolved = os.path.expanduser(path)

@@ -1,4 +1,4 @@
-"""Console progress: a bar with step, loss, images/s and ETA on a terminal; plain lines elsewhere."""
+"""Console progress: a bar with step, loss, images/s, ETA on a terminal; plain lines elsewhere."""
 from __future__ import annotations
 
 import sys
@@ -25,7 +25,6 @@ class Progress:
     self.bar = None
     self.t0 = None
     self.step0 = start_step
-    self.rate = 0.0
     if self.enabled and sys.stderr.isatty():
       self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step",
                       dynamic_ncols=True, leave=True)
@@ -46,17 +45,15 @@ class Progress:
     if not self.enabled:
       return
     rate = self.images_per_second(step)
-    eta = (self.total - step) * self.batch_size / rate if rate else float("nan")
     labels = {"train/loss": "loss", "train/prec@1": "prec@1", "train/i2t_prec@1": "i2t prec@1",
               "val/prec@1": "val prec@1", "val/nll": "val nll",
               "val/zero_shot_prec@1": "val zero-shot prec@1", "val/i2t_prec@1": "val i2t prec@1"}
-    shown = {label: metrics[k] for k, label in labels.items() if k in metrics}
-    text = " ".join(f"{k} {v:.4g}" for k, v in shown.items())
+    text = " ".join(f"{label} {metrics[k]:.4g}" for k, label in labels.items() if k in metrics)
     if self.bar is not None:
       self.bar.set_postfix_str(f"{text} {rate:.0f} img/s", refresh=True)
     else:
-      eta_text = _duration(eta) if rate else "?"
-      print(f"[{self.desc}] step {step}/{self.total} {text} {rate:.0f} img/s ETA {eta_text}",
+      eta = _duration((self.total - step) * self.batch_size / rate) if rate else "?"
+      print(f"[{self.desc}] step {step}/{self.total} {text} {rate:.0f} img/s ETA {eta}",
             file=sys.stderr, flush=True)
 
   def message(self, text: str) -> None:

@@ -1,11 +1,8 @@
-"""Starts a job's W&B run; an online run that cannot reach the server falls back to offline.
-
-W&B should never stop or stall training: on its own, online mode without an API key fails at
-once (or prompts on a terminal), and an unreachable server blocks for minutes before failing.
-So online mode checks the key, probes the server, and gives `wandb.init` a deadline; any failure
-becomes an offline run plus one warning line, and `wandb sync` uploads it later. Worst case
-(slow probe that passes, then a server that never answers): 8 + 12 + ~3 s to restart W&B offline.
-"""
+"""Starts a job's W&B run, falling back to offline when an online run cannot reach the server. W&B
+should never stop or stall training: alone, online mode without an API key fails at once (or prompts
+on a terminal), and an unreachable server blocks for minutes. So online mode checks the key, probes
+the server and gives `wandb.init` a deadline; any failure gives an offline run and one warning line
+(`wandb sync` uploads it later). Worst case: 8 s probe + 12 s init + ~3 s offline."""
 from __future__ import annotations
 
 import socket
@@ -43,11 +40,8 @@ def start_run(mode: str, workdir: str, **init_kwargs):
 
 
 def _unreachable(url: str) -> str | None:
-  """Why no TCP connection to the server opens, or None if one does.
-
-  The connection runs in a daemon thread so that a DNS lookup, which has no timeout of its own,
-  cannot hold the run longer than PROBE_TIMEOUT_S.
-  """
+  """Why no TCP connection to the server opens, or None; in a daemon thread, so that a DNS lookup
+  (which has no timeout of its own) cannot hold the run longer than PROBE_TIMEOUT_S."""
   parts = urllib.parse.urlsplit(url)
   port = parts.port or (443 if parts.scheme == "https" else 80)
   outcome = [f"no connection within {PROBE_TIMEOUT_S:g} s"]

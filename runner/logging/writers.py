@@ -1,9 +1,6 @@
-"""metrics.jsonl (one JSON object per logging step), summary.json and one W&B run per job.
-
-Only process 0 writes. W&B is offline by default (the run lands in <workdir>/wandb and can be
-synced later with `wandb sync`); online mode falls back to offline when the server cannot be
-reached (see wandb_run.py); a resumed job continues the same W&B run id.
-"""
+"""metrics.jsonl (one JSON object per logging step), summary.json and one W&B run per job, written
+by process 0. W&B is offline by default (<workdir>/wandb, for `wandb sync`), online falling back to
+offline when the server is unreachable (wandb_run.py); a resumed job continues its run id."""
 from __future__ import annotations
 
 import json
@@ -59,16 +56,13 @@ class MetricWriter:
     self.jsonl.flush()
     if self.run is not None:
       import wandb  # lazily: slow to import, and only a live W&B run needs it
-      logged = {}
-      for k, v in metrics.items():
-        v = np.asarray(v)
-        logged[k] = wandb.Histogram(v) if v.ndim else v.item()
-      self.run.log(logged, step=int(step))
+      arrays = {k: np.asarray(v) for k, v in metrics.items()}
+      self.run.log({k: wandb.Histogram(v) if v.ndim else v.item() for k, v in arrays.items()},
+                   step=int(step))
 
   def last_logged_training(self, up_to_step: int) -> dict:
-    """The metrics of the latest training record at or before `up_to_step` (the record that has
-    `train/` keys: with them the MoE layers' `moe/...` metrics of the same steps): a resumed run
-    that has nothing left to train still reports its last training metrics, all of them."""
+    """The metrics (`train/`, with the `moe/...` of the same steps) of the latest training record at
+    or before `up_to_step`: a resumed run with nothing left to train still reports them all."""
     if not self.active:
       return {}
     latest = {}

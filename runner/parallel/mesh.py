@@ -1,11 +1,8 @@
 """Mesh creation and logical-axis rules: model code names axes, a rule set maps them to the mesh.
-
-Mesh axes: `data` and `expert`. The batch is split over both (every device sees different images);
-parameters are replicated unless a rule maps one of their logical axes to a mesh axis:
-`expert` -> `expert` shards expert weights (expert parallelism), `embed` -> `data` shards every
-weight matrix along its embedding dimension (fully-sharded data parallelism). The axes, the rule
-bundles and the mesh's shape are config values (runner/config/mesh.py); this module builds them.
-"""
+The batch splits over both mesh axes, `data` and `expert`; parameters are replicated unless a rule
+maps one of their logical axes to a mesh axis: `expert` -> `expert` shards expert weights (expert
+parallelism), `embed` -> `data` shards each weight matrix along its embedding axis (fully-sharded
+data parallelism). Axes, rule bundles and mesh shape are config values (runner/config/mesh.py)."""
 from __future__ import annotations
 
 import collections

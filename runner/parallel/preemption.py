@@ -1,11 +1,7 @@
-"""What a job does after it saved a checkpoint because its scheduler signalled it.
-
-SLURM preempts a job (or warns it of its time limit, `--signal=USR1@...`) with a signal while it
-runs; `scancel --signal=TERM <job>` does the same by hand. Plain `scancel` cancels the job
-instead: SLURM marks it CANCELLED first. After the training loop has saved on such a signal,
-`requeue` puts a job SLURM still runs back in the queue, so that it starts again and resumes
-from that checkpoint; anywhere else it does nothing (a local run is rerun by hand).
-"""
+"""What a job does after it saved a checkpoint on its scheduler's signal: SLURM preempts a job (or
+warns it of its time limit, `--signal=USR1@...`) with a signal, as `scancel --signal=TERM <job>`
+does by hand (plain `scancel` cancels it: SLURM marks it CANCELLED first). Then `requeue` puts a job
+SLURM still runs back in the queue, to resume from that checkpoint; elsewhere it does nothing."""
 from __future__ import annotations
 
 import os

@@ -1,11 +1,7 @@
-"""A run refused for bad input leaves no folder behind.
-
-Hydra creates the workdir (its record in `.hydra/` and the job's log) before a stage can open its
-data and checkpoints, so a stage refused there would leave a folder that a later command, or a
-person, could take for a run. A workdir that held nothing but Hydra's record when the stage
-started was made by this command: a refusal removes it, and the empty folders above it that
-this command created.
-"""
+"""A run refused for bad input leaves no folder behind. Hydra creates the workdir (`.hydra/`, the
+job's log) before a stage opens its data and checkpoints, so a refused stage would leave a folder
+that could pass for a run. A workdir holding only Hydra's record when the stage started was made by
+this command: a refusal removes it, and the empty folders above it that the command created."""
 from __future__ import annotations
 
 import pathlib
@@ -34,8 +30,7 @@ def is_new(workdir: str | pathlib.Path, job_name: str) -> bool:
 def remove(workdir: str | pathlib.Path, existed: pathlib.Path | None) -> None:
   """Removes what the command wrote: the workdir, and its empty parents below `existed` (the
   deepest folder of its path that existed before the command; None: not known, so only the
-  workdir's contents). A workdir that existed before (an empty folder given as workdir=) is
-  emptied, not removed."""
+  workdir's contents). A workdir that existed before (an empty workdir=) is emptied, not removed."""
   workdir = pathlib.Path(workdir).absolute()
   if existed is None or existed == workdir:
     for entry in workdir.iterdir():

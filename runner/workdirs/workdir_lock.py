@@ -1,10 +1,6 @@
-"""One live vmoe process per workdir: an exclusive flock on <workdir>/.vmoe.lock.
-
-Two processes writing the same checkpoints and metrics would corrupt each other's run, so the
-second one stops before any work. The kernel drops a flock when its holder dies, even by SIGKILL,
-so a crashed run never leaves the workdir locked; the file's text (who holds the lock) only serves
-the error message.
-"""
+"""One live vmoe process per workdir (an exclusive flock on <workdir>/.vmoe.lock): two would corrupt
+each other's checkpoints and metrics. The kernel drops a flock when its holder dies, even by
+SIGKILL, so a crash never leaves it locked; the file's text (the holder) only serves the error."""
 from __future__ import annotations
 
 import datetime
@@ -20,10 +16,8 @@ LOCK_FILE = ".vmoe.lock"
 
 
 class WorkdirLock:
-  """`with WorkdirLock(workdir, command):` holds the workdir, or raises UserError if it is in use.
-
-  `enabled=False` (every process but process 0 of a multi-host job) makes it do nothing.
-  """
+  """`with WorkdirLock(workdir, command):` holds the workdir, or raises UserError if it is in use;
+  `enabled=False` (every process but process 0 of a multi-host job) makes it do nothing."""
 
   def __init__(self, workdir: str, command: str, enabled: bool = True):
     self.workdir = pathlib.Path(workdir)
@@ -68,24 +62,18 @@ class WorkdirLock:
 
 
 def is_held(workdir: str | os.PathLike) -> bool:
-  """True while some process holds the workdir's lock (this one included).
-
-  Asking with WorkdirLock itself would rewrite the file's record of the holder, so this probes the
-  same lock shared and non-blocking and lets go at once; the file is not changed. A vmoe process
-  starting in that microsecond would find the workdir in use and say so.
-  """
+  """True while some process (this one too) holds the workdir's lock, probed shared and non-blocking
+  (WorkdirLock would rewrite the holder's record). A process starting then would find it in use."""
   try:
     fd = os.open(pathlib.Path(workdir) / LOCK_FILE, os.O_RDONLY)
   except OSError:
     return False  # never locked
   try:
-    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # closing fd (finally) lets go of it
+    return False
   except BlockingIOError:
     return True
   except OSError:  # a filesystem without flock: no lock to tell a live run by
-    return False
-  else:
-    fcntl.flock(fd, fcntl.LOCK_UN)
     return False
   finally:
     os.close(fd)
