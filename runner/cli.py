@@ -1,11 +1,10 @@
 """`vmoe <subcommand> [hydra overrides]`: compose the subcommand's config with Hydra, run its task.
 
-Before Hydra runs (and creates the workdir), the overrides are composed and validated against the
-schema (runner/config), for every combination of a sweep's values, so a typo or a bad value is
-reported as one paragraph naming what is valid, and nothing is written. Errors that stop a run
+Before Hydra runs (and creates the workdir), every job's overrides (each combination of a sweep's
+values) are composed and validated against the schema (runner/config): a typo or a bad value is
+one paragraph naming what is valid, and nothing is written. Errors that stop a run
 (runner/errors.py) print one paragraph and exit with their code; only debug=true shows
-tracebacks. The parts are runner/command's, one job per module.
-"""
+tracebacks. The parts are runner/command's, one job per module."""
 from __future__ import annotations
 
 import importlib
@@ -47,7 +46,6 @@ config groups and options; `vmoe <subcommand> --cfg job` prints the composed con
 Studies: `vmoe finetune -cd sweeps -cn <study>` (see sweeps/README.md). Add debug=true to see
 Python tracebacks.
 """
-
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,8 +2,7 @@
 
 Runs the real `vmoe` subcommands in this process (so the XLA cache and imports are shared) and
 writes the chain's `vmoe report` pages; rerunning resumes finished stages, so it reprints the
-table in seconds. Extra arguments go to every stage (e.g. `logger.wandb.mode=disabled`).
-"""
+table in seconds. Extra arguments go to every stage (e.g. `logger.wandb.mode=disabled`)."""
 from __future__ import annotations
 
 import json
@@ -53,24 +52,20 @@ def _summary(name: str) -> dict:
 
 
 def table(seconds: dict[str, float]) -> str:
-  pre, fine, scratch = _summary("pretrain"), _summary("finetune"), _summary("scratch")
-  ev, bpr, pbe, ens = _summary("eval"), _summary("eval_bpr"), _summary("pbe"), _summary("ensemble")
-  rows = [
-      ("pretrain vmoe_tiny, 28 px", "mnist5k", pre["step"], pre["val/prec@1"], pre.get("test/prec@1"),
-       pre.get("test/nll"), seconds.get("pretrain")),
-      ("finetune from pretrain", "uci_digits", fine["step"], fine["val/prec@1"],
-       fine.get("test/prec@1"), fine.get("test/nll"), seconds.get("finetune")),
-      ("finetune from scratch (baseline)", "uci_digits", scratch["step"], scratch["val/prec@1"],
-       scratch.get("test/prec@1"), scratch.get("test/nll"), seconds.get("scratch")),
-      ("finetune pBE (K=1, M=2) from pretrain", "uci_digits", pbe["step"], pbe["val/prec@1"],
-       pbe.get("test/prec@1"), pbe.get("test/nll"), seconds.get("pbe")),
-      ("eval suite, C=1.05 vanilla routing", "uci_digits test", "-", None,
-       ev["uci_digits/prec@1"], ev["uci_digits/nll"], seconds.get("eval")),
-      ("eval, C=0.5 Batch Prioritized Routing", "uci_digits test", "-", None,
-       bpr["uci_digits/prec@1"], bpr["uci_digits/nll"], seconds.get("eval_bpr")),
-      ("ensemble: pBE + V-MoE fine-tunes", "uci_digits test", "-", None,
-       ens["uci_digits/prec@1"], ens["uci_digits/nll"], seconds.get("ensemble")),
-  ]
+  rows = []
+  for name, title, dataset in (("pretrain", "pretrain vmoe_tiny, 28 px", "mnist5k"),
+                               ("finetune", "finetune from pretrain", "uci_digits"),
+                               ("scratch", "finetune from scratch (baseline)", "uci_digits"),
+                               ("pbe", "finetune pBE (K=1, M=2) from pretrain", "uci_digits")):
+    s = _summary(name)
+    rows.append((title, dataset, s["step"], s["val/prec@1"], s.get("test/prec@1"),
+                 s.get("test/nll"), seconds.get(name)))
+  for name, title in (("eval", "eval suite, C=1.05 vanilla routing"),
+                      ("eval_bpr", "eval, C=0.5 Batch Prioritized Routing"),
+                      ("ensemble", "ensemble: pBE + V-MoE fine-tunes")):
+    s = _summary(name)
+    rows.append((title, "uci_digits test", "-", None, s["uci_digits/prec@1"], s["uci_digits/nll"],
+                 seconds.get(name)))
   fmt = lambda v: "-" if v is None else (f"{v:.4f}" if isinstance(v, float) else str(v))
   lines = ["| stage | data | steps | val prec@1 | test prec@1 | test NLL | seconds |",
            "|---|---|---|---|---|---|---|"]

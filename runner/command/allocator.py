@@ -17,11 +17,8 @@ _JEMALLOC_PATHS = ("{prefix}/lib/libjemalloc.so.2", "/usr/lib/x86_64-linux-gnu/l
 
 
 def find_jemalloc() -> str | None:
-  for pattern in _JEMALLOC_PATHS:
-    path = pattern.format(prefix=sys.prefix)
-    if os.path.exists(path):
-      return path
-  return None
+  paths = (pattern.format(prefix=sys.prefix) for pattern in _JEMALLOC_PATHS)
+  return next((path for path in paths if os.path.exists(path)), None)
 
 
 def reexec_with_jemalloc() -> None:
@@ -48,12 +45,11 @@ def quiet_environment() -> None:
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
-# Python's cycle collector rescans every object it tracks at each full collection. While a command
-# imports JAX, TensorFlow, Flax, Orbax and Hydra it runs a dozen such scans of a growing heap:
-# 1-2 s of a command's start on 2 CPU cores (docs/speed.md). What the imports make lives as long
-# as the process, so it is frozen out of later scans, and full scans come less often than
-# Python's default (every ~1M allocations rather than ~70k): a run's arrays are freed by reference
-# counting, not by the collector.
+# Python's cycle collector rescans every object it tracks at each full collection: while a command
+# imports JAX, TensorFlow, Flax, Orbax and Hydra, a dozen scans of a growing heap, 1-2 s of its
+# start on 2 CPU cores (docs/speed.md). What the imports make lives as long as the process, so it
+# is frozen out of later scans, and full scans come every ~1M allocations rather than Python's
+# ~70k: a run's arrays are freed by reference counting, not by the collector.
 COLLECTOR_THRESHOLDS = (10000, 10, 10)
 _collector_paused = False
 
@@ -67,9 +63,8 @@ def pause_collector() -> None:
 
 
 def resume_collector() -> None:
-  """As a job starts, the libraries loaded: what exists now is frozen, the collector resumed.
-  Only where `pause_collector` paused it, once: a process that calls the CLI in-process (a test,
-  a notebook) keeps its collector as it set it."""
+  """As a job starts (libraries loaded): what exists is frozen, the collector resumed. Only where
+  `pause_collector` paused it, once: a test or notebook calling the CLI keeps its collector."""
   global _collector_paused
   if not _collector_paused:
     return

@@ -1,10 +1,9 @@
-"""A command line's overrides and flags, as Hydra reads them, and a sweep's jobs from them.
-
-Pure text: nothing is composed here (runner/command/compose.py does that).
-"""
+"""A command line's overrides and flags, as Hydra reads them, and a sweep's jobs from them: pure
+text, nothing is composed here (runner/command/compose.py does that)."""
 from __future__ import annotations
 
 import itertools
+import math
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import IntervalSweep
@@ -19,8 +18,7 @@ _SHOW_FLAGS = {"-h", "--help", "--hydra-help", "--version", "-i", "--info", "--s
 
 def split_args(args: list[str]) -> tuple[dict, list[str], bool]:
   """(flags with values, overrides, whether Hydra only shows help/info)."""
-  flags, overrides, show = {}, [], False
-  i = 0
+  flags, overrides, show, i = {}, [], False, 0
   while i < len(args):
     arg = args[i]
     name, eq, value = arg.partition("=")
@@ -43,10 +41,8 @@ MAX_CHECKED_JOBS = 64
 
 
 def sweep_axes(overrides: list[str], study: dict) -> tuple[list[str], list[list[str]]]:
-  """(fixed overrides, one list of `key=value` per swept key), hydra.* dropped.
-
-  `study` holds a sweep study's own `hydra.sweeper.params`; the command line wins over it.
-  """
+  """(fixed overrides, one list of `key=value` per swept key), hydra.* dropped. `study` holds a
+  sweep study's own `hydra.sweeper.params`; the command line wins over it."""
   parser = OverridesParser.create()
   fixed, axes, given = [], [], set()
   for ov in parser.parse_overrides(overrides):
@@ -70,8 +66,7 @@ class SearchRangeError(ValueError):
 
 
 def _sweep_values(override) -> list:
-  """The values a sweep override takes; a search range (`interval(a,b)`, for the optuna
-  sweeper) is checked to be non-empty and is validated at both of its ends."""
+  """The values of a sweep override; of a search range (optuna's interval(a,b)): its ends, a < b."""
   sweep = override.value()
   if isinstance(sweep, IntervalSweep):
     if not sweep.start < sweep.end:
@@ -83,10 +78,7 @@ def _sweep_values(override) -> list:
 
 
 def job_count(overrides: list[str], study: dict) -> int:
-  count = 1
-  for axis in sweep_axes(overrides, study)[1]:
-    count *= len(axis)
-  return count
+  return math.prod(len(axis) for axis in sweep_axes(overrides, study)[1])
 
 
 def jobs(overrides: list[str], study: dict) -> list[list[str]]:
@@ -120,8 +112,7 @@ def overrides_first(args: list[str]) -> list[str]:
   return overrides + flags
 
 
-# Hydra's flags that choose the mode of a command: at most one of them is valid, in Hydra's terms
-# (spelled out as each's long form).
+# Hydra's flags that choose a command's mode (at most one is valid), as each's long form.
 _MODE_FLAGS = {"-m": "--multirun", "--multirun": "--multirun", "-c": "--cfg", "--cfg": "--cfg",
                "-i": "--info", "--info": "--info", "-sc": "--shell-completion",
                "--shell-completion": "--shell-completion"}

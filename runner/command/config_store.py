@@ -1,13 +1,10 @@
 """Registers the schemas and the catalog's model names for Hydra (the CLI's business).
 
 Composition checks every YAML file against these typed nodes: an unknown key or a value of the
-wrong type fails there, with the valid keys or choices. They are stored apart from Hydra's own
-ConfigStore, in `VmoeStore`, which Hydra reads through vmoe's config source
-(hydra_plugins/vmoe_configs): Hydra deep-copies its config repository at every composition, its
-ConfigStore with it (every schema and model option: 0.314 s a composition against 0.189 s
-without them, in-process on the 2-core VM, 2026-11-28; --help made about a hundred such copies),
-and that source holds no node, so a composition copies only the nodes it loads.
-"""
+wrong type fails there, with the valid keys or choices. They are stored in `VmoeStore`, apart from
+Hydra's ConfigStore, which Hydra deep-copies at every composition (with every schema and model
+option: 0.314 s a composition against 0.189 s, in-process on the 2-core VM, 2026-11-28); vmoe's
+config source (hydra_plugins/vmoe_configs) holds none: a composition copies only what it loads."""
 from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
@@ -25,12 +22,10 @@ class VmoeStore(ConfigStore):
 
 
 def register_model(name: str) -> None:
-  """Adds a model name of the catalog grammar as an option of the `model` config group.
-
-  As plain values, not a typed node: the same option then fills a task's full model config
-  (pretrain) and the all-optional model overrides of eval, ensemble and few-shot (a released
-  checkpoint names its model), each checked against its own schema.
-  """
+  """Adds a model name of the catalog grammar as an option of the `model` config group, as plain
+  values, not a typed node: the same option then fills a task's full model config (pretrain) and
+  the all-optional model overrides of eval, ensemble and few-shot (a released checkpoint names its
+  model), each checked against its own schema."""
   VmoeStore().store(group="model", name=name, node=as_dict(catalog.model_config(name)))
 
 

@@ -1,7 +1,6 @@
-"""`vmoe <stage> --help`: Hydra's application help, its configured template filled with the
-config groups and the composed config, made from one composition through the compose API.
-Hydra's own help copies its config repository once for each config group it lists (about a
-hundred copies of every schema and model option stored), which took seconds."""
+"""`vmoe <stage> --help`: Hydra's application help (its template filled with the config groups and
+the composed config) from one composition through the compose API. Hydra's own help copies its
+config repository for each config group it lists (about a hundred copies): seconds."""
 from __future__ import annotations
 
 import pathlib
@@ -43,14 +42,12 @@ def app_help(config_name: str, overrides: list[str], *, resolve: bool = False) -
 
 
 def main(sub: str, config_name: str, overrides: list[str], *, resolve: bool) -> int:
-  """Prints the help and every registered name; a config that does not compose is said in one
-  paragraph (exit 2), as for a run."""
+  """Prints the help and every registered name; a config that does not compose: exit 2, as a run."""
   try:
     text = app_help(config_name, overrides, resolve=resolve)
   except Exception as err:  # Hydra/OmegaConf raise many types; all mean "bad input"
-    print(f"vmoe {sub}: error: "
-          f"{compose.explain_composition_error(err, sub, overrides, None, config_name)}",
-          file=sys.stderr)
+    problem = compose.explain_composition_error(err, sub, overrides, None, config_name)
+    print(f"vmoe {sub}: error: {problem}", file=sys.stderr)
     return 2
   print(text)
   print(job.registered_names())

@@ -20,13 +20,11 @@ from runner.workdirs import refused_workdir
 
 
 def quiet_library_noise() -> None:
-  """Orbax/TensorStore report a failed read by absl ERROR lines and, after the error has reached
-  us, "Event loop is closed" tracebacks from their callback threads and one "Exception ignored"
-  traceback per array whose concurrent read was abandoned (dozens for a damaged checkpoint), and
-  asyncio's "exception was never retrieved" for each abandoned read's future whenever the
-  collector reaches it (after a refused run's workdir, and its job.log, are gone): the
-  one-paragraph message says it all, so these are dropped (debug=true keeps them). vmoe itself
-  uses no asyncio; Orbax's event loops do."""
+  """Drops what Orbax/TensorStore print about a failed read besides our one-paragraph message
+  (debug=true keeps it): absl ERROR lines; after the error has reached us, "Event loop is closed"
+  tracebacks, one "Exception ignored" traceback per abandoned concurrent array read (dozens for a
+  damaged checkpoint), and asyncio's "exception was never retrieved" for each abandoned read's
+  future once collected (after a refused run's workdir is gone). vmoe itself uses no asyncio."""
   logging.getLogger("absl").setLevel(logging.CRITICAL)
   logging.getLogger("asyncio").setLevel(logging.CRITICAL)
   default = sys.unraisablehook
@@ -34,19 +32,16 @@ def quiet_library_noise() -> None:
     return  # installed by an earlier command in this process (the demo, tests)
 
   def hook(unraisable):
-    if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
-        unraisable.exc_value):
-      return
-    if _abandoned_checkpoint_read(unraisable.object):
-      return
-    default(unraisable)
+    error = unraisable.exc_value
+    closed = isinstance(error, RuntimeError) and "Event loop is closed" in str(error)
+    if not (closed or _abandoned_checkpoint_read(unraisable.object)):
+      default(unraisable)
   hook.vmoe_quiet = True
   sys.unraisablehook = hook
 
 
 def _abandoned_checkpoint_read(obj) -> bool:
-  """A coroutine of the checkpoint library (Orbax) that Python collects unfinished: a read the
-  library abandoned when another read of the same checkpoint failed."""
+  """An unfinished Orbax coroutine: a read abandoned as another of the same checkpoint failed."""
   code = getattr(obj, "cr_code", None)
   return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
 
@@ -74,17 +69,15 @@ def _sweep_identity(typed) -> None:
 
 class Job:
   """The Hydra task function of stage `sub`. `existed`: the deepest folder of the workdir's path
-  that existed before Hydra created it (what a refused run removes stops there);
-  `devices_checked`: the pre-flight checks validated the config against this process's devices
-  (runner/command/preflight.py), so the task need not again.
+  that existed before Hydra created it (what a refused run removes stops there); `devices_checked`:
+  the pre-flight checks already validated the config against this process's devices.
 
   A launcher that runs the job in a process of its own (SLURM's, through submitit) pickles it
   with the composed config and Hydra's store. Unpickled there, it registers the built-ins and
   loads the plug-ins this process loaded before the launcher composes the job's config there:
   that composition is the schema's first use, which makes it once (runner/config/sections.py)."""
 
-  def __init__(self, sub: str, existed: pathlib.Path | None = None,
-               devices_checked: bool = False):
+  def __init__(self, sub: str, existed: pathlib.Path | None = None, devices_checked: bool = False):
     self.sub, self.existed, self.devices_checked = sub, existed, devices_checked
 
   def __reduce__(self):
@@ -102,14 +95,14 @@ class Job:
       # The built-ins registered when it was unpickled, or by the CLI in this process; the
       # config's plug-ins again, in case a launcher composed it with others.
       plugins.load(cfg.get("plugins") or [])
-      # Checked before launch; in the job it is checked once more, with its devices, as the
-      # task starts (runner/stages/common.py).
+      # Checked before launch, and in the job once more with its devices (stages/common.py).
       checkpoints = weights.Checkpoints()  # the job opens each checkpoint path once
       typed = config_layer.load(sub, cfg, workdir, check=False, checkpoints=checkpoints)
       _sweep_identity(typed)
       allocator.resume_collector()  # the libraries have loaded
       metric = run_task(sub, typed, checkpoints, devices_checked=self.devices_checked)
-      if typed.logger.report and sub not in _NO_PAGE:
+      # An export's folder is a model folder (its README.md is the card): no report page.
+      if typed.logger.report and sub != "export":
         _write_report(typed.workdir)
       return metric
     except VmoeError as e:
@@ -122,8 +115,7 @@ class Job:
     except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal
       if cfg.get("debug"):
         raise
-      print(f"vmoe {sub}: interrupted before training started; nothing was saved.",
-            file=sys.stderr)
+      print(f"vmoe {sub}: interrupted before training started; nothing was saved.", file=sys.stderr)
       sys.exit(130)
 
 
@@ -132,10 +124,6 @@ def _unpickled_job(sub: str, existed, devices_checked: bool, plugin_names: list[
   builtins.register()
   plugins.load(plugin_names)
   return Job(sub, existed, devices_checked)
-
-
-# Stages whose folder gets no report page: an export's is a model folder (its README.md is the card).
-_NO_PAGE = ("export",)
 
 
 def _write_report(workdir: str) -> None:

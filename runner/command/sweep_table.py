@@ -1,15 +1,13 @@
 """The table a sweep prints when it ends: each job's number, swept values, status, main metric.
 
-A Hydra callback (conf/hydra/env/vmoe.yaml) of the process that runs `vmoe <stage> --multirun`,
-so one piece of code serves every launcher: the jobs run in that process (basic), as processes of
-their own (parallel) or on SLURM's nodes, and the command waits for all of them before the sweep
-ends. The jobs are read from their folders as `vmoe summarize` reads them (runner/report/summarize.py):
-a job of this sweep is a folder whose .hydra/overrides.yaml was written since the sweep began, and
-it succeeded if it wrote its summary.json since then too (a rerun into an older sweep's folder
-shows only the jobs it ran). A failed job stops the sweep (Hydra's sweepers raise its error; the
-basic launcher at that job, the parallel one at the end of its batch) before the callback hears
-of its end: the command then prints the table with print_stopped_sweep, as it exits.
-"""
+A Hydra callback (conf/hydra/env/vmoe.yaml) of the process that runs `vmoe <stage> --multirun`, so
+one piece of code serves every launcher (the jobs run in that process, as processes of their own or
+on SLURM's nodes; the command waits for all). Jobs are read from their folders as `vmoe summarize`
+reads them (runner/report/summarize.py): a job of this sweep is a folder whose .hydra/overrides.yaml
+was written since the sweep began, and it succeeded if it wrote its summary.json since then too (a
+rerun into an older sweep's folder shows only the jobs it ran). A failed job stops the sweep (the
+basic launcher at that job, the parallel one at the end of its batch) before the callback hears of
+its end; print_stopped_sweep then prints the table as the command exits."""
 from __future__ import annotations
 
 import json
@@ -50,8 +48,7 @@ _begun: SweepTable | None = None  # the sweep of this process that has begun and
 
 
 def print_stopped_sweep() -> None:
-  """The table of this process's sweep if a failed job stopped it (Hydra raised before the
-  sweep's end); nothing otherwise."""
+  """The table of this process's sweep if a failed job stopped it (Hydra raised before its end)."""
   global _begun
   stopped, _begun = _begun, None
   if stopped is not None:

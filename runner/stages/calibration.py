@@ -4,8 +4,7 @@ One pass over the calibration images, in inference mode: per layer, how many tok
 expert (before the buffers' capacity drops any: the router's preference, what Lu et al. count),
 how many it processed, the routing weight each received, and, for merging, every expert applied
 to every token of the layer's input and averaged over the tokens (HC-SMoE's expert outputs).
-Padded images of the last batch count for nothing.
-"""
+Padded images of the last batch count for nothing."""
 from __future__ import annotations
 
 import dataclasses
@@ -49,10 +48,9 @@ def gather(model, params, batches, *, examples: int, partitions: int, tiled: boo
            progress=None) -> tuple[dict[str, LayerStats], int]:
   """({"layer_<i>": LayerStats}, images seen) over the first `examples` real images of `batches`
   (dicts of image, labels, _mask, and the value range the device applies: runner/models/inputs.py);
-  each batch's logits also go to `predictions`
-  (runner.evaluators.predictions.PredictionStats). `partitions` and `tiled`: a partitioned batch
-  ensemble's layout (runner/models/moe/layer.py). `keep_io` keeps every layer's inputs and outputs
-  (host memory: the calibration set's tokens, twice per layer) for `reconstruction_errors`."""
+  each batch's logits also go to `predictions` (runner.evaluators.predictions.PredictionStats).
+  `partitions`, `tiled`: a partitioned batch ensemble's layout (runner/models/moe/layer.py).
+  `keep_io`: every layer's inputs and outputs kept for `reconstruction_errors` (host memory)."""
 
   @jax.jit
   def step(params, batch, mask):
@@ -106,8 +104,7 @@ def gather(model, params, batches, *, examples: int, partitions: int, tiled: boo
 
 def _output_sums(params, layer: str, x: jax.Array, mask: jax.Array, partitions: int,
                  tiled: bool) -> tuple[jax.Array, jax.Array]:
-  """((E, D), (E,)): each expert's outputs summed over every token its partition's rows hold
-  (real images only), and how many tokens that is."""
+  """((E, D), (E,)): each expert's output summed over its partition's real tokens; their count."""
   experts = params[f"block_{layer.rsplit('_', 1)[-1]}"][introspection.MOE_LAYER]["experts"]
   weights = tuple(experts[k] for k in compression.EXPERT_PARAMS)
   e = weights[0].shape[0] // partitions
@@ -127,11 +124,10 @@ def _output_sums(params, layer: str, x: jax.Array, mask: jax.Array, partitions: 
 
 
 def reconstruction_errors(block: dict, io: list, candidates) -> list[float]:
-  """Lu et al.'s criterion for each candidate (a dict of the layer's parameters with fewer
-  experts, all of one shape): the squared distance between the layer's output with all its
-  experts and the layer's output with the candidate's, summed over the real images' tokens of
-  `io` (`LayerStats.io`), relative to the squared norm of the former. `block`: MoeMlpBlock's
-  keyword arguments for the candidates' expert count (the compressed model's)."""
+  """Lu et al.'s criterion for each candidate (the layer's parameters with fewer experts, all of
+  one shape): the squared distance between the layer's output with all its experts and with the
+  candidate's, summed over the real images' tokens of `io` (`LayerStats.io`), relative to the
+  former's squared norm. `block`: MoeMlpBlock's keyword arguments for the candidates' experts."""
   layer = MoeMlpBlock(**block)
 
   @jax.jit

@@ -53,10 +53,8 @@ def write_config(config, workdir: str) -> None:
 
 
 def open_data(d: DataConfig) -> tuple[DataConfig, data.Source]:
-  """Opens the dataset; a missing eval split becomes a held-out slice of the train split.
-
-  Returns the data config with the splits actually used, so they are stored with the checkpoint.
-  """
+  """Opens the dataset; a missing eval split becomes a held-out slice of the train split. Returns
+  the data config with the splits actually used, so they are stored with the checkpoint."""
   source = data.open_source(d.name, data_dir=d.data_dir, root=d.root, image_key=d.image_key,
                             label_key=d.label_key, skip_unreadable=d.skip_unreadable,
                             text_key=d.text_key)
@@ -75,7 +73,6 @@ def open_data(d: DataConfig) -> tuple[DataConfig, data.Source]:
   if test_split and not source.has_split(test_split):
     test_split = None
   return dataclasses.replace(d, split=split, eval_split=eval_split, test_split=test_split), source
-
 
 
 def check_params_fit(path: str, step: int, params, model, image_shape, command: str) -> None:

@@ -4,11 +4,10 @@ The image tower is `model` (any catalog model, without its head), the text tower
 data are image-caption pairs (`data.text_key`; by default the embedded MNIST digits with template
 captions). With `init.checkpoint=<an image model's run>` the image tower starts from it and, with
 `objective.lock_image` (the default), stays locked: LiT (Zhai et al. 2022). `model.head.type=
-het_xl` adds HET-XL's noise to the representations (runner/models/contrastive.py). The tokenizer
-is `text.tokenizer.*`; a trained one is written to the workdir and reused by later stages.
-Validation reports the loss, in-batch retrieval accuracies, and zero-shot accuracy from class
-prompts (the embedded captions' held-out templates) when the data has classes.
-"""
+het_xl` adds HET-XL's noise to the representations (runner/models/contrastive.py). A trained
+tokenizer (`text.tokenizer.*`) is written to the workdir for later stages. Validation: the loss,
+in-batch retrieval accuracies, and zero-shot accuracy from class prompts (the embedded captions'
+held-out templates) when the data has classes."""
 from __future__ import annotations
 
 import dataclasses
@@ -48,13 +47,10 @@ class PairTraining:
 
 def tokenizer(config: TrainTask, source: data.Source, split: str, workdir: str, *,
               resuming: bool, scratch: str):
-  """The run's tokenizer; `train` fits one on the training captions, kept in the workdir. A
-  resumed run reuses it (its ids must not change); a fresh run trains one in `scratch`, which
-  `keep_tokenizer` moves into the workdir once the run is known to start (a failed start leaves
-  nothing a rerun could take for its tokenizer)."""
-  texts = None
-  if config.text.tokenizer.kind == TokenizerKind.train:
-    texts = source.captions(split)
+  """The run's tokenizer (`train`: fitted on the training captions). A resumed run reuses the
+  workdir's (its ids must not change); a fresh run trains one in `scratch`, which `keep_tokenizer`
+  moves into the workdir once the run starts (a failed start leaves nothing a rerun could take)."""
+  texts = source.captions(split) if config.text.tokenizer.kind == TokenizerKind.train else None
   return make_tokenizer(config.text.tokenizer, texts=texts,
                         workdir=workdir if resuming else scratch)
 
@@ -75,8 +71,7 @@ def class_tokens(names: list[str] | None, templates, tok, max_length: int):
 
 
 def _image_tower_init(config: TrainTask, model, image_shape, start: weights.Opened) -> dict:
-  """Parameters with the image tower from init.checkpoint, opened as `start` (its head left out);
-  the rest fresh."""
+  """Parameters: the image tower from init.checkpoint (`start`; no head), the rest fresh."""
   init = config.init
   restored, stored, step = start.load(ensemble_size=derived.ensemble_size(config.model))
   fresh = state_lib.fresh_params(model, image_shape, config.seed)
@@ -91,8 +86,7 @@ def _image_tower_init(config: TrainTask, model, image_shape, start: weights.Open
 def run(config: TrainTask, placement: Placement, stage: str, *, source: data.Source,
         resuming: bool, start: weights.Opened | None, fewshot, steps: int) -> dict:
   """Called by runner/stages/training.py once the data (and few-shot datasets) are open and the
-  run's `steps` checked against its schedule; `start`: init.checkpoint, opened, when a new run
-  starts from it."""
+  run's `steps` checked; `start`: init.checkpoint, opened, when a new run starts from it."""
   if not source.text_key:
     raise ConfigError(f"objective=contrastive trains on image-caption pairs, but data="
                       f"{config.data.name} has no captions (data.text_key is not set); use "
@@ -112,9 +106,7 @@ def run(config: TrainTask, placement: Placement, stage: str, *, source: data.Sou
     model = build_two_towers(config.model, config.text, config.objective, tok.vocab_size,
                              lock_image=locked)
     image_shape = data.image_shape(source, config.data.split, config.data.pp_train)
-    init_params = None
-    if start is not None:
-      init_params = _image_tower_init(config, model, image_shape, start)
+    init_params = _image_tower_init(config, model, image_shape, start) if start else None
     if not resuming:
       keep_tokenizer(config, scratch)
   common.write_config(config, config.workdir)

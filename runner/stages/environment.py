@@ -28,8 +28,7 @@ def _version(package: str) -> str | None:
 
 
 def _git_commit() -> str | None:
-  """The commit of the checkout vmoe runs from ("+changes" when its files differ from it), or
-  None outside a git checkout."""
+  """The commit vmoe runs from ("+changes" where its files differ), or None outside a checkout."""
   root = pathlib.Path(__file__).resolve().parents[2]
   if not (root / ".git").exists():
     return None
@@ -66,8 +65,7 @@ def gpu_not_found() -> str | None:
 def describe() -> dict:
   return {"git_commit": _git_commit(),
           "packages": {p: v for p in PACKAGES if (v := _version(p)) is not None},
-          "devices": devices(),
-          "processes": jax.process_count(), "host": socket.gethostname(),
+          "devices": devices(), "processes": jax.process_count(), "host": socket.gethostname(),
           "python": platform.python_version(), "platform": platform.platform()}
 
 

@@ -1,9 +1,8 @@
 """Few-shot datasets named on the command line (fewshot.datasets): pools, test splits, checks.
 
-Shared by `vmoe fewshot` and by training with fewshot.every_steps. Every problem (unknown
-dataset or split, an empty split, a class with fewer examples than the shots asked) is found here,
-from split sizes and the label column alone, before a model is compiled or an image decoded.
-"""
+Shared by `vmoe fewshot` and training with fewshot.every_steps. Every problem (unknown dataset or
+split, an empty split, a class with fewer examples than the shots asked) is found here, from split
+sizes and the label column alone, before a model is compiled or an image decoded."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,9 +44,8 @@ def pool_split(d: DataConfig, train_split: str) -> str:
   """fewshot.train_split; when that is the default 'train' and the dataset's own config trains on
   a slice of it (train[:98%], the rest held out for validation), that slice."""
   own = str(d.split or "")
-  if train_split == "train" and own.replace(" ", "").startswith("train["):
-    return own
-  return train_split
+  own_slice = train_split == "train" and own.replace(" ", "").startswith("train[")
+  return own if own_slice else train_split
 
 
 def _nonempty(source: data.Source, split: str, what: str) -> int:
@@ -96,10 +94,8 @@ def open_datasets(fewshot: FewshotConfig, base_data: DataConfig) -> dict[str, Fe
 
 def batches(opened: dict[str, FewshotData], batch_size: int, *,
             cache: bool | None = None) -> dict[str, tuple]:
-  """name -> (pool batches, test batches, num_classes), as FewshotEvaluator takes them.
-
-  `cache` (None) keeps small splits in memory for the repeated evaluations of training.
-  """
+  """name -> (pool batches, test batches, num_classes), as FewshotEvaluator takes them. `cache`
+  (None) keeps small splits in memory for the repeated evaluations of training."""
   processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
   per_process = batch_size // processes["process_count"]
   out = {}

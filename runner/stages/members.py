@@ -3,11 +3,9 @@
 One checkpoint (a ViT, a V-MoE, a partitioned batch ensemble) is its own flax model; several
 checkpoints (a deep ensemble) or MC-dropout samples become a `runner.models.ensemble.Ensemble`.
 A contrastive checkpoint is one member too: its two towers as a zero-shot classifier
-(`zero_shot`, runner/stages/zero_shot.py), whose parameters hold the class embeddings.
-Either way the evaluators see "a model" whose logits are the prediction and whose extras carry
-the members' logits when there are several (design principle 12: an ensemble is a list of
-members).
-"""
+(`zero_shot`, runner/stages/zero_shot.py), whose parameters hold the class embeddings. Either way
+the evaluators see "a model" whose logits are the prediction and whose extras carry the members'
+logits when there are several (design principle 12: an ensemble is a list of members)."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,14 +34,19 @@ class Checkpoint:
 
   def build(self, config: ModelConfig, num_classes: int, output: str):
     """This checkpoint's flax model with `config` (its own, or with inference changes)."""
-    if self.zero_shot is not None:
-      return self.zero_shot.model(config)
-    return build_model(config, num_classes, output=output)
+    return (self.zero_shot.model(config) if self.zero_shot is not None
+            else build_model(config, num_classes, output=output))
 
   @property
   def predicting_params(self) -> dict:
     """The parameters a prediction uses (a zero-shot classifier's text tower ran once, before)."""
     return self.zero_shot.per_image(self.params) if self.zero_shot is not None else self.params
+
+
+def _with_router(config: ModelConfig, changes: dict) -> ModelConfig:
+  """`config` with `changes` to its router (inference capacity, Batch Prioritized Routing)."""
+  return (dataclasses.replace(config, router=dataclasses.replace(config.router, **changes))
+          if changes else config)
 
 
 class Members:
@@ -56,9 +59,8 @@ class Members:
                heads.num_classes(c.params) for c in checkpoints]
     if len(set(classes)) > 1:
       listing = "; ".join(f"{c.path}: {n} classes" for c, n in zip(checkpoints, classes))
-      raise ConfigError("the members of an ensemble must predict the same classes, but their "
-                        f"heads differ ({listing}); combine checkpoints fine-tuned on the same "
-                        "dataset.")
+      raise ConfigError("the members of an ensemble must predict the same classes, but their heads "
+                        f"differ ({listing}); combine checkpoints fine-tuned on the same dataset.")
     self.num_classes = classes[0]
     self.placed = None
 
@@ -69,12 +71,8 @@ class Members:
   def model(self, **router_changes):
     """The flax model of one checkpoint, or an `Ensemble`; `router_changes` (inference capacity,
     Batch Prioritized Routing) apply to every member with experts."""
-    configs = [c.config for c in self.checkpoints]
-    if router_changes:
-      configs = [dataclasses.replace(c, router=dataclasses.replace(c.router, **router_changes))
-                 for c in configs]
-    models = [c.build(config, self.num_classes, self.output)
-              for c, config in zip(self.checkpoints, configs)]
+    models = [c.build(_with_router(c.config, router_changes), self.num_classes, self.output)
+              for c in self.checkpoints]
     if self.is_one_model:
       return models[0]
     return Ensemble(models, output=self.output, mc_samples=self.mc_samples, seed=self.seed)
@@ -102,18 +100,12 @@ class Members:
     return self.placed
 
   def analytic_flops(self, batch_size: int, **router_changes) -> float:
-    """Forward matmul FLOPs per image of every member.
-
-    MC-dropout samples share what precedes the first layer with dropout: for a V-MoE whose only
-    dropout is in its experts (the paper's MC-dropout V-MoE, tiled at the first MoE layer) they are
-    counted as its tiled copies; otherwise as whole separate passes.
-    """
+    """Forward matmul FLOPs per image of every member. MC-dropout samples share what precedes the
+    first layer with dropout: counted as a V-MoE's tiled copies where its only dropout is in its
+    experts (the paper's MC-dropout V-MoE, tiled at the first MoE layer), else as whole passes."""
     total = 0.0
     for c in self.checkpoints:
-      config = c.config
-      if router_changes:
-        config = dataclasses.replace(config, router=dataclasses.replace(config.router,
-                                                                        **router_changes))
+      config = _with_router(c.config, router_changes)
       samples = self.mc_samples or 1
       if c.zero_shot is not None:
         total += samples * c.zero_shot.flops_per_image(config, batch_size)

@@ -23,9 +23,7 @@ def _model_differences(stored: dict, current: dict, prefix: str = "model.") -> s
   ignore = {"name", "dropout_rate", "attention_dropout_rate", "dtype", "router", "image_size",
             "expert_dropout", "dispatcher", "grouped_matmul", "group_size"}
   out = []
-  for key in sorted(set(stored) | set(current)):
-    if key in ignore:
-      continue
+  for key in sorted((set(stored) | set(current)) - ignore):
     a, b = stored.get(key), current.get(key)
     if isinstance(a, dict) and isinstance(b, dict):
       sub = _model_differences(a, b, f"{prefix}{key}.")
@@ -63,9 +61,8 @@ def _router_changes(config: TrainTask, stored: dict | None, restored) -> bool:
 
 
 def init_from_checkpoint(config: TrainTask, model, image_shape: tuple, start: weights.Opened):
-  """Parameters for `model` mapped from init.checkpoint, opened as `start` (an earlier stage's
-  run, or a released checkpoint); with init.tower, from that tower of a contrastive run (its head
-  is new)."""
+  """Parameters for `model` mapped from init.checkpoint, opened as `start` (an earlier stage's run
+  or a released checkpoint); with init.tower, from that tower of a contrastive run (a new head)."""
   init = config.init
   stored = start.stored_config()
   if stored is not None:
@@ -79,8 +76,7 @@ def init_from_checkpoint(config: TrainTask, model, image_shape: tuple, start: we
     return transfer.adapt_params(restored, fresh, reinit_head=init.reinit_head,
                                  dense_to_experts=init.dense_to_experts,
                                  drop_upcycling=(init.drop_upcycling_ratio, config.seed),
-                                 new_router=_router_changes(config, stored, restored),
-                                 source=what)
+                                 new_router=_router_changes(config, stored, restored), source=what)
   except checkpoint.CheckpointError as e:
     if not stored:  # a released checkpoint: no config to compare with
       raise checkpoint.CheckpointError(
@@ -126,9 +122,7 @@ def run_training(config: TrainTask, placement: Placement, checkpoints: weights.C
                       output=derived.model_output(config.train.loss))
   plan = TrainPlan(steps, data.image_shape(source, config.data.split, config.data.pp_train),
                    param_updates_of(config.model, stage))
-  init_params = None
-  if start is not None:
-    init_params = init_from_checkpoint(config, model, plan.image_shape, start)
+  init_params = init_from_checkpoint(config, model, plan.image_shape, start) if start else None
   common.write_config(config, config.workdir)
   return train_and_evaluate(config, model=model, source=source, placement=placement, plan=plan,
                             init_params=init_params, stage=stage, fewshot_datasets=fewshot,

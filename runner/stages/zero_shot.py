@@ -2,8 +2,7 @@
 (docs/contrastive.md), one member of `Members` like any checkpoint, so that every measurement that
 declares `on_contrastive` applies. A dataset of captions without labels can only be measured by
 the evaluators that declare they need no labels, which then run alone. Everything is checked
-before any compute: the class names, the tokenizer the run wrote, and that the parameters fit.
-"""
+before any compute: the class names, the tokenizer the run wrote, and that the parameters fit."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +14,7 @@ import numpy as np
 from runner import data
 from runner.checkpoints import checkpoint, weights
 from runner.config import derived
-from runner.config.schema import (HeadType, ModelConfig, ObjectiveConfig, TextConfig,
-                                  TokenizerKind)
+from runner.config.schema import HeadType, ModelConfig, ObjectiveConfig, TextConfig, TokenizerKind
 from runner.data.captions import HELD_OUT_TEMPLATES
 from runner.data.tokenizers import MODEL_FILE, Tokenizer, make_tokenizer
 from runner.errors import ConfigError
@@ -44,8 +42,7 @@ def _turn_on(cls: type[suite_lib.Evaluator], eval_config) -> str:
 
 @dataclasses.dataclass
 class ZeroShot:
-  """What makes a contrastive checkpoint a classifier: its text tower's config and tokenizer, and
-  the classes and prompts it was given."""
+  """What makes a contrastive checkpoint a classifier: text tower, tokenizer, classes, prompts."""
   text: TextConfig
   objective: ObjectiveConfig
   tokenizer: Tokenizer
@@ -98,8 +95,7 @@ def tokenizer(config, opened: weights.Opened) -> Tokenizer:
 
 def class_names(config, first: suite_lib.Dataset) -> list[str]:
   """eval.zero_shot.class_names, else the first eval dataset's own; [] on a dataset without labels
-  (where only the evaluators that need none run). Raises ConfigError when there is nothing to
-  classify with."""
+  (only the evaluators that need none run). ConfigError when there is nothing to classify with."""
   e, source = config.eval, first.source
   given = [str(n) for n in e.zero_shot.class_names]
   if not source.num_classes:
@@ -126,9 +122,8 @@ def class_names(config, first: suite_lib.Dataset) -> list[str]:
     if len(given) != source.num_classes:
       known = f" ({', '.join(source.class_names)})" if source.class_names else ""
       raise ConfigError(
-          f"eval.zero_shot.class_names names {len(given)} classes, but eval dataset "
-          f"{first.name!r} has {source.num_classes}{known}; give one name per class, in the "
-          "order of its labels.")
+          f"eval.zero_shot.class_names names {len(given)} classes, but eval dataset {first.name!r} "
+          f"has {source.num_classes}{known}; give one name per class, in the order of its labels.")
     return given
   if not source.class_names:
     raise ConfigError(
@@ -169,9 +164,9 @@ def _warn_if_cut(names: list[str], templates: list[str], tok: Tokenizer, max_len
 
 
 def load(config, opened: weights.Opened) -> tuple[Members, tuple[str, ...], dict]:
-  """(the checkpoint as a zero-shot classifier, the evaluators that may run on it (those the
-  eval.* keys enable run), the summary's zero-shot entries) for the resolved eval run `config`
-  of a contrastive run, whose init.checkpoint is `opened`."""
+  """(the checkpoint as a zero-shot classifier, the evaluators that may run on it (those the eval.*
+  keys enable run), the summary's zero-shot entries) for the resolved eval run `config` of a
+  contrastive run, whose init.checkpoint is `opened`."""
   e, path = config.eval, opened.path
   datasets = e.datasets or [config.data.name]
   enabled = [cls for _, cls in EVALUATORS.items() if cls.on_contrastive and cls.enabled(e)]
@@ -193,8 +188,7 @@ def load(config, opened: weights.Opened) -> tuple[Members, tuple[str, ...], dict
   classes = embed_classes(towers, params, names, templates, tok, config.text.max_length)
   member = Checkpoint(path=path, step=step, config=config.model,
                       params={"towers": params, "classes": classes}, zero_shot=spec)
-  temperature = float(np.exp(np.asarray(params["log_temperature"])))
-  summary = {"zero_shot/temperature": temperature}
+  summary = {"zero_shot/temperature": float(np.exp(np.asarray(params["log_temperature"])))}
   if names:
     summary.update({"zero_shot/num_classes": len(names), "zero_shot/class_names": names,
                     "zero_shot/templates": templates})

@@ -1,9 +1,7 @@
-"""One module per subcommand; each `run(config, placement) -> dict` wires library calls, nothing more.
-
-`run_task` does what every subcommand does first: join the job, check the config against the
-devices, and hold the workdir's lock so that no second process writes into a live run.
-`main_metric` is the number a stage is judged by (what a hyperparameter search maximises).
-"""
+"""One module per subcommand, each `run(config, placement, checkpoints) -> dict` wiring library
+calls, nothing more. `run_task` does what every subcommand does first: join the job, check the
+config against the devices, and hold the workdir's lock (no second process writes into a live
+run). `main_metric` is the number a stage is judged by (what a hyperparameter search maximises)."""
 from __future__ import annotations
 
 import importlib
@@ -43,8 +41,8 @@ def main_metric(stage: str, summary: dict) -> float:
 
 
 def run_task(name: str, config, checkpoints, *, devices_checked: bool = False) -> float:
-  """Runs subcommand `name`; returns its main metric (its summary is in the workdir).
-  `checkpoints` (runner.checkpoints.weights.Checkpoints) opens the checkpoint paths of the job, once each;
+  """Runs subcommand `name`; returns its main metric (its summary is in the workdir). `checkpoints`
+  (runner.checkpoints.weights.Checkpoints) opens the job's checkpoint paths, once each;
   `devices_checked`: the CLI checked the config against this process's devices already."""
   # Lazily: these load JAX and TensorFlow, and `vmoe summarize` and the Hydra launcher import this
   # package for main_metric alone.

@@ -4,11 +4,9 @@ folder whose checkpoint has E' routed experts per MoE layer (docs/compression.md
 One pass over the calibration images gathers each layer's routing statistics
 (runner/stages/calibration.py); runner/models/compression.py turns them into the experts kept or
 merged; a second pass measures the compressed model on the same images. The folder holds the
-checkpoint (its stored config the compressed model's, so that eval, finetune, fewshot, ensemble
-and export take it as any run), summary.json with the statistics used, and a picture of them.
-Everything that can be refused (a Soft MoE, a dense ViT, E' that does not fit) was refused before
-this runs (runner/config/relations.py).
-"""
+checkpoint (its stored config the compressed model's: later stages take it as any run),
+summary.json with the statistics used, and a picture of them. What can be refused (a Soft MoE, a
+dense ViT, E' that does not fit) was refused before this runs (runner/config/relations.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -48,7 +46,9 @@ def run(config: CompressRun, placement: Placement, checkpoints: weights.Checkpoi
   _check_routers(params, blocks=derived.moe_layers(config.model),
                  experts=derived.num_experts(config.model), family=config.model.router.type)
   smaller = compressed_model(config.model, c.experts)
-  layout = _layout(config.model)
+  # How a partitioned ensemble's rows and experts lie (runner/models/moe/layer.py).
+  layout = {"partitions": derived.expert_partitions(config.model),
+            "tiled": derived.predictions_per_image(config.model) > 1}
   batch = int(d.eval_batch_size or d.batch_size)
 
   def calibrate(net, net_params, first: bool, what: str):
@@ -59,8 +59,7 @@ def run(config: CompressRun, placement: Placement, checkpoints: weights.Checkpoi
     try:
       stats, seen = calibration.gather(net, net_params, batches, examples=c.examples,
                                        outputs=first and c.method == CompressMethod.merge,
-                                       keep_io=first,
-                                       predictions=predictions, **layout,
+                                       keep_io=first, predictions=predictions, **layout,
                                        progress=lambda seen: bar.step_done(-(-seen // batch)))
     finally:
       bar.close()
@@ -128,16 +127,9 @@ def compressed_model(model: ModelConfig, experts: int) -> ModelConfig:
   return dataclasses.replace(model, moe=moe, router=router)
 
 
-def _layout(model: ModelConfig) -> dict:
-  """How a partitioned ensemble's rows and experts lie (runner/models/moe/layer.py)."""
-  return {"partitions": derived.expert_partitions(model),
-          "tiled": derived.predictions_per_image(model) > 1}
-
-
 def _compress(params, stats: dict, c, partitions: int, block: dict) -> tuple[dict, dict, dict]:
-  """({layer: plan}, the parameters with each MoE layer's experts and router compressed,
-  {layer: the compressed layer's relative output error on the calibration tokens}). `block`: the
-  compressed model's MoeMlpBlock arguments."""
+  """({layer: plan}, the parameters with each MoE layer's experts and router compressed, {layer: its
+  relative output error on the calibration tokens}). `block`: the compressed MoeMlpBlock's args."""
   plans, errors, params = {}, {}, dict(params)
   for layer, s in stats.items():
     name = f"block_{layer.rsplit('_', 1)[-1]}"
@@ -172,12 +164,11 @@ def _count(params) -> int:
 def _stored_config(config: CompressRun, stored: dict, model: ModelConfig) -> dict:
   """What later stages read from the checkpoint: the compressed model, the calibration data's
   preprocessing, the source's loss and objective, and where it came from."""
-  own = as_dict(config)
-  return {**(stored or {}), "model": as_dict(model), "data": own["data"],
-          "train": {**((stored or {}).get("train") or {}), "loss": config.loss.value},
+  own, stored = as_dict(config), stored or {}
+  return {**stored, "model": as_dict(model), "data": own["data"],
+          "train": {**(stored.get("train") or {}), "loss": config.loss.value},
           "objective": own["objective"], "init": own["init"], "compress": own["compress"],
-          "seed": (stored or {}).get("seed", config.seed), "workdir": config.workdir,
-          "stage": "compress"}
+          "seed": stored.get("seed", config.seed), "workdir": config.workdir, "stage": "compress"}
 
 
 def _save(directory: pathlib.Path, step: int, params, stored: dict) -> None:
@@ -200,11 +191,10 @@ def _summary(config, model, plans, stats, after_stats, before, after, seen, spli
              "compress/calibration_split": split,
              **{f"{k}_before": v for k, v in before.items()}, **after}
   for layer, s in stats.items():
-    summary.update({f"compress/{layer}/{k}": v for k, v in (
-        ("chosen", s.chosen.tolist()), ("routed", s.routed.tolist()),
-        ("weights", s.weights.tolist()), ("tokens", s.tokens),
-        ("new_expert", _new_expert(plans[layer], len(s.chosen))),
-        ("chosen_after", after_stats[layer].chosen.tolist()))})
+    summary.update({f"compress/{layer}/{k}": v for k, v in dict(
+        chosen=s.chosen.tolist(), routed=s.routed.tolist(), weights=s.weights.tolist(),
+        tokens=s.tokens, new_expert=_new_expert(plans[layer], len(s.chosen)),
+        chosen_after=after_stats[layer].chosen.tolist()).items()})
   if getattr(model.router, "k", None) != getattr(config.model.router, "k", None):
     summary["compress/k"] = model.router.k
   return summary

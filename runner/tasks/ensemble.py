@@ -1,9 +1,7 @@
 """`vmoe ensemble init.checkpoint=[runs/a,runs/b]`: checkpoints evaluated as one ensemble.
 
-The prediction is the mean of the members' probabilities (never of their logits); the ensemble's
-type (pbe, down-DE, up-DE, mc-dropout, mixed: docs/ensembles.md) is read from the members' stored
-configs.
-"""
+The prediction is the mean of the members' probabilities (never of their logits); the type (pbe,
+down-DE, up-DE, mc-dropout, mixed: docs/ensembles.md) is read from the members' stored configs."""
 from __future__ import annotations
 
 import os
@@ -17,9 +15,8 @@ from runner.tasks.eval import evaluate
 
 
 def _origin(path: str | None, checkpoints: weights.Checkpoints):
-  """A checkpoint path as (directory, step), however it was written (runs/up, runs/up/
-  checkpoints/20, ./runs/up/); the normalised path for a released checkpoint, or when it can no
-  longer be found."""
+  """A checkpoint path as (directory, step), however it was written (runs/up, ./runs/up/,
+  runs/up/checkpoints/20); the normalised path for a released checkpoint or one not found."""
   if path is None:
     return None
   try:
@@ -51,8 +48,8 @@ def ensemble_type(config: EnsembleRun, checkpoints: weights.Checkpoints) -> str:
 
 def run(config: EnsembleRun, placement: Placement, checkpoints: weights.Checkpoints) -> dict:
   members = members_lib.load([(checkpoints.open(m.path), m.model) for m in config.members],
-                             output=derived.model_output(config.loss), mc_samples=config.ensemble.mc_dropout,
-                             seed=config.seed)
+                             output=derived.model_output(config.loss),
+                             mc_samples=config.ensemble.mc_dropout, seed=config.seed)
   return evaluate(config, members, placement, job_type="ensemble",
                   extra_summary={"ensemble/type": ensemble_type(config, checkpoints),
                                  "checkpoint": [m.path for m in config.members]})

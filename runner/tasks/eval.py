@@ -1,9 +1,7 @@
 """`vmoe eval init.checkpoint=<run>`: every measurement of the papers on one checkpoint
-(docs/evaluation.md). Everything that can be checked is checked before the first forward pass.
-
-`evaluate` is shared with `vmoe ensemble`: it measures "the members' prediction", one model or
-several (their mean probability, with each member's metrics and their diversity).
-"""
+(docs/evaluation.md); everything that can be checked is checked before the first forward pass.
+`evaluate`, shared with `vmoe ensemble`, measures "the members' prediction": one model, or several
+(their mean probability, with each member's metrics and their diversity)."""
 from __future__ import annotations
 
 import pathlib
@@ -17,7 +15,6 @@ from runner.config import as_dict, derived
 from runner.config.schema import EvalRun, Objective
 from runner.errors import ConfigError
 from runner.evaluators import EVALUATORS, suite as suite_lib
-from runner.evaluators.suite import Suite
 from runner.logging import MetricWriter
 from runner.parallel import Placement
 from runner.stages import common, dataset_specs, members as members_lib, zero_shot
@@ -27,8 +24,7 @@ def run(config: EvalRun, placement: Placement, checkpoints: weights.Checkpoints)
   opened = checkpoints.open(config.init.checkpoint)
   if config.objective.name == Objective.contrastive:  # two towers: a zero-shot classifier
     members, only, summary = zero_shot.load(config, opened)
-    return evaluate(config, members, placement, job_type="eval", extra_summary=summary,
-                    only=only)
+    return evaluate(config, members, placement, job_type="eval", extra_summary=summary, only=only)
   members = members_lib.load([(opened, config.model)], output=derived.model_output(config.loss))
   partitioned = {"ensemble/type": "pbe"} if members.size > 1 else None
   return evaluate(config, members, placement, job_type="eval", extra_summary=partitioned)
@@ -36,9 +32,8 @@ def run(config: EvalRun, placement: Placement, checkpoints: weights.Checkpoints)
 
 def evaluate(config, members: members_lib.Members, placement: Placement, *, job_type: str,
              extra_summary: dict | None = None, only: tuple[str, ...] | None = None) -> dict:
-  """Every measurement `config.eval` enables (runner/evaluators), on the members' prediction
-  (`only`: just these evaluators); summary.json, predictions.npz on request, PNGs and the W&B
-  run."""
+  """Every measurement `config.eval` enables (runner/evaluators) on the members' prediction (`only`:
+  just these evaluators); summary.json, predictions.npz on request, PNGs and the W&B run."""
   d, e = config.data, config.eval
   workdir = config.workdir
   num_classes = members.num_classes
@@ -73,23 +68,24 @@ def evaluate(config, members: members_lib.Members, placement: Placement, *, job_
   if members.size > 1 or "ensemble/type" in (extra_summary or {}):
     summary["ensemble/size"] = members.size
   with placement.context():
-    suite = Suite(e, members=members, model=members.model(),
-                  params=members.place(placement, image_shape), placement=placement,
-                  batch_size=derived.eval_batch_size(e, d), loss=config.loss.value,
-                  datasets=datasets, ood=ood, out_dir=workdir,
-                  verbose=config.logger.progress, plots=e.plots)
+    suite = suite_lib.Suite(e, members=members, model=members.model(), placement=placement,
+                            params=members.place(placement, image_shape), loss=config.loss.value,
+                            batch_size=derived.eval_batch_size(e, d), datasets=datasets, ood=ood,
+                            out_dir=workdir, verbose=config.logger.progress, plots=e.plots)
     result = suite_lib.run(suite, names=list(only) if only else None)
   summary.update(result.summary)
   if result.arrays and jax.process_index() == 0:
     np.savez_compressed(pathlib.Path(workdir) / "predictions.npz", **result.arrays)
   _write_outputs(config, workdir, job_type, steps[0], summary, result.images)
-  _print_summary(summary)
+  # One metric per line (per-severity values stay in summary.json).
+  keys = [k for k, v in summary.items() if isinstance(v, float) and "/sev_" not in k]
+  width = max((len(k) for k in keys), default=0)
+  print("\n".join(f"{k:<{width}}  {summary[k]:.4f}" for k in keys))
   return summary
 
 
 def _write_outputs(config, workdir, job_type, step, summary, images) -> None:
-  stored = as_dict(config)
-  writer = MetricWriter(workdir, run_config=stored, wandb=config.logger.wandb,
+  writer = MetricWriter(workdir, run_config=as_dict(config), wandb=config.logger.wandb,
                         job_type=job_type)
   try:
     scalars = {k: v for k, v in summary.items() if isinstance(v, (int, float))}
@@ -100,10 +96,3 @@ def _write_outputs(config, workdir, job_type, step, summary, images) -> None:
     writer.summary(summary)
   finally:
     writer.close()
-
-
-def _print_summary(summary: dict) -> None:
-  """One metric per line (per-severity values stay in summary.json)."""
-  keys = [k for k, v in summary.items() if isinstance(v, float) and "/sev_" not in k]
-  width = max((len(k) for k in keys), default=0)
-  print("\n".join(f"{k:<{width}}  {summary[k]:.4f}" for k in keys))

@@ -1,13 +1,11 @@
 """`vmoe export init.checkpoint=<run> workdir=<out>`: a checkpoint as a PyTorch model folder.
 
-Writes model.safetensors, config.json and modeling_vmoe.py (runner/export/files.py), a model
-card, and summary.json; then, where PyTorch is installed, runs the folder's model in a process
-without JAX on random images and compares its probabilities with this model's (the export
-fails if they differ by more than 1e-4; a heteroscedastic head samples its noise, so its
-difference is reported, not enforced). Everything that can be refused (a run still going or
-unfinished, a folder holding something else, a model the exporter cannot express) was refused
-before this runs (runner/config/relations.py).
-"""
+Writes model.safetensors, config.json and modeling_vmoe.py (runner/export/files.py), a model card
+and summary.json; then, where PyTorch is installed, runs the folder's model in a process without
+JAX on random images and compares its probabilities with this model's (the export fails if they
+differ by more than 1e-4; a heteroscedastic head samples its noise: reported, not enforced). What
+can be refused (a run still going or unfinished, a folder holding something else, a model the
+exporter cannot express) was refused before this runs (runner/config/relations.py)."""
 from __future__ import annotations
 
 import json
@@ -35,8 +33,7 @@ def run(config: ExportRun, placement: Placement, checkpoints: weights.Checkpoint
   path = config.init.checkpoint
   opened = checkpoints.open(path)
   params, stored, step = opened.load(ensemble_size=derived.ensemble_size(config.model))
-  num_classes = heads.num_classes(params)
-  output = derived.model_output(config.loss)
+  num_classes, output = heads.num_classes(params), derived.model_output(config.loss)
   model = build_model(config.model, num_classes, output=output)
   channels = int(params["embedding_kernel"].shape[2])
   size = config.model.image_size
@@ -50,7 +47,9 @@ def run(config: ExportRun, placement: Placement, checkpoints: weights.Checkpoint
   exported = files.write_model(out, params=params, model=config.model, num_classes=num_classes,
                                output=output, extra_config=extra)
   check = _check(out, model, params, config, pp)
-  summary = {"checkpoint_step": step, "export/tensors": _tensor_count(out),
+  with safe_open(str(out / "model.safetensors"), framework="numpy") as tensors:
+    tensor_count = len(list(tensors.keys()))
+  summary = {"checkpoint_step": step, "export/tensors": tensor_count,
              "export/parameters": int(sum(np.size(v) for v in jax.tree.leaves(params))),
              "export/checked": bool(check.get("checked"))}
   if check.get("checked"):
@@ -72,8 +71,7 @@ def run(config: ExportRun, placement: Placement, checkpoints: weights.Checkpoint
 
 
 def _check(out: pathlib.Path, model, params, config: ExportRun, pp: dict) -> dict:
-  """Random images over the inputs' range (`pp`: config.json's preprocessing) through vmoe and
-  through the folder's PyTorch model."""
+  """Random images in the inputs' range (`pp`) through vmoe and the folder's PyTorch model."""
   if not parity.torch_installed():
     return {"checked": False, "reason": "PyTorch is not installed where vmoe ran "
             "(pip install -e '.[torch]' in the vmoe checkout adds it)"}
@@ -93,8 +91,3 @@ def _read_json(path: pathlib.Path) -> dict:
     return json.loads(path.read_text())
   except (OSError, ValueError):
     return {}
-
-
-def _tensor_count(out: pathlib.Path) -> int:
-  with safe_open(str(out / "model.safetensors"), framework="numpy") as tensors:
-    return len(list(tensors.keys()))

@@ -1,7 +1,6 @@
 """`vmoe fewshot init.checkpoint=<run>`: linear few-shot accuracy of frozen pre-logit features
 (docs/fewshot.md). Several checkpoints (init.checkpoint=[runs/a,runs/b]) are probed as one
-representation, their pre-logits concatenated, so they must preprocess images alike.
-"""
+representation, their pre-logits concatenated, so they must preprocess images alike."""
 from __future__ import annotations
 
 import functools
@@ -64,11 +63,9 @@ def run(config: FewshotRun, placement: Placement, checkpoints: weights.Checkpoin
       _, logical = state_lib.abstract_params(model, image_shape)
       placed = jax.device_put(params, placement.shardings(logical))
       feature_fns.append(functools.partial(jax.jit(make_feature_fn(model)), placed))
-    evaluator = FewshotEvaluator(feature_fns, fewshot_data.batches(opened, batch_size, cache=False),
-                                 shots=fewshot.shots, seeds=fewshot.seeds,
-                                 l2_regs=fewshot.l2_regs, put=placement.put,
-                                 progress=verbose, protocol=fewshot.protocol)
-    metrics = evaluator.run()
+    metrics = FewshotEvaluator(feature_fns, fewshot_data.batches(opened, batch_size, cache=False),
+                               shots=fewshot.shots, seeds=fewshot.seeds, l2_regs=fewshot.l2_regs,
+                               put=placement.put, progress=verbose, protocol=fewshot.protocol).run()
 
   step = members[0][1]
   paths = [m.path for m in config.members]
@@ -79,8 +76,7 @@ def run(config: FewshotRun, placement: Placement, checkpoints: weights.Checkpoin
                     f"{name}/num_train": f.num_train, f"{name}/num_test": f.num_test,
                     f"{name}/num_classes": f.source.num_classes})
   summary.update(metrics)
-  stored = as_dict(config)
-  writer = MetricWriter(workdir, run_config=stored, wandb=config.logger.wandb,
+  writer = MetricWriter(workdir, run_config=as_dict(config), wandb=config.logger.wandb,
                         job_type="fewshot")
   try:
     writer.write(step, metrics)
@@ -91,15 +87,10 @@ def run(config: FewshotRun, placement: Placement, checkpoints: weights.Checkpoin
       plot = plot_accuracy_vs_shots(metrics, str(pathlib.Path(workdir) / PLOT),
                                     title=f"linear few-shot: {title}")
       writer.log_image(step, "fewshot/accuracy_vs_shots", plot)
-      writer.log_table("fewshot/accuracy", *_table_rows(metrics))
+      names, shots, table = accuracy_table(metrics)  # a row per dataset, a column per shots
+      writer.log_table("fewshot/accuracy", ["dataset", *[f"{s}shot" for s in shots]],
+                       [[n, *map(float, row)] for n, row in zip(names, table)])
       print(format_table(metrics))
   finally:
     writer.close()
   return summary
-
-
-def _table_rows(metrics: dict) -> tuple[list[str], list[list]]:
-  """(columns, rows) of the accuracy table: dataset, then one column per number of shots."""
-  names, shots, table = accuracy_table(metrics)
-  return ["dataset", *[f"{s}shot" for s in shots]], [[n, *map(float, row)] for n, row in
-                                                        zip(names, table)]

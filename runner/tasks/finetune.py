@@ -1,7 +1,6 @@
 """`vmoe finetune`: start from an earlier stage's checkpoint, map its parameters
 (runner.models.transfer), train on new data; without init.checkpoint, train from scratch with the
-fine-tuning recipe (conf/finetune.yaml), a baseline.
-"""
+fine-tuning recipe (conf/finetune.yaml), a baseline."""
 from __future__ import annotations
 
 from runner.stages.training import run_training

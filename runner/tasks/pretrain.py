@@ -1,8 +1,5 @@
-"""`vmoe pretrain`: train a ViT / V-MoE upstream, from scratch or from init.checkpoint.
-
-Rerunning in the same workdir resumes. Defaults (conf/pretrain.yaml): the embedded MNIST-5k,
-Adam, linear decay.
-"""
+"""`vmoe pretrain`: train a ViT / V-MoE upstream, from scratch or from init.checkpoint (rerunning in
+the same workdir resumes). Defaults (conf/pretrain.yaml): embedded MNIST-5k, Adam, linear decay."""
 from __future__ import annotations
 
 from runner.stages.training import run_training

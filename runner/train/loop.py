@@ -1,16 +1,13 @@
 """The training loop shared by `pretrain` and `finetune`.
 
 Start-up precedence (big_vision's, made explicit): resume from this workdir's newest readable
-checkpoint > initialise from an earlier stage's parameters > initialise from scratch. Durations are
-converted to steps once, by the stage (`TrainPlan`). Faults end the run without losing more than
-the steps since the last checkpoint:
+checkpoint > initialise from an earlier stage's parameters > from scratch. The stage converts
+durations to steps once (`TrainPlan`). Faults lose at most the steps since the last checkpoint:
 - SIGINT/SIGTERM (and SIGUSR1/SIGUSR2, a scheduler's warning) finish the current step, save, and
   exit (128 + signal); a second signal exits at once. Rerunning the same command resumes; a SLURM
   job still running requeues itself and resumes (runner/parallel/preemption.py).
-- A non-finite loss or gradient norm stops the run before anything is saved from that state (the
-  check trails the dispatched step by one, so the device never waits for the host, and runs
-  synchronously before every save).
-"""
+- A non-finite loss or gradient norm stops the run before anything is saved from that state
+  (checked one step behind, so the device never waits for the host, and before every save)."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,12 +39,9 @@ class Diverged(RunError):
   """The loss or the gradient norm stopped being a finite number."""
 
 
-def total_steps(steps: int | None, epochs: float | None, num_examples: int,
-                batch_size: int) -> int:
+def total_steps(steps: int | None, epochs: float | None, num_examples: int, batch_size: int) -> int:
   """train.steps, or train.epochs converted with the split size and batch size."""
-  if steps:
-    return int(steps)
-  return max(1, math.ceil(epochs * num_examples / batch_size))
+  return int(steps) if steps else max(1, math.ceil(epochs * num_examples / batch_size))
 
 
 class _StopFlag:
@@ -57,8 +51,7 @@ class _StopFlag:
   SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
   def __init__(self):
-    self.signum = None
-    self.previous = {}
+    self.signum, self.previous = None, {}
 
   def __enter__(self):
     for sig in self.SIGNALS:
@@ -85,11 +78,6 @@ class _StopFlag:
 def _warn(text: str) -> None:
   if jax.process_index() == 0:
     print(text, file=sys.stderr, flush=True)
-
-
-def _mean_metrics(history: list[dict]) -> dict:
-  fetched = jax.device_get(history)
-  return {k: np.mean([m[k] for m in fetched], axis=0) for k in fetched[0]}
 
 
 def _abstract(tree, shardings):
@@ -128,15 +116,8 @@ def initial_state(checkpointer: Checkpointer, *, model, tx, image_shape, placeme
   return state, shardings, 0, origin
 
 
-def _fewshot_summary(metrics: dict) -> str:
-  means = {k.split("/")[2]: v for k, v in metrics.items()
-           if k.startswith("fewshot/mean/") and k.endswith("/accuracy")}
-  return " ".join(f"{shots} {v:.4f}" for shots, v in means.items())
-
-
 class _DivergenceGuard:
-  """Fails the run at the first step whose loss or gradient norm is not finite; `optim` and
-  `warmup_steps` are named in the message."""
+  """Fails the run at the first step whose loss or gradient norm is not finite."""
 
   def __init__(self, checkpointer: Checkpointer, optim, warmup_steps: int):
     self.checkpointer, self.optim, self.warmup_steps = checkpointer, optim, warmup_steps
@@ -144,8 +125,7 @@ class _DivergenceGuard:
 
   def dispatched(self, step: int, metrics: dict) -> None:
     """Checks the previous step (finished by now, so this does not stall the device)."""
-    if self.pending is not None:
-      self.check(*self.pending)
+    self.check_pending()
     self.pending = (step, metrics)
 
   def check_pending(self) -> None:
@@ -169,10 +149,9 @@ class _DivergenceGuard:
     clip = (f"optim.grad_clip_norm (now {o.grad_clip_norm})" if o.grad_clip_norm
             else "gradient clipping, optim.grad_clip_norm=1.0 (now off)")
     quantities = ", ".join(f"{k} is {v}" for k, v in values.items())
-    raise Diverged(
-        f"training diverged at step {step}: {quantities}. The run stopped and saved nothing "
-        f"from that state; {kept}. Try a lower optim.lr (now {o.lr:g}), {clip}, or a longer "
-        f"warmup (schedule.warmup_steps, now {self.warmup_steps}).")
+    raise Diverged(f"training diverged at step {step}: {quantities}. The run stopped and saved "
+                   f"nothing from that state; {kept}. Try a lower optim.lr (now {o.lr:g}), {clip}, "
+                   f"or a longer warmup (schedule.warmup_steps, now {self.warmup_steps}).")
 
 
 class _Measurements:
@@ -182,10 +161,9 @@ class _Measurements:
   def __init__(self, config: TrainTask, model, source, placement: Placement, batch_size: int,
                ood: list):
     d = config.data
-    names = [name for name, cls in EVALUATORS.items()
-             if cls.in_training and cls.enabled(config.eval)]
-    self.names = names
-    if not names:
+    self.names = [name for name, cls in EVALUATORS.items()
+                  if cls.in_training and cls.enabled(config.eval)]
+    if not self.names:
       return
     val = suite_lib.Dataset(name=d.name, config=d, source=source, split=d.eval_split)
     self.suite = suite_lib.Suite(config.eval, model=model, params=None, placement=placement,
@@ -204,17 +182,15 @@ class _Measurements:
 
 
 def _keys(section, *leave_out: str) -> dict:
-  """A typed config section's keys as keyword arguments, without `leave_out`."""
   return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
           if f.name not in leave_out}
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainPlan:
-  """What the stage works out once, from the run's config and its data, and the loop takes as
-  given: the run's steps (train.steps, or train.epochs over the split: stages/fit.py), the shape
-  of a training image, and what the train step sets after the optimizer (the router family's
-  `ParamUpdate`s: runner.models.param_updates_of)."""
+  """What the stage works out once from the config and data, and the loop takes as given: the
+  run's steps (train.steps, or train.epochs over the split: stages/fit.py), a training image's
+  shape, and the `ParamUpdate`s the train step applies after the optimizer (param_updates_of)."""
   steps: int
   image_shape: tuple
   param_updates: tuple = ()
@@ -229,10 +205,10 @@ class _Run:
     d, o, s = config.data, config.optim, config.schedule
     self.config, self.model, self.source, self.placement = config, model, source, placement
     self.plan, self.stage, self.pairs, self.seed = plan, stage, pairs, config.seed
+    self.text = pairs.text if pairs else None  # a contrastive run's captions, tokenized
     self.batch_size, self.steps = d.batch_size, plan.steps
     self.eval_batch_size = derived.eval_batch_size(config.eval, d)
-    self.processes = dict(process_index=jax.process_index(),
-                          process_count=jax.process_count())
+    self.processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
     # The schedule and the optimizer read their own keys (their Config's) of these sections.
     self.schedule = schedules.make_schedule(s.name, o.lr, self.steps, **_keys(s, "name"))
     self.abstract, self.logical = state_lib.abstract_params(model, plan.image_shape)
@@ -240,9 +216,8 @@ class _Run:
                                         frozen=pairs.frozen if pairs else None,
                                         **_keys(o, "name", "lr"))
     ckpt = config.checkpoint
-    self.checkpointer = Checkpointer(os.path.join(config.workdir, "checkpoints"),
-                                     keep=ckpt.keep, every_steps=ckpt.every_steps,
-                                     async_save=ckpt.async_save)
+    self.checkpointer = Checkpointer(os.path.join(config.workdir, "checkpoints"), keep=ckpt.keep,
+                                     every_steps=ckpt.every_steps, async_save=ckpt.async_save)
     # What later stages read back: the model, the data, and where the run came from (the
     # ensemble type of `vmoe ensemble` is read from its members' stages and upstream checkpoints).
     self.stored_config = {**as_dict(config), "stage": stage}
@@ -258,13 +233,12 @@ class _Run:
         abstract=(self.abstract, self.logical))
     self.writer = MetricWriter(config.workdir, run_config=self.stored_config,
                                wandb=config.logger.wandb, job_type=self.stage)
-    self.step_fn = jax.jit(
-        make_train_step(model, self.tx, self.schedule, loss=t.loss.value,
-                        aux_loss_weight=t.aux_loss_weight, accum_steps=t.accum_steps,
-                        seed=self.seed, objective=self.pairs.objective if self.pairs else None,
-                        param_updates=self.plan.param_updates),
-        in_shardings=(shardings, placement.batch_sharding), out_shardings=(shardings, None),
-        donate_argnums=0)
+    train_step = make_train_step(
+        model, self.tx, self.schedule, loss=t.loss.value, aux_loss_weight=t.aux_loss_weight,
+        accum_steps=t.accum_steps, seed=self.seed, param_updates=self.plan.param_updates,
+        objective=self.pairs.objective if self.pairs else None)
+    self.step_fn = jax.jit(train_step, in_shardings=(shardings, placement.batch_sharding),
+                           out_shardings=(shardings, None), donate_argnums=0)
     self.eval_step = None if self.pairs else jax.jit(make_eval_step(model, t.loss.value))
     self.val = self.evaluator(config.data.eval_split, "val")
     # (A contrastive run enables none: its validation is pairs.evaluator; a relation says so.)
@@ -282,9 +256,8 @@ class _Run:
     # runner/models/inputs.py); `position` counts the batches taken, not those put ahead.
     self.batches = placement.prefetch(data.train_batches(
         self.source, d.split, d.pp_train, self.batch_size // self.processes["process_count"],
-        seed=self.seed, start=self.position, shuffle_buffer=d.shuffle_buffer,
-        label_noise=d.label_noise, num_shards=d.num_shards, cache=d.cache,
-        text=self.pairs.text if self.pairs else None, **self.processes))
+        seed=self.seed, start=self.position, shuffle_buffer=d.shuffle_buffer, text=self.text,
+        label_noise=d.label_noise, num_shards=d.num_shards, cache=d.cache, **self.processes))
     self.start_step = int(self.state.step)
     self.progress = Progress(self.steps, self.start_step, self.batch_size, desc=self.stage,
                              enabled=config.logger.progress)
@@ -293,26 +266,24 @@ class _Run:
         f"{state_lib.count_params(self.abstract):,} parameters, {origin}; {self.steps} steps of "
         f"{self.batch_size} images on {placement.mesh.size} device(s) -> {config.workdir}")
     self.history = []
-    self.last_train = (self.writer.last_logged_training(self.start_step) if self.start_step
-                       else {})
+    self.last_train = self.writer.last_logged_training(self.start_step) if self.start_step else {}
     self.guard = _DivergenceGuard(self.checkpointer, config.optim, config.schedule.warmup_steps)
 
   def evaluator(self, split: str, prefix: str):
     """The loss and precision (or a contrastive run's measurements) of a split."""
     batches = data.eval_batches(self.source, split, self.config.data.pp,
                                 self.eval_batch_size // self.processes["process_count"],
-                                cache=self.config.data.cache,
-                                text=self.pairs.text if self.pairs else None, **self.processes)
+                                cache=self.config.data.cache, text=self.text, **self.processes)
     if self.pairs:
       return self.pairs.evaluator(batches, prefix, self.placement.put)
-    return ClassificationEvaluator(self.eval_step, batches, prefix=prefix,
-                                   put=self.placement.put)
+    return ClassificationEvaluator(self.eval_step, batches, prefix=prefix, put=self.placement.put)
 
   def fewshot_metrics(self, step: int) -> dict:
     """Few-shot accuracy of the current parameters: their features recomputed at every call."""
     metrics = self.fewshot.run([functools.partial(self.feature_step, self.state.params)])
-    self.progress.message(f"[{self.stage}] step {step} few-shot mean accuracy: "
-                          f"{_fewshot_summary(metrics)}")
+    means = " ".join(f"{k.split('/')[2]} {v:.4f}" for k, v in metrics.items()
+                     if k.startswith("fewshot/mean/") and k.endswith("/accuracy"))
+    self.progress.message(f"[{self.stage}] step {step} few-shot mean accuracy: {means}")
     return metrics
 
   def train(self, step: int) -> None:
@@ -325,12 +296,12 @@ class _Run:
     self.progress.step_done(step)
 
   def log_evaluate_and_save(self, step: int) -> None:
-    """What is due after `step`: the training metrics' log, the periodic evaluation and
-    few-shot, the checkpoint (the last step's always)."""
+    """What is due after `step`: log, evaluation, few-shot, checkpoint (always the last step's)."""
     t, last = self.config.train, step == self.steps
     if step % t.log_every_steps == 0 or last:
       self.guard.check_pending()
-      self.last_train = _mean_metrics(self.history)
+      fetched = jax.device_get(self.history)
+      self.last_train = {k: np.mean([m[k] for m in fetched], axis=0) for k in fetched[0]}
       self.last_train["train/images_per_s"] = self.progress.images_per_second(step)
       self.history = []
       self.writer.write(step, self.last_train)
@@ -349,22 +320,19 @@ class _Run:
 
   def save(self, step: int) -> None:
     self.guard.check_pending()  # never save a non-finite state
-    self.checkpointer.save(step, self.state.params, self.state.opt_state,
-                           meta={"step": step, "position": self.position},
-                           config=self.stored_config)
+    self.checkpointer.save(step, self.state.params, self.state.opt_state, config=self.stored_config,
+                           meta={"step": step, "position": self.position})
 
   def stop(self, step: int, signum: int) -> None:
     """A signal asked to stop after `step`: save, requeue a SLURM job, raise Interrupted."""
     self.save(step)
     self.checkpointer.wait()
-    name = signal.Signals(signum).name
+    saved = (f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved in "
+             f"{self.checkpointer.directory}")
     requeued = preemption.requeue() if jax.process_index() == 0 else None
     if requeued:  # SLURM starts the job again; it resumes from this checkpoint
-      raise Interrupted(f"stopped by {name} after step {step}; checkpoint saved in "
-                        f"{self.checkpointer.directory}; SLURM job {requeued} requeued to "
-                        "resume from it.", signum)
-    raise Interrupted(f"stopped by {name} after step {step}; checkpoint saved in "
-                      f"{self.checkpointer.directory}. Rerun the same command to resume.", signum)
+      raise Interrupted(f"{saved}; SLURM job {requeued} requeued to resume from it.", signum)
+    raise Interrupted(f"{saved}. Rerun the same command to resume.", signum)
 
   def final_evaluation(self) -> tuple[dict, dict]:
     """(the final validation, test and few-shot metrics; the evaluators' pictures)."""
@@ -398,20 +366,17 @@ class _Run:
       self.writer.close()
 
 
-def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement,
-                       plan: TrainPlan, init_params=None, stage: str = "train",
-                       fewshot_datasets: dict | None = None,
+def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement, plan: TrainPlan,
+                       init_params=None, stage: str = "train", fewshot_datasets: dict | None = None,
                        ood_datasets: list | None = None, pairs=None) -> dict:
   """Trains `model` on `source` as `config` says; returns the final metrics (also summary.json).
 
   `fewshot_datasets` (name -> (pool batches, test batches, num_classes)) adds linear few-shot
   accuracy of the current parameters every `fewshot.every_steps` and at the end, as `fewshot/...`.
-  The evaluators that `eval.*` enables and that run in training (runner/evaluators, built-in or
-  a plug-in's; OOD detection against `ood_datasets`) run on the validation split with the
-  evaluation, logged under `val/`; their pictures and files are written at the end.
-  `pairs` (runner/stages/contrastive.py `PairTraining`): a contrastive model of image-text pairs,
-  with its objective, the captions' tokens in every batch, and its evaluator.
-  """
+  The evaluators `eval.*` enables that run in training (runner/evaluators, built-in or a plug-in's;
+  OOD detection against `ood_datasets`) run on the validation split with the evaluation, under
+  `val/`, their pictures and files written at the end. `pairs` (runner/stages/contrastive.py
+  `PairTraining`): a contrastive model of image-text pairs, its objective, tokens and evaluator."""
   run = _Run(config, model=model, source=source, placement=placement, plan=plan, stage=stage,
              pairs=pairs)
   try:

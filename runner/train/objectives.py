@@ -1,11 +1,8 @@
-"""What a train step minimises, as a function of (params, batch, rngs) -> (loss, metrics):
+"""What a train step minimises, objective(params, batch, rngs, collections=()) -> (loss, metrics):
 classification's cross-entropy (a partitioned batch ensemble: the mean of its members', E³
-App. D.1) or a contrastive loss, plus the MoE auxiliary loss.
-
-An objective is called as objective(params, batch, rngs, collections=()): the train step passes
-the collections its parameter updates read (runner/models/param_updates.py), which the model
-then sows into, and the objective returns them in its metrics under the collection's name.
-"""
+App. D.1) or a contrastive loss, plus the MoE auxiliary loss. `collections`: those the train
+step's parameter updates read (runner/models/param_updates.py); the model sows into them and the
+objective returns them in its metrics under the collection's name."""
 from __future__ import annotations
 
 from runner.losses import contrastive
@@ -15,8 +12,7 @@ from runner.models import inputs
 
 def apply_for_training(model, params, *args, collections=(), **kwargs):
   """(model.apply({"params": params}, *args, **kwargs), {collection: what the model sowed in it}
-  for each of `collections`, applied mutable); without collections the call is exactly
-  model.apply's."""
+  for each of `collections`, applied mutable); without collections exactly model.apply's call."""
   if not collections:
     return model.apply({"params": params}, *args, **kwargs), {}
   out, sown = model.apply({"params": params}, *args, mutable=list(collections), **kwargs)
@@ -29,8 +25,7 @@ def _routing(extras: dict) -> dict:
 
 
 def _with_router_z_loss(loss, extras: dict):
-  """The loss with the routers' z-loss term (c_z times its sum over the MoE layers,
-  runner/models/moe/z_loss.py) where the model has one."""
+  """The loss plus the routers' z-loss (c_z x its sum over MoE layers: moe/z_loss.py), if any."""
   return loss + extras["router_z_loss"] if "router_z_loss" in extras else loss
 
 

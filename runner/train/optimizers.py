@@ -31,18 +31,13 @@ NO_DECAY = re.compile(r"(.*/)?pre_sigmoid_temperature")
 
 def weight_decay_tree(params, weight_decay) -> dict:
   """Per-parameter decay: one float for all, or [[regex, value], ...] (first full match wins)."""
-  if isinstance(weight_decay, (int, float)):
-    rules = [(re.compile(".*"), float(weight_decay))]
-  else:
-    rules = [(re.compile(pattern), float(value)) for pattern, value in weight_decay]
+  given = [(".*", weight_decay)] if isinstance(weight_decay, (int, float)) else weight_decay
+  rules = [(re.compile(pattern), float(value)) for pattern, value in given]
 
   def lookup(name):
     if NO_DECAY.fullmatch(name):
       return 0.0
-    for pattern, value in rules:
-      if pattern.fullmatch(name):
-        return value
-    return 0.0
+    return next((value for pattern, value in rules if pattern.fullmatch(name)), 0.0)
   return jax.tree.map(lookup, param_names(params))
 
 
@@ -65,28 +60,23 @@ ADAFACTOR_DECAY_RATE = 0.8  # the exponent of the second-moment decay 1 - t^-0.8
 
 
 def adafactor_decay_rate_fn(beta2_cap: float):
-  """The second-moment decay at (0-based) step i: min(beta2_cap, 1 - (i + 1)^-exponent).
-
-  big_vision's `scale_by_adafactor` (`beta2_cap`, default 0.999) and vmoe's
-  `scale_by_big_vision_adafactor` (`decay_rate_max`, 0.999) cap optax's uncapped schedule, so
-  the second moment keeps averaging over ~1000 steps instead of tending to an all-time mean.
-  """
+  """The second-moment decay at (0-based) step i: min(beta2_cap, 1 - (i + 1)^-exponent), capping
+  optax's schedule as big_vision's `scale_by_adafactor` (`beta2_cap`, default 0.999) and vmoe's
+  `scale_by_big_vision_adafactor` (`decay_rate_max`, 0.999) do, so the second moment keeps
+  averaging over ~1000 steps instead of tending to an all-time mean."""
   def decay_rate(step, exponent):
     t = jnp.asarray(step, jnp.float32) + 1.0
     return jnp.minimum(beta2_cap, 1.0 - t ** (-exponent))
   return decay_rate
 
 
-def make_optimizer(name: str, schedule, params, *, weight_decay=0.0,
-                   grad_clip_norm: float | None = None, frozen: str | None = None,
-                   **options) -> optax.GradientTransformation:
-  """clip -> precondition (adam | sgd | adafactor | a plug-in's) -> decoupled weight decay ->
-  learning rate.
+def make_optimizer(name: str, schedule, params, *, weight_decay=0.0, frozen: str | None = None,
+                   grad_clip_norm: float | None = None, **options) -> optax.GradientTransformation:
+  """clip -> precondition (adam | sgd | adafactor | a plug-in's) -> decoupled weight decay -> lr.
 
   `options` are optim.* keys: the optimizer reads those its Config declares (their defaults where
   not given) and ignores the others. `frozen`: a regex of parameter names that never change
-  (LiT's locked image tower): they get no update, no weight decay and no optimizer state.
-  """
+  (LiT's locked image tower): they get no update, no weight decay and no optimizer state."""
   optimizer = registries.OPTIMIZERS.get(name)
   learn = optax.chain(
       optax.clip_by_global_norm(grad_clip_norm) if grad_clip_norm else optax.identity(),
@@ -104,11 +94,9 @@ def make_optimizer(name: str, schedule, params, *, weight_decay=0.0,
 
 def register(name: str, Config: type | None = None, problem=None, reads: tuple[str, ...] = ()):
   """Registers `optim.name=<name>` (a decorator, for the built-ins and a plug-in's): a function
-  taking the keys of `Config` as keyword arguments and returning the optax preconditioner.
-  Gradient clipping, weight decay and the learning rate are chained around it for every
-  optimizer, so every optimizer reads optim.lr, optim.weight_decay and optim.grad_clip_norm.
-  `Config`, `problem` and `reads`: as runner/config/components.py `register` and
-  docs/extending.md say."""
+  taking the keys of `Config` as keyword arguments and returning the optax preconditioner, which
+  every optimizer chains with clipping, weight decay and the learning rate (optim.grad_clip_norm,
+  optim.weight_decay, optim.lr). `Config`, `problem`, `reads`: as docs/extending.md says."""
   def wrap(make):
     components.register(components.OPTIMIZER, name, make, Config, problem, reads)
     return make
@@ -143,11 +131,10 @@ def _sgd(*, momentum: float, nesterov: bool) -> optax.GradientTransformation:
 @dataclasses.dataclass
 class AdafactorConfig:
   """optim.* of optim.name=adafactor: big_vision's variant (as vmoe trains V-MoE-15B with):
-  factored second moments of parameters whose two largest dimensions are >=
-  `min_dim_size_to_factor`, decay min(beta2_cap, 1 - t^-0.8), epsilon 1e-30; then update
-  clipping by block RMS at `clipping_threshold` (None: none, as big_vision's and vmoe's
-  defaults; the Adafactor paper's d = 1 is this project's default); then momentum `b1` (an EMA
-  without debiasing; 0: none)."""
+  factored second moments of parameters whose two largest dims are >= `min_dim_size_to_factor`,
+  decay min(beta2_cap, 1 - t^-0.8), epsilon 1e-30; then update clipping by block RMS at
+  `clipping_threshold` (None: none, as big_vision's and vmoe's defaults; the Adafactor paper's
+  d = 1 is this project's default); then momentum `b1` (an EMA without debiasing; 0: none)."""
   b1: float = key(0.9, rate())  # adam's too: the same type and default
   beta2_cap: float = key(0.999, Range(0, 1, low_open=True), "Adafactor: the second-moment decay "
                          "min(beta2_cap, 1 - t^-0.8), as big_vision and vmoe; 1: uncapped")

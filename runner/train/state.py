@@ -17,11 +17,8 @@ class TrainState:
 
 
 def init_variables(model: nn.Module, image_shape: tuple[int, ...], seed: int) -> dict:
-  """The seed's boxed variables, from one small forward pass (traced by the functions below; run
-  eagerly, each of its operations compiles on its own).
-
-  The batch used for initialisation has one routing group of images; shapes do not depend on it.
-  """
+  """The seed's boxed variables, from one small forward pass on one routing group of images (shapes
+  do not depend on it); traced by the functions below (eagerly, each operation compiles alone)."""
   rngs = {"params": jax.random.key(seed), "gating": jax.random.key(seed + 1),
           "dropout": jax.random.key(seed + 2)}
   images = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
@@ -36,9 +33,8 @@ _KEPT_INITS = 4
 
 
 def _traced_init(model: nn.Module, image_shape: tuple[int, ...]):
-  """`init_variables` of this model object and shape as a jitted function of a uint32 seed,
-  traced once however often it is asked for (identity, not equality: a Flax module cannot be
-  hashed)."""
+  """`init_variables` of this model object and shape as a jitted function of a uint32 seed, traced
+  once however often it is asked for (identity, not equality: a Flax module cannot be hashed)."""
   image_shape = tuple(image_shape)
   for kept, shape, init in _INITS:
     if kept is model and shape == image_shape:
@@ -56,9 +52,8 @@ def _seed(seed: int) -> np.uint32:
 
 
 def fresh_params(model: nn.Module, image_shape: tuple[int, ...], seed: int, **jit_options):
-  """The parameters (unboxed) of the seed's init, computed by one compiled program, as every stage
-  starts them (`jit_options`: e.g. out_shardings). Run eagerly, each operation of the init would
-  compile on its own: seconds for a model the process has not initialised before."""
+  """The parameters (unboxed) of the seed's init, as every stage starts them, from one compiled
+  program (eagerly, a new model's init takes seconds). `jit_options`: e.g. out_shardings."""
   init = _traced_init(model, image_shape)
   return jax.jit(lambda s: nn.meta.unbox(init(s)["params"]), **jit_options)(_seed(seed))
 

@@ -3,8 +3,7 @@ eval, (params, batch) -> sums over the batch's real examples.
 
 Both are the compute a device runs, so they live below the evaluators and the data pipeline: this
 module imports neither TensorFlow, Hydra nor OmegaConf (benchmarks/gpu.py runs them on a CUDA JAX
-image that has none of them; the `compute-path` contract in pyproject.toml keeps it so).
-"""
+image that has none of them; the `compute-path` contract in pyproject.toml keeps it so)."""
 from __future__ import annotations
 
 import jax
@@ -27,17 +26,13 @@ def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: 
   function of (seed, step), so a resumed run draws exactly what an uninterrupted one would.
 
   `objective(params, batch, rngs, collections) -> (loss, metrics)` (runner/train/objectives.py):
-  by default the classification of `loss`, where a partitioned batch ensemble trains on the mean
-  of its members' cross-entropies (E³, App. D.1), not on the cross-entropy of their mean
-  prediction.
+  by default the classification of `loss` (a partitioned batch ensemble trains on the mean of its
+  members' cross-entropies, E³ App. D.1, not on the cross-entropy of their mean prediction).
 
   `param_updates` (runner/models/param_updates.py; a model's: runner.models.param_updates_of,
-  e.g. loss-free balancing's bias): after the optimizer's update each parameter they name is set by
-  its rule from its value before the step and what the model sowed in training, which the
-  objective returns for the collections the updates read (summed over the micro-batches with
-  gradient accumulation), so that only its rule moves it. Without any the step is what it always
-  was.
-  """
+  e.g. loss-free balancing's bias): after the optimizer's update, each parameter they name is set
+  only by its rule, from its value before the step and what the model sowed in training (returned
+  by the objective; summed over micro-batches with gradient accumulation). Empty: the usual step."""
   objective = objective or objectives.classification(model, loss=loss,
                                                      aux_loss_weight=aux_loss_weight)
   root = jax.random.key(seed)
@@ -74,9 +69,7 @@ def make_train_step(model, tx: optax.GradientTransformation, schedule, *, loss: 
       zeros = jax.tree.map(jnp.zeros_like, state.params)
       grads, per_micro = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
       grads = jax.tree.map(lambda g: g / accum_steps, grads)
-      # What the whole batch sowed.
-      sown = {c: jax.tree.map(lambda v: v.sum(axis=0), per_micro.pop(c, None))
-              for c in collections}
+      sown = {c: jax.tree.map(lambda v: v.sum(axis=0), per_micro.pop(c, None)) for c in collections}
       metrics = jax.tree.map(lambda m: m.mean(axis=0), per_micro)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -95,8 +88,7 @@ def make_eval_step(model, loss_name: str = "softmax_xent"):
     logits, extras = model.apply({"params": params}, inputs.images(batch), train=False)
     mask = batch["_mask"].astype(jnp.float32)
     labels = batch["labels"]
-    # NLL of the model's own likelihood: categorical for softmax models, Bernoulli per class
-    # for sigmoid (multi-label) models.
+    # NLL of the model's own likelihood: softmax's categorical, sigmoid's Bernoulli per class.
     nll = softmax_xent(logits, labels) if loss_name == "softmax_xent" else loss_fn(logits, labels)
     sums = {"prec@1": precision_at_1(logits, labels), "nll": nll, "loss": loss_fn(logits, labels)}
     out = {k: jnp.sum(v * mask) for k, v in sums.items()}
