@@ -2,8 +2,7 @@
 inference, and what the exporter cannot express.
 
 The router families answer for their routers (`RouterFamily.torch_routing`); they are looked up
-in the registry, which the families fill when they are imported (as the CLI imports them).
-"""
+in the registry, which the families fill when they are imported (as the CLI imports them)."""
 from __future__ import annotations
 
 import typing
@@ -20,8 +19,7 @@ CHANNELS = 3  # what vmoe's preprocessing decodes; files.write_model reads it of
 
 
 def torch_routing(model: ModelConfig) -> TorchRouting | None:
-  """The router family's `TorchRouting` for this model's MoE layers (None: the family gives
-  none)."""
+  """The router family's `TorchRouting` for this model's MoE layers, or None if it gives none."""
   family = derived.router_family(model)
   return family.torch_routing(derived.router(model), tokens=derived.tokens_per_group(model),
                               experts=derived.num_experts(model))
@@ -38,8 +36,7 @@ def _head(model: ModelConfig) -> dict:
   if h.type == HeadType.det:
     return {"type": "det"}
   return {"type": str(h.type), "num_factors": int(h.num_factors),
-          "parameter_efficient": bool(h.parameter_efficient),
-          "mc_samples": int(h.eval_mc_samples),
+          "parameter_efficient": bool(h.parameter_efficient), "mc_samples": int(h.eval_mc_samples),
           "temperature": None if h.temperature is None else float(h.temperature),
           "temperature_bounds": [float(b) for b in h.temperature_bounds],
           "mc_chunk_size": None if h.mc_chunk_size is None else int(h.mc_chunk_size),
@@ -53,8 +50,7 @@ def _moe(model: ModelConfig) -> dict | None:
   if routing is None:
     raise ValueError(unsupported(model))
   moe = {"layers": list(derived.moe_layers(model)), "num_experts": derived.num_experts(model),
-         "group_size": int(model.moe.group_size),
-         "ensemble_size": int(model.moe.ensemble_size),
+         "group_size": int(model.moe.group_size), "ensemble_size": int(model.moe.ensemble_size),
          "ensemble_variant": str(model.moe.ensemble_variant),
          "router": {"type": derived.router_family(model).name, **routing.config}}
   # DeepSeekMoE's experts, only where used (an export of a V-MoE stays as it was): E*m
@@ -80,7 +76,5 @@ def config_json(model: ModelConfig, num_classes: int, output: str) -> dict:
       "representation_size": (int(model.representation_size) if model.representation_size
                               else None),
       "attention_qk_norm": bool(model.attention_qk_norm), "layer_norm_eps": LAYER_NORM_EPS,
-      "num_classes": int(num_classes), "output": output,
-      "moe": _moe(model),
-      "head": _head(model),
+      "num_classes": int(num_classes), "output": output, "moe": _moe(model), "head": _head(model),
   }

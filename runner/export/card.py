@@ -40,8 +40,7 @@ def _metrics(summary: dict) -> list[str]:
   if not rows:
     return ["The source run recorded no final metrics (a released checkpoint, or a run without "
             "a summary)."]
-  return (["| metric | value |", "|---|---|"]
-          + [f"| `{k}` | {v:.4f} |" for k, v in rows[:40]])
+  return ["| metric | value |", "|---|---|"] + [f"| `{k}` | {v:.4f} |" for k, v in rows[:40]]
 
 
 def model_card(config: dict, *, source: dict, summary: dict, parity: dict) -> str:

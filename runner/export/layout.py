@@ -2,12 +2,8 @@
 
 Every Flax parameter is mapped exactly once, by an explicit rule, or the conversion fails naming
 the parameters it could not place: a converter that skips what it does not know (an MoE layer's
-experts, say) would write a model that loads and runs, and is wrong.
-
-Layouts: `nn.Linear` weights are (out, in), the transpose of a Flax kernel; the patch embedding
-is an `nn.Conv2d` weight (out, in, kh, kw); the experts' weights are stacked (E, out, in); a
-router's parameters are placed as its family's `TorchRouting.parameters` say. numpy only.
-"""
+experts, say) would write a model that loads and runs, and is wrong. Layouts change by the
+transforms below (an `nn.Linear` weight is the transpose of a Flax kernel); numpy only."""
 from __future__ import annotations
 
 import re
@@ -19,7 +15,7 @@ from runner.config import derived
 from runner.config.schema import ModelConfig
 from runner.export import architecture
 
-Rule = tuple[str, Callable[[np.ndarray], np.ndarray]]
+Rule = tuple[str, Callable[[np.ndarray], np.ndarray]]  # (PyTorch name, its layout from Flax's)
 
 
 class LayoutError(ValueError):
@@ -38,28 +34,12 @@ def flatten(params: Mapping) -> dict[str, np.ndarray]:
   return flat
 
 
-def _same(a):
-  return a
-
-
-def _transpose(a):  # a Dense kernel (in, out) -> an nn.Linear weight (out, in)
-  return a.T
-
-
-def _heads_in(a):  # a (D, H, hd) projection kernel -> (H * hd, D)
+def _heads_in(a):  # a (D, H, hd) kernel -> (H * hd, D); the fused (D, 3, H, hd) -> (3 * H * hd, D)
   return a.reshape(a.shape[0], -1).T
 
 
 def _heads_out(a):  # an (H, hd, D) output kernel -> (D, H * hd)
   return a.reshape(-1, a.shape[-1]).T
-
-
-def _flat(a):  # (3, H, hd) or (H, hd) biases -> one vector
-  return a.reshape(-1)
-
-
-def _qkv(a):  # the fused (D, 3, H, hd) kernel -> (3 * H * hd, D)
-  return a.reshape(a.shape[0], -1).T
 
 
 def _conv(a):  # the (p, p, C, D) patch embedding -> an nn.Conv2d weight (D, C, p, p)
@@ -71,51 +51,47 @@ def _experts(a):  # stacked (E, in, out) kernels -> (E, out, in)
 
 
 def _linear(flax_name: str, torch_name: str) -> dict[str, Rule]:
-  return {f"{flax_name}/kernel": (f"{torch_name}.weight", _transpose),
-          f"{flax_name}/bias": (f"{torch_name}.bias", _same)}
+  return {f"{flax_name}/kernel": (f"{torch_name}.weight", np.transpose),
+          f"{flax_name}/bias": (f"{torch_name}.bias", np.asarray)}
 
 
 def _norm(flax_name: str, torch_name: str, bias: bool = True) -> dict[str, Rule]:
-  rules = {f"{flax_name}/scale": (f"{torch_name}.weight", _same)}
+  rules = {f"{flax_name}/scale": (f"{torch_name}.weight", np.asarray)}
   if bias:
-    rules[f"{flax_name}/bias"] = (f"{torch_name}.bias", _same)
+    rules[f"{flax_name}/bias"] = (f"{torch_name}.bias", np.asarray)
   return rules
 
 
 # Rules of the parameters inside one encoder block (the names after `block_<i>/`).
 _BLOCK: dict[str, Rule] = {
     **_norm("norm1", "norm1"), **_norm("norm2", "norm2"),
-    "attention/qkv_kernel": ("attention.qkv.weight", _qkv),
-    "attention/qkv_bias": ("attention.qkv.bias", _flat),
+    "attention/qkv_kernel": ("attention.qkv.weight", _heads_in),
+    "attention/qkv_bias": ("attention.qkv.bias", np.ravel),
     "attention/out_kernel": ("attention.out.weight", _heads_out),
-    "attention/out_bias": ("attention.out.bias", _same),
+    "attention/out_bias": ("attention.out.bias", np.asarray),
     **_norm("attention/query_ln", "attention.query_ln", bias=False),
     **_norm("attention/key_ln", "attention.key_ln", bias=False),
     **_linear("mlp/fc1", "mlp.fc1"), **_linear("mlp/fc2", "mlp.fc2"),
-    "moe/experts/fc1_kernel": ("moe.experts.fc1_weight", _experts),
-    "moe/experts/fc1_bias": ("moe.experts.fc1_bias", _same),
-    "moe/experts/fc2_kernel": ("moe.experts.fc2_weight", _experts),
-    "moe/experts/fc2_bias": ("moe.experts.fc2_bias", _same),
-    "moe/shared/fc1_kernel": ("moe.shared.fc1_weight", _experts),
-    "moe/shared/fc1_bias": ("moe.shared.fc1_bias", _same),
-    "moe/shared/fc2_kernel": ("moe.shared.fc2_weight", _experts),
-    "moe/shared/fc2_bias": ("moe.shared.fc2_bias", _same),
+    **{f"moe/{e}/{fc}_kernel": (f"moe.{e}.{fc}_weight", _experts)
+       for e in ("experts", "shared") for fc in ("fc1", "fc2")},
+    **{f"moe/{e}/{fc}_bias": (f"moe.{e}.{fc}_bias", np.asarray)
+       for e in ("experts", "shared") for fc in ("fc1", "fc2")},
 }
 
 # Rules of the parameters outside the blocks.
 _TOP: dict[str, Rule] = {
     "embedding_kernel": ("embedding.weight", _conv),
-    "embedding_bias": ("embedding.bias", _same),
-    "cls": ("cls", _same),
-    "pos_embedding": ("pos_embedding", _same),
+    "embedding_bias": ("embedding.bias", np.asarray),
+    "cls": ("cls", np.asarray),
+    "pos_embedding": ("pos_embedding", np.asarray),
     **_norm("encoder_norm", "encoder_norm"),
-    "map_head/probe": ("map_head.probe", _same),
+    "map_head/probe": ("map_head.probe", np.asarray),
     **{f"map_head/attention/{p}/kernel": (f"map_head.attention.{p}.weight", _heads_in)
        for p in ("query", "key", "value")},
-    **{f"map_head/attention/{p}/bias": (f"map_head.attention.{p}.bias", _flat)
+    **{f"map_head/attention/{p}/bias": (f"map_head.attention.{p}.bias", np.ravel)
        for p in ("query", "key", "value")},
     "map_head/attention/out/kernel": ("map_head.attention.out.weight", _heads_out),
-    "map_head/attention/out/bias": ("map_head.attention.out.bias", _same),
+    "map_head/attention/out/bias": ("map_head.attention.out.bias", np.asarray),
     **_norm("map_head/attention/query_ln", "map_head.attention.query_ln", bias=False),
     **_norm("map_head/attention/key_ln", "map_head.attention.key_ln", bias=False),
     **_norm("map_head/norm", "map_head.norm"),
@@ -126,7 +102,7 @@ _TOP: dict[str, Rule] = {
     **{k: v for layer in ("loc_layer", "diag_layer", "scale_layer", "scale_layer_homoscedastic",
                           "scale_layer_heteroscedastic")
        for k, v in _linear(f"head/{layer}", f"head.{layer}").items()},  # a heteroscedastic head
-    "head/pre_sigmoid_temperature": ("head.pre_sigmoid_temperature", _same),
+    "head/pre_sigmoid_temperature": ("head.pre_sigmoid_temperature", np.asarray),
 }
 
 _IN_BLOCK = re.compile(r"block_(\d+)/(.+)")
@@ -140,15 +116,14 @@ def _router_rules(model: ModelConfig) -> dict[str, Rule]:
     return {}
   rules = {}
   for flax_name, (torch_name, axes) in routing.parameters.items():
-    transform = _same if axes is None else (lambda a, axes=tuple(axes): a.transpose(axes))
+    transform = np.asarray if axes is None else (lambda a, axes=tuple(axes): a.transpose(axes))
     rules[_ROUTER + flax_name] = (f"moe.router.{torch_name}", transform)
   return rules
 
 
 def torch_state_dict(params: Mapping, model: ModelConfig) -> dict[str, np.ndarray]:
-  """{PyTorch parameter name: float32 C-contiguous array} for the Flax parameter tree `params`
-  of `model`. Raises LayoutError naming every parameter that no rule places, or that two
-  parameters would land on the same name."""
+  """{PyTorch parameter name: float32 C-contiguous array} for the Flax parameter tree `params` of
+  `model`; LayoutError names every parameter no rule places, or two that would land on one name."""
   block_rules = {**_BLOCK, **_router_rules(model)}
   out: dict[str, np.ndarray] = {}
   source: dict[str, str] = {}
@@ -169,9 +144,8 @@ def torch_state_dict(params: Mapping, model: ModelConfig) -> dict[str, np.ndarra
     source[target] = name
   problems = []
   if unmapped:
-    routers = [n for n in unmapped if f"/{_ROUTER}" in n]
     hint = (" (router parameters are placed by the family's TorchRouting.parameters)"
-            if routers else "")
+            if any(f"/{_ROUTER}" in n for n in unmapped) else "")
     problems.append(f"no place in the PyTorch module for {len(unmapped)} Flax parameter(s): "
                     f"{', '.join(unmapped)}{hint}")
   if twice:

@@ -10,26 +10,23 @@
 config.json (the architecture and the inference settings) and model.safetensors (the weights,
 under this module's parameter names). Only torch, safetensors and the standard library are used.
 
-What it computes is the vmoe (Flax) model at inference (`train=False`), to 1e-4 on probabilities
-in float32: no dropout, no routing noise, the routers' capacity at inference. The choices that
-matter for that, each as vmoe makes them:
+It computes the vmoe (Flax) model at inference (`train=False`), to 1e-4 on float32 probabilities
+(no dropout, no routing noise, the routers' inference capacity), making vmoe's choices:
 - LayerNorm with config.json's `layer_norm_eps`, 1e-6 (Flax's default, not PyTorch's 1e-5);
 - GELU with the tanh approximation (Flax's `nn.gelu` default);
 - attention and routing computed in float32;
 - a mixture-of-experts layer routes *groups* of images together: the tokens of `group_size`
-  consecutive images of the batch compete for the same expert slots, so a prediction can depend
-  on the other images of its group. Any batch size works: a batch smaller than a group is one
-  group, as vmoe routes it; a longer one whose last group is short has that group completed
-  with zero images, as `vmoe eval` pads its last batch, and their rows dropped from the output;
-- DeepSeekMoE's experts: config.json's `moe.expert_mlp_dim` is the width of fine-grained
-  experts (narrower than `mlp_dim`), and `moe.shared_experts` K_s experts of that width process
-  every token, their outputs added to the routed output;
+  consecutive images compete for the same expert slots, so a prediction can depend on the other
+  images of its group. Any batch size works: a batch smaller than a group is one group, as vmoe
+  routes it; a short last group is completed with zero images, as `vmoe eval` pads its last
+  batch, and their rows dropped from the output;
+- DeepSeekMoE's experts: `moe.expert_mlp_dim` is the width of fine-grained experts (narrower
+  than `mlp_dim`); `moe.shared_experts` K_s experts of that width process every token, their
+  outputs added to the routed output;
 - a partitioned batch ensemble returns its members' mean probability (as logits);
-- a heteroscedastic head (HET, HET-XL) returns the log of a Monte-Carlo mean probability. Its
-  Gaussian draws come from `torch.Generator().manual_seed(seed)`: JAX's random numbers cannot be
-  reproduced in PyTorch, so these probabilities match vmoe's in distribution (up to Monte-Carlo
-  error, which shrinks as 1/sqrt(mc_samples)), not draw for draw.
-"""
+- a heteroscedastic head (HET, HET-XL) returns the log of a Monte-Carlo mean probability, its
+  draws from `torch.Generator().manual_seed(seed)` (JAX's cannot be reproduced in PyTorch): it
+  matches vmoe in distribution (up to Monte-Carlo error, ~1/sqrt(mc_samples)), not draw for draw."""
 from __future__ import annotations
 
 import fractions
@@ -50,7 +47,6 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- routing: what routers share ----------------------------------------------------------------
-#
 # A router family is a class `Router(config: dict, dim: int, num_experts: int)`, an nn.Module
 # whose parameters carry the names of model.safetensors (config: the router's entries of
 # config.json). `plan = router(x, first, count)` routes the tokens x (G, S, D) of G routing
@@ -58,8 +54,8 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
 # partitioned batch ensemble routes each member among its own partition). The plan has
 #   plan.dispatch(x) -> (count, G, C, D): the experts' input buffers (C slots per group), and
 #   plan.combine(y)  -> (G, S, D): the tokens' outputs from the experts' outputs y (count, G, C, D).
-# The routers of this model are appended below the line "router families" and registered in
-# ROUTERS under their family's name, which config.json's moe.router.type gives.
+# This model's router family is appended below "router families", in ROUTERS under its name
+# (config.json's moe.router.type).
 
 
 def expert_capacity(num_tokens: int, num_experts: int, k: int, ratio: float,
@@ -68,9 +64,7 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int, ratio: float,
 
   "paper": round(k * N * ratio / E), half up, at least 1 (V-MoE, section 2.4), computed exactly
   from the ratio's decimal digits (0.7 * 45 / 3 is 10.5, not 10.4999...). "reference": as the
-  google-research/vmoe code: ceil(((N * k) * ratio) / E) in floating point, then up to a
-  multiple of 4.
-  """
+  google-research/vmoe code, ceil(((N * k) * ratio) / E) in floats, up to a multiple of 4."""
   if rounding == "reference":
     capacity = max(1, math.ceil(num_tokens * k * float(ratio) / num_experts))
     return capacity + (-capacity) % 4
@@ -81,21 +75,17 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int, ratio: float,
 
 
 def top_k(values: torch.Tensor, k: int) -> torch.Tensor:
-  """Indices of the k largest values along the last axis, largest first, ties to the lower index.
-
-  A stable sort, because routing is discrete: `torch.topk` does not promise which of two equal
-  values comes first, and vmoe gives ties to the lower index.
-  """
+  """Indices of the k largest values along the last axis, largest first, ties to the lower index
+  as in vmoe (a stable sort: `torch.topk` does not say which of two equal values comes first)."""
   return torch.sort(values.detach(), dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 class SlotPlan:
   """A routing that fills expert slots with single tokens (token choice, experts choice).
 
-  token_of_slot (G, E, C) long: the token (an index into the group's S tokens) in each slot, S
-  for an empty slot; weight_of_slot (G, E, C): the weight of the slot's output in its token's
-  output (0 for an empty slot). A token's output is the weighted sum of its slots' outputs.
-  """
+  token_of_slot (G, E, C) long: each slot's token (an index into the group's S tokens; S when
+  empty); weight_of_slot (G, E, C): the weight of the slot's output in its token's output (0 when
+  empty). A token's output is the weighted sum of its slots' outputs."""
 
   def __init__(self, token_of_slot: torch.Tensor, weight_of_slot: torch.Tensor, num_tokens: int):
     self.token_of_slot, self.weight_of_slot, self.num_tokens = (token_of_slot, weight_of_slot,
@@ -130,8 +120,7 @@ def plan_top_k(gates: torch.Tensor, k: int, capacity: int, batch_priority: bool 
   gates ("sum"), ties in token order (Algorithm 2). An assignment that finds its expert's
   `capacity` slots full is dropped. The combine weight is the gate itself (not renormalised).
   `select` (G, S, E), when given, chooses the TOP-k in place of the gates (a bias-balanced
-  router's scores plus its bias); the gates still weigh the chosen experts.
-  """
+  router's scores plus its bias); the gates still weigh the chosen experts."""
   g, s, e = gates.shape
   experts = top_k(gates if select is None else select, k)  # (G, S, k)
   weights = gates.gather(-1, experts)
@@ -174,22 +163,19 @@ class Mlp(nn.Module):
 
 
 def qk_layer_norm(head_dim: int, eps: float) -> nn.LayerNorm:
-  """qk-norm (Dehghani et al. 2023): a LayerNorm of queries or keys over one head's dimensions,
-  with a scale and no bias."""
+  """qk-norm (Dehghani et al. 2023): a LayerNorm over one head's dimensions, a scale and no bias."""
   return nn.LayerNorm(head_dim, eps=eps, bias=False)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-  """Scaled dot-product attention of (B, Sq, H, hd) queries on (B, Sk, H, hd) keys and values;
-  the softmax in float32."""
+  """Attention of (B, Sq, H, hd) queries on (B, Sk, H, hd) keys and values, softmax in float32."""
   logits = torch.einsum("bqhd,bkhd->bhqk", q * q.shape[-1] ** -0.5, k)
   weights = torch.softmax(logits.float(), dim=-1).to(v.dtype)
   return torch.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
 class SelfAttention(nn.Module):
-  """Multi-head self-attention with one fused query-key-value projection; `qk_norm` normalises
-  queries and keys over each head's dimensions (a LayerNorm with a scale and no bias)."""
+  """Multi-head self-attention with one fused query-key-value projection, and optional qk-norm."""
 
   def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float):
     super().__init__()
@@ -238,15 +224,13 @@ class MoeMlp(nn.Module):
     among partition m's experts by partition m's router columns;
   - "tiling_only": repeated rows, one routing over all E experts;
   - "partition_only": rows are not repeated; every group is routed in each partition and the
-    partitions' outputs are summed.
-  """
+    partitions' outputs are summed."""
 
   def __init__(self, moe: dict, dim: int, mlp_dim: int):
     super().__init__()
     self.num_experts, self.group_size = moe["num_experts"], moe["group_size"]
     self.members, self.variant = moe["ensemble_size"], moe["ensemble_variant"]
-    # DeepSeekMoE: fine-grained experts are narrower than the dense MLPs; shared experts, of
-    # the same width, process every token and add to the routed output.
+    # DeepSeekMoE: narrower fine-grained experts; shared ones of that width take every token.
     mlp_dim = moe.get("expert_mlp_dim", mlp_dim)
     self.experts = Experts(self.num_experts, dim, mlp_dim)
     shared = moe.get("shared_experts", 0)
@@ -355,11 +339,8 @@ class HeteroscedasticHead(nn.Module):
   """HET (noise on the logits) or HET-XL (`latent`: noise on the representation, sent through
   the classifier): p(y|x) = E[sigma((mu(x) + eps(x)) / tau)], eps ~ N(0, V Vᵀ + d dᵀ) with a
   low-rank V (`num_factors` R; parameter-efficient: V = J ∘ (1 vᵀ)) and a rank-1 d, estimated
-  from `mc_samples` Gaussian draws. Returns log p̄ (softmax), or logit(p̄) (sigmoid).
-
-  The draws come from `torch.Generator().manual_seed(seed)`, not JAX's generator, which cannot
-  be reproduced: the result agrees with vmoe's within Monte-Carlo error, not draw for draw.
-  """
+  from `mc_samples` draws of `torch.Generator().manual_seed(seed)` (it agrees with vmoe's within
+  Monte-Carlo error, not draw for draw). Returns log p̄ (softmax), or logit(p̄) (sigmoid)."""
 
   def __init__(self, width: int, num_classes: int, head: dict, output: str):
     super().__init__()
@@ -476,16 +457,13 @@ class VisionTransformer(nn.Module):
     width = config.get("representation_size") or d
     self.pre_logits = nn.Linear(d, width) if config.get("representation_size") else None
     head = config["head"]
-    if head["type"] == "det":
-      self.head = nn.Linear(width, config["num_classes"])
-    else:
-      self.head = HeteroscedasticHead(width, config["num_classes"], head, self.output)
+    self.head = (nn.Linear(width, config["num_classes"]) if head["type"] == "det"
+                 else HeteroscedasticHead(width, config["num_classes"], head, self.output))
 
   def padded_to_whole_groups(self, images: torch.Tensor) -> torch.Tensor:
-    """`images` and the zero images that complete a short last routing group, since routing
-    depends on every token of a group: `vmoe eval` pads its last batch with zero images, so
-    its short last group is completed with those. A batch smaller than a group stays one
-    group, as vmoe routes it."""
+    """`images` and the zero images that complete a short last routing group (routing depends on
+    every token of a group), as `vmoe eval` pads its last batch; a batch smaller than a group
+    stays one group, as vmoe routes it."""
     count, group = images.shape[0], self.group_size
     if group is None or count <= group or count % group == 0:
       return images
@@ -525,10 +503,7 @@ class VisionTransformer(nn.Module):
     """(B, C, H, W) float32 images, any B -> (B, classes) logits, as vmoe's at inference.
     `seed`: the Monte-Carlo draws of a heteroscedastic head (unused otherwise)."""
     x = self.representation(images)
-    if isinstance(self.head, HeteroscedasticHead):
-      logits = self.head(x, seed=seed)
-    else:
-      logits = self.head(x)
+    logits = self.head(x, seed=seed) if isinstance(self.head, HeteroscedasticHead) else self.head(x)
     if self.tiles > 1:
       logits = combine_logits(logits.reshape(images.shape[0], self.tiles, -1), self.output)
     return logits
@@ -540,9 +515,8 @@ class VisionTransformer(nn.Module):
 
 
 def load(directory) -> VisionTransformer:
-  """The model of an export folder, in eval mode, on the CPU (`.to(device)` moves it): built
-  from config.json, weights from model.safetensors (every tensor must match a parameter, and
-  the reverse)."""
+  """The model of an export folder in eval mode, on the CPU (`.to(device)` moves it), from
+  config.json and model.safetensors (each tensor must match a parameter, and the reverse)."""
   directory = pathlib.Path(directory)
   config = json.loads((directory / "config.json").read_text())
   model = VisionTransformer(config)

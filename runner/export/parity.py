@@ -3,8 +3,7 @@
 PyTorch runs in a child process of its own that never imports JAX, as a user's would, so the
 check covers what users load: the folder's own `modeling_vmoe.py` and `model.safetensors`, not
 this package's copy. Without PyTorch in this environment the check is skipped, and the summary
-says so (`pip install -e '.[torch]'` in the vmoe checkout adds it).
-"""
+says so (`pip install -e '.[torch]'` in the vmoe checkout adds it)."""
 from __future__ import annotations
 
 import importlib.util
@@ -57,6 +56,5 @@ def check_images(image_size: int, channels: int, input_range: tuple[float, float
                  seed: int = 0) -> np.ndarray:
   """`count` NHWC images uniform over the inputs' range: every token of them routes somewhere,
   and a batch of several routing groups lets tokens compete for the experts' buffers."""
-  low, high = input_range
-  rng = np.random.default_rng(seed)
-  return rng.uniform(low, high, (count, image_size, image_size, channels)).astype(np.float32)
+  shape = (count, image_size, image_size, channels)
+  return np.random.default_rng(seed).uniform(*input_range, shape).astype(np.float32)

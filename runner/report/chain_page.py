@@ -1,7 +1,6 @@
 """A chain of stages on one page, each with what it started from, its main metric and a link to its
 own page: a folder whose sub-folders are runs but not a sweep's numbered jobs (`runs/demo`). The
-stages are listed in the order they started.
-"""
+stages are listed in the order they started."""
 from __future__ import annotations
 
 import os
@@ -36,8 +35,7 @@ def write_chain_page(path: str | pathlib.Path, out: str | pathlib.Path | None = 
   written = [run_page.write_run_page(stage.path) for stage in stages]
   target = run_page.page_path(path, out)
   run_page.write_atomically(target, build(path, stages, target.parent))
-  written.append(target)
-  return written
+  return written + [target]
 
 
 def pages(path: str | pathlib.Path, out: str | pathlib.Path | None = None, *,
@@ -83,10 +81,8 @@ def build(path: pathlib.Path, stages: list[workdir.Run], page_dir: pathlib.Path)
                  _metric(stage) if stage.summary else "running"])
   table = markup.table(["stage folder", "vmoe", "started from", "main metric"], rows)
   explain = markup.note(
-      "Each stage's main metric is the one it returns to a sweeper: validation prec@1 for "
-      "pretrain and finetune, the first dataset's prec@1 for eval and ensemble, the accuracy at "
-      "the most shots for fewshot. Each stage's own page has its curves, expert load, metrics "
-      "and pictures.")
-  title = f"vmoe runs: {path.name or path}"
-  subtitle = f"{path.resolve()}: {len(stages)} stages"
-  return markup.page(title, subtitle, [("stages", "Stages", table + explain)])
+      "Each stage's main metric is the one it returns to a sweeper: validation prec@1 for pretrain "
+      "and finetune, the first dataset's prec@1 for eval and ensemble, the accuracy at the most "
+      "shots for fewshot. Each stage's own page has its curves, expert load, metrics and pictures.")
+  return markup.page(f"vmoe runs: {path.name or path}", f"{path.resolve()}: {len(stages)} stages",
+                     [("stages", "Stages", table + explain)])

@@ -1,9 +1,7 @@
 """`vmoe report PATH... [--out FILE]`: write the HTML page of each run or sweep named.
 
-Every path is checked before anything is written, so a mistake writes nothing: it is one
-paragraph on stderr and exit code 2. So is a page's path that holds anything but a page vmoe
-wrote: a page replaces only an earlier page.
-"""
+Every path is checked before anything is written: a mistake, or a page's path that holds
+anything but a page vmoe wrote, writes nothing and is one paragraph on stderr and exit code 2."""
 from __future__ import annotations
 
 import argparse
@@ -23,8 +21,7 @@ class NotReportable(ValueError):
 
 
 def kind(path: pathlib.Path) -> str:
-  """"run", "chain" (runs below, named) or "sweep" (numbered jobs below), or NotReportable
-  saying what the path is instead."""
+  """"run", "chain" (named runs below) or "sweep" (numbered jobs below), else NotReportable."""
   if not path.exists():
     raise NotReportable(f"{path} does not exist. {WHAT_IS_VALID}")
   if not path.is_dir():
@@ -43,9 +40,11 @@ def kind(path: pathlib.Path) -> str:
   raise NotReportable(f"{path} is {what}. {WHAT_IS_VALID}")
 
 
-# The pages each kind of path gets written, in the order they are written.
+# The pages each kind of path gets written, in the order they are written; what writes them.
 _PAGES = {"run": lambda folder, out: [run_page.page_path(folder, out)],
           "chain": chain_page.pages, "sweep": sweep_page.pages}
+_WRITE = {"run": lambda folder, out: [run_page.write_run_page(folder, out)],
+          "chain": chain_page.write_chain_page, "sweep": sweep_page.write_sweep_page}
 
 
 def report(paths: list[str], out: str | None = None) -> list[pathlib.Path]:
@@ -58,15 +57,7 @@ def report(paths: list[str], out: str | None = None) -> list[pathlib.Path]:
   kinds = [kind(folder) for folder in folders]  # all checked before anything is written
   for folder, what in zip(folders, kinds):
     run_page.check_replaceable(_PAGES[what](folder, out), out)
-  written: list[pathlib.Path] = []
-  for folder, what in zip(folders, kinds):
-    if what == "run":
-      written.append(run_page.write_run_page(folder, out))
-    elif what == "chain":
-      written += chain_page.write_chain_page(folder, out)
-    else:
-      written += sweep_page.write_sweep_page(folder, out)
-  return written
+  return [page for folder, what in zip(folders, kinds) for page in _WRITE[what](folder, out)]
 
 
 def main(argv: list[str]) -> int:

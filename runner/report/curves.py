@@ -1,12 +1,10 @@
 """A run's metrics.jsonl as curves, and the rule that keeps long ones small.
 
-Each logged key becomes a curve over the steps that logged it: scalars (train/loss, val/prec@1,
-moe/layer_1/fraction_dropped_tokens) as one value per step, lists (moe/layer_1/expert_load, one
-value per expert) as a steps x entries matrix. A page draws at most MAX_POINTS points per curve:
-a longer one is shown as the means of buckets of consecutive logged steps (the step of a point
-is its bucket's mean step), and the page says so. Means keep the trend and the level; a spike
-within a bucket is smoothed, which is why the page names the bucket size.
-"""
+Each logged key becomes a curve over the steps that logged it: scalars (train/loss) as one value
+per step, lists (moe/layer_1/expert_load, one value per expert) as a steps x entries matrix. A
+page draws at most MAX_POINTS points per curve: a longer one as the means of buckets of
+consecutive logged steps (a point's step is its bucket's mean step). Means keep the trend and the
+level; a spike within a bucket is smoothed, which is why the page names the bucket size."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,12 +32,10 @@ class Curve:
 
 @dataclasses.dataclass
 class Curves:
-  """Every curve of a run, by its key; `logged` counts the records read, `unreadable` the
-  lines that were not JSON (the last line of a live run may be half written)."""
+  """Every curve of a run, by its key; `logged` counts the records read."""
   scalars: dict[str, Curve]
   lists: dict[str, Curve]
   logged: int = 0
-  unreadable: int = 0
   last_step: int | None = None
 
 
@@ -47,7 +43,7 @@ def read(path: pathlib.Path) -> Curves:
   """The curves of a metrics.jsonl (empty ones when the file is missing)."""
   scalars: dict[str, tuple[list, list]] = {}
   lists: dict[str, tuple[list, list]] = {}
-  logged = unreadable = 0
+  logged = 0
   last = None
   if path.exists():
     with open(path) as lines:
@@ -57,26 +53,24 @@ def read(path: pathlib.Path) -> Curves:
         try:
           record = json.loads(line)
           step = int(record["step"])
-        except (ValueError, KeyError, TypeError):
-          unreadable += 1
+        except (ValueError, KeyError, TypeError):  # a live run's last line may be half written
           continue
         logged += 1
         last = step if last is None else max(last, step)
         for key, value in record.items():
           if key == "step":
             continue
-          if _number(value):
-            if math.isfinite(value):
-              scalars.setdefault(key, ([], []))
-              scalars[key][0].append(step)
-              scalars[key][1].append(float(value))
+          if _number(value) and math.isfinite(value):
+            scalars.setdefault(key, ([], []))
+            scalars[key][0].append(step)
+            scalars[key][1].append(float(value))
           elif isinstance(value, list) and value and all(_number(v) for v in value):
             lists.setdefault(key, ([], []))
             lists[key][0].append(step)
             lists[key][1].append(value)
   return Curves({k: Curve(np.asarray(s, float), np.asarray(v, float))
                  for k, (s, v) in scalars.items()},
-                {k: _matrix(s, v) for k, (s, v) in lists.items()}, logged, unreadable, last)
+                {k: _matrix(s, v) for k, (s, v) in lists.items()}, logged, last)
 
 
 def _number(value) -> bool:

@@ -1,8 +1,7 @@
 """Sections that evaluators add to a run's page: the extension seam for plug-ins
 (`Evaluator.report_section`; docs/report.md). The registry of evaluators is read, not imported: a
 stage that writes its page has them registered already, and `vmoe report` loads the plug-ins the
-run's config names. A section that fails is reported on the page, never fatal to it.
-"""
+run's config names. A section that fails is reported on the page, never fatal to it."""
 from __future__ import annotations
 
 import pathlib
@@ -13,8 +12,7 @@ from runner.report import markup
 
 
 def load_plugins(config: dict) -> str | None:
-  """Imports the run's plug-in modules (already imported ones cost nothing); the problem in
-  words if one cannot be."""
+  """Imports the run's plug-in modules (already imported: free); the problem in words, if any."""
   names = config.get("plugins") or []
   if not isinstance(names, list) or not names:
     return None

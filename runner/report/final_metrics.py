@@ -1,10 +1,8 @@
 """summary.json as tables, one per prefix: val/, test/, each eval dataset, routing/, compute/...
 
-A flat dict of "section/name" is hard to read beyond a few dozen keys; grouped by the section
-it reads like the stage's printout. Where a section's keys are per layer or per member
-(routing/layer_1/top1), the table has a column per layer and a row per measurement, so layers
-compare side by side as in the README's routing row.
-"""
+A flat dict of "section/name" is hard to read beyond a few dozen keys; grouped by section it reads
+like the stage's printout. Per-layer or per-member keys (routing/layer_1/top1) get a column per
+layer and a row per measurement: layers side by side, as in the README's routing row."""
 from __future__ import annotations
 
 import math
@@ -34,8 +32,7 @@ def tables(summary: dict) -> str:
 
 
 def rows(summary: dict) -> list[list]:
-  """summary.json as (section, metric, value) rows, the values as the page shows them (W&B's
-  table of the same numbers)."""
+  """summary.json as (section, metric, value) rows, values as the page shows them (W&B's table)."""
   out = []
   for key, value in summary.items():
     section, slash, rest = str(key).partition("/")
@@ -44,8 +41,7 @@ def rows(summary: dict) -> list[list]:
 
 
 def _table(values: dict) -> str:
-  per = {}
-  plain = {}
+  per, plain = {}, {}
   for key, value in values.items():
     head, slash, rest = key.partition("/")
     if slash and _PER.fullmatch(head):

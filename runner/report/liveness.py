@@ -1,9 +1,6 @@
-"""Whether a run is still going: another process holds its workdir lock.
-
-runner/workdirs/workdir_lock.py takes an exclusive flock on <workdir>/.vmoe.lock for as long as a vmoe
-process works there, and the kernel drops it when that process ends however it ends; `is_held`
-probes it without changing the file.
-"""
+"""Whether a run is still going: another process holds the flock that a vmoe process keeps on
+<workdir>/.vmoe.lock while it works there (runner/workdirs/workdir_lock.py), which the kernel
+drops when that process ends however it ends; `is_held` probes it without changing the file."""
 from __future__ import annotations
 
 import os

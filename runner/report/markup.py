@@ -1,14 +1,11 @@
 """The HTML of the report pages: one document with its CSS inlined, tables and sections.
 
-A page must open offline, from a file, years later: so nothing is linked (no stylesheet, no
-script, no font, no image from elsewhere), pictures are `data:` URIs or inline SVG, and the
-only links are anchors and relative links to other report.html pages. Every string read from a
-run's files goes through `esc`; only HTML this package builds (and an evaluator's section) is
-inserted as it is, marked `Raw`.
-
-Every page names its writer in its head (GENERATOR), so that a page replaces only a page vmoe
-wrote (`is_report_page`), never a file that happens to sit where a page goes.
-"""
+A page must open offline, from a file, years later: nothing is linked (no stylesheet, script, font
+or image from elsewhere), pictures are `data:` URIs or inline SVG, and the only links are anchors
+and relative links to other report.html pages. Every string read from a run's files goes through
+`esc`; only HTML this package builds (and an evaluator's section) is inserted as it is, marked
+`Raw`. Every page names its writer in its head (GENERATOR), so that a page replaces only a page
+vmoe wrote (`is_report_page`), never a file that happens to sit where a page goes."""
 from __future__ import annotations
 
 import base64
@@ -73,7 +70,6 @@ document.querySelectorAll("table.sortable th").forEach(function (th, col) {
 });
 """
 
-
 # What identifies a page vmoe report wrote: this tag, among the first bytes of the file. Pages
 # written before it was added are known by their opening, the same since the first page.
 GENERATOR = '<meta name="generator" content="vmoe report">'
@@ -109,15 +105,14 @@ def data_uri(content: bytes, mime: str) -> str:
 
 def table(header: list | None, rows: list[list], *, numeric: bool = True, sortable: bool = False,
           row_classes: list[str] | None = None) -> Raw:
-  """A table (no header row for `header=None`); a cell that reads as a number is
-  right-aligned."""
+  """A table (no header row for `header=None`); a cell that reads as a number is right-aligned."""
   head = "".join(f"<th>{esc(h)}</th>" for h in header or [])
   body = []
   for i, row in enumerate(rows):
     cells = "".join(
         f'<td class="num">{esc(c)}</td>' if numeric and _numeric(c) else f"<td>{esc(c)}</td>"
         for c in row)
-    cls = row_classes[i] if row_classes and row_classes[i] else ""
+    cls = row_classes[i] if row_classes else ""
     body.append(f'<tr class="{cls}">{cells}</tr>' if cls else f"<tr>{cells}</tr>")
   kind = ' class="sortable"' if sortable else ""
   thead = f"<thead><tr>{head}</tr></thead>" if header else ""
@@ -147,6 +142,10 @@ def figure(content: str, caption=None) -> Raw:
   return Raw(f"<figure>{content}{text}</figure>")
 
 
+def grid(items: list[str]) -> str:
+  return f'<div class="grid">{"".join(items)}</div>' if items else ""
+
+
 def page(title: str, subtitle: str, sections: list[tuple[str, str, str]],
          banner: str | None = None, script: bool = False) -> str:
   """The whole document: a header with a table of contents, then `sections` ((anchor, title,
@@ -156,8 +155,7 @@ def page(title: str, subtitle: str, sections: list[tuple[str, str, str]],
   if script:
     digest = base64.b64encode(hashlib.sha256(SORT_SCRIPT.encode()).digest()).decode()
     sources = f"'sha256-{digest}'"
-  policy = (f"default-src 'none'; img-src data:; style-src 'unsafe-inline'; "
-            f"script-src {sources}")
+  policy = f"default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src {sources}"
   toc = " ".join(f'<a href="#{esc(a)}">{esc(t)}</a>' for a, t, _ in sections)
   body = "\n".join(section(a, t, b) for a, t, b in sections)
   warning = f'<div class="banner" role="status">{esc(banner)}</div>' if banner else ""

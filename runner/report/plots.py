@@ -1,11 +1,9 @@
 """The pages' charts, drawn by matplotlib as SVG text to inline in the HTML.
 
-SVG from matplotlib, not a JavaScript charting library: the page needs no script bundle and
-no network, stays small (a 2,000-point curve is some 50 kB), and looks the same in any browser
-or printed. Heat maps are raster images inside the SVG (a `data:` PNG), which is what keeps a
-steps x experts map small. Bare Agg figures, no pyplot state; matplotlib is imported on the
-first chart, as it is slow to import.
-"""
+SVG from matplotlib, not a JavaScript charting library: no script bundle, no network, small (a
+2,000-point curve is some 50 kB), and the same in any browser or printed. Heat maps are raster
+images inside the SVG (a `data:` PNG), which keeps a steps x experts map small. Bare Agg figures,
+no pyplot state; matplotlib, slow to import, is imported on the first chart."""
 from __future__ import annotations
 
 import io
@@ -58,8 +56,7 @@ def lines(title: str, series: list[tuple[str, np.ndarray, np.ndarray]], ylabel: 
   axes = figure.add_subplot()
   for label, steps, values in series:
     marker = "o" if len(steps) <= 60 else None
-    axes.plot(steps, values, "-", marker=marker, markersize=3, linewidth=1.2,
-              label=_plain(label))
+    axes.plot(steps, values, "-", marker=marker, markersize=3, linewidth=1.2, label=_plain(label))
   if log and all(np.all(v > 0) for _, _, v in series):
     axes.set_yscale("log")
   axes.set_title(_plain(title), fontsize=10)
@@ -89,8 +86,7 @@ def heatmap_figure(title: str, steps: np.ndarray, matrix: np.ndarray, label: str
   half = (steps[-1] - steps[0]) / (len(steps) - 1) / 2 if len(steps) > 1 else 0.5
   extent = (steps[0] - half, steps[-1] + half, matrix.shape[1] - 0.5, -0.5)
   if fraction:
-    cmap = matplotlib.colormaps["Blues"].with_extremes(under="black", over="#d62728",
-                                                       bad="#bbbbbb")
+    cmap = matplotlib.colormaps["Blues"].with_extremes(under="black", over="#d62728", bad="#bbbbbb")
     image = axes.imshow(matrix.T, aspect="auto", interpolation="nearest", cmap=cmap,
                         vmin=DEAD, vmax=SATURATED, extent=extent)
     bar = figure.colorbar(image, ax=axes, extend="both", fraction=0.04, pad=0.01)
@@ -107,17 +103,11 @@ def heatmap_figure(title: str, steps: np.ndarray, matrix: np.ndarray, label: str
   return figure
 
 
-def png(figure, path) -> None:
-  """The figure as a PNG file (for W&B, which shows images, not inline SVG)."""
-  figure.savefig(path, format="png", dpi=100)
-
-
 def scatter(title: str, xs: list[str], ys: list[float], xlabel: str, ylabel: str,
             best: int | None = None) -> str:
   """Every job a point, the mean per value a line (log x for positive numbers spanning a
   decade or more, as `vmoe summarize` plots), the best job a star."""
-  numbers = [_number(x) for x in xs]
-  numeric = all(n is not None for n in numbers)
+  numeric = all(_number(x) is not None for x in xs)
   order = sorted(set(xs), key=lambda x: _number(x) if numeric else x)
   position = {x: (_number(x) if numeric else i) for i, x in enumerate(order)}
   figure = _figure(4.6, 3.2, bottom=0.5 if numeric else 0.8)
@@ -126,8 +116,7 @@ def scatter(title: str, xs: list[str], ys: list[float], xlabel: str, ylabel: str
   means = [float(np.mean([y for x2, y in zip(xs, ys) if x2 == x])) for x in order]
   axes.plot([position[x] for x in order], means, "-", color="black", linewidth=1, label="mean")
   if best is not None:
-    axes.plot([position[xs[best]]], [ys[best]], "*", color="#d62728", markersize=12,
-              label="best")
+    axes.plot([position[xs[best]]], [ys[best]], "*", color="#d62728", markersize=12, label="best")
   spread = [position[x] for x in order]
   if numeric and min(spread) > 0 and max(spread) >= 10 * min(spread):
     axes.set_xscale("log")

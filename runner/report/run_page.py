@@ -2,8 +2,7 @@
 
 `write_run_page(workdir)` reads the workdir once and writes <workdir>/report.html in one replace,
 so a reader never opens a half-written page; it takes about a second on a small run. A page
-replaces only a page vmoe wrote (`check_replaceable`).
-"""
+replaces only a page vmoe wrote (`check_replaceable`)."""
 from __future__ import annotations
 
 import os
@@ -29,13 +28,10 @@ _TRAIN_CHARTS = (("Loss", ("train/loss", "val/loss"), "loss"),
                  ("Precision@1", ("train/prec@1", "val/prec@1"), "prec@1"),
                  ("Learning rate", ("train/lr",), "learning rate"),
                  ("Images per second", ("train/images_per_s",), "images/s"))
-_TRAINING_STAGES = ("pretrain", "finetune")
-_DRAWN_ELSEWHERE = {"train/aux_loss", "train/cls_loss"}  # the MoE losses' chart, the loss chart
 
 
 class PathTaken(ValueError):
-  """Where a page goes there is something else than a page vmoe wrote; the message is the
-  paragraph to print."""
+  """Something vmoe did not write is where a page goes; the message is the paragraph to print."""
 
 
 def page_path(path: str | pathlib.Path, out: str | pathlib.Path | None = None) -> pathlib.Path:
@@ -84,14 +80,12 @@ def write_run_page(path: str | pathlib.Path, out: str | pathlib.Path | None = No
   process holds does not count: a stage writing its own page has finished its work). `run`:
   the workdir as the caller read it already (`workdir.read(path)`). PathTaken, writing nothing,
   where the page's path holds anything but a page vmoe wrote."""
-  path = pathlib.Path(path)
   target = page_path(path, out)
   check_replaceable([target], out)
   run = run or workdir.read(path)
   if live is None:
     live = liveness.held_by_another_process(path)
-  document = build(run, target.parent, live)
-  write_atomically(target, document)
+  write_atomically(target, build(run, target.parent, live))
   return target
 
 
@@ -111,11 +105,10 @@ def write_atomically(target: pathlib.Path, text: str) -> None:
 
 def build(run: workdir.Run, page_dir: pathlib.Path, live: bool) -> str:
   problem = evaluator_sections.load_plugins(run.config)
-  scalars = run.curves.scalars
   sections = [("run", "Run", _what_ran(run, page_dir)),
               ("config", "Configuration", _configuration(run)),
               ("training", "Training curves", _training(run)),
-              ("validation", "Validation curves", _validation(scalars)),
+              ("validation", "Validation curves", _validation(run.curves.scalars)),
               ("routing", "Expert load and dropped tokens", _routing(run.curves)),
               ("metrics", "Final metrics", final_metrics.tables(run.summary)
                if run.summary else markup.note("No summary.json yet: the stage has not "
@@ -139,26 +132,22 @@ def build(run: workdir.Run, page_dir: pathlib.Path, live: bool) -> str:
 def _what_ran(run: workdir.Run, page_dir: pathlib.Path) -> str:
   rows = [[what, value] for what, value in run.facts]
   for origin in run.origins:
-    if origin.run is not None:
-      href = os.path.relpath(origin.run / PAGE, page_dir)
-      rows.append(["started from", Raw(f"{esc(origin.text)} ({markup.link(href, 'its report')})")])
-    else:
-      rows.append(["started from", origin.text])
+    report = (markup.link(os.path.relpath(origin.run / PAGE, page_dir), "its report")
+              if origin.run is not None else None)
+    rows.append(["started from", Raw(f"{esc(origin.text)} ({report})") if report else origin.text])
   if (run.path.parent / "multirun.yaml").is_file():  # a job of a sweep
     href = os.path.relpath(run.path.parent / PAGE, page_dir)
     rows.append(["part of the sweep", markup.link(href, f"{run.path.parent.name} (its report)")])
   if not rows:
-    return markup.note("The workdir records nothing of how it ran (no .vmoe.lock, no "
-                       "config.yaml).")
+    return markup.note("The workdir records nothing of how it ran (no .vmoe.lock, no config.yaml).")
   return markup.table(None, rows, numeric=False)
 
 
 def _configuration(run: workdir.Run) -> str:
   parts = []
   if run.overrides:
-    parts.append("<h3>Command-line overrides</h3>"
-                 + markup.table(["key", "value"], [o.partition("=")[::2] for o in run.overrides],
-                                numeric=False))
+    parts.append("<h3>Command-line overrides</h3>" + markup.table(
+        ["key", "value"], [o.partition("=")[::2] for o in run.overrides], numeric=False))
     parts.append(markup.note("What the command line set on top of the stage's config "
                              "(conf/<stage>.yaml); the resolved config below has every key."))
   else:
@@ -199,7 +188,7 @@ def _training(run: workdir.Run) -> str:
   train = [k for k in scalars if k.startswith("train/") and len(scalars[k]) >= 2]
   if not train:
     return _too_few_training_points(run)
-  shown = set(_DRAWN_ELSEWHERE)
+  shown = {"train/aux_loss", "train/cls_loss"}  # drawn in the MoE losses' chart and the loss chart
   for title, keys, ylabel in _TRAIN_CHARTS:
     series = _series(scalars, keys, drawn)
     if any(k.startswith("train/") for k, _, _ in series):
@@ -219,18 +208,17 @@ def _training(run: workdir.Run) -> str:
     if (len(scalars[key]) >= 2 and not key.startswith(("train/", "val/", "test/"))
         and not _LAYER.fullmatch(key)):
       charts.append(markup.figure(plots.lines(key, _series(scalars, (key,), drawn))))
-  return _downsampling_note(drawn, run.curves.logged) + _grid(charts)
+  return _downsampling_note(drawn, run.curves.logged) + markup.grid(charts)
 
 
 def _too_few_training_points(run: workdir.Run) -> str:
   """The training section of a run with no training curve: a stage that trains but logged once
   or never (train.steps within one train.log_every_steps) shows its one point and how to get
   curves; only a stage that does not train says it logs once."""
-  scalars = run.curves.scalars
-  logged = {k: c for k, c in scalars.items() if len(c) == 1 and (
+  logged = {k: c for k, c in run.curves.scalars.items() if len(c) == 1 and (
       k.startswith("train/") or (_LAYER.fullmatch(k) and not _LAYER.fullmatch(k)[1]))}
   train = run.config.get("train")
-  trains = (run.stage in _TRAINING_STAGES or isinstance(train, dict)
+  trains = (run.stage in ("pretrain", "finetune") or isinstance(train, dict)
             or any(k.startswith("train/") for k in logged))
   if not trains:
     return markup.note("Nothing was logged over training steps (an eval, few-shot or ensemble "
@@ -268,26 +256,22 @@ def _per_layer_charts(scalars: dict, drawn: list, wanted, what: str, prefix: str
   charts = []
   for name, keys in names.items():
     keys.sort(key=lambda k: int(_LAYER.fullmatch(k)[2]))
-    series = []
-    for key in keys:
-      curve = curves_lib.downsample(scalars[key])
-      drawn.append(curve)
-      series.append((f"layer {_LAYER.fullmatch(key)[2]}", curve.steps, curve.values))
+    series = [(f"layer {_LAYER.fullmatch(key)[2]}", steps, values)
+              for key, steps, values in _series(scalars, keys, drawn)]
     title = f"{prefix + '/' if prefix else ''}moe/layer_*/{name}"
     charts.append(markup.figure(plots.lines(title, series, name), what))
   return charts
 
 
 def _validation(scalars: dict) -> str:
-  keys = [k for k in scalars if k.startswith("val/") and "/moe/" not in k
-          and len(scalars[k]) >= 2]
+  keys = [k for k in scalars if k.startswith("val/") and "/moe/" not in k and len(scalars[k]) >= 2]
   if not keys:
     return markup.note("Fewer than two validation points were logged (eval.every_steps sets how "
                        "often training evaluates); the final ones are under Final metrics.")
   drawn: list = []
   charts = [markup.figure(plots.lines(k, _series(scalars, (k,), drawn))) for k in keys]
   return _downsampling_note(drawn, max(len(scalars[k]) for k in keys),
-                            "validation points") + _grid(charts)
+                            "validation points") + markup.grid(charts)
 
 
 def _routing(curves: curves_lib.Curves) -> str:
@@ -323,7 +307,7 @@ def _routing(curves: curves_lib.Curves) -> str:
       "One heat map per MoE layer: the fraction of each expert's buffer slots filled at each "
       f"logged step. Black: about 0 (a dead expert, below {plots.DEAD}); red: about 1 (a "
       f"saturated expert, above {plots.SATURATED}, which drops tokens once its buffer is full).")
-  return intro + _downsampling_note(drawn, curves.logged) + "".join(parts) + _grid(dropped)
+  return intro + _downsampling_note(drawn, curves.logged) + "".join(parts) + markup.grid(dropped)
 
 
 def _dead_or_saturated(curve: curves_lib.Curve) -> str:
@@ -357,7 +341,7 @@ def _pictures(pictures: list[pathlib.Path]) -> str:
     uri = markup.data_uri(picture.read_bytes(), "image/png")
     shown.append(markup.figure(f'<img src="{uri}" alt="{esc(picture.name)}" loading="lazy">',
                                picture.name))
-  text = _grid(shown)
+  text = markup.grid(shown)
   if skipped:
     text += markup.note("Not inlined, to keep the page small (open them in the workdir): "
                         + ", ".join(skipped))
@@ -370,7 +354,3 @@ def _checkpoints(run: workdir.Run) -> str:
   rows = [[c.step, "complete" if c.complete else "incomplete (no commit marker)",
            f"{c.size / 1e6:.1f} MB"] for c in run.checkpoints]
   return markup.table(["step", "state", "size"], rows)
-
-
-def _grid(items: list[str]) -> str:
-  return f'<div class="grid">{"".join(items)}</div>' if items else ""

@@ -1,10 +1,8 @@
 """`vmoe summarize <multirun dir>`: one table of a sweep's jobs, their overrides and final metrics.
 
-Every job folder (one with a summary.json) becomes a row: the keys the sweep varies, then the
-metrics (by default the stage's main metric and its companions); `--aggregate seed` (the default)
-averages the jobs that differ only in those keys. The studies (runner/studies) build their tables
-with the same functions.
-"""
+Every job folder (one with a summary.json) is a row: the keys the sweep varies, then the metrics
+(by default the stage's main metric and companions); `--aggregate seed` (the default) averages the
+jobs differing only in those keys. The studies (runner/studies) build their tables likewise."""
 from __future__ import annotations
 
 import argparse
@@ -43,13 +41,10 @@ class Column:
 
 
 def find_jobs(root: str | pathlib.Path) -> list[Job]:
-  """Every finished job under `root` (a folder holding summary.json), in folder order."""
-  root = pathlib.Path(root)
-  jobs = []
-  for summary in sorted(root.rglob("summary.json"), key=lambda p: _natural(p.parent)):
-    folder = summary.parent
-    jobs.append(Job(folder, read_overrides(folder), json.loads(summary.read_text())))
-  return jobs
+  """Every finished job under `root` (a folder holding summary.json), in natural folder order."""
+  summaries = sorted(pathlib.Path(root).rglob("summary.json"),  # natural order: 2 before 10
+                     key=lambda p: [int(x) if x.isdigit() else x for x in p.parent.parts])
+  return [Job(s.parent, read_overrides(s.parent), json.loads(s.read_text())) for s in summaries]
 
 
 def read_overrides(folder: pathlib.Path) -> dict:
@@ -61,10 +56,6 @@ def read_overrides(folder: pathlib.Path) -> dict:
       key, _, value = str(line).partition("=")
       overrides[key.lstrip("+~")] = value
   return overrides
-
-
-def _natural(path: pathlib.Path):
-  return [int(p) if p.isdigit() else p for p in path.parts]
 
 
 def swept_keys(jobs: list[Job]) -> list[str]:
@@ -146,8 +137,7 @@ def mean_std(values: list, digits: int = 4) -> str:
   return f"{statistics.mean(numbers):.{digits}f} ± {statistics.stdev(numbers):.{digits}f}"
 
 
-def grouped(rows: list[tuple], columns: list[Column], label: str | tuple = ""
-            ) -> tuple[list, list]:
+def grouped(rows: list[tuple], columns: list[Column], label: str | tuple = "") -> tuple[list, list]:
   """(header, body) of a table with one row per (label, summaries of its replicates); a label
   may be a tuple (several leading columns, named by a tuple `label`)."""
   names = list(label) if isinstance(label, tuple) else [label]
@@ -175,17 +165,14 @@ def markdown(header: list, body: list) -> str:
 
 def to_csv(header: list, body: list) -> str:
   out = io.StringIO()
-  writer = csv.writer(out)
-  writer.writerow(header)
-  writer.writerows(body)
+  csv.writer(out).writerows([header, *body])
   return out.getvalue()
 
 
 def plot(jobs: list[Job], key: str, column: Column, path: pathlib.Path) -> str:
   """The column against one swept key: every job a point, the mean a line (a log x-axis for
   positive numbers spanning a decade or more)."""
-  # Lazily: matplotlib is slow to import and only the plots need it (not the tables, the studies).
-  # lazily: matplotlib is slow to import, and only a run that draws needs it
+  # lazily: matplotlib is slow to import, and only the plots need it (not the tables, the studies)
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
   points = [(job.overrides.get(key), column.read(job.summary)) for job in jobs]

@@ -1,7 +1,6 @@
-"""`vmoe summarize`: the sweep's table (runner.report.summarize), then its `vmoe report` page refreshed,
-so that the page of a finished sweep is there without asking (`--no-report` skips it). As
-`vmoe report`, it replaces only pages vmoe wrote: a report.html of anything else is left alone,
-and the table is printed all the same."""
+"""`vmoe summarize`: the sweep's table (runner.report.summarize), then its `vmoe report` page, so
+a finished sweep has its page without asking (`--no-report` skips it); like `vmoe report`, only
+pages vmoe wrote are replaced (the table is printed all the same)."""
 from __future__ import annotations
 
 import pathlib

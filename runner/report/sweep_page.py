@@ -1,8 +1,7 @@
 """A sweep's page: a row per job, the best job, each swept key against the main metric, the
 seeds' mean ± std, an Optuna search's best trial, and a link to every job's own page. The tables
 are `vmoe summarize`'s; "best" is the main metric each stage returns to Hydra's sweeper
-(runner.tasks.main_metric), what an Optuna search maximises.
-"""
+(runner.tasks.main_metric), what an Optuna search maximises."""
 from __future__ import annotations
 
 import dataclasses
@@ -49,13 +48,10 @@ def read(path: str | pathlib.Path) -> Sweep:
                        and (p / "metrics.jsonl").is_file()),
                       key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0,
                                      p.name))
-  optuna = None
-  results = path / "optimization_results.yaml"
-  if results.is_file():
-    try:
-      optuna = yaml.safe_load(results.read_text())
-    except yaml.YAMLError:
-      optuna = None
+  try:
+    optuna = yaml.safe_load((path / "optimization_results.yaml").read_text())
+  except (FileNotFoundError, IsADirectoryError, yaml.YAMLError):  # none, or not YAML
+    optuna = None
   return Sweep(path, jobs, summarize.swept_keys(jobs), columns, [_score(j) for j in jobs],
                unfinished, optuna if isinstance(optuna, dict) else None)
 
@@ -77,12 +73,10 @@ def write_sweep_page(path: str | pathlib.Path, out: str | pathlib.Path | None = 
   written = [run_page.write_run_page(folder) for folder in _job_folders(sweep)]
   target = run_page.page_path(sweep.path, out)
   run_page.write_atomically(target, build(sweep, target.parent))
-  written.append(target)
-  return written
+  return written + [target]
 
 
-def pages(path: str | pathlib.Path, out: str | pathlib.Path | None = None
-          ) -> list[pathlib.Path]:
+def pages(path: str | pathlib.Path, out: str | pathlib.Path | None = None) -> list[pathlib.Path]:
   """The pages write_sweep_page writes: each job's, then the sweep's."""
   return _pages(read(path), out)
 
@@ -118,13 +112,6 @@ def build(sweep: Sweep, page_dir: pathlib.Path) -> str:
   return markup.page(title, subtitle, sections, script=True)
 
 
-def _fixed_overrides(sweep: Sweep) -> list[str]:
-  first = sweep.jobs[0].overrides if sweep.jobs else {}
-  return [f"{k}={v}" for k, v in first.items()
-          if k not in sweep.keys and not k.startswith("workdir")
-          and all(j.overrides.get(k) == v for j in sweep.jobs)]
-
-
 def _jobs(sweep: Sweep, page_dir: pathlib.Path) -> str:
   header = ["job", *sweep.keys, "main metric", *(c.header for c in sweep.columns)]
   rows, classes = [], []
@@ -141,7 +128,9 @@ def _jobs(sweep: Sweep, page_dir: pathlib.Path) -> str:
     rows.append([_job_link(folder, sweep, page_dir), *("" for _ in sweep.keys),
                  "unfinished (no summary.json)", *("" for _ in sweep.columns)])
     classes.append("")
-  fixed = _fixed_overrides(sweep)
+  first = sweep.jobs[0].overrides if sweep.jobs else {}
+  fixed = [f"{k}={v}" for k, v in first.items() if k not in sweep.keys
+           and not k.startswith("workdir") and all(j.overrides.get(k) == v for j in sweep.jobs)]
   text = markup.note("Every job ran with " + (" ".join(fixed) if fixed else "no other override")
                      + (f"; the jobs differ in {', '.join(sweep.keys)}." if sweep.keys else "."))
   text += markup.table(header, rows, sortable=True, row_classes=classes)
@@ -170,12 +159,10 @@ def _scatter(sweep: Sweep) -> str:
               and job.overrides.get(key) is not None]
     if not points:
       continue
-    best = next((n for n, (_, _, i) in enumerate(points) if i == sweep.best), None)
-    figures.append(markup.figure(plots.scatter(key, [p[0] for p in points],
-                                               [p[1] for p in points], key, "main metric",
-                                               best)))
-  return f'<div class="grid">{"".join(figures)}</div>' if figures else markup.note(
-      "No job has a main metric to plot.")
+    xs, ys, indices = zip(*points)
+    best = indices.index(sweep.best) if sweep.best in indices else None
+    figures.append(markup.figure(plots.scatter(key, xs, ys, key, "main metric", best)))
+  return markup.grid(figures) or markup.note("No job has a main metric to plot.")
 
 
 def _seeds(sweep: Sweep) -> str:
@@ -187,12 +174,12 @@ def _seeds(sweep: Sweep) -> str:
 
 
 def _optuna(sweep: Sweep, page_dir: pathlib.Path) -> str:
-  params = sweep.optuna.get("best_params") or {}
+  params = sweep.optuna.get("best_params")
   rows = [[k, v] for k, v in params.items()] if isinstance(params, dict) else []
   text = markup.table(["best parameter", "value"], rows) if rows else ""
   text += Raw(f"<p>best value: <b>{esc(sweep.optuna.get('best_value', '-'))}</b></p>")
-  match = next((job for job in sweep.jobs if isinstance(params, dict) and params and all(
-      _same(job.overrides.get(str(k)), v) for k, v in params.items())), None)
+  match = next((job for job in sweep.jobs if rows and all(
+      _same(job.overrides.get(str(k)), v) for k, v in rows)), None)
   if match is not None:
     text += Raw(f"<p>the trial's job: {_job_link(match.path, sweep, page_dir)}</p>")
   return text

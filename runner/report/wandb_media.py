@@ -2,8 +2,7 @@
 
 W&B already has the curves and the evaluators' pictures; what only the page had (the expert-load
 heat maps and the tables; docs/report.md) is logged when a stage ends, to its W&B run resumed.
-Nothing happens for a run without W&B (logger.wandb.mode=disabled, or no run id).
-"""
+Nothing happens for a run without W&B (logger.wandb.mode=disabled, or no run id)."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +23,7 @@ def publish(path: str | pathlib.Path, run: workdir.Run | None = None) -> list[st
   if not (path / "wandb_run_id").is_file():
     return []  # W&B never ran here: nothing to read
   run = run or workdir.read(path)
-  settings = ((run.config.get("logger") or {}).get("wandb")) or {}
-  wandb = from_dict(WandbConfig, settings)
+  wandb = from_dict(WandbConfig, (run.config.get("logger") or {}).get("wandb") or {})
   if wandb.mode == WandbMode.disabled:
     return []
   run_id = (path / "wandb_run_id").read_text().strip()
@@ -42,7 +40,7 @@ def publish(path: str | pathlib.Path, run: workdir.Run | None = None) -> list[st
         figure = plots.heatmap_figure(load.key, load.drawn.steps, load.drawn.values, load.name,
                                       load.fraction)
         image = pathlib.Path(tmp) / f"{len(logged)}.png"
-        plots.png(figure, image)
+        figure.savefig(image, format="png", dpi=100)  # W&B shows images, not inline SVG
         key = f"{load.key}_map"
         writer.log_image(None, key, str(image))  # W&B's next step: a resumed run's
         logged.append(key)

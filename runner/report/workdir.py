@@ -1,8 +1,7 @@
 """What a run's workdir records, read into one `Run`: the page is drawn from this alone.
 
 Only what the files say is shown (docs/report.md lists them); for a run of an older vmoe, W&B's
-metadata stands in for environment.json when it wrote some.
-"""
+metadata stands in for environment.json when it wrote some."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,10 +31,9 @@ class Checkpoint:
 
 @dataclasses.dataclass
 class Origin:
-  """Where the stage started from (init.checkpoint): the text of the config, and the run
-  folder it names when that folder exists here."""
+  """Where the stage started from (init.checkpoint): the config's text, and the run it names."""
   text: str
-  run: pathlib.Path | None
+  run: pathlib.Path | None  # None unless that run folder exists here
 
 
 @dataclasses.dataclass
@@ -71,7 +69,7 @@ def read(path: str | pathlib.Path) -> Run:
   path = pathlib.Path(path)
   summary = _json(path / "summary.json")
   config_text = _text(path / "config.yaml")
-  config = _yaml(config_text) if config_text else {}
+  config = _yaml(config_text)
   holder = read_holder(path)
   run = Run(path=path, stage=stage(path, holder, summary),
             overrides=[str(o) for o in (_yaml(_text(path / ".hydra" / "overrides.yaml")) or [])],
@@ -130,29 +128,23 @@ def stage(path: pathlib.Path, holder: Holder | None, summary: dict) -> str:
 
 
 def _checkpoints(path: pathlib.Path) -> list[Checkpoint]:
-  found = []
   folder = path / "checkpoints"
-  if folder.is_dir():
-    for step in folder.iterdir():
-      if step.is_dir() and step.name.isdigit():
-        size = sum(f.stat().st_size for f in step.rglob("*") if f.is_file())
-        found.append(Checkpoint(int(step.name), (step / "commit_success.txt").exists(), size))
+  found = [Checkpoint(int(step.name), (step / "commit_success.txt").exists(),
+                      sum(f.stat().st_size for f in step.rglob("*") if f.is_file()))
+           for step in (folder.iterdir() if folder.is_dir() else ())
+           if step.is_dir() and step.name.isdigit()]
   return sorted(found, key=lambda c: c.step)
 
 
 def _origins(path: pathlib.Path, config: dict) -> list[Origin]:
-  """init.checkpoint, each entry resolved against the directory the stage ran in."""
-  value = (config.get("init") or {}).get("checkpoint") if isinstance(config.get("init"),
-                                                                     dict) else None
+  """init.checkpoint, each entry resolved against the directory the stage ran in (if relative)."""
+  init = config.get("init")
+  value = init.get("checkpoint") if isinstance(init, dict) else None
   if not value:
     return []
   cwd = pathlib.Path(str(_hydra(path).get("runtime", {}).get("cwd") or os.getcwd()))
-  origins = []
-  for text in value if isinstance(value, list) else [value]:
-    candidate = pathlib.Path(str(text)).expanduser()
-    candidate = candidate if candidate.is_absolute() else cwd / candidate
-    origins.append(Origin(str(text), _run_folder(candidate)))
-  return origins
+  return [Origin(str(text), _run_folder(cwd / pathlib.Path(str(text)).expanduser()))
+          for text in (value if isinstance(value, list) else [value])]
 
 
 def _run_folder(path: pathlib.Path) -> pathlib.Path | None:
@@ -186,8 +178,8 @@ def _facts(run: Run) -> list[tuple[str, str]]:
   if metrics.is_file() and not summary.is_file():  # unfinished: how fresh the curves are
     last = datetime.datetime.fromtimestamp(metrics.stat().st_mtime).strftime(_TIME)
     facts.append(("metrics.jsonl last written", last))
-  steps = (run.config.get("train") or {}).get("steps") if isinstance(
-      run.config.get("train"), dict) else None
+  train = run.config.get("train")
+  steps = train.get("steps") if isinstance(train, dict) else None
   if run.curves.last_step is not None:
     of = f" of {steps}" if isinstance(steps, int) and run.stage in ("pretrain", "finetune") else ""
     facts.append(("last logged step", f"{run.curves.last_step}{of}"))
@@ -215,9 +207,8 @@ def _duration(seconds: float) -> str:
 
 
 def _wandb_facts(path: pathlib.Path, known: bool = False) -> list[tuple[str, str]]:
-  """The W&B run folder, and from its wandb-metadata.json (when W&B wrote one) the git commit
-  and the devices, unless the run recorded them itself (`known`: a run of an older vmoe did
-  not)."""
+  """The W&B run folder, and from its wandb-metadata.json the git commit and the devices unless
+  the run recorded them itself (`known`; a run of an older vmoe did not)."""
   runs = sorted((path / "wandb").glob("*run-*"))
   if not runs:
     return []

@@ -1,6 +1,5 @@
-"""`make study-balance`: load balancing and DeepSeek-style routing at matched compute; docs/routers.md
-states its stages, settings and results.
-"""
+"""`make study-balance`: load balancing and DeepSeek-style routing at matched compute;
+docs/routers.md states its stages, settings and results."""
 from __future__ import annotations
 
 import pathlib
@@ -53,7 +52,7 @@ def table() -> str:
       up, ev = (SWEEP.summary(stage, experiment, seed) for stage in ("pretrain", "eval"))
       replicates.append({**ev, **{f"upstream/{k}": v for k, v in up.items()}})
     rows.append((label, replicates))
-  header, body = summarize.grouped(rows, [
+  return summarize.markdown(*summarize.grouped(rows, [
       Column("MFLOPs/image", lambda s: s["compute/gflops_per_image_analytic"] * 1e3, 1),
       Column("upstream val prec@1", "upstream/val/prec@1", 3),
       Column("upstream val NLL", "upstream/val/nll", 3),
@@ -61,8 +60,7 @@ def table() -> str:
       Column("dead experts", _balance("dead_experts", sum), 1),
       Column("train images/s", "upstream/train/images_per_s", 0),
       Column("fine-tuned prec@1", "uci_digits/prec@1", 3),
-      Column("NLL", "uci_digits/nll", 3)], label="routing")
-  return summarize.markdown(header, body)
+      Column("NLL", "uci_digits/nll", 3)], label="routing"))
 
 
 if __name__ == "__main__":

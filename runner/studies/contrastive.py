@@ -1,8 +1,7 @@
 """`make study-contrastive`: DET vs HET-XL contrastive learning (LiT) on the embedded captions;
 docs/contrastive.md states its stages, settings and results. The image model is the demo's
 pretrained V-MoE when `make demo` has finished it, else one pretrained here with the demo's own
-settings.
-"""
+settings."""
 from __future__ import annotations
 
 import json
@@ -18,6 +17,7 @@ from runner.report.summarize import Column
 from runner.studies import driver
 
 ROOT = pathlib.Path("runs/studies/contrastive")
+SWEEP = driver.Sweep("study-contrastive", ROOT)
 SEEDS = (0, 1)
 ROWS = [  # (experiment overlay, row label)
     ("lit_det", "DET (Eq. 6), t₀ = 10"),
@@ -29,18 +29,12 @@ SECONDS: dict[str, float] = {}  # stage -> seconds, in this invocation
 
 def _vmoe(stage: str, sub: str, args: list[str], extra: list[str]) -> None:
   start = time.perf_counter()
-  driver.vmoe("study-contrastive", sub, args, extra)
+  SWEEP.vmoe(sub, args, extra)
   SECONDS[stage] = SECONDS.get(stage, 0.0) + time.perf_counter() - start
 
 
 def _read(path: pathlib.Path) -> dict:
   return json.loads(path.read_text())
-
-
-def _demo_pretrain() -> tuple[pathlib.Path, list[str]]:
-  """The demo's upstream workdir and its overrides (the workdir left out)."""
-  (_, _, overrides), = [s for s in demo.STAGES if s[0] == "pretrain"]
-  return demo.ROOT / "pretrain", [o for o in overrides if not o.startswith("workdir=")]
 
 
 def _finished(workdir: pathlib.Path, overrides: list[str]) -> bool:
@@ -52,25 +46,18 @@ def _finished(workdir: pathlib.Path, overrides: list[str]) -> bool:
 
 def upstream(extra: list[str]) -> pathlib.Path:
   """The image model to lock: the demo's, else one pretrained here with the demo's settings."""
-  demo_dir, overrides = _demo_pretrain()
-  if _finished(demo_dir, overrides):
-    return demo_dir
+  (_, _, overrides), = [s for s in demo.STAGES if s[0] == "pretrain"]
+  overrides = [o for o in overrides if not o.startswith("workdir=")]  # the demo's, but its workdir
+  if _finished(demo.ROOT / "pretrain", overrides):
+    return demo.ROOT / "pretrain"
   own = ROOT / "pretrain"
   if not _finished(own, overrides):
     _vmoe("image model", "pretrain", [f"workdir={own}", *overrides], extra)
   return own
 
 
-def _lit(experiment: str, seed: int) -> pathlib.Path:
-  return ROOT / "lit" / experiment / f"seed_{seed}"
-
-
-def _eval(experiment: str, seed: int) -> pathlib.Path:
-  return ROOT / "eval" / experiment / f"seed_{seed}"
-
-
 def _evaluated(experiment: str, seed: int) -> bool:
-  return (_eval(experiment, seed) / "summary.json").exists()
+  return (SWEEP.dir("eval", experiment, seed) / "summary.json").exists()
 
 
 def stages(extra: list[str]) -> None:
@@ -88,15 +75,15 @@ def stages(extra: list[str]) -> None:
     for seed in SEEDS:
       if _evaluated(experiment, seed):
         continue  # evaluated by an earlier run of the study
-      _vmoe("zero-shot eval", "eval", [f"workdir={_eval(experiment, seed)}",
-                                       f"init.checkpoint={_lit(experiment, seed)}"], extra)
+      _vmoe("zero-shot eval", "eval", [f"workdir={SWEEP.dir('eval', experiment, seed)}",
+                                       f"init.checkpoint={SWEEP.dir('lit', experiment, seed)}"],
+            extra)
 
 
 def _replicates(experiment: str) -> list[dict]:
   out = []
   for seed in SEEDS:
-    run, ev = _read(_lit(experiment, seed) / "summary.json"), _read(_eval(experiment, seed) /
-                                                                     "summary.json")
+    run, ev = SWEEP.summary("lit", experiment, seed), SWEEP.summary("eval", experiment, seed)
     # The learned scale as evaluation read it from the final checkpoint.
     out.append({**ev, "seed": seed, "steps": run["step"], "t": ev["zero_shot/temperature"],
                 "val_zero_shot": run.get("val/zero_shot_prec@1"),
@@ -115,7 +102,6 @@ def table() -> str:
   image = pathlib.Path((ROOT / "upstream.txt").read_text().strip())
   up = _read(image / "summary.json")
   rows = [(label, _replicates(experiment)) for experiment, label in ROWS]
-  header, body = summarize.grouped(rows, COLUMNS, label="contrastive loss")
   runs = [[label, str(r["seed"]), f"{r[f'{DATASET}/prec@1']:.3f}", f"{r[f'{DATASET}/nll']:.3f}",
            f"{r[f'{DATASET}/ece']:.3f}", f"{r['t']:.2f}", f"{r['params']:,}"]
           for label, replicates in rows for r in replicates]
@@ -127,7 +113,7 @@ def table() -> str:
       f"text_tiny, {steps} steps of 128 pairs; zero-shot on the MNIST-5k test split (500 "
       "images) with the 4 held-out templates (`vmoe eval`), mean ± std over seeds "
       f"{', '.join(map(str, SEEDS))}:", "",
-      summarize.markdown(header, body), "",
+      summarize.markdown(*summarize.grouped(rows, COLUMNS, label="contrastive loss")), "",
       "Every run:", "",
       summarize.markdown(["contrastive loss", "seed", "zero-shot prec@1", "NLL", "ECE",
                           "learned t", "parameters"], runs), "",

@@ -1,8 +1,7 @@
 """What every study driver does: run real `vmoe` commands in this process, then write its table.
 
 Rerunning a study resumes or skips the runs that ended; its extra arguments go to every stage
-(e.g. `logger.wandb.mode=disabled`).
-"""
+(e.g. `logger.wandb.mode=disabled`)."""
 from __future__ import annotations
 
 import dataclasses

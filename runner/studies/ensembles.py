@@ -1,6 +1,5 @@
 """`make study-ensembles`: the efficient-ensembles paper's comparison on the embedded data;
-docs/ensembles.md states its stages, settings and results.
-"""
+docs/ensembles.md states its stages, settings and results."""
 from __future__ import annotations
 
 import json
@@ -12,8 +11,8 @@ from runner.report.summarize import Column
 from runner.studies import driver
 
 ROOT = pathlib.Path("runs/studies/ensembles")
+SWEEP = driver.Sweep("study-ensembles", ROOT)  # finetune/<variant>/seed_<seed>
 UPSTREAM = ROOT / "upstream"
-FINETUNE = ROOT / "finetune"
 SEEDS = (0, 1, 2, 3)
 VARIANTS = ("e3_vmoe_k1", "e3_vmoe_k2", "e3_pbe", "e3_tiling_only", "e3_partition_only")
 EVAL = ["eval.ood_datasets=[lfw_faces]"]
@@ -29,49 +28,38 @@ ROWS = [  # (row of the table, variant or ensemble name)
 ]
 
 
-def _vmoe(sub: str, args: list[str], extra: list[str]) -> None:
-  driver.vmoe("study-ensembles", sub, args, extra)
-
-
-def _run_dir(variant: str, seed: int) -> pathlib.Path:
-  return FINETUNE / variant / f"seed_{seed}"
-
-
 def _replicates(name: str) -> list[tuple[str, list[str]]]:
   """(output name, checkpoints) of each replicate of a table row."""
-  k1 = [_run_dir("e3_vmoe_k1", s) for s in SEEDS]
+  k1 = [SWEEP.dir("finetune", "e3_vmoe_k1", s) for s in SEEDS]
   if name == "down_de":
     return [(f"down_de_{i}", [str(k1[i]), str(k1[i + 1])]) for i in range(0, len(k1), 2)]
   if name == "mc_dropout":
     return [(f"mc_dropout_{s}", [str(k1[s])]) for s in SEEDS]
-  return [(f"{name}_{s}", [str(_run_dir(name, s))]) for s in SEEDS]
+  return [(f"{name}_{s}", [str(SWEEP.dir("finetune", name, s))]) for s in SEEDS]
 
 
 def stages(extra: list[str]) -> None:
-  _vmoe("pretrain", [f"workdir={UPSTREAM}"], extra)
-  _vmoe("finetune", ["-cd", "sweeps", "-cn", "ensembles", f"init.checkpoint={UPSTREAM}"], extra)
+  SWEEP.vmoe("pretrain", [f"workdir={UPSTREAM}"], extra)
+  SWEEP.vmoe("finetune", ["-cd", "sweeps", "-cn", "ensembles", f"init.checkpoint={UPSTREAM}"],
+             extra)
   for _, name in ROWS:
     for out, checkpoints in _replicates(name):
       listed = f"init.checkpoint=[{','.join(checkpoints)}]"
       if (ROOT / "evals" / out / "summary.json").exists():
         continue  # evaluated by an earlier run of the study
+      workdir = f"workdir={ROOT / 'evals' / out}"
       if name in VARIANTS:
-        _vmoe("eval", [f"workdir={ROOT / 'evals' / out}", f"init.checkpoint={checkpoints[0]}",
-                      *EVAL], extra)
+        SWEEP.vmoe("eval", [workdir, f"init.checkpoint={checkpoints[0]}", *EVAL], extra)
       else:
         mc = ["ensemble.mc_dropout=2"] if name == "mc_dropout" else []
-        _vmoe("ensemble", [f"workdir={ROOT / 'evals' / out}", listed, *EVAL, *mc], extra)
+        SWEEP.vmoe("ensemble", [workdir, listed, *EVAL, *mc], extra)
   for _, name in ROWS:
     if name == "mc_dropout":  # its features are its model's (few-shot is deterministic)
       continue
     for out, checkpoints in _replicates(name):
       if not (ROOT / "fewshot" / out / "summary.json").exists():
-        _vmoe("fewshot", [f"workdir={ROOT / 'fewshot' / out}",
-                         f"init.checkpoint=[{','.join(checkpoints)}]", *FEWSHOT], extra)
-
-
-def _summary(kind: str, name: str) -> dict:
-  return json.loads((ROOT / kind / name / "summary.json").read_text())
+        SWEEP.vmoe("fewshot", [f"workdir={ROOT / 'fewshot' / out}",
+                              f"init.checkpoint=[{','.join(checkpoints)}]", *FEWSHOT], extra)
 
 
 def table() -> str:
@@ -84,8 +72,8 @@ def table() -> str:
       features = f"e3_vmoe_k1_{out.rsplit('_', 1)[1]}" if name == "mc_dropout" else out
       fewshot = ROOT / "fewshot" / features / "summary.json"
       shots = json.loads(fewshot.read_text()) if fewshot.exists() else {}
-      replicates.append({**_summary("evals", out),
-                         "fewshot/10shot": shots.get("mnist5k/10shot/accuracy")})
+      evaluated = json.loads((ROOT / "evals" / out / "summary.json").read_text())
+      replicates.append({**evaluated, "fewshot/10shot": shots.get("mnist5k/10shot/accuracy")})
     rows.append((row, replicates))
   mflops = lambda s: s["compute/gflops_per_image"] * 1e3  # noqa: E731
   main = summarize.grouped(rows, [

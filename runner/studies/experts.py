@@ -8,8 +8,7 @@ merging (`vmoe compress`), evaluates each before and after a short fine-tune, an
 a V-MoE trained with that many experts from the start.
 
 `VMOE_STUDY_SMOKE=1` runs every stage for 2 steps with one seed into runs/studies/experts_smoke
-(a check that the chain runs end to end, not a result; the real study never reuses its runs).
-"""
+(a check that the chain runs end to end, not a result; the real study never reuses its runs)."""
 from __future__ import annotations
 
 import os
@@ -112,8 +111,7 @@ def _replicate(experiment: str, kind: str, seed: int) -> dict:
 
 
 def _mean_spread(values: list) -> tuple[float, float]:
-  """The picture's point and error bar: the mean and standard deviation the table prints (0 for
-  one seed)."""
+  """The picture's point and error bar: the table's mean and standard deviation (0: one seed)."""
   values = [float(v) for v in values if v is not None]
   return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
@@ -157,19 +155,17 @@ def picture(path: pathlib.Path) -> str:
 def table() -> str:
   rows = [(label, [SWEEP.summary("eval", experiment, seed) for seed in SEEDS])
           for experiment, _, label in INITS]
-  header, body = summarize.grouped(rows, [
+  upcycling = summarize.markdown(*summarize.grouped(rows, [
       Column("prec@1", f"{DATASET}/prec@1", 3), Column("NLL", f"{DATASET}/nll", 3),
-      Column("ECE", f"{DATASET}/ece", 3)], label="V-MoE initialisation")
-  upcycling = summarize.markdown(header, body)
+      Column("ECE", f"{DATASET}/ece", 3)], label="V-MoE initialisation"))
   rows = [(label, [_replicate(experiment, kind, seed) for seed in SEEDS])
           for label, experiment, kind in _rows()]
-  header, body = summarize.grouped(rows, [
+  compression = summarize.markdown(*summarize.grouped(rows, [
       Column("prec@1 before fine-tune", "before/prec@1", 3), Column("NLL before", "before/nll", 3),
       Column("ECE before", "before/ece", 3), Column("prec@1", f"{DATASET}/prec@1", 3),
       Column("NLL", f"{DATASET}/nll", 3), Column("ECE", f"{DATASET}/ece", 3),
       Column("GFLOPs/image", "compute/gflops_per_image_analytic", 4),
-      Column("parameters", lambda s: f"{s['compute/params_total']:,}")], label="model")
-  compression = summarize.markdown(header, body)
+      Column("parameters", lambda s: f"{s['compute/params_total']:,}")], label="model"))
   path = picture(ROOT / "accuracy_vs_experts.png")
   return "\n".join([
       f"{DATASET} test, V-MoEs fine-tuned the same steps from scratch and from one dense ViT "

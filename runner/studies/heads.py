@@ -1,6 +1,5 @@
 """`make study-heads`: the HET-XL paper's comparison of classifier heads on the embedded data;
-docs/heads.md states its stages, settings and results.
-"""
+docs/heads.md states its stages, settings and results."""
 from __future__ import annotations
 
 import json
@@ -23,27 +22,20 @@ HEADS = [  # (experiment overlay, row label)
 NOISE = ("0.0", "0.3")
 
 
-def _vmoe(sub: str, args: list[str], extra: list[str]) -> None:
-  driver.vmoe("study-heads", sub, args, extra)
-
-
-def _run_dir(model: str, head: str, noise: str) -> pathlib.Path:
-  return ROOT / "pretrain" / model / head / f"noise_{noise}"
-
-
-def _eval_dir(model: str, head: str, noise: str) -> pathlib.Path:
-  return ROOT / "evals" / model / head / f"noise_{noise}"
+def _dir(stage: str, model: str, head: str, noise: str) -> pathlib.Path:
+  """A run's folder: the sweep's below pretrain/, or its evaluation's below evals/."""
+  return ROOT / stage / model / head / f"noise_{noise}"
 
 
 def stages(extra: list[str]) -> None:
-  _vmoe("pretrain", ["-cd", "sweeps", "-cn", "heads"], extra)
+  driver.vmoe("study-heads", "pretrain", ["-cd", "sweeps", "-cn", "heads"], extra)
   for model in MODELS:
     for head, _ in HEADS:
       for noise in NOISE:
-        if (_eval_dir(model, head, noise) / "summary.json").exists():
+        workdir, run = _dir("evals", model, head, noise), _dir("pretrain", model, head, noise)
+        if (workdir / "summary.json").exists():
           continue  # evaluated by an earlier run of the study
-        _vmoe("eval", [f"workdir={_eval_dir(model, head, noise)}",
-                      f"init.checkpoint={_run_dir(model, head, noise)}"], extra)
+        driver.vmoe("study-heads", "eval", [f"workdir={workdir}", f"init.checkpoint={run}"], extra)
 
 
 def table() -> str:
@@ -53,14 +45,13 @@ def table() -> str:
     rows = []
     for model in MODELS:
       for head, label in HEADS:
-        ev = json.loads((_eval_dir(model, head, noise) / "summary.json").read_text())
-        run = json.loads((_run_dir(model, head, noise) / "summary.json").read_text())
+        ev = json.loads((_dir("evals", model, head, noise) / "summary.json").read_text())
+        run = json.loads((_dir("pretrain", model, head, noise) / "summary.json").read_text())
         rows.append(((model, label), [{**ev, "tau": run.get("train/temperature")}]))
     header, body = summarize.grouped(rows, [
         Column("prec@1", "mnist5k/prec@1"), Column("NLL", "mnist5k/nll"),
         Column("ECE", "mnist5k/ece"), Column("τ", "tau", 3),
-        Column("parameters", lambda s: f"{s['compute/params_total']:,}")],
-        label=("model", "head"))
+        Column("parameters", lambda s: f"{s['compute/params_total']:,}")], label=("model", "head"))
     one_seed = summarize.markdown(header[:-1], [row[:-1] for row in body])  # n is 1
     out += [f"MNIST-5k test (clean), models trained with {title}:", "", one_seed, ""]
   return "\n".join(out)

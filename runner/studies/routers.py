@@ -1,6 +1,5 @@
 """`make study-routers`: router families at matched compute on the embedded data; docs/routers.md
-states its stages, settings and results.
-"""
+states its stages, settings and results."""
 from __future__ import annotations
 
 import pathlib
@@ -47,12 +46,11 @@ def table() -> str:
       replicates.append({**ev, "upstream": up["val/prec@1"],
                          **{f"shots/{k}": shots[f"uci_digits/{k}shot/accuracy"] for k in SHOTS}})
     rows.append((label, replicates))
-  header, body = summarize.grouped(rows, [
+  return summarize.markdown(*summarize.grouped(rows, [
       Column("MFLOPs/image", lambda s: s["compute/gflops_per_image"] * 1e3, 1),
       Column("upstream val prec@1", "upstream", 3), Column("10-shot", "shots/10", 3),
       Column("25-shot", "shots/25", 3), Column("fine-tuned prec@1", "uci_digits/prec@1", 3),
-      Column("NLL", "uci_digits/nll", 3), Column("ECE", "uci_digits/ece", 3)], label="model")
-  return summarize.markdown(header, body)
+      Column("NLL", "uci_digits/nll", 3), Column("ECE", "uci_digits/ece", 3)], label="model"))
 
 
 if __name__ == "__main__":
