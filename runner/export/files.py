@@ -14,10 +14,11 @@ from runner.config.schema import ExportRun, ModelConfig
 from runner.export import architecture, layout
 
 # What an export folder holds (runner/export, runner/tasks/export.py) besides Hydra's record of
-# the command (.hydra/, a .log) and the workdir lock (.vmoe.lock, runner/workdirs/workdir_lock.py):
-# a rerun may replace these, nothing else.
+# the command (.hydra/, a .log), the workdir lock (.vmoe.lock, runner/workdirs/workdir_lock.py)
+# and Python's cache of modeling_vmoe.py once a user imported it there (__pycache__/): a rerun
+# may replace these, nothing else.
 EXPORT_FILES = ("model.safetensors", "config.json", "modeling_vmoe.py", "README.md", "summary.json")
-_EXPORT_BOOKKEEPING = (".hydra", ".vmoe.lock")
+_EXPORT_BOOKKEEPING = (".hydra", ".vmoe.lock", "__pycache__")
 
 TEMPLATE = pathlib.Path(__file__).with_name("modeling_vmoe.py")
 MARKER = "# ---- router families (added by vmoe export) ----"

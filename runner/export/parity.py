@@ -44,8 +44,9 @@ def torch_probabilities(folder: str | pathlib.Path, images: np.ndarray) -> np.nd
   with tempfile.TemporaryDirectory() as tmp:
     inputs, outputs = pathlib.Path(tmp) / "images.npy", pathlib.Path(tmp) / "probs.npy"
     np.save(inputs, np.ascontiguousarray(batches, np.float32))
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(folder), str(inputs), str(outputs)],
-                          capture_output=True, text=True, check=False)
+    # -B: importing the folder's modeling_vmoe.py writes no __pycache__ into the user's folder.
+    done = subprocess.run([sys.executable, "-B", "-c", SCRIPT, str(folder), str(inputs),
+                           str(outputs)], capture_output=True, text=True, check=False)
     if done.returncode:
       raise RuntimeError(f"the exported model failed in PyTorch:\n{done.stderr[-4000:]}")
     probs = np.load(outputs)

@@ -94,6 +94,7 @@ def _same_probabilities(folder: pathlib.Path, eval_dir: pathlib.Path) -> dict:
   images, real = _eval_batches(eval_dir, dataset)
   # In a process of its own that never imports JAX, as a user's would (it fails if JAX was).
   probs = parity.torch_probabilities(folder, images)
+  assert not (folder / "__pycache__").exists()  # the check leaves the user's folder as written
   theirs = probs.reshape(-1, probs.shape[-1])[real]
   assert theirs.shape == ours.shape
   print(f"\n{folder.parent.name}: {len(ours)} images, prec@1 {summary[f'{dataset}/prec@1']:.3f}, "
