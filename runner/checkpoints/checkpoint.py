@@ -2,7 +2,8 @@
 holding `params`, `opt_state`, `meta` (step, data position) and `config` (for later stages).
 Checkpoints get damaged (a full disk, a killed copy, a flaky file system): every read names the
 failing step and item in a `CheckpointError`, a resumed run skips unreadable newer steps (moving
-them aside), and a failed save, even in the background, stops the run (`CheckpointSaveError`)."""
+them aside), and a failed save, even in the background, stops the run (`CheckpointSaveError`),
+keeping the older checkpoints."""
 from __future__ import annotations
 
 import contextlib

@@ -208,9 +208,10 @@ def eval_batches(source: Source, split: str, pp: str, batch_size: int, *, proces
                  text: TextSpec | None = None) -> tf.data.Dataset | TokenizedBatches:
   """A re-iterable dataset of full-size batches, `_mask` marking real examples. Every example of the
   split is read by exactly one process, and every process yields the same number of batches (the
-  collective eval step needs that). `cache` keeps the raw split in memory for repeated evaluation
-  (None: if it has at most 200,000 examples); a one-pass evaluation sets False, so memory does not
-  grow. With `text`, also `tokens` of each first caption; `labels` only if there are classes."""
+  collective eval step needs that), padding with masked-out batches. `cache` keeps the raw split
+  in memory for repeated evaluation (None: if it has at most 200,000 examples); a one-pass
+  evaluation sets False, so memory does not grow. With `text`, also `tokens` of each first
+  caption; `labels` only if there are classes."""
   _check_labels(source, text)
   preprocess = _finish(source, pp, text)
   raw = source.read(split, process_index, process_count, drop_remainder=False)
