@@ -4,6 +4,7 @@ plug-in's are: each module registers what it defines when imported (runner/plugi
 call `register()` does it for them all, before a config is composed (CLI, launcher job, tests)."""
 from __future__ import annotations
 
+import functools
 import os
 
 from runner import plugins
@@ -33,9 +34,15 @@ class _Schema(sections.Finder):
   before the job registers: the first lookup registers the built-ins and the command's plug-ins."""
 
   def __getattr__(self, name: str) -> type:
-    register()
-    plugins.load([m for m in os.environ.get(PLUGINS_VARIABLE, "").split(",") if m])
+    _prepare_job_process()
     return super().__getattr__(name)
+
+
+@functools.cache
+def _prepare_job_process() -> None:
+  """Once: pickle looks a class up for every config it reads or writes."""
+  register()
+  plugins.load([m for m in os.environ.get(PLUGINS_VARIABLE, "").split(",") if m])
 
 
 SCHEMA = _Schema()

@@ -90,10 +90,7 @@ def tokens_per_group(model: ModelConfig) -> int:
 
 def experts_per_router(model: ModelConfig) -> int:
   """The experts one routing decision chooses among: E, or E / M for a partitioned ensemble."""
-  experts, m = num_experts(model), ensemble_size(model)
-  if m > 1 and model.moe.ensemble_variant != EnsembleVariant.tiling_only:
-    return experts // m
-  return experts
+  return num_experts(model) // expert_partitions(model)
 
 
 def router_family(model: ModelConfig):

@@ -57,9 +57,8 @@ def own_keys(cls) -> tuple[str, ...]:
 def _own(cls) -> dict[str, tuple[type, dataclasses.Field]]:
   """The keys the class body of the open section `cls` declares."""
   hints = typing.get_type_hints(_BODY[cls])
-  fields = {name: value if isinstance(value, dataclasses.Field)
-            else dataclasses.field(default=value) for name, value in _OWN[cls].items()}
-  return {name: (hints[name], _copy(f)) for name, f in fields.items()}
+  return {name: (hints[name], _copy(value) if isinstance(value, dataclasses.Field)
+                 else dataclasses.field(default=value)) for name, value in _OWN[cls].items()}
 
 
 def _copy(f: dataclasses.Field) -> dataclasses.Field:
@@ -83,8 +82,7 @@ def fields_of(cls) -> dict[str, tuple[type, dataclasses.Field]]:
 def optional_copy(cls, name: str):
   """An open section named `name` with every key of the open section `cls` optional and None by
   default, taking each key declared to `cls` as well."""
-  fields = {key: (Optional[kind], dataclasses.field(default=None, metadata=f.metadata))
-            for key, (kind, f) in _own(cls).items()}
+  fields = _optional(_own(cls))
   copy = type(name, (), {"__module__": cls.__module__,
                          "__annotations__": {key: kind for key, (kind, _) in fields.items()},
                          **{key: f for key, (_, f) in fields.items()}})
@@ -106,10 +104,14 @@ def add_fields(cls, fields: dict[str, tuple[type, dataclasses.Field]], *, owner:
         "before any config exists — load the module with plugins=[...], or import it first in a "
         "script of your own.")
   for copy in _OPTIONAL_COPIES.get(cls, []):
-    add_fields(copy, {name: (Optional[kind], dataclasses.field(default=None,
-                                                               metadata=field.metadata))
-                      for name, (kind, field) in fields.items()}, owner=owner)
+    add_fields(copy, _optional(fields), owner=owner)
   _DECLARED[cls].update(fields)
+
+
+def _optional(fields: dict[str, tuple[type, dataclasses.Field]]) -> dict:
+  """The same keys, each Optional and None by default (an optional copy's), checked as before."""
+  return {key: (Optional[kind], dataclasses.field(default=None, metadata=f.metadata))
+          for key, (kind, f) in fields.items()}
 
 
 def build() -> None:
@@ -195,7 +197,7 @@ def declare(section, Config, *, owner: str, prefix: str, chooser: str, noun: str
   `section`, whose key `chooser` chooses among them; returns their names. A key shared by several
   must have one type and default. `owner`, `prefix`, `noun`/`nouns` word the errors ("router
   family 'soft'", "model.router", "family"/"families")."""
-  own = _own(section)
+  own = _OWN[section]
   declared = _DECLARED[section]
   hints = typing.get_type_hints(Config)
   new = {}

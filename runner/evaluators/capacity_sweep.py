@@ -18,6 +18,7 @@ from runner.config.schema import EvalSuiteConfig, RunFields
 from runner.evaluators import predictions, suite as suite_lib
 from runner.evaluators.compute import xla_gflops_per_image
 from runner.evaluators.figures import new_figure, save_png
+from runner.models.moe import routing
 
 
 def plot_capacity_sweep(rows: list[dict], path: str, metric: str = "prec@1", title: str = "") -> str:
@@ -43,9 +44,8 @@ def plot_capacity_sweep(rows: list[dict], path: str, metric: str = "prec@1", tit
 def _runs_as(members, capacity_ratio: float, batch_priority: bool) -> bool:
   """Whether every member already routes at this inference capacity and priority."""
   routers = [c.config.router for c in members.checkpoints]
-  return all(r.batch_priority == batch_priority and float(
-      r.eval_capacity_ratio if r.eval_capacity_ratio is not None else r.capacity_ratio)
-      == capacity_ratio for r in routers)
+  return all(r.batch_priority == batch_priority
+             and float(routing.ratio_in_force(r, train=False)) == capacity_ratio for r in routers)
 
 
 @dataclasses.dataclass

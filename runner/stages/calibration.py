@@ -55,10 +55,10 @@ def gather(model, params, batches, *, examples: int, partitions: int, tiled: boo
   @jax.jit
   def step(params, batch, mask):
     with nn.intercept_methods(_sow_io):
-      (logits, _), state = model.apply({"params": params}, inputs.images(batch), train=False,
-                                       mutable=["intermediates"])
+      logits, _, records = introspection.apply_with_routing(model, params, inputs.images(batch),
+                                                            train=False)
     out = {}
-    for layer, r in introspection.routing_records(state["intermediates"]).items():
+    for layer, r in records.items():
       token_mask = mask[:, None, None].astype(jnp.float32)
       out[layer] = {"chosen": (r["expert_mask"] * token_mask).sum((0, 1)),
                     "routed": (r["routed_mask"] * token_mask).sum((0, 1)),
@@ -71,6 +71,7 @@ def gather(model, params, batches, *, examples: int, partitions: int, tiled: boo
         out[layer]["io"] = (r[_INPUTS], r[_OUTPUTS])
     return logits, out
 
+  params = jax.device_put(params)  # once: host arrays would cross to the device every batch
   totals: dict[str, dict] = {}
   seen = 0
   for batch in batches:
@@ -139,7 +140,7 @@ def reconstruction_errors(block: dict, io: list, candidates) -> list[float]:
   io = jax.device_put(io)  # once, not once per candidate
   out = []
   for candidate in candidates:
-    total = norm = 0.0
+    candidate, total, norm = jax.device_put(candidate), 0.0, 0.0
     for x, y, rows in io:
       e, n = error(candidate, x, y, rows)
       total, norm = total + float(e), norm + float(n)

@@ -21,7 +21,7 @@ from runner.config import as_dict, derived
 from runner.config.schema import CompressMethod, CompressRun, ModelConfig
 from runner.errors import ConfigError
 from runner.evaluators import routing_plots
-from runner.evaluators.predictions import PredictionStats
+from runner.evaluators.predictions import PredictionStats, count_params
 from runner.logging import MetricWriter
 from runner.logging.progress import Progress
 from runner.models import build_model, compression, heads, introspection, transfer
@@ -75,8 +75,8 @@ def run(config: CompressRun, placement: Placement, checkpoints: weights.Checkpoi
   _save(out / "checkpoints", step, new_params, _stored_config(config, stored, smaller))
   summary = _summary(config, smaller, plans, stats, after_stats, before, after, seen, split)
   summary.update({f"compress/{layer}/output_error": e for layer, e in errors.items()})
-  summary.update({"checkpoint_step": step, "compress/parameters_before": _count(params),
-                  "compress/parameters": _count(new_params)})
+  summary.update({"checkpoint_step": step, "compress/parameters_before": count_params(params),
+                  "compress/parameters": count_params(new_params)})
   picture = routing_plots.compressed_experts(
       {layer: (s.chosen, plans[layer], after_stats[layer].chosen) for layer, s in stats.items()},
       str(c.method), out / "compressed_experts.png")
@@ -138,13 +138,15 @@ def _compress(params, stats: dict, c, partitions: int, block: dict) -> tuple[dic
       candidates = list(compression.subsets(len(s.chosen), c.experts, partitions))
       measured = calibration.reconstruction_errors(
           block, s.io, (_planned(moe, [[e] for e in kept], s.chosen) for kept in candidates))
-      plan = [[e] for e in candidates[int(np.argmin(measured))]]
+      best = int(np.argmin(measured))
+      plan, errors[layer] = [[e] for e in candidates[best]], measured[best]
     elif c.method == CompressMethod.prune_frequency:
       plan = compression.prune_plan(s.chosen, s.weights, c.experts, partitions)
     else:
       plan = compression.merge_plan(s.mean_outputs, c.experts, partitions)
     compressed = _planned(moe, plan, s.chosen)
-    errors[layer] = calibration.reconstruction_errors(block, s.io, [compressed])[0]
+    if layer not in errors:  # prune measured its choice already
+      errors[layer] = calibration.reconstruction_errors(block, s.io, [compressed])[0]
     params[name] = {**params[name], introspection.MOE_LAYER: compressed}
     plans[layer] = plan
   return plans, params, errors
@@ -155,10 +157,6 @@ def _planned(moe: dict, plan: list[list[int]], chosen: np.ndarray) -> dict:
   experts, router = compression.apply_plan(moe["experts"], transfer.flatten(moe["router"]), plan,
                                            chosen)
   return {**moe, "experts": experts, "router": transfer.unflatten(router)}
-
-
-def _count(params) -> int:
-  return int(sum(np.size(v) for v in transfer.flatten(params).values()))
 
 
 def _stored_config(config: CompressRun, stored: dict, model: ModelConfig) -> dict:

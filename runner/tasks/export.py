@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import pathlib
 
-import jax
 import numpy as np
 from safetensors import safe_open
 
@@ -19,7 +18,7 @@ from runner.checkpoints import weights
 from runner.config import derived
 from runner.config.schema import ExportRun, HeadType
 from runner.errors import RunError
-from runner.evaluators.predictions import probabilities
+from runner.evaluators.predictions import count_params, probabilities
 from runner.export import card, files, parity
 from runner.models import build_model, heads
 from runner.parallel import Placement
@@ -50,7 +49,7 @@ def run(config: ExportRun, placement: Placement, checkpoints: weights.Checkpoint
   with safe_open(str(out / "model.safetensors"), framework="numpy") as tensors:
     tensor_count = len(list(tensors.keys()))
   summary = {"checkpoint_step": step, "export/tensors": tensor_count,
-             "export/parameters": int(sum(np.size(v) for v in jax.tree.leaves(params))),
+             "export/parameters": count_params(params),
              "export/checked": bool(check.get("checked"))}
   if check.get("checked"):
     summary["export/max_abs_diff"] = check["max_abs_diff"]
