@@ -48,12 +48,11 @@ import re
 import statistics
 import sys
 import time
-from typing import NoReturn
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks import harness
+from benchmarks import arguments, harness
 from benchmarks.train_step import (PRESETS, SPARSE, TrainStep, model_configs, overhead,
                                    prepare_train_step)
 from runner.accelerator import gpu_problem, installed_build
@@ -342,47 +341,9 @@ def _table(rows: list) -> str:
   return "\n".join(lines)
 
 
-def _refuse(line: str) -> NoReturn:
-  """A bad argument or the wrong machine: one line, exit status 2, nothing measured."""
-  print(f"{PROG}: {line}", file=sys.stderr, flush=True)
-  raise SystemExit(2)
-
-
-class _Parser(argparse.ArgumentParser):
-  """argparse's own refusals (an unknown option, a missing value) as one line too."""
-
-  def error(self, message: str) -> NoReturn:
-    _refuse(f"{message} (--help lists the options)")
-
-
-def _names(flag: str, text: str, noun: str, valid) -> tuple[str, ...]:
-  names = tuple(dict.fromkeys(name for name in text.split(",") if name))
-  unknown = [name for name in names if name not in valid]
-  if unknown or not names:
-    problem = f"no {noun} {', '.join(unknown)}" if unknown else f"no {noun} given"
-    _refuse(f"{flag} {text!r}: {problem}; valid: {', '.join(valid)}")
-  return names
-
-
-def _choice(flag: str, text: str, valid) -> str:
-  if text not in valid:
-    _refuse(f"{flag} {text!r}: valid: {', '.join(valid)}")
-  return text
-
-
-def _number(flag: str, text: str, kind: type, low: float):
-  try:
-    value = kind(text)
-  except ValueError:
-    value = None
-  if value is None or not value >= low:  # NaN too
-    _refuse(f"{flag} {text!r}: valid: {'an integer' if kind is int else 'a number'} >= {low}")
-  return value
-
-
 def parse(argv=None) -> argparse.Namespace:
   """The arguments, each checked: a bad one exits (status 2) before JAX starts its backend."""
-  parser = _Parser(prog=PROG, description=__doc__.split("\n")[0])
+  parser = arguments.Parser(prog=PROG, description=__doc__.split("\n")[0])
   parser.add_argument("--small", action="store_true",
                       help="tiny shapes, few rounds: the same code on a CPU in about a minute")
   parser.add_argument("--budget-s", default="400",
@@ -402,15 +363,15 @@ def parse(argv=None) -> argparse.Namespace:
                            "with --record)")
   harness.add_record_option(parser)
   args = parser.parse_args(argv)
-  args.models = _names("--models", args.models, "model", list(MODELS))
-  args.dtypes = _names("--dtypes", args.dtypes, "dtype", DTYPES)
-  args.families = _names("--families", args.families, "family",
+  args.models = parser.names("--models", args.models, "model", list(MODELS))
+  args.dtypes = parser.names("--dtypes", args.dtypes, "dtype", DTYPES)
+  args.families = parser.names("--families", args.families, "family",
                          [f for f in FAMILY_NAMES if f != "dense"])
-  args.precision = _choice("--precision", args.precision, PRECISIONS)
-  args.budget_s = _number("--budget-s", args.budget_s, float, 0)
-  args.rounds = (_number("--rounds", args.rounds, int, 1) if args.rounds is not None
+  args.precision = parser.choice("--precision", args.precision, PRECISIONS)
+  args.budget_s = parser.number("--budget-s", args.budget_s, float, 0)
+  args.rounds = (parser.number("--rounds", args.rounds, int, 1) if args.rounds is not None
                  else 2 if args.small else 5)
-  args.steps = (_number("--steps", args.steps, int, 1) if args.steps is not None
+  args.steps = (parser.number("--steps", args.steps, int, 1) if args.steps is not None
                 else 2 if args.small else 3)
   return args
 
@@ -422,7 +383,7 @@ def main(argv=None) -> dict:
     os.environ["XLA_FLAGS"] = small_xla_flags(os.environ.get("XLA_FLAGS", ""), installed_build())
   if not args.small and jax.default_backend() == "cpu":  # a TPU may run it
     problem = (gpu_problem() or "JAX computes on the CPU").rstrip(". ")
-    _refuse(f"{problem}; use --small for the CPU run")
+    arguments.Parser(prog=PROG).refuse(f"{problem}; use --small for the CPU run")
   print(f"devices: {jax.devices()}", flush=True)
   budget = Budget(args.budget_s - (time.monotonic() - started))
   models = SMALL_MODELS if args.small else MODELS
