@@ -23,6 +23,9 @@ import subprocess
 import sys
 import time
 
+from benchmarks import arguments
+from benchmarks.train_step import PRESETS, SPARSE
+
 HERE = pathlib.Path(__file__).resolve().parents[1]
 # Where a checkout's train_step writes its result: runs/benchmarks/ since benchmarks stopped
 # rewriting tracked files, benchmarks/results/ before.
@@ -57,14 +60,25 @@ def programs(checkout: pathlib.Path, presets: str) -> dict:
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before anything runs."""
+  parser = arguments.Parser(prog="benchmarks.ab_commits", description=__doc__.split("\n")[0])
   parser.add_argument("--base", required=True, help="the other checkout's folder")
-  parser.add_argument("--presets", default="tiny,bigger")
-  parser.add_argument("--rounds", type=int, default=4)
-  parser.add_argument("--families", default="vmoe,experts_choice,soft")
+  parser.add_argument("--presets", default="tiny,bigger", help=f"of {', '.join(PRESETS)}")
+  parser.add_argument("--rounds", default="4", help="0: only compare the programs")
+  parser.add_argument("--families", default="vmoe,experts_choice,soft",
+                      help=f"of {', '.join(SPARSE)}")
   args = parser.parse_args(argv)
-  sides = {"this": HERE, "base": pathlib.Path(args.base).resolve()}
+  args.base = parser.folder("--base", args.base, "benchmarks/train_step.py")
+  args.presets = ",".join(parser.names("--presets", args.presets, "preset", list(PRESETS)))
+  args.rounds = parser.number("--rounds", args.rounds, int, 0)
+  args.families = ",".join(parser.names("--families", args.families, "family", SPARSE))
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse(argv)
+  sides = {"this": HERE, "base": args.base}
   fingerprints = {side: programs(path, args.presets) for side, path in sides.items()}
   for model, digest in fingerprints["this"].items():
     same = "the same program" if fingerprints["base"].get(model) == digest else "DIFFERENT programs"

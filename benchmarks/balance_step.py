@@ -19,7 +19,7 @@ import dataclasses
 import statistics
 import time
 
-from benchmarks import harness
+from benchmarks import arguments, harness
 from benchmarks.train_step import PRESETS, prepare_train_step
 from runner import builtins
 from runner.models import model_config, param_updates_of
@@ -46,11 +46,18 @@ def study_models() -> dict:
   }
 
 
-def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--rounds", type=int, default=5)
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before anything compiles."""
+  parser = arguments.Parser(prog="benchmarks.balance_step", description=__doc__.split("\n")[0])
+  parser.add_argument("--rounds", default="5", help="alternating rounds (at least 1)")
   harness.add_record_option(parser)
   args = parser.parse_args(argv)
+  args.rounds = parser.number("--rounds", args.rounds, int, 1)
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse(argv)
   preset = PRESETS["tiny"]
   steps = {name: prepare_train_step(config, preset, param_updates=param_updates_of(
       config, "pretrain")) for name, config in study_models().items()}

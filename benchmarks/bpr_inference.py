@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import harness
+from benchmarks import arguments, harness
 from benchmarks.train_step import PRESETS, model_configs
 from runner.models import build_model
 from runner.models.flops import forward_flops_per_image
@@ -23,12 +23,21 @@ from runner.train import state as state_lib
 from runner.train.step import make_eval_step
 
 
-def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--preset", default="tiny")
-  parser.add_argument("--ratios", default="1.05,0.5,0.25,0.1")
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before anything compiles."""
+  parser = arguments.Parser(prog="benchmarks.bpr_inference", description=__doc__.split("\n")[0])
+  parser.add_argument("--preset", default="tiny", help=f"of {', '.join(PRESETS)}")
+  parser.add_argument("--ratios", default="1.05,0.5,0.25,0.1",
+                      help="inference capacity ratios C, each > 0")
   harness.add_record_option(parser)
   args = parser.parse_args(argv)
+  args.preset = parser.choice("--preset", args.preset, list(PRESETS))
+  args.ratios = parser.numbers("--ratios", args.ratios, float, 0, low_open=True)
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse(argv)
   preset = PRESETS[args.preset]
   bs, shape = preset["batch_size"], (preset["image_size"],) * 2 + (3,)
   base = model_configs(preset, "float32")["vmoe"]
@@ -39,7 +48,7 @@ def main(argv=None) -> dict:
            "_mask": jnp.ones((bs,), bool)}
   params = None
   steps, rows = {}, []
-  for ratio in map(float, args.ratios.split(",")):
+  for ratio in args.ratios:
     config = dataclasses.replace(base, router=dataclasses.replace(
         base.router, eval_capacity_ratio=ratio, batch_priority=True))
     model = build_model(config, preset["num_classes"])

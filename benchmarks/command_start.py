@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks import harness
+from benchmarks import arguments, harness
 
 TINY = ["model.num_layers=2", "model.hidden_size=32", "model.mlp_dim=64", "model.num_heads=2",
         "model.image_size=16", "data.batch_size=16", "schedule.warmup_steps=0",
@@ -47,12 +47,21 @@ def _seconds(way: tuple[list[str], dict], args: list[str], env: dict, expect: in
   return seconds
 
 
-def main(argv: list[str] | None = None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--steps", type=int, default=3)
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before any process starts."""
+  parser = arguments.Parser(prog="benchmarks.command_start",
+                            description=__doc__.split("\n\n")[0])
+  parser.add_argument("--rounds", default="5", help="alternating rounds (at least 1)")
+  parser.add_argument("--steps", default="3", help="pretrain steps (at least 1)")
   harness.add_record_option(parser)
   args = parser.parse_args(argv)
+  args.rounds = parser.number("--rounds", args.rounds, int, 1)
+  args.steps = parser.number("--steps", args.steps, int, 1)
+  return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+  args = parse(argv)
   folder = tempfile.mkdtemp(prefix="vmoe-command-start-")
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(folder, "xla"),
              TFDS_DATA_DIR=os.path.join(folder, "tfds"), WANDB_MODE="disabled")

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import harness
+from benchmarks import arguments, harness
 from runner.losses import contrastive
 from runner.models.contrastive import normalize
 
@@ -249,32 +249,43 @@ def _text_length() -> int:
   return TextConfig().max_length
 
 
-def _ints(text: str) -> list[int]:
-  return [int(v) for v in text.split(",") if v]
-
-
-def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--batches", default="128,512,1024")
-  parser.add_argument("--samples", default="1,8,64")
-  parser.add_argument("--chunks", default=f"{CHUNK},1", help="chunk sizes of the chunked loss; "
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before anything compiles."""
+  parser = arguments.Parser(prog="benchmarks.contrastive_memory",
+                            description=__doc__.split("\n")[0])
+  parser.add_argument("--batches", default="128,512,1024", help="batch sizes B, each >= 1")
+  parser.add_argument("--samples", default="1,8,64", help="MC samples S, each >= 1")
+  parser.add_argument("--chunks", default=f"{CHUNK},1", help="chunk sizes of the chunked loss, each >= 1; "
                       "the first is the default of objectives.contrastive_pairs")
-  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--rounds", default="5", help="alternating rounds (at least 1)")
   parser.add_argument("--rss-batches", default="512", help="batch sizes whose candidates also "
                       "run once in a fresh process for their peak RSS ('' : none)")
-  parser.add_argument("--time-limit-mb", type=float, default=4096,
-                      help="time only programs whose XLA peak is at most this")
-  parser.add_argument("--train-batch", type=int, default=512, help="0: skip the train step")
+  parser.add_argument("--time-limit-mb", default="4096",
+                      help="time only programs whose XLA peak is at most this (>= 0)")
+  parser.add_argument("--train-batch", default="512", help="0: skip the train step")
   parser.add_argument("--rss-child", help=argparse.SUPPRESS)
   harness.add_record_option(parser)
   args = parser.parse_args(argv)
-  chunks = _ints(args.chunks)
+  args.batches = list(parser.numbers("--batches", args.batches, int, 1))
+  args.samples = list(parser.numbers("--samples", args.samples, int, 1))
+  args.chunks = list(parser.numbers("--chunks", args.chunks, int, 1))
+  args.rounds = parser.number("--rounds", args.rounds, int, 1)
+  args.rss_batches = (list(parser.numbers("--rss-batches", args.rss_batches, int, 1))
+                      if args.rss_batches.strip() else [])
+  args.time_limit_mb = parser.number("--time-limit-mb", args.time_limit_mb, float, 0)
+  args.train_batch = parser.number("--train-batch", args.train_batch, int, 0)
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse(argv)
+  chunks = args.chunks
   if args.rss_child:
     batch, samples, name = args.rss_child.split(",", 2)
     rss_child(int(batch), int(samples), name, chunks)
     return {}
-  rows = loss_rows(_ints(args.batches), _ints(args.samples), chunks, args.rounds,
-                   _ints(args.rss_batches), args.time_limit_mb)
+  rows = loss_rows(args.batches, args.samples, chunks, args.rounds, args.rss_batches,
+                   args.time_limit_mb)
   steps = train_step_rows(args.train_batch, args.rounds) if args.train_batch else []
   record = {"machine": harness.machine(), "embed": EMBED, "chunk_default": CHUNK,
             "loss_rows": rows, "train_step_rows": steps,

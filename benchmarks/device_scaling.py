@@ -16,7 +16,10 @@ import subprocess
 import sys
 import time
 
+from benchmarks import arguments, harness
+
 STEPS_DEFAULT = 5
+GLOBAL_BATCH = 64  # split over every device: a device count must divide it
 
 
 def _worker(steps: int) -> dict:
@@ -46,8 +49,8 @@ def _worker(steps: int) -> dict:
                    in_shardings=(shardings, placement.batch_sharding),
                    out_shardings=(shardings, None), donate_argnums=0)
     for _ in range(steps):
-      batch = {"image": rng.standard_normal((64, 32, 32, 3)).astype(np.float32),
-               "labels": np.eye(10, dtype=np.float32)[rng.integers(0, 10, 64)]}
+      batch = {"image": rng.standard_normal((GLOBAL_BATCH, 32, 32, 3)).astype(np.float32),
+               "labels": np.eye(10, dtype=np.float32)[rng.integers(0, 10, GLOBAL_BATCH)]}
       start = time.perf_counter()
       state, metrics = step(state, placement.put(batch))
       losses.append(float(metrics["train/loss"]))
@@ -56,19 +59,35 @@ def _worker(steps: int) -> dict:
           "losses": losses, "median_step_ms": float(np.median(times[1:]) * 1e3)}
 
 
-def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--devices", default="1,2,4,8")
-  parser.add_argument("--steps", type=int, default=STEPS_DEFAULT)
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before any process starts."""
+  parser = arguments.Parser(prog="benchmarks.device_scaling",
+                            description=__doc__.split("\n")[0])
+  divisors = [n for n in range(1, GLOBAL_BATCH + 1) if GLOBAL_BATCH % n == 0]
+  parser.add_argument("--devices", default="1,2,4,8",
+                      help=f"fake CPU device counts, each dividing the global batch of "
+                           f"{GLOBAL_BATCH}: {', '.join(map(str, divisors))}")
+  parser.add_argument("--steps", default=str(STEPS_DEFAULT),
+                      help="train steps per run (at least 2: the first compiles)")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   harness.add_record_option(parser)
   args = parser.parse_args(argv)
+  text, args.devices = args.devices, parser.numbers("--devices", args.devices, int, 1)
+  for n in args.devices:
+    if n not in divisors:
+      parser.refuse(f"--devices {text!r}: {n} does not divide the global batch of "
+                    f"{GLOBAL_BATCH}; valid: comma-separated {', '.join(map(str, divisors))}")
+  args.steps = parser.number("--steps", args.steps, int, 2)
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse(argv)
   if args.worker:
     print("RESULT " + json.dumps(_worker(args.steps)), flush=True)
     return {}
-  from benchmarks import harness
   runs = []
-  for n in map(int, args.devices.split(",")):
+  for n in args.devices:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
     out = subprocess.run([sys.executable, "-m", "benchmarks.device_scaling", "--worker",
                           "--steps", str(args.steps)], env=env, capture_output=True, text=True,
@@ -80,7 +99,7 @@ def main(argv=None) -> dict:
     print(f"{run['devices']} device(s), mesh {run['mesh']}: losses "
           f"{[round(x, 5) for x in run['losses']]}, max |diff| vs 1 device "
           f"{run['max_abs_loss_difference']:.2e}", flush=True)
-  record = {"machine": harness.machine(), "global_batch": 64, "runs": runs}
+  record = {"machine": harness.machine(), "global_batch": GLOBAL_BATCH, "runs": runs}
   print(f"written to {harness.write('device_scaling', record, record=args.record)}")
   return record
 

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import flax.linen as nn
 import numpy as np
 
-from benchmarks import harness
+from benchmarks import arguments, harness
+from runner.config.schema import Dispatcher
 from runner.models.moe.experts import MlpExperts, apply_experts
 from runner.models.moe.layer import MoeMlpBlock
 from runner.models.moe.routing import expert_capacity
@@ -58,17 +59,35 @@ def measure(num_experts: int, tokens_per_group: int, dispatcher: str) -> dict:
           "routing_and_dispatch_ms": ms["layer"] - ms["experts"], "temp_mb": temp / 2**20}
 
 
-def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--experts", default="8,32,128")
-  parser.add_argument("--tokens", default="256,1024,4096")
-  parser.add_argument("--dispatchers", default="indices,einsum")
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before anything compiles."""
+  parser = arguments.Parser(prog="benchmarks.dispatch_scaling",
+                            description=__doc__.split("\n")[0])
+  divisors = [s for s in range(1, TOTAL_TOKENS + 1) if TOTAL_TOKENS % s == 0]
+  parser.add_argument("--experts", default="8,32,128", help="expert counts E, each >= 2 (k = 2)")
+  parser.add_argument("--tokens", default="256,1024,4096",
+                      help=f"tokens per group S, each dividing the {TOTAL_TOKENS:,} tokens")
+  parser.add_argument("--dispatchers", default="indices,einsum",
+                      help=f"of {', '.join(d.value for d in Dispatcher)}")
   harness.add_record_option(parser)
   args = parser.parse_args(argv)
+  args.experts = parser.numbers("--experts", args.experts, int, 2)
+  text, args.tokens = args.tokens, parser.numbers("--tokens", args.tokens, int, 1)
+  for s in args.tokens:
+    if s not in divisors:
+      parser.refuse(f"--tokens {text!r}: {s} does not divide the {TOTAL_TOKENS:,} tokens; valid: "
+                    f"comma-separated {', '.join(map(str, divisors))}")
+  args.dispatchers = parser.names("--dispatchers", args.dispatchers, "dispatcher",
+                                  [d.value for d in Dispatcher])
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse(argv)
   rows = []
-  for dispatcher in args.dispatchers.split(","):
-    for e in map(int, args.experts.split(",")):
-      for s in map(int, args.tokens.split(",")):
+  for dispatcher in args.dispatchers:
+    for e in args.experts:
+      for s in args.tokens:
         row = measure(e, s, dispatcher)
         rows.append(row)
         print(f"{dispatcher:8s} E={e:4d} S={s:5d}: layer {row['fwd_bwd_ms']:7.1f} ms = experts "

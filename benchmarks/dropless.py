@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import harness
+from benchmarks import arguments, harness
 from benchmarks.train_step import PRESETS, model_configs, prepare_train_step
 from runner.models.flops import train_flops_per_image
 from runner.models.moe.layer import MoeMlpBlock
@@ -123,14 +123,23 @@ def measure_train_step(preset_name: str, rounds: int) -> list[dict]:
   return rows
 
 
-def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--experts", default="8,32")
-  parser.add_argument("--presets", default="tiny")
-  parser.add_argument("--rounds", type=int, default=5)
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before anything compiles."""
+  parser = arguments.Parser(prog="benchmarks.dropless", description=__doc__.split("\n")[0])
+  parser.add_argument("--experts", default="8,32", help=f"expert counts E, each >= {K} (k = {K})")
+  parser.add_argument("--presets", default="tiny", help=f"of {', '.join(PRESETS)}")
+  parser.add_argument("--rounds", default="5", help="alternating rounds (at least 1)")
   harness.add_record_option(parser)
   args = parser.parse_args(argv)
-  experts = [int(e) for e in args.experts.split(",") if e]
+  args.experts = list(parser.numbers("--experts", args.experts, int, K))
+  args.presets = parser.names("--presets", args.presets, "preset", list(PRESETS))
+  args.rounds = parser.number("--rounds", args.rounds, int, 1)
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse(argv)
+  experts = args.experts
   record = {"machine": harness.machine(), "date": time.strftime("%Y-%m-%d"),
             "rounds": args.rounds, "total_tokens": TOTAL_TOKENS,
             "tokens_per_group": TOKENS_PER_GROUP, "hidden": HIDDEN, "mlp": MLP, "k": K,
@@ -150,7 +159,7 @@ def main(argv=None) -> dict:
             f"{r['temp_mb']:.0f} |", flush=True)
   print("\n| preset | routing | step ms | time / C=1.05 | analytic GFLOPs | XLA GFLOPs |\n"
         "|---|---|---|---|---|---|")
-  for name in (p for p in args.presets.split(",") if p):
+  for name in args.presets:
     for r in measure_train_step(name, args.rounds):
       record["train_step"].append(r)
       print(f"| {name} | {r['routing']} | {r['train_step_ms']:.1f} | "

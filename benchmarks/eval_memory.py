@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from benchmarks import harness
+from benchmarks import arguments, harness
 
 TINY = ["model.num_layers=2", "model.hidden_size=32", "model.mlp_dim=64", "model.num_heads=2",
         "model.image_size=16", "logger.wandb.mode=disabled", "logger.progress=false"]
@@ -53,12 +53,20 @@ def _peak_rss_mb(args: list[str]) -> tuple[float, float]:
   return int(line[1]) / 1024, float(line[2])
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--base", type=int, default=4000)
-  parser.add_argument("--factor", type=int, default=10)
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before anything is written."""
+  parser = arguments.Parser(prog="benchmarks.eval_memory", description=__doc__.splitlines()[0])
+  parser.add_argument("--base", default="4000", help="test images of the smaller split (>= 1)")
+  parser.add_argument("--factor", default="10", help="how many times as large the other is (>= 2)")
   harness.add_record_option(parser)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
+  args.base = parser.number("--base", args.base, int, 1)
+  args.factor = parser.number("--factor", args.factor, int, 2)
+  return args
+
+
+def main(argv=None) -> None:
+  args = parse(argv)
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     tmp = pathlib.Path(tmp)

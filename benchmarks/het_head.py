@@ -14,7 +14,7 @@ import dataclasses
 
 import jax
 
-from benchmarks import harness, train_step
+from benchmarks import arguments, harness, train_step
 from runner.config.schema import HeadConfig, HeadType
 from runner.models import build_model, model_config
 from runner.train import state as state_lib
@@ -48,21 +48,31 @@ def _prepare(config, classes: int):
   return train, peak, memory.temp_size_in_bytes, params
 
 
-def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--samples", default="16,256,1000")
-  parser.add_argument("--classes", default="10,1000")
-  parser.add_argument("--chunk", type=int, default=64)
-  parser.add_argument("--rounds", type=int, default=3)
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before anything compiles."""
+  parser = arguments.Parser(prog="benchmarks.het_head", description=__doc__.split("\n")[0])
+  parser.add_argument("--samples", default="16,256,1000", help="MC samples S, each >= 1")
+  parser.add_argument("--classes", default="10,1000", help="classes K, each >= 2")
+  parser.add_argument("--chunk", default="64", help="MC samples per chunk (>= 1)")
+  parser.add_argument("--rounds", default="3", help="alternating rounds (at least 1)")
   harness.add_record_option(parser)
   args = parser.parse_args(argv)
+  args.samples = parser.numbers("--samples", args.samples, int, 1)
+  args.classes = parser.numbers("--classes", args.classes, int, 2)
+  args.chunk = parser.number("--chunk", args.chunk, int, 1)
+  args.rounds = parser.number("--rounds", args.rounds, int, 1)
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse(argv)
   rows = []
-  for classes in map(int, args.classes.split(",")):
+  for classes in args.classes:
     variants = {"det": ("det", 0, None)}
-    for samples in map(int, args.samples.split(",")):
+    for samples in args.samples:
       for head in ("het", "het_xl"):
         variants[f"{head} S={samples}"] = (head, samples, None)
-    top = max(map(int, args.samples.split(",")))
+    top = max(args.samples)
     for head in ("het", "het_xl"):
       variants[f"{head} S={top} chunk={args.chunk}"] = (head, top, args.chunk)
     prepared = {name: _prepare(_config(*v), classes) for name, v in variants.items()}

@@ -15,7 +15,7 @@ import time
 import numpy as np
 from PIL import Image
 
-from runner.data import image_folder
+from benchmarks import arguments
 
 
 def _write_folder(root: pathlib.Path, count: int) -> None:
@@ -28,11 +28,21 @@ def _write_folder(root: pathlib.Path, count: int) -> None:
     Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / f"{i}.png")
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--images", type=int, default=20_000)
-  parser.add_argument("--workers", type=int, default=8)
-  args = parser.parse_args()
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before anything is written."""
+  parser = arguments.Parser(prog="benchmarks.image_folder_scan",
+                            description=__doc__.splitlines()[0])
+  parser.add_argument("--images", default="20000", help="PNGs written (>= 1)")
+  parser.add_argument("--workers", default="8", help="the scan's threads (>= 1)")
+  args = parser.parse_args(argv)
+  args.images = parser.number("--images", args.images, int, 1)
+  args.workers = parser.number("--workers", args.workers, int, 1)
+  return args
+
+
+def main(argv=None) -> None:
+  args = parse(argv)
+  from runner.data import image_folder  # imports TensorFlow: only once the arguments are good
   with tempfile.TemporaryDirectory() as tmp:
     root = pathlib.Path(tmp)
     _write_folder(root, args.images)

@@ -36,11 +36,12 @@ import time
 
 import numpy as np
 
-from benchmarks import harness
+from benchmarks import arguments, harness
 from runner import builtins
 
 SIZE = 224
 BATCH = 128
+MIN_IMAGES = 20  # write_jpegs puts each of the 10 classes in test/ first, then in train/
 PIPELINES = {  # what each measures: image_folder's default, and the V-MoE paper's upstream crop
     "resize_flip": f"decode(3)|resize({SIZE})|flip_lr|value_range(-1,1)",
     "inception_crop_flip": f"decode(3)|inception_crop({SIZE})|flip_lr|value_range(-1,1)",
@@ -217,20 +218,38 @@ def loop_against_bare_step(rounds: int, loop_steps: int = 40, steps: int = 10) -
           "loop_over_bare_per_round": ratios, "loop_over_bare": statistics.median(ratios)}
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--images", type=int, default=2000)
-  parser.add_argument("--batches", type=int, default=8, help="timed batches of 128 per stream")
-  parser.add_argument("--cores", default=None, help="comma list; default 1 and all")
-  parser.add_argument("--loop-rounds", type=int, default=3, help="0 skips the loop measurement")
-  parser.add_argument("--step-rounds", type=int, default=5,
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before anything is written."""
+  parser = arguments.Parser(prog="benchmarks.input_pipeline",
+                            description=__doc__.split("\n\n")[0])
+  available = len(os.sched_getaffinity(0))
+  parser.add_argument("--images", default="2000",
+                      help=f"JPEGs written (at least {MIN_IMAGES}: every class in both splits)")
+  parser.add_argument("--batches", default="8",
+                      help="timed batches of 128 per stream (at least 1)")
+  parser.add_argument("--cores", default=None,
+                      help=f"comma list, each from 1 to the {available} this process may use; "
+                           "default 1 and all")
+  parser.add_argument("--loop-rounds", default="3", help="0 skips the loop measurement")
+  parser.add_argument("--step-rounds", default="5",
                       help="uint8 against float32 step rounds; 0 skips them")
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--kind", default="image_folder", help=argparse.SUPPRESS)
   parser.add_argument("--root", default="", help=argparse.SUPPRESS)
   parser.add_argument("--pp", default="", help=argparse.SUPPRESS)
   harness.add_record_option(parser)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
+  args.images = parser.number("--images", args.images, int, MIN_IMAGES)
+  args.batches = parser.number("--batches", args.batches, int, 1)
+  if args.cores is not None:
+    args.cores = parser.numbers("--cores", args.cores, int, 1, available)
+  args.loop_rounds = parser.number("--loop-rounds", args.loop_rounds, int, 0)
+  args.step_rounds = parser.number("--step-rounds", args.step_rounds, int, 0)
+  return args
+
+
+def main(argv=None) -> None:
+  args = parse(argv)
   if args.child:
     cores = int(os.environ.get("VMOE_BENCH_CORES", "0"))
     if cores:
@@ -238,7 +257,7 @@ def main() -> None:
     print(json.dumps(stream_rate(args.kind, args.root, args.pp, args.batches)))
     return
   available = len(os.sched_getaffinity(0))
-  cores = [int(c) for c in args.cores.split(",")] if args.cores else sorted({1, available})
+  cores = list(args.cores) if args.cores else sorted({1, available})
   record = {"machine": harness.machine(), "images": args.images, "size": SIZE, "batch": BATCH,
             "date": time.strftime("%Y-%m-%d"), "streams": {}}
   with tempfile.TemporaryDirectory() as tmp:

@@ -12,8 +12,9 @@ import argparse
 import dataclasses
 import statistics
 
-from benchmarks import harness
+from benchmarks import arguments, harness
 from benchmarks.train_step import PRESETS, _prepare, model_configs
+from runner.config.schema import DType
 from runner.models.flops import train_flops_per_image
 
 
@@ -53,13 +54,22 @@ def measure(preset_name: str, dtype: str, rounds: int) -> dict:
   return out
 
 
-def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--preset", default="tiny")
-  parser.add_argument("--dtype", default="float32")
-  parser.add_argument("--rounds", type=int, default=7)
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before anything compiles."""
+  parser = arguments.Parser(prog="benchmarks.pbe_step", description=__doc__.split("\n")[0])
+  parser.add_argument("--preset", default="tiny", help=f"of {', '.join(PRESETS)}")
+  parser.add_argument("--dtype", default="float32", help=f"of {', '.join(d.value for d in DType)}")
+  parser.add_argument("--rounds", default="7", help="alternating rounds (at least 1)")
   harness.add_record_option(parser)
   args = parser.parse_args(argv)
+  args.preset = parser.choice("--preset", args.preset, list(PRESETS))
+  args.dtype = parser.choice("--dtype", args.dtype, [d.value for d in DType])
+  args.rounds = parser.number("--rounds", args.rounds, int, 1)
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse(argv)
   result = measure(args.preset, args.dtype, args.rounds)
   for name, r in result["models"].items():
     print(f"{args.preset}/{name}: {r['train_step_ms']:.1f} ms per step, analytic "

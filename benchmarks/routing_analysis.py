@@ -17,15 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import harness
-from runner.evaluators import predictions, routing_analysis
+from benchmarks import arguments, harness
 from runner.models import build_model, model_config
+from runner.models.catalog import UnknownModelError
 from runner.train import state as state_lib
 
 BATCH, BATCHES, CLASSES = 128, 4, 10
 
 
 def _passes(name: str):
+  # runner.evaluators imports TensorFlow (it reads data): only once the arguments are good.
+  from runner.evaluators import predictions, routing_analysis
   config = model_config(name)
   model = build_model(config, CLASSES)
   shape = (config.image_size, config.image_size, 3)
@@ -66,14 +68,35 @@ def measure(name: str, rounds: int) -> dict:
           "overhead_per_round": [r - 1.0 for r in ratios]}
 
 
-def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--models", default="vmoe_tiny,ecmoe_tiny,softmoe_tiny")
-  parser.add_argument("--rounds", type=int, default=7)
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before anything compiles."""
+  parser = arguments.Parser(prog="benchmarks.routing_analysis",
+                            description=__doc__.split("\n")[0])
+  parser.add_argument("--models", default="vmoe_tiny,ecmoe_tiny,softmoe_tiny",
+                      help="models with experts, as model= names them")
+  parser.add_argument("--rounds", default="7", help="alternating rounds (at least 1)")
   harness.add_record_option(parser)
   args = parser.parse_args(argv)
+  valid = "models with experts, as model= names them (e.g. vmoe_tiny, ecmoe_tiny, softmoe_tiny)"
+  models = tuple(dict.fromkeys(name for name in args.models.split(",") if name))
+  if not models:
+    parser.refuse(f"--models {args.models!r}: no model given; valid: {valid}")
+  for name in models:
+    try:
+      experts = model_config(name).moe.num_experts
+    except UnknownModelError:
+      parser.refuse(f"--models {args.models!r}: no model {name}; valid: {valid}")
+    if not experts:
+      parser.refuse(f"--models {args.models!r}: {name} has no experts; valid: {valid}")
+  args.models = models
+  args.rounds = parser.number("--rounds", args.rounds, int, 1)
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse(argv)
   record = {"machine": harness.machine(), "models": {}}
-  for name in args.models.split(","):
+  for name in args.models:
     result = measure(name, args.rounds)
     record["models"][name] = result
     ms = result["pass_ms"]

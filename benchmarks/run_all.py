@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks import (bpr_inference, device_scaling, dispatch_scaling, harness,
+from benchmarks import (arguments, bpr_inference, device_scaling, dispatch_scaling, harness,
                         routing_analysis, train_step)
 
 
-def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments (only --record): a bad one exits (status 2) before anything runs."""
+  parser = arguments.Parser(prog="benchmarks.run_all", description=__doc__.split("\n")[0])
   harness.add_record_option(parser)
-  args = parser.parse_args(argv)
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+  args = parse(argv)
   record = ["--record"] if args.record else []
   steps = train_step.main(["--presets", "tiny,bigger", *record])
   latest = {

@@ -17,6 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.train_step import PRESETS, model_configs
+try:
+  from benchmarks import arguments
+except ImportError:  # run as a script by ab_commits in a checkout older than benchmarks/arguments
+  arguments = None
 from runner.models import build_model
 from runner.train import optimizers, schedules, state as state_lib
 from runner.train.step import make_train_step
@@ -46,11 +50,25 @@ def fingerprints(presets: list[str], dtype: str = "float32") -> dict:
   return out
 
 
-def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--presets", default="tiny,bigger")
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before anything is lowered."""
+  if arguments is None:  # ab_commits checked them against its own checkout's presets
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", default="tiny,bigger")
+    args = parser.parse_args(argv)
+    args.presets = args.presets.split(",")
+    return args
+  parser = arguments.Parser(prog="benchmarks.train_step_program",
+                            description=__doc__.split("\n")[0])
+  parser.add_argument("--presets", default="tiny,bigger", help=f"of {', '.join(PRESETS)}")
   args = parser.parse_args(argv)
-  result = fingerprints(args.presets.split(","))
+  args.presets = list(parser.names("--presets", args.presets, "preset", list(PRESETS)))
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse(argv)
+  result = fingerprints(args.presets)
   print(json.dumps(result))
   return result
 
