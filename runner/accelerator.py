@@ -1,6 +1,7 @@
 """Why JAX computes on the CPU where a GPU was meant, in one line; which of JAX's CUDA builds the
-NVIDIA driver can run; what cuDNN's fused attention accepts. JAX itself only warns and carries
-on on the CPU, so a run, a benchmark or an install would otherwise find out from its speed.
+NVIDIA driver can run; what cuDNN's fused attention and the GPU grouped matmuls accept. JAX
+itself only warns and carries on on the CPU, so a run, a benchmark or an install would otherwise
+find out from its speed.
 
     python -m runner.accelerator build auto   # the build for this driver (stdout), and why
     python -m runner.accelerator check        # exit 1, saying why, where JAX sees no GPU
@@ -175,6 +176,19 @@ def _choose(gpu: str) -> str | None:
   return build
 
 
+def compute_device() -> dict:
+  """The platform this process computes on ("cuda" for an NVIDIA GPU, with its compute
+  capability), as `cudnn_attention_problem` and the grouped matmul's check take it."""
+  import jax
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return {"platform": device.platform}
+  if "cuda" not in str(getattr(device.client, "platform_version", "")).lower():
+    return {"platform": "rocm"}
+  major, minor = str(device.compute_capability).split(".")[:2]
+  return {"platform": "cuda", "capability": (int(major), int(minor))}
+
+
 def cudnn_attention_problem(dtype: str, head_dim: int, *, dropout: bool, tokens: int = 0,
                             masked: bool = False, platform: str | None = None,
                             capability: tuple[int, int] | None = None) -> str | None:
@@ -202,6 +216,24 @@ def cudnn_attention_problem(dtype: str, head_dim: int, *, dropout: bool, tokens:
     return None
   return (f"model.attention=cudnn asks for cuDNN's fused attention, but {why}: use "
           "model.attention=auto (the fused kernel where it can run, XLA elsewhere) or xla.")
+
+
+GPU_GROUPED_MATMULS = ("pallas", "cudnn")  # model.moe.grouped_matmul's NVIDIA-only methods
+
+
+def grouped_matmul_problem(method: str, dtype: str, platform: str | None = None) -> str | None:
+  """Why `model.moe.grouped_matmul=method` cannot run a `dtype` model on `platform` ("cuda",
+  "cpu", ...; None: not known yet, as before launch), or None. Stated once for the config and for
+  the MoE layer, which checks its device when traced (runner/models/moe/grouped_matmul.py)."""
+  if method == "cudnn" and dtype != "bfloat16":
+    why = f"cuDNN's grouped matmul takes bfloat16 inputs, and model.dtype={dtype}"
+  elif method in GPU_GROUPED_MATMULS and platform is not None and platform != "cuda":
+    why = f"it needs an NVIDIA GPU, and this process computes on {platform}"
+  else:
+    return None
+  return (f"model.moe.grouped_matmul={method} cannot run here: {why}. Use "
+          "model.moe.grouped_matmul=auto (blocks unless measured otherwise), blocks or ragged_dot, "
+          "which run on any device.")
 
 
 def main(argv: list[str]) -> int:

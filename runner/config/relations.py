@@ -12,7 +12,7 @@ import math
 import typing
 from typing import Callable
 
-from runner.accelerator import cudnn_attention_problem
+from runner.accelerator import cudnn_attention_problem, grouped_matmul_problem
 from runner.config import derived, registries, sections
 from runner.config.schema import (PRUNE_SUBSETS_MAX, CompressMethod, CompressRun,
                                   ContrastiveLoss, DataConfig, InitConfig, DistributedConfig,
@@ -166,6 +166,14 @@ def grouped_matmul_applies(model: ModelConfig):
           "token choice) runs its experts' rows, and this router runs its experts on "
           "fixed-capacity buffers. Drop it, or route dropless (model.router.type=token_choice "
           "model.router.dropless=true).")
+
+
+@relation
+def grouped_matmul_runs(model: ModelConfig):
+  """What the config alone decides (the device is the MoE layer's to check when traced)."""
+  if not _moe_layers(model):
+    return None
+  return grouped_matmul_problem(shown(model.moe.grouped_matmul), shown(model.dtype))
 
 
 @relation

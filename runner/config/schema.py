@@ -43,6 +43,8 @@ class GroupedMatmul(enum.StrEnum):
   auto = "auto"  # the method measured to be a grouped kernel on the backend: blocks, today
   blocks = "blocks"  # every expert's rows padded to blocks, one batched matmul
   ragged_dot = "ragged_dot"  # jax.lax.ragged_dot, dense over every expert in XLA (jaxlib 0.10)
+  pallas = "pallas"  # vmoe's own grouped-matmul kernel in Pallas (Triton), NVIDIA GPUs
+  cudnn = "cudnn"  # ragged_dot compiled with XLA's cuDNN grouped-matmul fusion (bfloat16, GPU)
 
 
 class EnsembleVariant(enum.StrEnum):
@@ -182,7 +184,8 @@ class MoeConfig:
   expert_dropout: float = key(0.0, rate())
   dispatcher: Dispatcher = Dispatcher.indices
   grouped_matmul: GroupedMatmul = key(GroupedMatmul.auto, hint="dropless routing's grouped "
-                                      "matmul: auto (measured best: blocks), blocks, ragged_dot")
+                                      "matmul: auto (measured best: blocks), blocks, ragged_dot, "
+                                      "pallas or cudnn (an NVIDIA GPU)")
   # Partitioned batch ensembles (E³): M members, each with E/M of the experts and its own router.
   ensemble_size: int = key(1, at_least(1), "1: a V-MoE; M > 1: a partitioned batch ensemble")
   ensemble_variant: EnsembleVariant = EnsembleVariant.pbe

@@ -19,6 +19,7 @@ from runner.config.registries import EVALUATORS
 from runner.config.schema import DataConfig, EvalSuiteConfig
 from runner.config.sections import default_of, fields_of
 from runner.evaluators import predictions
+from runner.models import compiler_options
 
 
 @dataclasses.dataclass
@@ -81,7 +82,10 @@ class Suite:
     self.datasets, self.ood = datasets, list(ood or [])
     self.out_dir = pathlib.Path(out_dir)
     self.verbose, self.plots = verbose and jax.process_index() == 0, plots
-    self.step = jax.jit(predictions.make_predict_step(model))
+    # What every program of these models is compiled with (cuDNN's grouped matmul, if chosen).
+    self.compiler_options = {key: value for c in self.model_configs
+                             for key, value in compiler_options(c).items()} or None
+    self.step = self.jit(predictions.make_predict_step(model))
     self.hooks: dict[str, PassHook] = {}  # evaluator name -> its hook on the first main pass
     self.readers: dict[str, Reader] = {}  # evaluator name -> its reader of every main pass
     self.read: set[str] = set()  # the datasets whose main pass the readers have seen
@@ -91,6 +95,10 @@ class Suite:
   @property
   def in_distribution(self) -> Dataset:
     return self.datasets[0]
+
+  def jit(self, fn: Callable) -> Callable:
+    """`jax.jit` with the models' compiler options: what evaluators compile their passes with."""
+    return jax.jit(fn, compiler_options=self.compiler_options)
 
   def say(self, text: str) -> None:
     if self.verbose:
@@ -121,7 +129,7 @@ class Suite:
     """Classification's pass over `dataset`, which others ride instead of passing again: the
     hooks the first dataset's, the readers every dataset's. Returns images/s."""
     hooked = first and bool(self.hooks)
-    step = (jax.jit(predictions.make_predict_step(self.model, hooks=dict(self.hooks))) if hooked
+    step = (self.jit(predictions.make_predict_step(self.model, hooks=dict(self.hooks))) if hooked
             else None)
 
     def on_batch(out):
@@ -139,7 +147,7 @@ class Suite:
     """A pass over the in-distribution dataset for one evaluator's hook alone (when no main
     pass ran, as in training, where the loop evaluates classification itself)."""
     hook = self.hooks[name]
-    step = jax.jit(predictions.make_predict_step(self.model, hooks={name: hook}))
+    step = self.jit(predictions.make_predict_step(self.model, hooks={name: hook}))
     ds = self.in_distribution
     rate = predictions.run_pass(step, self.params, self.batches(ds), None, put=self.placement.put,
                                 on_batch=lambda out: hook.update(out["hooks"][name], out))

@@ -7,7 +7,7 @@ from runner.config import derived
 from runner.config.derived import moe_layer_indices, tokens_per_group, tokens_per_image
 from runner.config.schema import HeadType, ModelConfig
 from runner.models.catalog import UnknownModelError, model_config
-from runner.models.moe import routers
+from runner.models.moe import grouped_matmul, routers
 from runner.models.vit import VisionTransformer
 
 
@@ -22,6 +22,15 @@ def param_updates_of(config: ModelConfig, stage: str) -> tuple:
   if not derived.num_experts(config):
     return ()
   return tuple(derived.router_family(config).param_updates(derived.router(config), stage))
+
+
+def compiler_options(config: ModelConfig) -> dict:
+  """The XLA compiler options every program that runs this model is compiled with
+  (`jax.jit(..., compiler_options=)`): none, but for dropless routing by cuDNN's grouped matmul,
+  which XLA substitutes for ragged_dot only when asked (runner/models/moe/grouped_matmul.py)."""
+  if not derived.num_experts(config):
+    return {}
+  return grouped_matmul.compiler_options(str(config.moe.grouped_matmul))
 
 
 def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") -> VisionTransformer:
@@ -65,6 +74,7 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
       dtype=jnp.dtype(str(config.dtype)), attention=str(config.attention))
 
 
-__all__ = ["ModelConfig", "UnknownModelError", "VisionTransformer", "build_model", "is_moe",
+__all__ = ["ModelConfig", "UnknownModelError", "VisionTransformer", "build_model", "compiler_options",
+           "is_moe",
            "model_config", "moe_layer_indices", "param_updates_of", "tokens_per_group",
            "tokens_per_image"]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from runner.accelerator import cudnn_attention_problem
+from runner.accelerator import compute_device, cudnn_attention_problem
 from runner.config.schema import Attention
 from runner.errors import ConfigError
 from runner.models import ensemble
@@ -41,18 +41,6 @@ class MlpBlock(nn.Module):
     return nn.Dropout(self.dropout_rate)(y, deterministic=not dropout)
 
 
-def _device() -> dict:
-  """The platform this process computes on ("cuda" for an NVIDIA GPU, with its compute
-  capability), as `cudnn_attention_problem` takes it."""
-  device = jax.devices()[0]
-  if device.platform != "gpu":
-    return {"platform": device.platform}
-  if "cuda" not in str(getattr(device.client, "platform_version", "")).lower():
-    return {"platform": "rocm"}
-  major, minor = str(device.compute_capability).split(".")[:2]
-  return {"platform": "cuda", "capability": (int(major), int(minor))}
-
-
 def attention_path(attention: str, dtype, head_dim: int, tokens: int, *, masked: bool,
                    dropout: bool) -> str:
   """Which attention runs: "cudnn" or "xla", the implementations of
@@ -69,7 +57,7 @@ def attention_path(attention: str, dtype, head_dim: int, tokens: int, *, masked:
     raise ValueError(f"unknown attention {attention!r}; valid: {ATTENTIONS}")
   if attention != "xla":
     problem = cudnn_attention_problem(jnp.dtype(dtype).name, head_dim, dropout=dropout,
-                                      tokens=tokens, masked=masked, **_device())
+                                      tokens=tokens, masked=masked, **compute_device())
     if problem is None:
       return "cudnn"
     if attention == "cudnn":

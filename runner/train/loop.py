@@ -30,6 +30,7 @@ from runner.evaluators import EVALUATORS, suite as suite_lib
 from runner.evaluators.classification import ClassificationEvaluator
 from runner.evaluators.fewshot import FewshotEvaluator, make_feature_fn
 from runner.logging import MetricWriter, Progress
+from runner.models import compiler_options
 from runner.parallel import Placement, preemption, replicated
 from runner.train import optimizers, schedules, state as state_lib
 from runner.train.step import make_eval_step, make_train_step
@@ -237,9 +238,12 @@ class _Run:
         model, self.tx, self.schedule, loss=t.loss.value, aux_loss_weight=t.aux_loss_weight,
         accum_steps=t.accum_steps, seed=self.seed, param_updates=self.plan.param_updates,
         objective=self.pairs.objective if self.pairs else None)
+    options = compiler_options(config.model) or None  # cuDNN's grouped matmul, if chosen
     self.step_fn = jax.jit(train_step, in_shardings=(shardings, placement.batch_sharding),
-                           out_shardings=(shardings, None), donate_argnums=0)
-    self.eval_step = None if self.pairs else jax.jit(make_eval_step(model, t.loss.value))
+                           out_shardings=(shardings, None), donate_argnums=0,
+                           compiler_options=options)
+    self.eval_step = None if self.pairs else jax.jit(make_eval_step(model, t.loss.value),
+                                                     compiler_options=options)
     self.val = self.evaluator(config.data.eval_split, "val")
     # (A contrastive run enables none: its validation is pairs.evaluator; a relation says so.)
     self.measurements = _Measurements(config, model, self.source, placement,
@@ -250,7 +254,7 @@ class _Run:
       self.fewshot = FewshotEvaluator(None, fewshot_datasets, shots=f.shots, seeds=f.seeds,
                                       l2_regs=f.l2_regs, put=placement.put, prefix="fewshot",
                                       protocol=f.protocol)
-      self.feature_step = jax.jit(make_feature_fn(model))
+      self.feature_step = jax.jit(make_feature_fn(model), compiler_options=options)
     d = config.data
     # On the devices one batch ahead, its copy overlapping the step (images as uint8 pixels:
     # runner/models/inputs.py); `position` counts the batches taken, not those put ahead.

@@ -225,7 +225,7 @@ CUDA_VOLTA = {"platform": "cuda", "capability": (7, 0)}
 ])
 def test_attention_path(monkeypatch, attention, device, dtype, head_dim, tokens, masked, dropout,
                         path):
-  monkeypatch.setattr(vit, "_device", lambda: device)
+  monkeypatch.setattr(vit, "compute_device", lambda: device)
   assert vit.attention_path(attention, dtype, head_dim, tokens, masked=masked,
                             dropout=dropout) == path
 
@@ -238,7 +238,7 @@ def test_attention_path(monkeypatch, attention, device, dtype, head_dim, tokens,
     (CUDA_HOPPER, jnp.bfloat16, 64, True, "no attention dropout"),
 ])
 def test_cudnn_where_it_cannot_run_is_refused(monkeypatch, device, dtype, head_dim, dropout, said):
-  monkeypatch.setattr(vit, "_device", lambda: device)
+  monkeypatch.setattr(vit, "compute_device", lambda: device)
   with pytest.raises(ConfigError, match="model.attention=cudnn") as refused:
     vit.attention_path("cudnn", dtype, head_dim, 50, masked=False, dropout=dropout)
   assert said in str(refused.value) and "model.attention=auto" in str(refused.value)
@@ -254,7 +254,7 @@ def test_auto_calls_the_fused_kernel_on_a_cuda_gpu(monkeypatch):
   def recording(*args, implementation=None, **kwargs):
     asked.append(implementation)
     return fused(*args, implementation="xla", **kwargs)
-  monkeypatch.setattr(vit, "_device", lambda: CUDA_HOPPER)
+  monkeypatch.setattr(vit, "compute_device", lambda: CUDA_HOPPER)
   monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
   x = _tokens((2, 6, 32))
   for dtype, want in ((jnp.bfloat16, ["cudnn"]), (jnp.float32, [])):
@@ -292,7 +292,7 @@ def test_cudnn_is_asked_for_an_even_sequence(monkeypatch):
   def recording(q, k, v, *, implementation=None, query_seq_lengths=None, **kwargs):
     seen.append((q.shape[1], None if query_seq_lengths is None else int(query_seq_lengths[0])))
     return fused(q, k, v, implementation="xla", query_seq_lengths=query_seq_lengths, **kwargs)
-  monkeypatch.setattr(vit, "_device", lambda: CUDA_HOPPER)
+  monkeypatch.setattr(vit, "compute_device", lambda: CUDA_HOPPER)
   monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
   for tokens in (7, 6):
     x = _tokens((2, tokens, 32)).astype(jnp.bfloat16)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from runner.accelerator import GPU_GROUPED_MATMULS, grouped_matmul_problem
 from runner.config.schema import GroupedMatmul
 from runner.models import build_model, model_config
 from runner.models.moe import grouped_matmul as gm
@@ -25,8 +26,10 @@ def _numpy(x, w, sizes):
 
 
 @pytest.mark.parametrize("sizes", list(SIZES.values()), ids=list(SIZES))
-@pytest.mark.parametrize("method", gm.METHODS)
+@pytest.mark.parametrize("method", [m for m in gm.METHODS if m not in GPU_GROUPED_MATMULS])
 def test_each_row_is_multiplied_by_its_groups_kernel(sizes, method):
+  """On the CPU: pallas runs in interpret mode in test_grouped_matmul_kernel.py, cudnn is
+  ragged_dot compiled with an option the CPU ignores."""
   rng = np.random.default_rng(0)
   x = rng.standard_normal((sum(sizes), 6)).astype(np.float32)
   w = rng.standard_normal((len(sizes), 6, 5)).astype(np.float32)
@@ -79,10 +82,39 @@ def test_an_unknown_method_is_an_error():
     gm.grouped_matmul(jnp.ones((2, 2)), jnp.ones((1, 2, 2)), jnp.asarray([2]), "dense")
 
 
-def test_auto_takes_ragged_dot_only_where_it_is_measured_to_be_grouped(monkeypatch):
+def test_auto_takes_a_method_only_where_it_is_recorded_fastest(monkeypatch):
+  assert gm.AUTO == {}  # no bench-gpu row has shown another method ahead of blocks yet
   assert gm.resolve("auto") == "blocks" and gm.resolve("ragged_dot") == "ragged_dot"
-  monkeypatch.setattr(gm, "RAGGED_DOT_IS_GROUPED", frozenset({jax.default_backend()}))
-  assert gm.resolve("auto") == "ragged_dot" and gm.resolve("blocks") == "blocks"
+  monkeypatch.setattr(gm, "AUTO", {jax.default_backend(): "pallas"})
+  assert gm.resolve("auto") == "pallas" and gm.resolve("blocks") == "blocks"
+  monkeypatch.setattr(gm, "AUTO", {"some other backend": "pallas"})
+  assert gm.resolve("auto") == "blocks"
+
+
+def test_cudnn_is_ragged_dot_with_the_fusions_compiler_option_and_the_others_need_none():
+  assert gm.compiler_options("cudnn") == {"xla_gpu_experimental_use_ragged_dot_fusion": True}
+  for method in ("auto", "blocks", "ragged_dot", "pallas"):
+    assert gm.compiler_options(method) == {}
+
+
+@pytest.mark.parametrize("method, dtype, platform, said", [
+    ("cudnn", "float32", None, "cuDNN's grouped matmul takes bfloat16 inputs, and "
+                               "model.dtype=float32"),
+    ("cudnn", "bfloat16", "cpu", "it needs an NVIDIA GPU, and this process computes on cpu"),
+    ("pallas", "float32", "cpu", "it needs an NVIDIA GPU, and this process computes on cpu"),
+    ("pallas", "bfloat16", "rocm", "it needs an NVIDIA GPU, and this process computes on rocm"),
+])
+def test_the_gpu_methods_say_why_they_cannot_run(method, dtype, platform, said):
+  found = grouped_matmul_problem(method, dtype, platform)
+  assert found.startswith(f"model.moe.grouped_matmul={method} cannot run here: {said}. ")
+  assert "blocks or ragged_dot" in found
+
+
+@pytest.mark.parametrize("method, dtype", [("pallas", "float32"), ("pallas", "bfloat16"),
+                                           ("cudnn", "bfloat16"), ("blocks", "float32"),
+                                           ("ragged_dot", "float32"), ("auto", "float32")])
+def test_what_can_run_on_a_gpu_is_not_refused(method, dtype):
+  assert grouped_matmul_problem(method, dtype, "cuda") is None and grouped_matmul_problem(method, dtype) is None
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's lowering of ragged_dot")

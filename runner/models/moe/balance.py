@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from runner.models.moe import routing
-from runner.models.moe.dispatch import DispatchPlan
+from runner.models.moe.dispatch import DispatchPlan, count_ids
 from runner.models.param_updates import ParamUpdate
 
 SCOPES = ("group", "batch")
@@ -51,9 +51,7 @@ def assignment_counts(plan: DispatchPlan, partitions: int = 1) -> jax.Array:
   """(E,) int: load_i, the (token, choice) assignments of the batch whose TOP-k chose expert i,
   before capacity drops; with partitions, over the layer's P * E/P experts (p * E/P + e)."""
   groups, experts = plan.experts.shape[0], plan.num_experts
-  # Counted per group (O(tokens), not O(tokens x experts) as a one-hot sum): (G, E/P).
-  chosen = jax.vmap(functools.partial(jnp.bincount, length=experts))(
-      plan.experts.reshape(groups, -1).astype(jnp.int32))
+  chosen = count_ids(plan.experts.reshape(groups, -1).astype(jnp.int32), experts)  # (G, E/P)
   return chosen.reshape(groups // partitions, partitions * experts).sum(axis=0)
 
 

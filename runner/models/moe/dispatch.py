@@ -67,10 +67,15 @@ class DispatchPlan:
 
   @property
   def expert_of_slot_filled(self) -> jax.Array:
-    """(G, E) number of filled slots of each expert."""
-    g, s, k = self.combine_weights.shape
-    filled = (self.assignment_of_slot < s * k).reshape(g, self.num_experts, self.capacity)
-    return filled.sum(-1)
+    """(G, E) number of filled slots of each expert: its kept assignments (a dropped one's slot
+    E * C is no expert's)."""
+    return count_ids(self.slot_of_assignment // self.capacity, self.num_experts)
+
+
+def count_ids(ids: jax.Array, length: int) -> jax.Array:
+  """(G, n) ids -> (G, length): how often each id in [0, length) occurs in each row; others are
+  not counted. A one-hot sum: `jnp.bincount` would be a scatter-add of colliding indices."""
+  return jnp.sum(jax.nn.one_hot(ids, length, dtype=jnp.int32), axis=-2)
 
 
 def _take_rows(src: jax.Array, index: jax.Array) -> jax.Array:
@@ -214,17 +219,18 @@ class DroplessPlan:
   def expert_of_slot_filled(self) -> jax.Array:
     """(G, E) the assignments each expert processes in each group."""
     g = self.experts.shape[0]
-    return jax.vmap(lambda e: jnp.bincount(e, length=self.num_experts))(
-        self.experts.reshape(g, -1).astype(jnp.int32))
+    return count_ids(self.experts.reshape(g, -1).astype(jnp.int32), self.num_experts)
 
   def layout(self) -> RaggedLayout:
-    """This device's assignments sorted by expert (one sort of G*S*k keys), so that every
-    expert's rows from every group are contiguous for one grouped matmul."""
+    """This device's assignments sorted by expert (one stable argsort of G*S*k expert ids: one
+    key, as a GPU's fast sort takes it), so that every expert's rows from every group are
+    contiguous, in assignment order, for one grouped matmul."""
     flat = self.experts.reshape(-1).astype(jnp.int32)
     ids = jnp.arange(flat.shape[0], dtype=jnp.int32)
-    experts, order = jax.lax.sort((flat, ids), num_keys=2)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    experts = flat[order]
     inverse = jnp.zeros_like(order).at[order].set(ids, unique_indices=True)
-    group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+    group_sizes = count_ids(flat[None], self.num_experts)[0]
     return RaggedLayout(order=order, inverse=inverse, experts=experts, group_sizes=group_sizes)
 
   def rows(self, x: jax.Array, layout: RaggedLayout) -> jax.Array:

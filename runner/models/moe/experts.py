@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from runner.models.moe.grouped_matmul import grouped_matmul
+from runner.models.moe.grouped_matmul import grouped_matmul, take_by_id
 
 # Logical axes of the four expert parameters, in the order MlpExperts returns them.
 LOGICAL_AXES = (("expert", "embed", "mlp"), ("expert", "mlp"), ("expert", "mlp", "embed"),
@@ -65,14 +65,15 @@ def apply_experts_ragged(weights, rows: jax.Array, experts: jax.Array, group_siz
                          method: str = "auto") -> jax.Array:
   """rows: (M, D) sorted by expert, group_sizes[e] of them expert e's, experts[r] the expert of
   row r -> (M, D), row r through its expert's MLP: one grouped matmul per layer (`method`:
-  grouped_matmul.py's), the biases gathered per row, expert dropout's masks drawn per row."""
+  grouped_matmul.py's), the biases taken per row (`take_by_id`), expert dropout's masks drawn
+  per row."""
   w1, b1, w2, b2 = (w.astype(dtype) for w in weights)
   x = rows.astype(dtype)
-  h = nn.gelu(grouped_matmul(x, w1, group_sizes, method) + jnp.take(b1, experts, axis=0))
+  h = nn.gelu(grouped_matmul(x, w1, group_sizes, method) + take_by_id(b1, experts))
   if dropout_rate and rng is not None:
     rng, sub = jax.random.split(rng)
     h = jnp.where(jax.random.bernoulli(sub, 1 - dropout_rate, h.shape), h / (1 - dropout_rate), 0)
-  y = grouped_matmul(h, w2, group_sizes, method) + jnp.take(b2, experts, axis=0)
+  y = grouped_matmul(h, w2, group_sizes, method) + take_by_id(b2, experts)
   if dropout_rate and rng is not None:
     y = jnp.where(jax.random.bernoulli(rng, 1 - dropout_rate, y.shape), y / (1 - dropout_rate), 0)
   return y

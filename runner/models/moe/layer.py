@@ -14,7 +14,9 @@ import flax.linen as nn
 from flax.linen import partitioning
 from jax.sharding import PartitionSpec as P
 
-from runner.models.moe import routers
+from runner.accelerator import compute_device, grouped_matmul_problem
+from runner.errors import ConfigError
+from runner.models.moe import grouped_matmul, routers
 from runner.models.moe.experts import (LOGICAL_AXES, SHARED_AXES, MlpExperts, apply_experts,
                                        apply_experts_ragged)
 
@@ -218,6 +220,10 @@ class MoeMlpBlock(nn.Module):
       raise ValueError("dropless routing runs with every expert on every device and without "
                        "ensemble partitions: its rows sorted by expert vary in number per "
                        "expert, which the all-to-all of expert parallelism cannot exchange")
+    problem = grouped_matmul_problem(grouped_matmul.resolve(self.grouped_matmul),
+                                     jnp.dtype(self.dtype).name, compute_device()["platform"])
+    if problem:  # when traced: before anything is compiled or computed
+      raise ConfigError(problem)
     layout = plan.layout()
     outputs = apply_experts_ragged(weights, plan.rows(blocks, layout), layout.experts,
                                    layout.group_sizes, dropout_rate=self.expert_dropout, rng=rng,
