@@ -4,12 +4,14 @@ Everything here is written from the V-MoE paper (arXiv:2106.05974), not from the
 - `route_reference`: Appendix C.1, Algorithm 1 (vanilla) and Algorithm 2 (Batch Prioritized
   Routing), as literal loops over per-expert buffers.
 - `importance_loss_reference`, `load_loss_reference`: Appendix A.2, eqs. (1)-(6).
+- `plan_dispatch_by_sort`: vmoe's earlier, sort-based plan, against which today's is checked.
 """
 from __future__ import annotations
 
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from runner.models.moe import routing
@@ -18,6 +20,65 @@ from runner.models.moe import routing
 # (shape, k, capacity, batch_priority, priority) combination compiles once.
 plan_dispatch_jit = jax.jit(
     routing.plan_dispatch, static_argnames=("k", "capacity", "batch_priority", "priority"))
+
+
+def plan_dispatch_by_sort(gates: jax.Array, *, k: int, capacity: int, batch_priority: bool = False,
+                  priority: str = "max", select: jax.Array | None = None) -> routing.DispatchPlan:
+  """vmoe's plan until 2026-12-07, kept as an independent reference for the one-hot cumulative
+  sums that replaced it: assignments sorted by (expert, priority), each expert's run found by
+  searchsorted, the sort inverted by a scatter."""
+  if priority not in routing.PRIORITIES:
+    raise ValueError(f"unknown routing priority {priority!r}; valid: {routing.PRIORITIES}")
+  num_groups, num_tokens, num_experts = gates.shape
+  weights, experts = routing.top_k_gates(gates, k, select)  # (G, S, k)
+  if batch_priority:
+    score = weights[..., 0] if priority == "max" else weights.sum(-1)
+    # Rank of each token when sorted by decreasing score; stable, so ties keep token order.
+    order = jnp.argsort(-score, axis=-1, stable=True)
+    token_rank = jnp.argsort(order, axis=-1).astype(jnp.int32)
+  else:
+    token_rank = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (num_groups, num_tokens))
+  choice = jnp.arange(k, dtype=jnp.int32)
+  # Priority of assignment (t, i): all first choices before any second choice, then by rank.
+  priority_key = choice[None, None, :] * num_tokens + token_rank[..., None]  # (G, S, k)
+  num_assign = num_tokens * k
+  experts_flat = experts.reshape(num_groups, num_assign).astype(jnp.int32)
+  priority_flat = priority_key.reshape(num_groups, num_assign)
+  assignment_ids = jnp.broadcast_to(jnp.arange(num_assign, dtype=jnp.int32), experts_flat.shape)
+  # Sort assignments by (expert, priority): each expert's assignments become a contiguous run in
+  # priority order, so an assignment's buffer position is its offset inside its run.
+  sorted_experts, _, sorted_ids = jax.lax.sort(
+      (experts_flat, priority_flat, assignment_ids), dimension=-1, num_keys=2)
+  expert_range = jnp.arange(num_experts, dtype=jnp.int32)
+  run_start = jax.vmap(lambda e: jnp.searchsorted(e, expert_range, side="left"))(sorted_experts)
+  run_end = jax.vmap(lambda e: jnp.searchsorted(e, expert_range, side="right"))(sorted_experts)
+  run_start = run_start.astype(jnp.int32)
+  run_end = run_end.astype(jnp.int32)
+  # assignment_of_slot: the c-th entry of expert e's run, when the run is long enough.
+  position = jnp.arange(capacity, dtype=jnp.int32)
+  source = run_start[..., None] + position  # (G, E, C)
+  filled = source < run_end[..., None]
+  gathered = jnp.take_along_axis(
+      sorted_ids, jnp.minimum(source, num_assign - 1).reshape(num_groups, -1), axis=-1)
+  assignment_of_slot = jnp.where(filled.reshape(num_groups, -1), gathered, num_assign)
+  # slot_of_assignment: invert the sort (a permutation, so a scatter with unique indices).
+  rank_sorted = jnp.arange(num_assign, dtype=jnp.int32) - jnp.take_along_axis(
+      run_start, sorted_experts, axis=-1)
+  slot_sorted = jnp.where(rank_sorted < capacity, sorted_experts * capacity + rank_sorted,
+                          num_experts * capacity)
+  slot_of_assignment = jax.vmap(
+      lambda ids, slots: jnp.zeros_like(slots).at[ids].set(slots, unique_indices=True))(
+          sorted_ids, slot_sorted)
+  kept = (slot_of_assignment < num_experts * capacity).reshape(num_groups, num_tokens, k)
+  combine_weights = jnp.where(kept, weights, 0.0)
+  return routing.DispatchPlan(slot_of_assignment=slot_of_assignment,
+                      assignment_of_slot=assignment_of_slot.astype(jnp.int32),
+                      combine_weights=combine_weights, num_experts=num_experts,
+                      capacity=capacity, k=k, experts=experts, gates=gates)
+
+
+plan_dispatch_by_sort_jit = jax.jit(
+    plan_dispatch_by_sort, static_argnames=("k", "capacity", "batch_priority", "priority"))
 
 
 def top_k_reference(gate_row: np.ndarray, k: int) -> tuple[list[int], list[float]]:

@@ -5,6 +5,7 @@ what "auto" takes, and that `model.moe.grouped_matmul` reaches the compiled prog
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,9 @@ import numpy as np
 import pytest
 
 from runner.accelerator import GPU_GROUPED_MATMULS, grouped_matmul_problem
-from runner.config.schema import GroupedMatmul
+from runner.config.schema import DType, GroupedMatmul
+from runner.config.validate import problems
+from runner.errors import ConfigError
 from runner.models import build_model, model_config
 from runner.models.moe import grouped_matmul as gm
 
@@ -135,3 +138,64 @@ def test_the_config_key_chooses_the_compiled_method():
   blocks, ragged = flops("auto"), flops("ragged_dot")
   assert flops("blocks") == blocks
   assert ragged > 2 * blocks  # 8 experts: the dense product is 8x the experts' own
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 4)], ids=["bias rows", "block kernels"])
+def test_take_by_id_has_the_gathers_gradient_without_its_scatter(shape):
+  """Its gradient, a one-hot product in float32, equals autodiff of the gather (a scatter-add) in
+  float32 to rounding; in bfloat16 it is the float32 sum rounded once, closer to the exact sum
+  than the gather's bfloat16 scatter-add."""
+  rng = np.random.default_rng(5)
+  ids = jnp.asarray(rng.integers(0, 4, size=64), jnp.int32)  # every id repeats
+  table = jnp.asarray(rng.standard_normal((4,) + shape), jnp.float32)
+  cotangent = rng.standard_normal((64,) + shape)
+  exact = np.zeros((4,) + shape)
+  np.add.at(exact, np.asarray(ids), cotangent)
+
+  def grad(fn, dtype):
+    _, vjp = jax.vjp(lambda t: fn(t, ids), table.astype(dtype))
+    return np.asarray(vjp(jnp.asarray(cotangent, dtype))[0], np.float64)
+  np.testing.assert_array_equal(np.asarray(gm.take_by_id(table, ids)), np.asarray(table[ids]))
+  np.testing.assert_allclose(grad(gm.take_by_id, jnp.float32),
+                             grad(lambda t, i: t[i], jnp.float32), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(grad(gm.take_by_id, jnp.float32), exact, rtol=1e-6, atol=1e-6)
+  ours = np.abs(grad(gm.take_by_id, jnp.bfloat16) - exact).max()
+  assert ours <= np.abs(exact).max() * 2**-8  # one bfloat16 rounding of the float32 sum
+
+
+def test_the_blocks_gradients_hold_no_colliding_scatter():
+  """The blocks method's program, forward and backward: every scatter declares unique indices
+  (the rows' slots), none adds colliding updates (the kernels' and biases' sums are matmuls)."""
+  sizes = jnp.asarray(SIZES["uneven"], jnp.int32)
+
+  def loss(x, w):
+    return jnp.sum(gm.grouped_matmul(x, w, sizes, "blocks") ** 2)
+  text = jax.jit(jax.grad(loss, (0, 1))).lower(jnp.ones((64, 6)), jnp.ones((8, 6, 5))).as_text()
+  assert "stablehlo.while" not in text and "stablehlo.sort" not in text
+  for start in [i for i in range(len(text)) if text.startswith('"stablehlo.scatter"', i)]:
+    assert "unique_indices = true" in text[start:text.index("}>", start)]
+
+
+def _dropless(method: str, dtype: str = "float32"):
+  config = model_config("vmoe_tiny")
+  return dataclasses.replace(
+      config, dtype=DType(dtype), router=dataclasses.replace(config.router, dropless=True),
+      moe=dataclasses.replace(config.moe, grouped_matmul=GroupedMatmul(method)))
+
+
+@pytest.mark.parametrize("method, dtype", [("pallas", "float32"), ("cudnn", "bfloat16")])
+def test_a_gpu_method_on_a_cpu_is_refused_when_traced_before_compute(method, dtype):
+  config = _dropless(method, dtype)
+  assert not problems(types.SimpleNamespace(model=config))  # fine until the device
+  with pytest.raises(ConfigError, match=f"model.moe.grouped_matmul={method} cannot run here: it "
+                                        "needs an NVIDIA GPU, and this process computes on cpu"):
+    jax.eval_shape(lambda: build_model(config, 10).init(
+        jax.random.key(0), jnp.ones((8, 32, 32, 3)), train=False))
+
+
+def test_cudnn_in_float32_is_a_config_error():
+  found = problems(types.SimpleNamespace(model=_dropless("cudnn")))
+  assert len(found) == 1 and found[0].startswith(
+      "model.moe.grouped_matmul=cudnn cannot run here: cuDNN's grouped matmul takes bfloat16 "
+      "inputs, and model.dtype=float32.")
+  assert not problems(types.SimpleNamespace(model=_dropless("pallas")))

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from runner.models.moe import routing
-from moe_reference import (buffers_to_plan_arrays, plan_buffers, plan_dispatch_jit,
-                           route_reference)
+from moe_reference import (buffers_to_plan_arrays, plan_buffers, plan_dispatch_by_sort_jit,
+                           plan_dispatch_jit, route_reference)
 
 
 def _plan(gates, **kwargs):
@@ -385,3 +385,59 @@ def test_bpr_keeps_highest_scores_at_low_capacity(priority):
 # ------------------------------------------------------------------------------------------------
 # Auxiliary losses (Appendix A.2) are in test_moe_auxiliary_losses.py.
 # ------------------------------------------------------------------------------------------------
+
+
+# ------------------------------------------------------------------------------------------------
+# (d) The plan by one-hot cumulative sums against the sort-based plan it replaced, field by field,
+# and the NumPy loop of the paper's algorithms: ties, k = 1 and 2, BPR on and off with both
+# priorities, both capacity roundings, drops, and the biased choice of loss-free balancing.
+# ------------------------------------------------------------------------------------------------
+
+def _gates_with_ties(rng, groups, tokens, experts):
+  """Softmax gates with a skew, then rounded to multiples of 1/16: many exact ties."""
+  logits = rng.normal(size=(groups, tokens, experts)) * 2.0 + rng.normal(size=experts)
+  gates = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+  return (np.round(gates * 16) / 16).astype(np.float32)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("batch_priority, priority", [(False, "max"), (True, "max"),
+                                                      (True, "sum")])
+@pytest.mark.parametrize("rounding, ratio", [("paper", 1.05), ("paper", 0.5),
+                                             ("reference", 1.05), ("reference", 0.3)])
+@pytest.mark.parametrize("biased", [False, True])
+def test_the_cumulative_sum_plan_equals_the_sort_based_plan(k, batch_priority, priority, rounding,
+                                                            ratio, biased):
+  rng = np.random.default_rng(hash((k, batch_priority, priority, rounding, ratio)) % 2**32)
+  groups, tokens, experts = 3, 24, 6
+  gates = _gates_with_ties(rng, groups, tokens, experts)
+  select = None
+  if biased:  # loss-free balancing: TOP-k chosen on gates + bias, weights read from the gates
+    select = jnp.asarray(gates + rng.choice([-0.125, 0.0, 0.125], size=experts), jnp.float32)
+  capacity = routing.expert_capacity(tokens, experts, k, ratio, rounding)
+  kwargs = dict(k=k, capacity=capacity, batch_priority=batch_priority, priority=priority)
+  plan = plan_dispatch_jit(jnp.asarray(gates), select=select, **kwargs)
+  before = plan_dispatch_by_sort_jit(jnp.asarray(gates), select=select, **kwargs)
+  for field in ("slot_of_assignment", "assignment_of_slot", "combine_weights", "experts", "gates"):
+    np.testing.assert_array_equal(np.asarray(getattr(plan, field)),
+                                  np.asarray(getattr(before, field)), err_msg=field)
+  for field in ("kept", "expert_of_slot_filled"):
+    np.testing.assert_array_equal(np.asarray(getattr(plan, field)),
+                                  np.asarray(getattr(before, field)), err_msg=field)
+  assert (plan.num_experts, plan.capacity, plan.k) == (before.num_experts, before.capacity, k)
+  if ratio < 1:  # fewer slots than assignments: the plans agree on what they drop
+    assert np.any(~np.asarray(plan.kept))
+  if not biased:  # the paper's loops choose on the gates themselves
+    _assert_plan_matches_reference(plan, gates, **kwargs)
+
+
+def test_the_plans_gradients_equal_the_sort_based_plans():
+  rng = np.random.default_rng(3)
+  gates = jnp.asarray(_gates_with_ties(rng, 2, 16, 4) + 0.01)
+  target = jnp.asarray(rng.normal(size=(2, 16, 2)), jnp.float32)
+
+  def loss(plan_fn):
+    return lambda g: jnp.sum(plan_fn(g, k=2, capacity=5, batch_priority=True,
+                                     priority="sum").combine_weights * target)
+  np.testing.assert_array_equal(np.asarray(jax.grad(loss(plan_dispatch_jit))(gates)),
+                                np.asarray(jax.grad(loss(plan_dispatch_by_sort_jit))(gates)))

@@ -94,7 +94,10 @@ def plan_dispatch(gates: jax.Array, *, k: int, capacity: int, batch_priority: bo
   order = None
   if batch_priority:  # token order[g, r] has rank r: decreasing score, ties in token order
     score = weights[..., 0] if priority == "max" else weights.sum(-1)
-    order = jnp.argsort(-score, axis=-1, stable=True).astype(jnp.int32)
+    # Gates are >= 0, and the bits of a non-negative float order as the float does: an integer
+    # key, which a stable sort takes with its indices alone (a float key adds a third operand).
+    bits = jax.lax.bitcast_convert_type(score + 0.0, jnp.int32)  # + 0.0: no -0.0
+    order = jnp.argsort(-bits, axis=-1, stable=True).astype(jnp.int32)
     experts_ranked = jnp.take_along_axis(experts, order[..., None], axis=1)
   else:
     experts_ranked = experts
