@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import statistics
 import time
 from typing import Callable
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import harness
+from benchmarks import arguments, harness
 from runner.config import sections
 from runner.config.schema import Classifier, DType, ModelConfig, MoeConfig, RouterConfig
 from runner.models import build_model
@@ -112,16 +113,17 @@ class TrainStep:
 
 
 def prepare_train_step(config: ModelConfig, preset: dict, *, params=None, warmup: int = 2,
-                       **step_options) -> TrainStep:
+                       compiler_options: dict | None = None, **step_options) -> TrainStep:
   """The train step of `config` at the preset's image size, batch and classes, compiled and
-  warmed up by `warmup` steps; `params`: as `jitted_train_step` takes them."""
+  warmed up by `warmup` steps; `params`: as `jitted_train_step` takes them; `compiler_options`:
+  XLA options for this program alone (`Lowered.compile(compiler_options)`; None: none)."""
   batch_size, classes = preset["batch_size"], preset["num_classes"]
   model = build_model(config, classes)
   shape = (preset["image_size"], preset["image_size"], 3)
   step, state, batch = jitted_train_step(model, shape, batch_size, classes, params,
                                          **step_options)
   start = time.perf_counter()
-  compiled = step.lower(state, batch).compile()
+  compiled = step.lower(state, batch).compile(compiler_options)
   compile_s = time.perf_counter() - start
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -188,21 +190,35 @@ def measure(name: str, preset: dict, dtype: str, peak_gflops: float, rounds: int
   return out
 
 
-def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--presets", default="tiny,bigger")
-  parser.add_argument("--dtype", default="float32")
-  parser.add_argument("--rounds", type=int, default=7)
-  parser.add_argument("--name", default="train_step")
+def parse(argv=None) -> argparse.Namespace:
+  """The arguments, each checked: a bad one exits (status 2) before anything is measured."""
+  parser = arguments.Parser(prog="benchmarks.train_step", description=__doc__.split("\n")[0])
+  parser.add_argument("--presets", default="tiny,bigger", help=f"of {', '.join(PRESETS)}")
+  parser.add_argument("--dtype", default="float32", help=f"of {', '.join(d.value for d in DType)}")
+  parser.add_argument("--rounds", default="7", help="alternating rounds (at least 1)")
+  parser.add_argument("--name", default="train_step",
+                      help="of the JSON written, <name>.json (letters, digits, _, - and .)")
   parser.add_argument("--families", default=",".join(SPARSE),
                       help="sparse models compared with the ViT: vmoe (token-choice), "
                            "experts_choice, soft")
   harness.add_record_option(parser)
   args = parser.parse_args(argv)
-  families = tuple(f for f in args.families.split(",") if f)
+  args.presets = parser.names("--presets", args.presets, "preset", list(PRESETS))
+  args.dtype = parser.choice("--dtype", args.dtype, [d.value for d in DType])
+  args.rounds = parser.number("--rounds", args.rounds, int, 1)
+  if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", args.name):
+    parser.refuse(f"--name {args.name!r}: valid: a file name of letters, digits, _, - and . "
+                  "(not starting with . or -)")
+  args.families = parser.names("--families", args.families, "family", SPARSE)
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse(argv)
+  families = args.families
   peak = harness.matmul_peak_gflops()
   record = {"machine": harness.machine(), "dtype": args.dtype, "presets": {}}
-  for name in args.presets.split(","):
+  for name in args.presets:
     peak = max(peak, harness.matmul_peak_gflops())  # the machine's best, next to the steps
     result = measure(name, PRESETS[name], args.dtype, peak, args.rounds, families)
     record["presets"][name] = result
