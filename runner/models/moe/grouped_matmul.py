@@ -53,16 +53,41 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
   if method in ("ragged_dot", "cudnn"):  # cudnn: the same op, fused by the compiler options
     return jax.lax.ragged_dot(x, w, group_sizes)
   if method == "pallas":
-    return grouped_matmul_pallas(x, w, group_sizes)
+    return grouped_matmul_pallas(x, vary_like(w, x), group_sizes)
   return _by_blocks(x, w, group_sizes, block_rows(x.shape[0], w.shape[0]))
 
 
-@jax.custom_vjp
+def _varying(x) -> frozenset:
+  """The mesh axes over which x varies inside `shard_map` (none outside); JAX 0.10's
+  `manual_axis_type`, or the `vma` of earlier versions."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
+  """x, marked as varying over the mesh axes `like` varies over. A custom VJP inside `shard_map`
+  must give each input a cotangent of the input's own type: a replicated weight meeting a
+  device's rows gets a per-device gradient, so the weight is cast first (what autodiff of a
+  gather does by itself), and the cast's transpose sums the gradients over the devices."""
+  missing = tuple(sorted(_varying(like) - _varying(x)))
+  if not missing:
+    return x
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, missing, to="varying")
+  return jax.lax.pvary(x, missing)
+
+
 def take_by_id(table: jax.Array, ids: jax.Array) -> jax.Array:
   """table: (E, ...), ids: (N,) -> (N, ...), entry n = table[ids[n]]: a bias per row, a kernel
   per block. Its gradient sums each id's entries as a one-hot product accumulated in float32 (a
   matmul of E x N by N x the entry's size), where autodiff of the gather would scatter-add N
   entries into E, colliding (atomics on a GPU, summed in the table's dtype)."""
+  return _take_by_id(vary_like(table, ids), ids)
+
+
+@jax.custom_vjp
+def _take_by_id(table: jax.Array, ids: jax.Array) -> jax.Array:
   return table[ids]
 
 
@@ -80,7 +105,7 @@ def _take_by_id_bwd(residuals, d_entries):
   return d_table.reshape((like.shape[0],) + d_entries.shape[1:]).astype(like.dtype), None
 
 
-take_by_id.defvjp(_take_by_id_fwd, _take_by_id_bwd)
+_take_by_id.defvjp(_take_by_id_fwd, _take_by_id_bwd)
 
 
 def _by_blocks(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int) -> jax.Array:
