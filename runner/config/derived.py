@@ -147,6 +147,18 @@ def held_models(run) -> list[ModelConfig]:
   return [model] if isinstance(model, ModelConfig) else []
 
 
+def input_runs(run) -> list[str]:
+  """The runs, checkpoint folders or files a run reads, as given: each member's path, else
+  init.checkpoint (one path or a list); none for a run from scratch."""
+  members = getattr(run, "members", None)
+  if members is not None:
+    return [str(m.path) for m in members]
+  given = getattr(getattr(run, "init", None), "checkpoint", None)
+  if not given:
+    return []
+  return [str(given)] if isinstance(given, str) else [str(path) for path in given]
+
+
 def inference_batch(run) -> tuple[int, str] | None:
   """(batch size, the key that sets it) of an eval, ensemble or few-shot run; None for training."""
   if isinstance(run, FewshotRun):

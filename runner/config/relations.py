@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import pathlib
 import typing
 from typing import Callable
 
@@ -679,6 +680,34 @@ def inference_batch_fits(run: RunFields, devices: int):
     problem = batch_problem(size, what, model, devices)
     if problem:
       return problem
+  return None
+
+
+@relation
+def workdir_is_not_an_input(run: RunFields):
+  """A stage never writes over what it reads: its workdir is none of its input runs, holds none
+  of them and lies inside none (finetune, eval, fewshot, ensemble, compress, export, and a
+  pretrain that starts from a checkpoint). A checkpoint folder (<run>/checkpoints/<step>) stands
+  for its run."""
+  workdir = pathlib.Path(str(run.workdir)).expanduser().resolve()
+  for given in derived.input_runs(run):
+    if "://" in given:  # a remote path: not this machine's folders
+      continue
+    path = pathlib.Path(given).expanduser().resolve()
+    if path.parent.name == "checkpoints":
+      path = path.parent.parent
+    if workdir == path:
+      how, outer = "is", path
+    elif workdir in path.parents:
+      how, outer = "holds", workdir
+    elif path in workdir.parents:
+      how, outer = "lies inside", path
+    else:
+      continue
+    return (f"workdir={run.workdir} {how} the run it reads (init.checkpoint={given}): a run "
+            "writes its checkpoints, config.yaml, metrics and report into its workdir, so the "
+            "input would no longer say what it holds. Give this run a workdir of its own, outside "
+            f"the input's folder (e.g. workdir={outer.parent / (outer.name + '-next')}).")
   return None
 
 

@@ -473,6 +473,34 @@ def test_checkpoint_input(sub, args, expected, runs, run_cli, tmp_path):
   _nothing_like_a_run(workdir)
 
 
+# A stage never writes over its own input: its workdir is not an input run, holds none, lies in none.
+OWN_INPUT_CASES = [
+    ("compress", "{R}", "{R}", "is the run it reads", ["compress.experts=2"]),
+    ("finetune", "{R}", "{tmp}", "holds the run it reads", TRAIN),
+    ("eval", "{R}/checkpoints/2", "{R}", "is the run it reads", LOGS),
+    ("fewshot", "[{R}]", "{R}/fewshot", "lies inside the run it reads", LOGS),
+    ("ensemble", "[{R},{R2}]", "{R2}/ensemble", "lies inside the run it reads", LOGS),
+    ("export", "{R}", "{R}/export", "lies inside the run it reads", LOGS),
+]
+
+
+@pytest.mark.parametrize("sub, given, workdir, how, extra", OWN_INPUT_CASES,
+                         ids=[case[0] for case in OWN_INPUT_CASES])
+def test_a_stage_never_writes_over_its_own_input(sub, given, workdir, how, extra, runs, run_cli,
+                                                 tmp_path):
+  """Refused before anything runs (exit 2, one paragraph), the input run left as it was."""
+  for name in ("R", "R2"):
+    shutil.copytree(runs["vmoe"], tmp_path / name)
+  before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+  fill = lambda text: text.format(R=tmp_path / "R", R2=tmp_path / "R2", tmp=tmp_path)
+  said = _fails_clearly(run_cli(sub, f"init.checkpoint={fill(given)}", f"workdir={fill(workdir)}",
+                                *extra), f"workdir={fill(workdir)} {how}",
+                        "Give this run a workdir of its own")
+  assert f"workdir={tmp_path / 'R'}-next" in said or f"workdir={tmp_path}-next" in said or \
+      f"workdir={tmp_path / 'R2'}-next" in said
+  assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 def test_resume_with_no_readable_checkpoint_refuses_and_moves_nothing(runs, run_cli, tmp_path):
   workdir = tmp_path / "rerun"
   shutil.copytree(runs["all_corrupt"], workdir)
