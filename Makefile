@@ -36,10 +36,13 @@ $(STAMP): pyproject.toml constraints.txt
 	@# runs, or PYTHON=... where it is given (install/python.py; one line says which, or why none).
 	@python=$$(python3 install/python.py $(if $(filter file,$(origin PYTHON)),,'$(PYTHON)')) \
 	  && echo "$$python -m venv $(VENV)" && "$$python" -m venv $(VENV)
-	@# uv installs the pinned set in parallel and leaves the bytecode to the first import (above):
-	@# seconds instead of pip's minute (README's installation notes). pip where uv cannot be had.
+	@# uv installs the pinned set in parallel, seconds instead of pip's minute (README's
+	@# installation notes), and compiles the bytecode as pip does: a command run where the
+	@# environment sets PYTHONDONTWRITEBYTECODE=1 (many containers and CI images) would otherwise
+	@# compile TensorFlow's and JAX's sources again every time. pip where uv cannot be had.
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt uv \
-	  && $(BIN)/uv pip install -q --python $(BIN)/python -c constraints.txt -e '.[test,cluster]' \
+	  && $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -c constraints.txt \
+	  -e '.[test,cluster]' \
 	  || $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,cluster]'
 	@# jemalloc makes CPU training 1.4-1.6x faster (docs/speed.md); optional, Debian/Ubuntu only.
 	@cd $(VENV) && (apt-get download libjemalloc2 >/dev/null 2>&1 \

@@ -956,3 +956,17 @@ def test_contrastive_from_an_image_checkpoint_that_does_not_fit(runs, run_cli, t
                  f"the image checkpoint {runs['vmoe']}", "does not fit the model",
                  "checkpoint (32,) vs model (48,)")
   _no_run_at_all(workdir)
+
+
+@pytest.mark.parametrize("argv, code", [([], 0), (["--help"], 0), (["nosuch"], 2)])
+def test_help_and_an_unknown_subcommand_load_no_library(argv, code):
+  """Answered from the subcommand table alone, in a fresh process: no JAX, TensorFlow or Hydra
+  (each seconds to import) and no restart with jemalloc (`entry`)."""
+  check = ("import sys; from runner import cli; sys.argv = ['vmoe', *sys.argv[1:]]\n"
+           "try:\n  cli.entry()\nexcept SystemExit as e:\n  code = e.code\n"
+           "loaded = [m for m in ('jax', 'tensorflow', 'hydra', 'omegaconf', 'flax') "
+           "if m in sys.modules]\n"
+           "print('loaded:', loaded, 'code:', code)")
+  proc = subprocess.run([sys.executable, "-c", check, *argv], capture_output=True, text=True,
+                        env=dict(os.environ), timeout=60)
+  assert proc.stdout.strip().endswith(f"loaded: [] code: {code}"), proc.stdout + proc.stderr
