@@ -36,6 +36,7 @@ import numpy as np
 from benchmarks import arguments, harness
 from runner.losses import contrastive
 from runner.models.contrastive import normalize
+from runner.models.size import count_params
 
 EMBED = 128  # objective.embedding_dim's default: the width both towers are projected to
 CHUNK = 8  # the chunk of MC samples the step rows were measured with (training's default is 1)
@@ -224,7 +225,7 @@ def train_step_rows(batch: int, rounds: int) -> list[dict]:
     compiled = step.lower(state, batch_data).compile()
     row = {"batch": batch, "variant": name, "head": head, "samples": samples, "lit": locked,
            "chunk": min(chunk, samples),
-           "params": state_lib.count_params(params), **memory(compiled)}
+           "params": count_params(params), **memory(compiled)}
     box = {"state": state}
 
     def train(c=compiled, b=box, d=batch_data):

@@ -17,7 +17,7 @@ import jax
 from benchmarks import arguments, harness, train_step
 from runner.config.schema import HeadConfig, HeadType
 from runner.models import build_model, model_config
-from runner.train import state as state_lib
+from runner.models.size import count_params
 
 BATCH, IMAGE = 128, (32, 32, 3)
 
@@ -37,7 +37,7 @@ def _prepare(config, classes: int):
   memory = compiled.memory_analysis()
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
-  params = state_lib.count_params(state.params)  # before the first step donates the state
+  params = count_params(state.params)  # before the first step donates the state
   box = {"state": state}
 
   def train():

@@ -17,8 +17,7 @@ from runner.checkpoints import weights
 from runner.config import derived
 from runner.config.schema import EnsembleVariant, ModelConfig
 from runner.errors import ConfigError
-from runner.evaluators import predictions
-from runner.models import build_model, flops as flops_lib, heads, tokens_per_group
+from runner.models import build_model, flops as flops_lib, heads, size, tokens_per_group
 from runner.models.ensemble import Ensemble
 from runner.stages import common
 from runner.train import state as state_lib
@@ -120,7 +119,7 @@ class Members:
     return total
 
   def params_total(self) -> int:
-    return sum(predictions.count_params(c.predicting_params) for c in self.checkpoints)
+    return sum(size.count_params(c.predicting_params) for c in self.checkpoints)
 
   def params_active(self) -> int:
     """Parameters one token uses: each member's experts count (experts per token) / E, as its
@@ -130,7 +129,7 @@ class Members:
     for c in self.checkpoints:
       experts = derived.num_experts(c.config)
       if not experts:
-        total += predictions.active_params(c.predicting_params, 0, 0)
+        total += size.active_params(c.predicting_params, 0, 0)
         continue
       config = c.config
       tokens = tokens_per_group(config)
@@ -139,7 +138,7 @@ class Members:
       capacity = family.capacity(router, tokens, experts, train=False)
       chosen = family.experts_per_token(router, tokens, experts, capacity)
       chosen *= derived.ensemble_size(config)
-      total += predictions.active_params(c.predicting_params, experts, min(chosen, experts))
+      total += size.active_params(c.predicting_params, experts, min(chosen, experts))
     return total
 
   @property

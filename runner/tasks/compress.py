@@ -21,7 +21,8 @@ from runner.config import as_dict, derived
 from runner.config.schema import CompressMethod, CompressRun, ModelConfig
 from runner.errors import ConfigError
 from runner.evaluators import routing_plots
-from runner.evaluators.predictions import PredictionStats, count_params
+from runner.evaluators.predictions import PredictionStats
+from runner.models.size import count_params
 from runner.logging import MetricWriter
 from runner.logging.progress import Progress
 from runner.models import build_model, compression, heads, introspection, transfer

@@ -18,7 +18,8 @@ from runner.checkpoints import weights
 from runner.config import derived
 from runner.config.schema import ExportRun, HeadType
 from runner.errors import RunError
-from runner.evaluators.predictions import count_params, probabilities
+from runner.evaluators.predictions import probabilities
+from runner.models.size import count_params
 from runner.export import card, files, parity
 from runner.models import build_model, heads
 from runner.parallel import Placement

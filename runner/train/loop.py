@@ -31,6 +31,7 @@ from runner.evaluators.classification import ClassificationEvaluator
 from runner.evaluators.fewshot import FewshotEvaluator, make_feature_fn
 from runner.logging import MetricWriter, Progress
 from runner.models import compiler_options
+from runner.models.size import count_params
 from runner.parallel import Placement, preemption, replicated
 from runner.train import optimizers, schedules, state as state_lib
 from runner.train.step import make_eval_step, make_train_step
@@ -267,7 +268,7 @@ class _Run:
                              enabled=config.logger.progress)
     self.progress.message(
         f"[{self.stage}] {model.__class__.__name__} with "
-        f"{state_lib.count_params(self.abstract):,} parameters, {origin}; {self.steps} steps of "
+        f"{count_params(self.abstract):,} parameters, {origin}; {self.steps} steps of "
         f"{self.batch_size} images on {placement.mesh.size} device(s) -> {config.workdir}")
     self.history = []
     self.last_train = self.writer.last_logged_training(self.start_step) if self.start_step else {}
@@ -358,7 +359,7 @@ class _Run:
       self.writer.log_image(self.steps, f"val/{key}", path)
     self.progress.report(self.steps, {**self.last_train, **final})
     summary = {"step": self.steps, **self.last_train, **final,
-               "params/total": state_lib.count_params(self.abstract)}
+               "params/total": count_params(self.abstract)}
     self.writer.summary(summary)
     return summary
 

@@ -76,5 +76,3 @@ def abstract_params(model: nn.Module, image_shape: tuple[int, ...]):
   return _params_and_specs(jax.eval_shape(_traced_init(model, image_shape), _seed(0)))
 
 
-def count_params(params) -> int:
-  return sum(int(x.size) for x in jax.tree.leaves(params))

@@ -10,7 +10,7 @@ from runner.config import from_dict
 from runner.config.derived import num_experts
 from runner.config.schema import ModelConfig
 from runner.evaluators import predictions
-from runner.models import build_model
+from runner.models import build_model, size
 from runner.train import state as state_lib
 
 
@@ -111,16 +111,16 @@ def _tiny(moe: bool):
 
 def test_parameter_counts():
   cfg, _, params = _tiny(moe=True)
-  total = predictions.count_params(params)
+  total = size.count_params(params)
   assert total == sum(x.size for x in jax.tree_util.tree_leaves(params))
   experts = sum(x.size for x in jax.tree_util.tree_leaves(params["block_1"]["moe"]["experts"]))
   assert num_experts(cfg) == 4 and cfg.router.k == 2
-  assert predictions.active_params(params, num_experts(cfg), cfg.router.k) == (
+  assert size.active_params(params, num_experts(cfg), cfg.router.k) == (
       total - experts + experts * 2 // 4)
   dense_cfg, _, dense = _tiny(moe=False)
   assert num_experts(dense_cfg) == 0
-  assert predictions.active_params(dense, num_experts(dense_cfg), dense_cfg.router.k) == (
-      predictions.count_params(dense))
+  assert size.active_params(dense, num_experts(dense_cfg), dense_cfg.router.k) == (
+      size.count_params(dense))
 
 
 def test_xla_flops_of_the_predict_step_grow_with_the_batch():

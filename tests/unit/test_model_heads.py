@@ -31,7 +31,8 @@ from runner.models.catalog import model_config
 from runner.models.heads import HeteroscedasticHead, het_logits
 from runner.models.transfer import adapt_params, flatten
 from runner.train import optimizers, schedules
-from runner.train.state import TrainState, abstract_params, count_params
+from runner.models.size import count_params
+from runner.train.state import TrainState, abstract_params
 from runner.train.step import make_train_step
 
 # --- golden values: fixed weights and draws, the expected probabilities written out --------------

@@ -17,7 +17,8 @@ import pytest
 from runner.models import build_model, model_config
 from runner.models.moe.layer import MoeMlpBlock
 from runner.models.vit import MlpBlock, VisionTransformer
-from runner.train.state import abstract_params, count_params
+from runner.models.size import count_params
+from runner.train.state import abstract_params
 
 TINY = dict(num_classes=7, patch_size=4, hidden_size=16, num_layers=2, mlp_dim=32, num_heads=2)
 

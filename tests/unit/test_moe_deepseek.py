@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from runner.config import derived
-from runner.evaluators.predictions import active_params, count_params
+from runner.models.size import active_params, count_params
 from runner.models import build_model
 from runner.models.catalog import UnknownModelError, model_config
 from runner.models.flops import forward_flops_per_image
