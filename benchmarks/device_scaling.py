@@ -30,7 +30,7 @@ def _worker(steps: int) -> dict:
   from runner.models import build_model, model_config
   from runner.parallel import Placement, RULES, make_mesh
   from runner.train import optimizers, schedules, state as state_lib
-  from runner.train.loop import initial_state
+  from runner.train.start import initial_state
   from runner.train.step import make_train_step
   import tempfile
   n = jax.device_count()

@@ -5,27 +5,16 @@ values) are composed and validated against the schema (runner/config): a typo or
 one paragraph naming what is valid, and nothing is written. Errors that stop a run
 (runner/errors.py) print one paragraph and exit with their code; only debug=true shows
 tracebacks. The parts are runner/command's, one job per module; `vmoe --help` and an unknown
-subcommand are answered from this module's table alone, before any of them loads."""
+subcommand are answered from the subcommands' table (runner/config/subcommands.py) alone, before
+any of them loads."""
 from __future__ import annotations
 
 import importlib
 import sys
 
 from runner.command import allocator
+from runner.config.subcommands import SUBCOMMANDS
 
-SUBCOMMANDS = {
-    "pretrain": "train a ViT or V-MoE upstream (default: V-MoE tiny on embedded MNIST-5k)",
-    "finetune": "fine-tune a checkpoint with a new head (default: embedded UCI digits)",
-    "fewshot": "linear few-shot accuracy of frozen features (ridge on pre-logits, 1-25 shots)",
-    "eval": "evaluate a checkpoint: accuracy, NLL, calibration, OOD, corruptions, PGD, GFLOPs",
-    "ensemble": "evaluate checkpoints as one ensemble (deep, partitioned, MC-dropout): + diversity",
-    "compress": "fewer experts per MoE layer, pruned or merged by a calibration set's routing",
-    "export": "a checkpoint as safetensors + a plain PyTorch model with the same probabilities",
-    "summarize": "one table (Markdown, CSV, plots) of a sweep's jobs: overrides and final metrics",
-    "report": "one offline HTML page of a run or a sweep: curves, expert load, metrics, pictures",
-}
-# Subcommands that are not Hydra stages: plain arguments.
-TOOLS = {"summarize": "runner.report.summarize_command", "report": "runner.report.command"}
 USAGE = """usage: vmoe <subcommand> [overrides ...] [--multirun] [--cfg job] [--help]
 
 Sparse Vision Mixture-of-Experts experiments in JAX.
@@ -45,7 +34,7 @@ Python tracebacks.
 def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if not argv or argv[0] in ("-h", "--help", "help"):
-    lines = "\n".join(f"  {name:<10} {text}" for name, text in SUBCOMMANDS.items())
+    lines = "\n".join(f"  {name:<10} {sub.help}" for name, sub in SUBCOMMANDS.items())
     print(USAGE.format(lines=lines))
     return 0
   sub, rest = argv[0], argv[1:]
@@ -53,14 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vmoe: error: unknown subcommand {sub!r}; valid: {', '.join(SUBCOMMANDS)} "
           "(`vmoe --help` describes each).", file=sys.stderr)
     return 2
-  if sub in TOOLS:
-    return importlib.import_module(TOOLS[sub]).main(rest)
+  if not SUBCOMMANDS.get(sub).is_stage:
+    return importlib.import_module(SUBCOMMANDS.get(sub).module).main(rest)
   from runner.command import launch  # lazily: Hydra, JAX and TensorFlow load only for a stage
   return launch.run(sub, rest)
 
 
 def answers_at_once(argv: list[str]) -> bool:
-  """`vmoe`, `vmoe --help` and an unknown subcommand: printed from the table above, with no
+  """`vmoe`, `vmoe --help` and an unknown subcommand: printed from the table, with no
   library loaded (and no restart with jemalloc)."""
   return not argv or argv[0] in ("-h", "--help", "help") or argv[0] not in SUBCOMMANDS
 

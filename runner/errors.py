@@ -30,6 +30,10 @@ class CheckpointError(UserError):
     self.reason = reason
 
 
+class FewShotError(UserError, ValueError):
+  """A few-shot problem that cannot be sampled (a class with fewer examples than shots)."""
+
+
 class RunError(VmoeError):
   """The run stopped on its own: divergence, a failed checkpoint save."""
 

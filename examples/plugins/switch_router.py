@@ -11,8 +11,9 @@ The auxiliary loss is Switch's load-balancing loss E * sum_i f_i * P_i (f_i: the
 whose choice is expert i, P_i: the mean router probability of expert i; 1 when balanced), which
 vmoe multiplies by train.aux_loss_weight (0.01: Switch's alpha). With `z_loss_weight` > 0 the
 router also reports ST-MoE's router z-loss of its logits as `z_loss` (Zoph et al. 2022, Eq. 5:
-runner/models/moe/z_loss.py), and the model adds z_loss_weight times its sum over the layers to
-the training loss, as for the built-in routers (ST-MoE's weight: 0.001).
+runner/models/moe/z_loss.py) and hands it over as a loss with its weight (`LOSSES`): the model
+adds z_loss_weight times its sum over the layers to the training loss, logged as train/z_loss, as
+for the built-in routers (ST-MoE's weight: 0.001).
 
 A router family is three things (docs/extending.md): its keys (a dataclass), a Flax module that
 returns a dispatch plan and its metrics, and a `RouterFamily` that answers the rest of vmoe;
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 
 from runner.config.checks import at_least, key, positive
 from runner.models.moe import routing, z_loss
-from runner.models.moe.routers import RouterFamily, TorchRouting, register
+from runner.models.moe.routers import LOSSES, RouterFamily, TorchRouting, register
 
 
 @dataclasses.dataclass
@@ -71,8 +72,9 @@ class SwitchRouter(nn.Module):
         "fraction_dropped_tokens": jnp.mean(~kept.any(axis=-1)),
         "expert_load": jnp.mean(plan.expert_of_slot_filled, axis=0) / capacity,
     }
-    if self.z_loss_weight:  # the model weighs and adds it (it reads z_loss_weight of module_kwargs)
+    if self.z_loss_weight:  # a metric, and a loss the router hands over with its weight
       metrics["z_loss"] = z_loss.z_loss(logits)
+      metrics[LOSSES] = {"z_loss": self.z_loss_weight}
     return plan, metrics
 
 

@@ -137,9 +137,9 @@ class ParallelLauncher(Launcher):
 
   def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
              ) -> Sequence[JobReturn]:
-    # lazily: Hydra imports this plug-in at every start, and runner.tasks brings the library
+    # lazily: Hydra imports this plug-in at every start, and runner.command.job brings the library
     from runner.command.job import SWEEP_JOB_VARIABLE
-    from runner.tasks import main_metric
+    from runner.config.subcommands import main_metric
     slots = self._slots()
     pending = list(enumerate(job_overrides, start=initial_job_idx))
     running = {}  # slot -> (process, job number, overrides, config, dir, log)

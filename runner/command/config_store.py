@@ -11,7 +11,7 @@ from hydra.core.config_store import ConfigStore
 
 from runner.config import sections
 from runner.config.resolve import as_dict
-from runner.config.schema import TASK_SCHEMAS
+from runner.config.subcommands import SUBCOMMANDS
 from runner.models import catalog
 from runner.models.text import TEXT_SIZES
 
@@ -41,8 +41,9 @@ def register_configs() -> None:
   _registered = True
   sections.build()  # every module has registered its keys: the schema is made, once
   store = VmoeStore()
-  for task, schema in TASK_SCHEMAS.items():
-    store.store(name=f"{task}_schema", node=schema)
+  for task, subcommand in SUBCOMMANDS.items():
+    if subcommand.is_stage:
+      store.store(name=f"{task}_schema", node=subcommand.schema)
   for name in catalog.registered_names():
     register_model(name)
   for name, (width, depth, mlp_dim, num_heads) in TEXT_SIZES.items():  # text=<size>: the tower

@@ -14,7 +14,7 @@ from hydra.types import RunMode
 
 from runner import builtins, config as config_layer, plugins
 from runner.command import allocator
-from runner.config import registries
+from runner.config import registries, subcommands
 from runner.errors import UserError, VmoeError
 from runner.workdirs import refused_workdir
 
@@ -95,14 +95,14 @@ class Job:
       # The built-ins registered when it was unpickled, or by the CLI in this process; the
       # config's plug-ins again, in case a launcher composed it with others.
       plugins.load(cfg.get("plugins") or [])
-      # Checked before launch, and in the job once more with its devices (stages/common.py).
+      # Checked before launch, and in the job once more with its devices (stages/setup.py).
       checkpoints = weights.Checkpoints()  # the job opens each checkpoint path once
       typed = config_layer.load(sub, cfg, workdir, check=False, checkpoints=checkpoints)
       _sweep_identity(typed)
       allocator.resume_collector()  # the libraries have loaded
       metric = run_task(sub, typed, checkpoints, devices_checked=self.devices_checked)
       # An export's folder is a model folder (its README.md is the card): no report page.
-      if typed.logger.report and sub != "export":
+      if typed.logger.report and subcommands.get(sub).has_run_page:
         _write_report(typed.workdir)
       return metric
     except VmoeError as e:

@@ -74,7 +74,7 @@ def check(sub: str, args: list[str], checkpoints=None) -> Preflight:
       continue
     try:
       # Once, before anything is launched or submitted; what needs the devices too when this
-      # process runs the job, else the job checks that when it starts (runner/stages/common.py).
+      # process runs the job, else the job checks that when it starts (runner/stages/setup.py).
       typed = config_layer.load(sub, composed, check=False, checkpoints=checkpoints)
       devices = _devices_here(composed, choices["launcher"])
       config_layer.validate(typed, devices=devices, checkpoints=checkpoints)

@@ -18,7 +18,7 @@ import shlex
 from hydra.experimental.callback import Callback
 
 from runner.report import summarize
-from runner.tasks import MAIN_METRICS, main_metric
+from runner.config import subcommands
 
 
 class SweepTable(Callback):
@@ -80,7 +80,8 @@ def sweep_table(sweep_dir: pathlib.Path, stage: str | None, before: dict) -> str
     jobs.append(summarize.Job(folder, summarize.read_overrides(folder),
                               json.loads(summary.read_text()) if done else {}))
   keys = summarize.swept_keys(jobs)
-  metric = MAIN_METRICS[stage].split(" (")[0] if stage in MAIN_METRICS else "main metric"
+  metric = (subcommands.get(stage).main_metric.split(" (")[0] if stage in subcommands.SUBCOMMANDS
+            else "main metric")
   header = ["job", *keys, "status", metric]
   body = [[str(job.path.relative_to(sweep_dir)), *(job.overrides.get(k, "-") for k in keys),
            "ok" if done else "failed", _main_metric(stage, job.summary) if done else "-"]
@@ -99,7 +100,7 @@ def sweep_table(sweep_dir: pathlib.Path, stage: str | None, before: dict) -> str
 
 def _main_metric(stage: str | None, summary: dict) -> str:
   try:
-    return f"{main_metric(stage or summarize.stage_of(summary), summary):.4f}"
+    return f"{subcommands.main_metric(stage or subcommands.stage_of(summary), summary):.4f}"
   except (KeyError, StopIteration, ValueError, TypeError):  # a summary without that metric
     return "-"
 

@@ -18,7 +18,7 @@ from runner.config.schema import (CompressRun, DataConfig, EnsembleMember, Ensem
                                   ExportRun, FewshotMember, FewshotRun, InitConfig, Loss, ModelConfig,
                                   DEFAULT_ROUTER, Objective, ObjectiveConfig, RunFields, TextConfig,
                                   TrainConfig, TrainTask)
-from runner.config import registries, sections
+from runner.config import registries, sections, subcommands
 from runner.config.validate import validate
 from runner.errors import ConfigError
 
@@ -255,7 +255,7 @@ def released_config(path: str, cfg: DictConfig, task: str,
   given = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
   model, data = _prune_none(given.get("model") or {}), _prune_none(given.get("data") or {})
   # Few-shot reads its own datasets; an export needs only the preprocessing, the default one.
-  needs_data = task not in ("fewshot", "export")
+  needs_data = subcommands.get(task).released_needs_data
   missing = [k for k, v in (("model", model), ("data", data if needs_data else {"name": 1}))
              if not v.get("name")]
   if missing:
@@ -291,20 +291,18 @@ def load(task: str, cfg: DictConfig, workdir: str | None = None, *, check: bool 
   if workdir is None:
     workdir = "" if OmegaConf.is_missing(cfg, "workdir") else str(cfg.workdir)
   checked = validate if check else (lambda config: config)
-  if task in ("pretrain", "finetune"):
-    return checked(train_task(cfg, workdir))
-  if task in ("eval", "export", "compress"):
+  subcommand = subcommands.get(task)
+  make = globals()[subcommand.resolver]  # one of this module's functions, named by the record
+  if subcommand.reads == "checkpoint":
     path = cfg.init.checkpoint
     if not path:
       raise ConfigError(f"vmoe {task} needs init.checkpoint=<workdir of a pretrain/finetune run, "
                         "or a released checkpoint with its model= keys>.")
-    make = {"eval": eval_run, "export": export_run, "compress": compress_run}[task]
     return checked(make(cfg, workdir, _stored(path, cfg, task, checkpoints)))
-  if task in ("fewshot", "ensemble"):
+  if subcommand.reads == "checkpoints":
     paths = checkpoint_paths(OmegaConf.to_container(cfg.init, resolve=True)["checkpoint"], task)
     stored = {p: _stored(p, cfg, task, checkpoints) for p in paths}
     if len(stored) != len(paths):
       raise ConfigError(f"init.checkpoint={paths} names a checkpoint twice.")
-    make = fewshot_run if task == "fewshot" else ensemble_run
     return checked(make(cfg, workdir, stored))
-  raise ValueError(f"unknown task {task!r}")
+  return checked(make(cfg, workdir))

@@ -68,7 +68,7 @@ class FewshotProtocol(enum.StrEnum):
 
 
 class Objective(enum.StrEnum):
-  """What a training stage learns (runner/stages/training.py)."""
+  """What a training stage learns (runner/training/run.py)."""
   classification = "classification"  # images -> labels (a ViT / V-MoE classifier)
   contrastive = "contrastive"  # image-text pairs -> aligned embeddings (two towers, LiT)
 
@@ -576,11 +576,6 @@ class CompressTask(RunFields):
   model: ModelOverrides = field(default_factory=ModelOverrides)
   data: DataOverrides = field(default_factory=DataOverrides)
   compress: CompressConfig = field(default_factory=CompressConfig)
-
-
-TASK_SCHEMAS = {"pretrain": TrainTask, "finetune": TrainTask, "fewshot": FewshotTask,
-                "eval": EvalTask, "ensemble": EnsembleTask, "export": ExportTask,
-                "compress": CompressTask}
 
 
 # What a later stage runs: the checkpoint's stored model and data with the command line on top.

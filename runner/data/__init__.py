@@ -23,7 +23,8 @@ tfds.disable_progress_bar()
 from runner.data.pipeline import TextSpec, eval_batches, image_shape, train_batches  # noqa: E402
 from runner.data.sources import DataError, Source, known_names, open_source  # noqa: E402
 from runner.data.pp_ops import PreprocessError  # noqa: E402
+from runner.data.splits import open_data  # noqa: E402
 from runner.data import corruptions  # noqa: E402,F401  (registers the corrupt(name, severity) op)
 
 __all__ = ["DataError", "PreprocessError", "Source", "TextSpec", "eval_batches", "image_shape",
-           "known_names", "open_source", "train_batches"]
+           "known_names", "open_data", "open_source", "train_batches"]

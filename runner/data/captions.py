@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow_datasets as tfds
 
-from runner.data.embedded import EMBEDDED, Mnist5k, UciDigits
+from runner.config import components
+from runner.data.embedded import KIND, Mnist5k, UciDigits
 
 CLASS_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
@@ -66,5 +67,5 @@ class UciDigitsCaptions(_Captioned, UciDigits):
   """uci_digits with template captions."""
 
 
-EMBEDDED.add("mnist5k_captions", Mnist5kCaptions)
-EMBEDDED.add("uci_digits_captions", UciDigitsCaptions)
+components.register(KIND, "mnist5k_captions", Mnist5kCaptions)
+components.register(KIND, "uci_digits_captions", UciDigitsCaptions)

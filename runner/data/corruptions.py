@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from runner.config import preprocessing
+from runner.config import components, preprocessing
 from runner.data.pp_ops import PreprocessError, _next_seed, register
 
 _PARAMS = {  # severity 1..5 -> parameter, copied from make_cifar_c.py (its function of that name)
@@ -170,8 +170,9 @@ def _pixelate(x, c, seed):
 
 
 _FUNCTIONS = {name: globals()[f"_{name}"] for name in CORRUPTIONS}
+KIND = components.Kind(preprocessing.CORRUPTIONS)  # no keys: eval.corruptions names them
 for _name, _fn in _FUNCTIONS.items():  # the names eval.corruptions may choose
-  preprocessing.CORRUPTIONS.add(_name, _fn)
+  components.register(KIND, _name, _fn)
 
 
 @register("corrupt")

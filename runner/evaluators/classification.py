@@ -15,7 +15,8 @@ from runner.config.checks import at_least, key
 from runner.evaluators import suite as suite_lib
 from runner.evaluators.calibration import plot_reliability_diagram
 from runner.evaluators.ensemble import EnsembleStats
-from runner.evaluators.predictions import PredictionStats, probabilities
+from runner.evaluators.predictions import PredictionStats
+from runner.losses.classification import probabilities
 
 
 class ClassificationEvaluator:

@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from runner.errors import UserError
+from runner.errors import FewShotError
 
 # The big_vision grid: 2^-10 ... 2^19, ascending (ties in selection go to the smaller lambda).
 L2_REGS = 2.0 ** np.arange(-10, 20)
@@ -19,10 +19,6 @@ L2_REGS = 2.0 ** np.arange(-10, 20)
 PROTOCOLS = ("reference", "plain")
 BIAS_CONSTANT = 100.0  # the reference's bias feature
 STD_EPSILON = 1e-5  # added to the training standard deviation, as the reference does
-
-
-class FewShotError(UserError, ValueError):
-  """A few-shot problem that cannot be sampled (a class with fewer examples than shots)."""
 
 
 def _matrix(x) -> np.ndarray:

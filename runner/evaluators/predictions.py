@@ -16,6 +16,7 @@ import numpy as np
 
 from runner.evaluators.calibration import CalibrationAccumulator
 from runner.evaluators.ood import MahalanobisFit, logit_scores
+from runner.losses.classification import probabilities
 from runner.models import inputs
 from runner.models.introspection import apply_with_routing
 
@@ -60,16 +61,6 @@ def predict_batches(step, params, batches, put=lambda b: b) -> Iterable[dict]:
     host = to_host({"labels": batch["labels"], "_mask": batch["_mask"]})
     out.update(labels=np.asarray(host["labels"]), mask=np.asarray(host["_mask"], bool))
     yield out
-
-
-def probabilities(logits: np.ndarray, loss_name: str) -> np.ndarray:
-  """The model's predictive probabilities: softmax, or independent sigmoids for sigmoid models."""
-  logits = np.asarray(logits, np.float64)
-  if loss_name == "sigmoid_xent":
-    return 1.0 / (1.0 + np.exp(-logits))
-  shifted = logits - logits.max(axis=-1, keepdims=True)
-  e = np.exp(shifted)
-  return e / e.sum(axis=-1, keepdims=True)
 
 
 class PredictionStats:

@@ -64,7 +64,7 @@ Reader = Callable[["Dataset", dict], None]
 class Suite:
   """The shared state of one evaluation (see the module docstring). `model` and `params`: one flax
   model (an ensemble is one model too) and its placed parameters; `members`: the checkpoints behind
-  it (runner/stages/members.py), for what only they know (compute, capacity changes; None in
+  it (runner/inference/members.py), for what only they know (compute, capacity changes; None in
   training, which runs neither); `datasets`: eval.datasets, the first in-distribution; `ood`:
   eval.ood_datasets."""
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def softmax_xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -18,6 +19,17 @@ def sigmoid_xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 LOSSES = {"softmax_xent": softmax_xent, "sigmoid_xent": sigmoid_xent}
+
+
+def probabilities(logits: np.ndarray, loss_name: str) -> np.ndarray:
+  """The model's predictive probabilities under its loss, in float64 on the host: softmax, or
+  independent sigmoids for sigmoid models."""
+  logits = np.asarray(logits, np.float64)
+  if loss_name == "sigmoid_xent":
+    return 1.0 / (1.0 + np.exp(-logits))
+  shifted = logits - logits.max(axis=-1, keepdims=True)
+  e = np.exp(shifted)
+  return e / e.sum(axis=-1, keepdims=True)
 
 
 def precision_at_1(logits: jax.Array, labels: jax.Array) -> jax.Array:

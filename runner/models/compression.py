@@ -4,7 +4,7 @@ Each method gives a plan: for each new expert, the old experts whose parameters 
 weighted by frequency (`apply_plan`).
 - prune (Lu et al., ACL 2024, "Not All Experts are Equal"): of every way to keep E' of the E
   experts (`subsets`), the one whose layer output on the calibration tokens is nearest the
-  layer's with all its experts (the caller measures it: runner/stages/calibration.py);
+  layer's with all its experts (the caller measures it: runner/models/expert_statistics.py);
 - prune_frequency (the merging papers' baseline): the experts the calibration tokens choose most;
 - merge (HC-SMoE, Chen et al. 2024, arXiv 2410.08589): every expert's outputs averaged over the
   calibration tokens, clustered hierarchically (average linkage, Euclidean distance) into as many

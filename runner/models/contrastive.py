@@ -65,8 +65,7 @@ class TwoTowers(nn.Module):
                              dropout=False if self.lock_image else dropout)
     if self.lock_image:  # LiT: the image tower is a fixed feature extractor
       rep = jax.lax.stop_gradient(rep)
-      extras = {**extras, "auxiliary_loss": jnp.zeros(())}
-      extras.pop("router_z_loss", None)
+      extras = {**extras, "auxiliary_loss": jnp.zeros(()), "losses": {}}
     z = nn.Dense(self.embedding_dim, name="image_projection",
                  kernel_init=part(nn.initializers.lecun_normal(), (None, "embed")))(rep)
     return z.astype(jnp.float32), extras
@@ -90,8 +89,7 @@ class TwoTowers(nn.Module):
       return None, {"text_embedding": normalize(self.embed_text(tokens, train=train)),
                     "temperature": jnp.exp(log_scale)}
     zimg, extras = self.embed_image(images, train=train, dropout=dropout)
-    extras = {key: extras[key] for key in ("pre_logits", "routing", "auxiliary_loss",
-                                           "router_z_loss") if key in extras}
+    extras = {key: extras[key] for key in ("pre_logits", "routing", "auxiliary_loss", "losses")}
     if tokens is None and self.is_initializing():  # the text tower's parameters too
       tokens = jnp.ones((1, self.max_length), jnp.int32)
     log_scale = self.param("log_temperature", nn.initializers.constant(

@@ -16,6 +16,7 @@ from runner.config.schema import Attention
 from runner.errors import ConfigError
 from runner.models import ensemble
 from runner.models.heads import HeteroscedasticHead
+from runner.models.moe import routers
 from runner.models.moe.layer import MoeMlpBlock
 
 part = nn.with_logical_partitioning
@@ -239,7 +240,7 @@ class VisionTransformer(nn.Module):
       cls = self.param("cls", part(nn.initializers.zeros, (None, None, "embed")), (1, 1, d))
       x = jnp.concatenate([jnp.tile(cls, (b, 1, 1)).astype(x.dtype), x], axis=1)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not dropout)
-    routing_metrics = {}
+    routing_metrics, layers = {}, []
     for i in range(self.num_layers):
       if self.tiles > 1 and i == min(self.moe_layers):
         x = jnp.repeat(x, self.tiles, axis=0)  # image-major: row b*M + m is member m's copy
@@ -248,8 +249,10 @@ class VisionTransformer(nn.Module):
                            moe=self.moe if i in self.moe_layers else None, dtype=self.dtype,
                            qk_norm=self.attention_qk_norm, attention=self.attention)
       x, metrics = block(x, train=train, dropout=dropout)
-      if metrics:
+      if metrics:  # a router's metrics and the losses it hands over (routers.LOSSES)
+        metrics, losses = routers.split_losses(metrics)
         routing_metrics[f"layer_{i}"] = metrics
+        layers.append((metrics, losses))
     x = nn.LayerNorm(dtype=self.dtype, name="encoder_norm")(x)
     if self.classifier == "token":
       x = x[:, 0]
@@ -266,17 +269,14 @@ class VisionTransformer(nn.Module):
                            bias_init=part(nn.initializers.zeros, ("mlp",)))(x))
     pre_logits = x
     head_extras = {}
-    z_weight = (self.moe or {}).get("router", {}).get("z_loss_weight")
-    losses = {}  # c_z times the layers' z-losses (moe/z_loss.py), which the objective adds
-    if z_weight:
-      losses["router_z_loss"] = z_weight * sum(m["z_loss"] for m in routing_metrics.values())
+    losses = routers.weighted_losses(layers)  # what the objective adds (and logs) by name
     if not self.num_classes:  # a representation only (the image tower of a contrastive model)
       aux = sum((m["auxiliary_loss"] for m in routing_metrics.values()), jnp.zeros(()))
       pre_logits = pre_logits.astype(jnp.float32)
       if self.tiles > 1:  # the members' representations side by side, as the joint features
         pre_logits = pre_logits.reshape(b, -1)
       return pre_logits, {"pre_logits": pre_logits, "routing": routing_metrics,
-                          "auxiliary_loss": aux, **losses}
+                          "auxiliary_loss": aux, "losses": losses}
     if self.head is None:  # float32 under bfloat16 compute: logits near a large bias keep digits
       logits = nn.Dense(self.num_classes, dtype=jnp.float32, name="head",
                         kernel_init=part(nn.initializers.zeros, (None, "classes")),
@@ -289,7 +289,7 @@ class VisionTransformer(nn.Module):
     aux = sum((m["auxiliary_loss"] for m in routing_metrics.values()), jnp.zeros(()))
     logits, pre_logits = logits.astype(jnp.float32), pre_logits.astype(jnp.float32)
     extras = {"pre_logits": pre_logits, "routing": routing_metrics, "auxiliary_loss": aux,
-              **losses, **head_extras}
+              "losses": losses, **head_extras}
     if self.tiles > 1:
       extras["member_logits"] = ensemble.members(logits, self.tiles)
       if "loc_logits" in extras:

@@ -7,7 +7,7 @@ import os
 import pathlib
 
 from runner.report import markup, run_page, workdir
-from runner.tasks import main_metric
+from runner.config.subcommands import main_metric
 
 
 def runs_in(path: pathlib.Path) -> list[pathlib.Path]:

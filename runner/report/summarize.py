@@ -12,14 +12,13 @@ import io
 import json
 import math
 import pathlib
-import re
 import statistics
 import sys
 from typing import Callable
 
 import yaml
 
-from runner.tasks import main_metric
+from runner.config import subcommands
 
 
 @dataclasses.dataclass
@@ -66,61 +65,12 @@ def swept_keys(jobs: list[Job]) -> list[str]:
   return [k for k in keys if len({job.overrides.get(k) for job in jobs}) > 1]
 
 
-def stage_of(summary: dict) -> str:
-  """Which stage wrote a summary, from its keys."""
-  if "val/prec@1" in summary:
-    return "finetune"
-  if "val/i2t_prec@1" in summary:  # objective=contrastive
-    return "contrastive"
-  if any(k.startswith("mean/") and k.endswith("shot/accuracy") for k in summary):
-    return "fewshot"
-  if "compress/experts" in summary:
-    return "compress"
-  return "ensemble" if "ensemble/size" in summary else "eval"
-
-
 def default_columns(jobs: list[Job]) -> list[Column]:
-  """The main metric of the jobs' stage, then what a reader checks next."""
+  """The main metric of the jobs' stage, then what a reader checks next (the stage's record,
+  runner/config/subcommands.py)."""
   summary = jobs[0].summary
-  stage = stage_of(summary)
-  if stage in ("pretrain", "finetune"):
-    return [Column("val prec@1", "val/prec@1"), Column("val NLL", "val/nll"),
-            Column("test prec@1", "test/prec@1"), Column("test NLL", "test/nll"),
-            *balance_columns(summary)]
-  if stage == "compress":
-    return [Column("experts kept", "compress/experts", 0),
-            Column("calibration prec@1", "calibration/prec@1"),
-            Column("before compression", "calibration/prec@1_before"),
-            Column("parameters", "compress/parameters", 0)]
-  if stage == "fewshot":
-    return [Column("few-shot accuracy (most shots)", lambda s: main_metric("fewshot", s))]
-  if stage == "contrastive":
-    return [Column("val zero-shot prec@1", "val/zero_shot_prec@1"),
-            Column("val i2t prec@1", "val/i2t_prec@1"), Column("val t2i prec@1", "val/t2i_prec@1"),
-            Column("val loss", "val/loss"), Column("test zero-shot prec@1", "test/zero_shot_prec@1")]
-  dataset = next(k.split("/")[0] for k in summary if k.endswith("/prec@1") and k.count("/") == 1)
-  return [Column(f"{dataset} prec@1", f"{dataset}/prec@1"), Column("NLL", f"{dataset}/nll"),
-          Column("ECE", f"{dataset}/ece"), Column("GFLOPs/image", "compute/gflops_per_image")]
-
-
-_BALANCE = re.compile(r"moe/layer_\d+/(max_violation|dead_experts|saturated_experts)")
-
-
-def balance_columns(summary: dict) -> list[Column]:
-  """A token-choice MoE's balance at the last logged training step (runner/models/moe/balance.py):
-  the worst layer's MaxVio, and the dead and saturated experts of all its layers together; none
-  for a run that logged no balance (a dense ViT, another router family)."""
-  if not any(_BALANCE.fullmatch(k) for k in summary):
-    return []
-
-  def over_layers(name: str, reduce) -> Callable[[dict], float | None]:
-    def read(s: dict):
-      values = [v for k, v in s.items() if (m := _BALANCE.fullmatch(k)) and m[1] == name]
-      return reduce(values) if values else None
-    return read
-  return [Column("MaxVio (worst layer)", over_layers("max_violation", max), 3),
-          Column("dead experts", over_layers("dead_experts", sum), 1),
-          Column("saturated experts", over_layers("saturated_experts", sum), 1)]
+  stage = subcommands.get(subcommands.stage_of(summary))
+  return [Column(*spec) for spec in stage.columns(summary)]
 
 
 def mean_std(values: list, digits: int = 4) -> str:

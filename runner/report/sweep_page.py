@@ -1,7 +1,7 @@
 """A sweep's page: a row per job, the best job, each swept key against the main metric, the
 seeds' mean ± std, an Optuna search's best trial, and a link to every job's own page. The tables
 are `vmoe summarize`'s; "best" is the main metric each stage returns to Hydra's sweeper
-(runner.tasks.main_metric), what an Optuna search maximises."""
+(runner/config/subcommands.py), what an Optuna search maximises."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,7 @@ import yaml
 
 from runner.report import final_metrics, markup, plots, run_page, summarize, workdir
 from runner.report.markup import Raw, esc
-from runner.tasks import main_metric
+from runner.config.subcommands import main_metric, stage_of
 
 
 @dataclasses.dataclass
@@ -58,7 +58,7 @@ def read(path: str | pathlib.Path) -> Sweep:
 
 def _score(job: summarize.Job) -> float | None:
   try:
-    return main_metric(summarize.stage_of(job.summary), job.summary)
+    return main_metric(stage_of(job.summary), job.summary)
   except (KeyError, StopIteration, ValueError, TypeError):
     return None
 

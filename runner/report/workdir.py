@@ -13,10 +13,13 @@ import re
 
 import yaml
 
-from runner.report import curves as curves_lib, summarize
+from runner.config import subcommands
+from runner.report import curves as curves_lib
 from runner.workdirs.workdir_lock import LOCK_FILE
 
-STAGES = ("pretrain", "finetune", "fewshot", "eval", "ensemble", "compress")
+# The stages a run page names (export writes a model folder, whose README.md is its card).
+STAGES = tuple(name for name, sub in subcommands.SUBCOMMANDS.items()
+               if sub.is_stage and sub.has_run_page)
 # runner/workdirs/workdir_lock.py writes this line when a process takes the workdir.
 _HOLDER = re.compile(r"pid (\d+) on host (\S+), started ([\d-]+ [\d:]+): (.*)")
 _TIME = "%Y-%m-%d %H:%M:%S"
@@ -124,7 +127,7 @@ def stage(path: pathlib.Path, holder: Holder | None, summary: dict) -> str:
   name = str(_hydra(path).get("job", {}).get("config_name", ""))
   if name in STAGES:
     return name
-  return summarize.stage_of(summary) if summary else ""
+  return subcommands.stage_of(summary) if summary else ""
 
 
 def _checkpoints(path: pathlib.Path) -> list[Checkpoint]:
@@ -183,7 +186,7 @@ def _facts(run: Run) -> list[tuple[str, str]]:
   if run.curves.last_step is not None:
     of = f" of {steps}" if isinstance(steps, int) and run.stage in ("pretrain", "finetune") else ""
     facts.append(("last logged step", f"{run.curves.last_step}{of}"))
-  environment = _json(run.path / "environment.json")  # runner/stages/environment.py
+  environment = _json(run.path / "environment.json")  # runner/logging/environment.py
   facts += _environment_facts(environment)
   facts += _wandb_facts(run.path, known=bool(environment))
   return facts

@@ -1,3 +1,3 @@
-"""What the subcommands (runner/tasks) are made of: the steps every stage takes (`common`), training
-(`training`, `contrastive`, `fit`), the checkpoints an evaluation runs (`members`, `zero_shot`),
-named datasets (`dataset_specs`, `fewshot_data`) and what a run ran on (`environment`)."""
+"""What every stage (a subcommand's run: pretrain, finetune, eval, ...) does first (`setup`): join
+the job, check the config against the devices and build the mesh, check that restored parameters
+fit their model."""

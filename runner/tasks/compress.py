@@ -2,7 +2,7 @@
 folder whose checkpoint has E' routed experts per MoE layer (docs/compression.md).
 
 One pass over the calibration images gathers each layer's routing statistics
-(runner/stages/calibration.py); runner/models/compression.py turns them into the experts kept or
+(runner/models/expert_statistics.py); runner/models/compression.py turns them into the experts kept or
 merged; a second pass measures the compressed model on the same images. The folder holds the
 checkpoint (its stored config the compressed model's: later stages take it as any run),
 summary.json with the statistics used, and a picture of them. What can be refused (a Soft MoE, a
@@ -23,11 +23,13 @@ from runner.errors import ConfigError
 from runner.evaluators import routing_plots
 from runner.evaluators.predictions import PredictionStats
 from runner.models.size import count_params
-from runner.logging import MetricWriter
+from runner.logging import MetricWriter, environment
 from runner.logging.progress import Progress
 from runner.models import build_model, compression, heads, introspection, transfer
 from runner.parallel import Placement
-from runner.stages import calibration, common, dataset_specs
+from runner.datasets import dataset_specs
+from runner.models import expert_statistics
+from runner.stages import setup
 
 
 def run(config: CompressRun, placement: Placement, checkpoints: weights.Checkpoints) -> dict:
@@ -43,7 +45,7 @@ def run(config: CompressRun, placement: Placement, checkpoints: weights.Checkpoi
                       "same label space (data=<the dataset the run was trained on>).")
   model = build_model(config.model, num_classes, output=output)
   image_shape = data.image_shape(source, split, d.pp)
-  common.check_params_fit(path, step, params, model, image_shape, "compress")
+  setup.check_params_fit(path, step, params, model, image_shape, "compress")
   _check_routers(params, blocks=derived.moe_layers(config.model),
                  experts=derived.num_experts(config.model), family=config.model.router.type)
   smaller = compressed_model(config.model, c.experts)
@@ -58,10 +60,10 @@ def run(config: CompressRun, placement: Placement, checkpoints: weights.Checkpoi
     bar = Progress(-(-source.num_examples(split) // batch), 0, batch, desc=f"compress: {what}",
                    enabled=config.logger.progress)
     try:
-      stats, seen = calibration.gather(net, net_params, batches, examples=c.examples,
-                                       outputs=first and c.method == CompressMethod.merge,
-                                       keep_io=first, predictions=predictions, **layout,
-                                       progress=lambda seen: bar.step_done(-(-seen // batch)))
+      stats, seen = expert_statistics.gather(net, net_params, batches, examples=c.examples,
+                                             outputs=first and c.method == CompressMethod.merge,
+                                             keep_io=first, predictions=predictions, **layout,
+                                             progress=lambda seen: bar.step_done(-(-seen // batch)))
     finally:
       bar.close()
     return stats, predictions.metrics("calibration"), seen
@@ -72,7 +74,7 @@ def run(config: CompressRun, placement: Placement, checkpoints: weights.Checkpoi
   plans, new_params, errors = _compress(params, stats, c, layout["partitions"], block)
   after_stats, after, _ = calibrate(small_model, new_params, False, "compressed model")
   out = pathlib.Path(config.workdir)
-  common.write_config(config, str(out))
+  environment.write_config(config, str(out))
   _save(out / "checkpoints", step, new_params, _stored_config(config, stored, smaller))
   summary = _summary(config, smaller, plans, stats, after_stats, before, after, seen, split)
   summary.update({f"compress/{layer}/output_error": e for layer, e in errors.items()})
@@ -137,7 +139,7 @@ def _compress(params, stats: dict, c, partitions: int, block: dict) -> tuple[dic
     moe = params[name][introspection.MOE_LAYER]
     if c.method == CompressMethod.prune:  # Lu et al.: the subset whose output is nearest
       candidates = list(compression.subsets(len(s.chosen), c.experts, partitions))
-      measured = calibration.reconstruction_errors(
+      measured = expert_statistics.reconstruction_errors(
           block, s.io, (_planned(moe, [[e] for e in kept], s.chosen) for kept in candidates))
       best = int(np.argmin(measured))
       plan, errors[layer] = [[e] for e in candidates[best]], measured[best]
@@ -147,7 +149,7 @@ def _compress(params, stats: dict, c, partitions: int, block: dict) -> tuple[dic
       plan = compression.merge_plan(s.mean_outputs, c.experts, partitions)
     compressed = _planned(moe, plan, s.chosen)
     if layer not in errors:  # prune measured its choice already
-      errors[layer] = calibration.reconstruction_errors(block, s.io, [compressed])[0]
+      errors[layer] = expert_statistics.reconstruction_errors(block, s.io, [compressed])[0]
     params[name] = {**params[name], introspection.MOE_LAYER: compressed}
     plans[layer] = plan
   return plans, params, errors

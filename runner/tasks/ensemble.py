@@ -10,7 +10,7 @@ from runner.checkpoints import checkpoint, weights
 from runner.config import derived
 from runner.config.schema import EnsembleRun
 from runner.parallel import Placement
-from runner.stages import members as members_lib
+from runner.inference import members as members_lib
 from runner.tasks.eval import evaluate
 
 

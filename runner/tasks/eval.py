@@ -15,9 +15,10 @@ from runner.config import as_dict, derived
 from runner.config.schema import EvalRun, Objective
 from runner.errors import ConfigError
 from runner.evaluators import EVALUATORS, suite as suite_lib
-from runner.logging import MetricWriter
+from runner.logging import MetricWriter, environment
 from runner.parallel import Placement
-from runner.stages import common, dataset_specs, members as members_lib, zero_shot
+from runner.datasets import dataset_specs
+from runner.inference import members as members_lib, zero_shot
 
 
 def run(config: EvalRun, placement: Placement, checkpoints: weights.Checkpoints) -> dict:
@@ -60,7 +61,7 @@ def evaluate(config, members: members_lib.Members, placement: Placement, *, job_
 
   image_shape = data.image_shape(in_dist.source, in_dist.split, in_dist.config.pp)
   members.check_fit(image_shape, job_type)
-  common.write_config(config, workdir)
+  environment.write_config(config, workdir)
   pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
   steps = members.steps
   summary: dict = {"checkpoint_step": steps[0] if len(steps) == 1 else steps,

@@ -18,12 +18,12 @@ from runner.checkpoints import weights
 from runner.config import derived
 from runner.config.schema import ExportRun, HeadType
 from runner.errors import RunError
-from runner.evaluators.predictions import probabilities
+from runner.losses.classification import probabilities
 from runner.models.size import count_params
 from runner.export import card, files, parity
 from runner.models import build_model, heads
 from runner.parallel import Placement
-from runner.stages import common
+from runner.stages import setup
 
 CHECK_IMAGES = 16  # at most; whole routing groups of the model
 
@@ -37,7 +37,7 @@ def run(config: ExportRun, placement: Placement, checkpoints: weights.Checkpoint
   model = build_model(config.model, num_classes, output=output)
   channels = int(params["embedding_kernel"].shape[2])
   size = config.model.image_size
-  common.check_params_fit(path, step, params, model, (size, size, channels), "export")
+  setup.check_params_fit(path, step, params, model, (size, size, channels), "export")
   out = pathlib.Path(config.workdir)
   out.mkdir(parents=True, exist_ok=True)
   source = {"checkpoint": str(path), "step": step,

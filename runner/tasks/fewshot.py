@@ -15,10 +15,11 @@ from runner.config import as_dict, derived
 from runner.config.schema import FewshotRun, Objective
 from runner.evaluators.fewshot import (FewshotEvaluator, accuracy_table, format_table,
                                        make_feature_fn, plot_accuracy_vs_shots)
-from runner.logging import MetricWriter
+from runner.logging import MetricWriter, environment
 from runner.models import build_model, heads
 from runner.parallel import Placement
-from runner.stages import common, fewshot_data
+from runner.datasets import fewshot_data
+from runner.stages import setup
 from runner.train import state as state_lib
 
 PLOT = "fewshot_accuracy.png"
@@ -45,9 +46,9 @@ def run(config: FewshotRun, placement: Placement, checkpoints: weights.Checkpoin
       params, model = params["image"], build_model(member.model, 0)
     else:
       model = build_model(member.model, heads.num_classes(params))
-    common.check_params_fit(member.path, step, params, model, image_shape, "fewshot")
+    setup.check_params_fit(member.path, step, params, model, image_shape, "fewshot")
     members.append((member.path, step, model, params))
-  common.write_config(config, workdir)
+  environment.write_config(config, workdir)
   for name, f in opened.items():
     _say(verbose, f"[fewshot] {name}: {f.source.num_classes} classes, pool {f.train_split} "
                   f"({f.num_train} images, smallest class {int(f.class_counts.min())}), test "

@@ -3,7 +3,7 @@
 fine-tuning recipe (conf/finetune.yaml), a baseline."""
 from __future__ import annotations
 
-from runner.stages.training import run_training
+from runner.training.run import run_training
 
 
 def run(config, placement, checkpoints) -> dict:

@@ -2,7 +2,7 @@
 the same workdir resumes). Defaults (conf/pretrain.yaml): embedded MNIST-5k, Adam, linear decay."""
 from __future__ import annotations
 
-from runner.stages.training import run_training
+from runner.training.run import run_training
 
 
 def run(config, placement, checkpoints) -> dict:

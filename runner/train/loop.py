@@ -1,8 +1,8 @@
 """The training loop shared by `pretrain` and `finetune`.
 
-Start-up precedence (big_vision's, made explicit): resume from this workdir's newest readable
-checkpoint > initialise from an earlier stage's parameters > from scratch. The stage converts
-durations to steps once (`TrainPlan`). Faults lose at most the steps since the last checkpoint:
+It starts as runner/train/start.py worked out (the model, its plan and its parameters: resumed
+from this workdir's newest readable checkpoint > initialised from an earlier stage's > from
+scratch). Faults lose at most the steps since the last checkpoint:
 - SIGINT/SIGTERM (and SIGUSR1/SIGUSR2, a scheduler's warning) finish the current step, save, and
   exit (128 + signal); a second signal exits at once. Rerunning the same command resumes; a SLURM
   job still running requeues itself and resumes (runner/parallel/preemption.py).
@@ -18,7 +18,6 @@ import signal
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from runner import data
@@ -29,11 +28,12 @@ from runner.errors import Interrupted, RunError
 from runner.evaluators import EVALUATORS, suite as suite_lib
 from runner.evaluators.classification import ClassificationEvaluator
 from runner.evaluators.fewshot import FewshotEvaluator, make_feature_fn
-from runner.logging import MetricWriter, Progress
+from runner.logging import MetricWriter, Progress, environment
 from runner.models import compiler_options
 from runner.models.size import count_params
-from runner.parallel import Placement, preemption, replicated
-from runner.train import optimizers, schedules, state as state_lib
+from runner.parallel import Placement, preemption
+from runner.train import optimizers, schedules
+from runner.train.start import Start, initial_state
 from runner.train.step import make_eval_step, make_train_step
 
 
@@ -80,42 +80,6 @@ class _StopFlag:
 def _warn(text: str) -> None:
   if jax.process_index() == 0:
     print(text, file=sys.stderr, flush=True)
-
-
-def _abstract(tree, shardings):
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree,
-                      shardings)
-
-
-def initial_state(checkpointer: Checkpointer, *, model, tx, image_shape, placement: Placement,
-                  seed: int, init_params=None, warn=print, abstract=None):
-  """(state, state shardings, data position, where it came from): resume > init > scratch.
-  `abstract`: the model's (abstract parameters, logical axes), where the caller has them."""
-  abstract, logical = abstract or state_lib.abstract_params(model, image_shape)
-  param_shardings = placement.shardings(logical)
-  opt_init = jax.jit(tx.init).lower(_abstract(abstract, param_shardings)).compile()
-  shardings = state_lib.TrainState(step=replicated(placement.mesh), params=param_shardings,
-                                   opt_state=opt_init.output_shardings)
-  restored = checkpointer.restore_latest(
-      _abstract(abstract, param_shardings),
-      _abstract(jax.eval_shape(tx.init, abstract), shardings.opt_state))
-  if restored is not None:
-    for step, reason in restored.skipped:
-      warn(f"warning: checkpoint step {step} cannot be read ({reason}); it was moved to "
-           f"unreadable_checkpoints/ in the workdir, and the run resumes from step "
-           f"{restored.step}.")
-    state = state_lib.TrainState(step=jnp.asarray(restored.step, jnp.int32),
-                                 params=restored.params, opt_state=restored.opt_state)
-    return state, shardings, int(restored.meta["position"]), f"resumed from step {restored.step}"
-  if init_params is not None:
-    params = jax.device_put(init_params, param_shardings)
-    origin = "initialised from an earlier stage"
-  else:
-    params = state_lib.fresh_params(model, image_shape, seed, out_shardings=param_shardings)
-    origin = "initialised from scratch"
-  state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                               opt_state=opt_init(params))
-  return state, shardings, 0, origin
 
 
 class _DivergenceGuard:
@@ -188,32 +152,23 @@ def _keys(section, *leave_out: str) -> dict:
           if f.name not in leave_out}
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainPlan:
-  """What the stage works out once from the config and data, and the loop takes as given: the
-  run's steps (train.steps, or train.epochs over the split: stages/fit.py), a training image's
-  shape, and the `ParamUpdate`s the train step applies after the optimizer (param_updates_of)."""
-  steps: int
-  image_shape: tuple
-  param_updates: tuple = ()
-
-
 class _Run:
   """One run of the loop: what its set-up builds, the state it trains and the position in its
   data stream, and the parts of each step (train, log, evaluate, save, stop) and of its end."""
 
-  def __init__(self, config: TrainTask, *, model, source, placement: Placement, plan: TrainPlan,
-               stage: str, pairs=None):
+  def __init__(self, config: TrainTask, *, start: Start, source, placement: Placement, stage: str,
+               pairs=None):
     d, o, s = config.data, config.optim, config.schedule
-    self.config, self.model, self.source, self.placement = config, model, source, placement
-    self.plan, self.stage, self.pairs, self.seed = plan, stage, pairs, config.seed
+    self.config, self.model, self.source, self.placement = config, start.model, source, placement
+    self.plan, self.stage, self.pairs, self.seed = start.plan, stage, pairs, config.seed
+    self.init_params = start.init_params
     self.text = pairs.text if pairs else None  # a contrastive run's captions, tokenized
-    self.batch_size, self.steps = d.batch_size, plan.steps
+    self.batch_size, self.steps = d.batch_size, start.plan.steps
     self.eval_batch_size = derived.eval_batch_size(config.eval, d)
     self.processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
     # The schedule and the optimizer read their own keys (their Config's) of these sections.
     self.schedule = schedules.make_schedule(s.name, o.lr, self.steps, **_keys(s, "name"))
-    self.abstract, self.logical = state_lib.abstract_params(model, plan.image_shape)
+    self.abstract, self.logical = start.abstract, start.logical
     self.tx = optimizers.make_optimizer(o.name, self.schedule, self.abstract,
                                         frozen=pairs.frozen if pairs else None,
                                         **_keys(o, "name", "lr"))
@@ -225,13 +180,13 @@ class _Run:
     self.stored_config = {**as_dict(config), "stage": stage}
     self.progress = self.writer = None
 
-  def start(self, init_params, fewshot_datasets: dict | None, ood_datasets: list) -> None:
-    """The initial state (resumed, initialised from init_params, or from scratch), the writer,
-    the compiled steps, the evaluators and the data stream from the state's position."""
+  def start(self, fewshot_datasets: dict | None, ood_datasets: list) -> None:
+    """The initial state (resumed, initialised from the start's parameters, or from scratch), the
+    writer, the compiled steps, the evaluators and the data stream from the state's position."""
     config, model, placement, t = self.config, self.model, self.placement, self.config.train
     self.state, shardings, self.position, origin = initial_state(
         self.checkpointer, model=model, tx=self.tx, image_shape=self.plan.image_shape,
-        placement=placement, seed=self.seed, init_params=init_params, warn=_warn,
+        placement=placement, seed=self.seed, init_params=self.init_params, warn=_warn,
         abstract=(self.abstract, self.logical))
     self.writer = MetricWriter(config.workdir, run_config=self.stored_config,
                                wandb=config.logger.wandb, job_type=self.stage)
@@ -371,22 +326,23 @@ class _Run:
       self.writer.close()
 
 
-def train_and_evaluate(config: TrainTask, *, model, source, placement: Placement, plan: TrainPlan,
-                       init_params=None, stage: str = "train", fewshot_datasets: dict | None = None,
+def train_and_evaluate(config: TrainTask, *, start: Start, source, placement: Placement,
+                       stage: str = "train", fewshot_datasets: dict | None = None,
                        ood_datasets: list | None = None, pairs=None) -> dict:
-  """Trains `model` on `source` as `config` says; returns the final metrics (also summary.json).
+  """Trains `start`'s model (runner/train/start.py) on `source` as `config` says; returns the final
+  metrics (also summary.json).
 
   `fewshot_datasets` (name -> (pool batches, test batches, num_classes)) adds linear few-shot
   accuracy of the current parameters every `fewshot.every_steps` and at the end, as `fewshot/...`.
   The evaluators `eval.*` enables that run in training (runner/evaluators, built-in or a plug-in's;
   OOD detection against `ood_datasets`) run on the validation split with the evaluation, under
-  `val/`, their pictures and files written at the end. `pairs` (runner/stages/contrastive.py
+  `val/`, their pictures and files written at the end. `pairs` (runner/training/contrastive.py
   `PairTraining`): a contrastive model of image-text pairs, its objective, tokens and evaluator."""
-  run = _Run(config, model=model, source=source, placement=placement, plan=plan, stage=stage,
-             pairs=pairs)
+  environment.write_config(config, config.workdir)  # what later stages read, and what it ran on
+  run = _Run(config, start=start, source=source, placement=placement, stage=stage, pairs=pairs)
   try:
     with placement.context():
-      run.start(init_params, fewshot_datasets, ood_datasets or [])
+      run.start(fewshot_datasets, ood_datasets or [])
       with _StopFlag() as stop:
         for step in range(run.start_step + 1, run.steps + 1):
           run.train(step)

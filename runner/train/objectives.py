@@ -1,8 +1,9 @@
 """What a train step minimises, objective(params, batch, rngs, collections=()) -> (loss, metrics):
 classification's cross-entropy (a partitioned batch ensemble: the mean of its members', E³
-App. D.1) or a contrastive loss, plus the MoE auxiliary loss. `collections`: those the train
-step's parameter updates read (runner/models/param_updates.py); the model sows into them and the
-objective returns them in its metrics under the collection's name."""
+App. D.1) or a contrastive loss, plus the MoE auxiliary loss and the losses the routers hand over
+(each logged as train/<name>). `collections`: those the train step's parameter updates read
+(runner/models/param_updates.py); the model sows into them and the objective returns them in its
+metrics under the collection's name."""
 from __future__ import annotations
 
 from runner.losses import contrastive
@@ -24,13 +25,14 @@ def _routing(extras: dict) -> dict:
           for k, v in metrics.items()}
 
 
-def _with_router_z_loss(loss, extras: dict):
-  """The loss plus the routers' z-loss (c_z x its sum over MoE layers: moe/z_loss.py), if any."""
-  return loss + extras["router_z_loss"] if "router_z_loss" in extras else loss
-
-
-def _z_metric(extras: dict) -> dict:
-  return {"train/z_loss": extras["router_z_loss"]} if "router_z_loss" in extras else {}
+def _with_router_losses(loss, extras: dict):
+  """The loss plus the losses the routers handed over, each weighted and summed over the MoE
+  layers by the model (runner/models/moe/routers/base.py, LOSSES), and their metrics."""
+  metrics = {}
+  for name, value in extras.get("losses", {}).items():
+    loss = loss + value
+    metrics[f"train/{name}"] = value
+  return loss, metrics
 
 
 def classification(model, *, loss: str, aux_loss_weight: float):
@@ -45,9 +47,9 @@ def classification(model, *, loss: str, aux_loss_weight: float):
     else:
       cls_loss = loss_fn(logits, labels).mean()
     aux = extras["auxiliary_loss"]
-    total = _with_router_z_loss(cls_loss + aux_loss_weight * aux, extras)
+    total, router_losses = _with_router_losses(cls_loss + aux_loss_weight * aux, extras)
     metrics = {"train/loss": total, "train/cls_loss": cls_loss, "train/aux_loss": aux,
-               "train/prec@1": precision_at_1(logits, labels).mean(), **_z_metric(extras)}
+               "train/prec@1": precision_at_1(logits, labels).mean(), **router_losses}
     if "temperature" in extras:  # a heteroscedastic head's τ (learned, or fixed)
       metrics["train/temperature"] = extras["temperature"]
     return total, {**metrics, **_routing(extras), **sown}
@@ -69,9 +71,9 @@ def contrastive_pairs(model, *, loss: str, aux_loss_weight: float, chunk: int = 
           zimg, ztxt, scale, image_samples=extras.get("image_samples"),
           text_samples=extras.get("text_samples"), chunk=chunk)
     aux = extras["auxiliary_loss"]
-    total = _with_router_z_loss(pair_loss + aux_loss_weight * aux, extras)
+    total, router_losses = _with_router_losses(pair_loss + aux_loss_weight * aux, extras)
     out = {"train/loss": total, "train/contrastive_loss": pair_loss, "train/aux_loss": aux,
-           **_z_metric(extras),
+           **router_losses,
            "train/temperature": scale, **{f"train/{k}": v for k, v in metrics.items()}}
     return total, {**out, **_routing(extras), **sown}
   return objective

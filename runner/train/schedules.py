@@ -146,7 +146,7 @@ def warmup_warning(schedule: ScheduleConfig, steps: int, length: str) -> str | N
 @relation
 def warmup_fits_the_run(schedule: ScheduleConfig, optim: OptimConfig, train: TrainConfig):
   """With train.steps given; a run of train.epochs is checked once its split size is known
-  (runner/stages/fit.py)."""
+  (runner/training/fit.py)."""
   if train.steps is None:
     return None
   return warmup_problem(schedule, optim, train.steps, f"train.steps={train.steps}")

@@ -104,7 +104,7 @@ def lit(root, upstream) -> pathlib.Path:
 # --- from scratch ---------------------------------------------------------------------------------
 
 def test_pretrain_from_scratch_writes_summary_checkpoints_and_main_metric(det):
-  from runner.tasks import main_metric
+  from runner.config.subcommands import main_metric
   summary = _summary(det)
   assert summary["step"] == 4
   for split in ("val", "test"):

@@ -323,7 +323,7 @@ def test_mc_dropout_samples_are_fixed(down_de, run_cli, tmp_path):
 
 def test_mc_dropout_of_a_pbe_counts_every_member(pbe, run_cli, tmp_path):
   """MC-dropout samples of a pBE checkpoint (it has expert dropout, the fine-tuning default): an
-  ensemble of samples x M = 3 x 2 members, each with its metrics (runner/stages/members.py,
+  ensemble of samples x M = 3 x 2 members, each with its metrics (runner/inference/members.py,
   Members.size)."""
   code, _, err = run_cli("ensemble", f"init.checkpoint={pbe}", "ensemble.mc_dropout=3",
                          f"workdir={tmp_path}", *QUIET)

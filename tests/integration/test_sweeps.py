@@ -20,7 +20,7 @@ from wandb.proto import wandb_internal_pb2
 from conftest import TINY_MODEL, fails_clearly
 from runner import cli
 from runner.command import arguments
-from runner.tasks import main_metric
+from runner.config.subcommands import main_metric
 
 pytestmark = pytest.mark.xdist_group("sweeps")
 

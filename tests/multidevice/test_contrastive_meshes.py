@@ -59,7 +59,7 @@ def _train(placement, workdir):
   evaluation embeddings of the first batch, the compiled step's text)."""
   from runner.checkpoints.checkpoint import Checkpointer
   from runner.train import objectives, optimizers, schedules, state as state_lib
-  from runner.train.loop import initial_state
+  from runner.train.start import initial_state
   from runner.train.step import make_train_step
   model = _model()
   schedule = schedules.make_schedule("linear", 1e-3, 100, 2)

@@ -26,7 +26,7 @@ from runner.models import build_model, heads, model_config, param_updates_of
 from runner.models.moe.routers.token_choice import Balance
 from runner.parallel import Placement, RULES, logical_rules, make_mesh, placement as make_placement
 from runner.train import optimizers, schedules, state as state_lib
-from runner.train.loop import initial_state
+from runner.train.start import initial_state
 from runner.train.step import make_train_step
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8,

@@ -1,5 +1,5 @@
 """Expert compression (runner/models/compression.py) and its calibration pass
-(runner/stages/calibration.py) against references written from the papers' definitions:
+(runner/models/expert_statistics.py) against references written from the papers' definitions:
 HC-SMoE's clustering (Chen et al. 2024: average linkage on Euclidean distances between the
 experts' average outputs) against SciPy's UPGMA, per partition of a batch ensemble; its merge
 (the frequency-weighted average of a cluster's parameters, router columns included) and the
@@ -21,7 +21,7 @@ import pytest
 from scipy.cluster import hierarchy
 
 from runner.models import build_model, compression, introspection, model_config
-from runner.stages import calibration
+from runner.models import expert_statistics
 from runner.tasks.compress import compressed_model
 
 E, D, H = 8, 6, 10
@@ -217,12 +217,12 @@ def test_gather_counts_real_images_only(vmoe):
   (their routing groups are the same: 2 consecutive images), whatever the padding holds."""
   model, params, images = vmoe
   kwargs = dict(examples=100, partitions=1, tiled=False, outputs=True)
-  stats, seen = calibration.gather(model, params, _batches(images, 10), **kwargs)
+  stats, seen = expert_statistics.gather(model, params, _batches(images, 10), **kwargs)
   assert seen == 10
   _check(stats, _reference(model, params, images[:10]))
   other = images.copy()
   other[10:] = 50 * np.random.default_rng(1).normal(size=other[10:].shape)
-  again, _ = calibration.gather(model, params, _batches(other, 10), **kwargs)
+  again, _ = expert_statistics.gather(model, params, _batches(other, 10), **kwargs)
   for layer, s in stats.items():
     for name in ("chosen", "routed", "weights", "mean_outputs", "tokens"):
       np.testing.assert_array_equal(getattr(again[layer], name), getattr(s, name), err_msg=name)
@@ -231,7 +231,7 @@ def test_gather_counts_real_images_only(vmoe):
 def test_gather_stops_at_examples(vmoe):
   """examples=6: the first batch, and the first 2 images of the second."""
   model, params, images = vmoe
-  stats, seen = calibration.gather(model, params, _batches(images, 12), examples=6,
+  stats, seen = expert_statistics.gather(model, params, _batches(images, 12), examples=6,
                                    partitions=1, tiled=False, outputs=True)
   assert seen == 6
   _check(stats, _reference(model, params, images[:6]))
@@ -262,7 +262,7 @@ def test_prune_measures_each_subset_as_lu_et_al(vmoe):
   output is nearest (squared Frobenius distance over the calibration tokens) the layer's with
   all 8. Every subset's relative error against the NumPy layer above, so the argmin too."""
   model, params, images = vmoe
-  stats, _ = calibration.gather(model, params, _batches(images[:8], 8), examples=8, partitions=1,
+  stats, _ = expert_statistics.gather(model, params, _batches(images[:8], 8), examples=8, partitions=1,
                                 tiled=False, outputs=False, keep_io=True)
   config = dataclasses.replace(model_config("vmoe_tiny"), num_layers=2, hidden_size=32,
                                mlp_dim=64, num_heads=2, image_size=16, patch_size=4)
@@ -279,7 +279,7 @@ def test_prune_measures_each_subset_as_lu_et_al(vmoe):
                                                               ["kernel"]}, [[e] for e in kept],
                                              np.ones(E))
     candidates.append({**moe, "experts": experts, "router": {"dense": router}})
-  errors = calibration.reconstruction_errors(block, stats["layer_1"].io, candidates)
+  errors = expert_statistics.reconstruction_errors(block, stats["layer_1"].io, candidates)
   x = np.concatenate([np.asarray(x, np.float64).reshape(-1, 32) for x, _, _ in stats["layer_1"].io])
   experts = {n: np.asarray(v, np.float64) for n, v in moe["experts"].items()}
   kernel = np.asarray(moe["router"]["dense"]["kernel"], np.float64)
@@ -313,7 +313,7 @@ def test_gather_follows_each_ensemble_layout(vmoe, variant):
   tiled = variant != "partition_only"
   kwargs = dict(examples=100, partitions=1 if variant == "tiling_only" else m, tiled=tiled,
                 outputs=True)
-  stats, seen = calibration.gather(model, params, _batches(images, 10), **kwargs)
+  stats, seen = expert_statistics.gather(model, params, _batches(images, 10), **kwargs)
   _, _, records = jax.jit(lambda p, x: introspection.apply_with_routing(
       model, p, x, train=False))(params, images[:10])
   _, state = jax.jit(lambda p, x: model.apply(
@@ -340,7 +340,7 @@ def test_gather_follows_each_ensemble_layout(vmoe, variant):
     assert s.tokens == x.shape[0] * x.shape[1]
   other = images.copy()
   other[10:] = 50 * np.random.default_rng(1).normal(size=other[10:].shape)
-  again, _ = calibration.gather(model, params, _batches(other, 10), **kwargs)
+  again, _ = expert_statistics.gather(model, params, _batches(other, 10), **kwargs)
   for layer, s in stats.items():
     for name in ("chosen", "mean_outputs", "tokens"):
       np.testing.assert_array_equal(getattr(again[layer], name), getattr(s, name), err_msg=name)

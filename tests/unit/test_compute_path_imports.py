@@ -17,8 +17,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 ABSENT = ("tensorflow", "tensorflow_datasets", "hydra", "omegaconf", "wandb")
 
 # Every module of runner.models, runner.train and runner.losses, but the PyTorch sources that
-# `vmoe export` copies into its modeling file (they use that file's names and are never imported)
-# and the training loop, which feeds the steps from tf.data.
+# `vmoe export` copies into its modeling file (they use that file's names and are never imported),
+# the training loop, which feeds the steps from tf.data, and what a run starts from, which reads
+# checkpoints and their configs.
 _IMPORT_EVERYTHING = f"""
 import importlib, pkgutil, sys
 for name in {ABSENT!r}:
@@ -28,7 +29,8 @@ from runner.train.step import make_eval_step, make_train_step
 import benchmarks.gpu, benchmarks.train_step
 for package in (runner.models, runner.train, runner.losses):
   for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-    if not module.name.endswith("_torch") and module.name != "runner.train.loop":
+    if not module.name.endswith("_torch") and module.name not in ("runner.train.loop",
+                                                                  "runner.train.start"):
       importlib.import_module(module.name)
 """
 

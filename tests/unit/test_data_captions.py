@@ -184,12 +184,11 @@ def test_caption_file_with_splits(tmp_path, kind):
 
 
 def test_caption_file_in_a_folder_without_split_column_holds_out_a_slice(tmp_path):
-  from runner.stages import common
   rows = write_pairs(tmp_path, 20)
   write_jsonl(tmp_path / "captions.jsonl", rows)
   config = DataConfig(name="captions", root=str(tmp_path), holdout_fraction=0.25,
                       text_key="caption")
-  config, source = common.open_data(config)
+  config, source = data.open_data(config)
   assert source.splits == {"train": 20} and source.text_key == "caption"
   assert (config.split, config.eval_split, config.test_split) == ("train[:15]", "train[15:]", None)
   train, held = pairs_of(source, config.split), pairs_of(source, config.eval_split)
@@ -197,7 +196,7 @@ def test_caption_file_in_a_folder_without_split_column_holds_out_a_slice(tmp_pat
   assert {**train, **held} == {r["caption"]: 10 * i for i, r in enumerate(rows)}
   # a fixed shuffle, not the file's tail, is held out
   assert set(held) != {f"picture {i}" for i in range(15, 20)}
-  _, again = common.open_data(config)
+  _, again = data.open_data(config)
   assert pairs_of(again, config.eval_split) == held
 
 

@@ -20,7 +20,7 @@ from runner import data
 from runner.config.schema import DataConfig
 from runner.data import DataError
 from runner.models import inputs
-from runner.stages.common import open_data
+from runner.data import open_data
 
 CLASSES = ["cat", "dog", "fish"]
 SPEC = "decode(3)|resize(16)|value_range(-1, 1)"

@@ -201,7 +201,7 @@ def test_documented_command_composes(path, number, command, error, monkeypatch, 
     return  # `vmoe --help`: the list of subcommands
   sub, rest = args[0], args[1:]
   assert sub in cli.SUBCOMMANDS, f"{where}\nunknown subcommand {sub!r}"
-  if sub in cli.TOOLS:
+  if not cli.SUBCOMMANDS.get(sub).is_stage:
     _check_tool(cli, sub, rest, where, monkeypatch, tmp_path)
     return
   monkeypatch.chdir(ROOT)  # `-cd sweeps` is relative to the checkout
@@ -228,7 +228,7 @@ def _check_tool(cli, sub, args, where, monkeypatch, tmp_path):
   """A plain-argument subcommand (`vmoe summarize`): its arguments parse. Its work is stubbed,
   and the folders it names exist in an empty directory."""
   import importlib
-  module = importlib.import_module(cli.TOOLS[sub])
+  module = importlib.import_module(cli.SUBCOMMANDS.get(sub).module)
   worker = importlib.import_module(_TOOL_WORK[sub])  # where the subcommand's work is done
   monkeypatch.setattr(worker, sub, lambda *a, **k: "", raising=True)
   monkeypatch.chdir(tmp_path)
@@ -244,12 +244,12 @@ def _check_tool(cli, sub, args, where, monkeypatch, tmp_path):
 
 def test_the_recipes_numbers_that_pages_and_messages_state():
   """docs/howto.md's first try, and the message of a batch larger than the training split
-  (runner/stages/fit.py), state each stage's recipe (conf/<stage>.yaml): its batch, its steps and
+  (runner/training/fit.py), state each stage's recipe (conf/<stage>.yaml): its batch, its steps and
   its warm-up."""
   import runner.command.config_store
   runner.command.config_store.register_configs()  # the schemas, as the CLI registers them (conftest has)
   from runner.command import compose
-  from runner.stages import fit
+  from runner.training import fit
   up, down = (compose.compose(None, sub, []) for sub in ("pretrain", "finetune"))
   howto = " ".join((ROOT / "docs" / "howto.md").read_text().split())
   assert (f"pretrain's recipe takes {up.data.batch_size} images per step, finetune's "

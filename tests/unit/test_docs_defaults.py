@@ -43,6 +43,7 @@ from omegaconf import MISSING
 import runner.evaluators  # noqa: F401
 import runner.models  # noqa: F401
 from runner.config import schema, sections
+from runner.config.subcommands import SUBCOMMANDS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -182,8 +183,10 @@ def _walk(cls, parts: list[str]):
 def schema_defaults(key: str) -> dict[str, object]:
   """{stage: the key's default} for each stage whose schema has the key."""
   found = {}
-  for stage, cls in schema.TASK_SCHEMAS.items():
-    value = _walk(cls, key.split("."))
+  for stage, subcommand in SUBCOMMANDS.items():
+    if not subcommand.is_stage:
+      continue
+    value = _walk(subcommand.schema, key.split("."))
     if value is not _ABSENT:
       found[stage] = value
   return found

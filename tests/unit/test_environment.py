@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 
 from runner import accelerator
-from runner.stages import environment
+from runner.logging import environment
 
 
 def test_devices_name_the_count_kind_and_backend():

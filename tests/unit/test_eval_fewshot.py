@@ -23,7 +23,7 @@ from runner.evaluators import fewshot_math
 from runner.evaluators.fewshot import (FewshotEvaluator, accuracy_table, extract_features,
                                        format_table, make_feature_fn, plot_accuracy_vs_shots)
 from runner.models import build_model, catalog
-from runner.stages import fewshot_data
+from runner.datasets import fewshot_data
 
 
 def _padded_batches(images, labels, num_classes, batch_size):

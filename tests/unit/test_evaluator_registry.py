@@ -283,7 +283,7 @@ def test_checkpoints_refuse_the_evaluators_that_do_not_measure_them(schemas):
 
 
 def test_zero_shot_runs_what_declares_it_needs_no_labels(schemas):
-  from runner.stages import zero_shot
+  from runner.inference import zero_shot
   assert [c.name for c in zero_shot._runs_without_labels()] == ["retrieval"]
   register(_probe(needs_labels=False))
   register(_probe("labelled"))

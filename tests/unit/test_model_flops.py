@@ -191,7 +191,7 @@ def test_map_head_runs_on_every_replica():
                                     dict(type="soft", slots_per_expert=2)])
 def test_tiled_copies_of_a_family_without_ensembles_are_routed_one_by_one(router):
   """MC-dropout's samples of an experts-choice or Soft MoE model, counted as tiled copies
-  (runner/stages/members.py), each run alone: from the first MoE block on, M times one copy."""
+  (runner/inference/members.py), each run alone: from the first MoE block on, M times one copy."""
   one = _with(_small(1, PBE), router=router)
   copies = _with(one, ensemble_size=3, ensemble_variant=TILING)
   shared = EMBED + BLOCK0

@@ -17,7 +17,7 @@ from runner.data.tokenizers import make_tokenizer
 from runner.errors import ConfigError
 from runner.evaluators.contrastive import ZeroShotConfig, _is_template
 from runner.models import model_config
-from runner.stages import zero_shot
+from runner.inference import zero_shot
 from runner.train import state as state_lib
 
 IMAGE = (16, 16, 3)

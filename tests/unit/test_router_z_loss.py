@@ -2,9 +2,12 @@
 transcription of the paper's equation, in the token- and experts-choice routers, in the model's
 training loss (its own weight, apart from train.aux_loss_weight), and where it means nothing
 (Soft MoE, a dense ViT, a negative weight): refused before any compute. Off by default, where the
-model and its train step are as they were."""
+model and its train step are as they were. The z-loss reaches the loss as any router's own loss
+does (routers.LOSSES): a plug-in's router with a loss of its own is tested through the same
+record."""
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,9 +18,10 @@ from runner.config import from_dict
 from runner.config.schema import ModelConfig
 from runner.config.validate import problems
 from runner.models import build_model
-from runner.models.moe import z_loss
+from runner.config import registries
+from runner.models.moe import routers, z_loss
 from runner.models.moe.routers.experts_choice import ExpertsChoiceRouter
-from runner.models.moe.routers.token_choice import NoisyTopKRouter
+from runner.models.moe.routers.token_choice import NoisyTopKRouter, TokenChoice
 from runner.train import objectives
 from runner.train.state import abstract_params
 
@@ -93,6 +97,46 @@ def test_the_training_loss_adds_c_z_times_the_layers_z_losses(router):
                                                        aux_loss_weight=0.01)(params, batch, rngs)
   assert not [k for k in base_metrics if "z_loss" in k]
   assert float(total) == pytest.approx(float(base_total) + 0.5 * z, rel=1e-6)
+
+
+class _OwnLossRouter(NoisyTopKRouter):
+  """A plug-in's router with a loss of its own, `spread_loss` (twice its importance loss), handed
+  over with weight 0.3: neither the model nor the objective knows its name."""
+
+  def __call__(self, x, *, train: bool):
+    plan, metrics = super().__call__(x, train=train)
+    return plan, {**metrics, "spread_loss": 2.0 * metrics["importance_loss"],
+                  routers.LOSSES: {"spread_loss": 0.3}}
+
+
+class _OwnLoss(TokenChoice):
+  name = "own_loss_test"
+  module = _OwnLossRouter
+
+
+def test_a_routers_own_loss_is_weighted_summed_added_and_logged(monkeypatch):
+  builtins.register()
+  # The family by name for this test only: registering it for good would add it to the valid
+  # names other tests' messages list.
+  monkeypatch.setitem(registries.ROUTERS._entries, _OwnLoss.name, _OwnLoss)
+  config = from_dict(ModelConfig, dict(_TINY, router=dict(type="token_choice", k=2)))
+  config.router.type = _OwnLoss.name
+  model = build_model(config, 3)
+  shapes, _ = abstract_params(model, (8, 8, 3))
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda s: jnp.asarray(0.5 * rng.normal(size=s.shape), s.dtype), shapes)
+  batch = {"image": jnp.asarray(rng.normal(size=(4, 8, 8, 3)), jnp.float32),
+           "labels": jnp.asarray(np.eye(3, dtype=np.float32)[[0, 1, 2, 0]])}
+  rngs = {"gating": jax.random.key(1), "dropout": jax.random.key(2)}
+  total, metrics = objectives.classification(model, loss="softmax_xent",
+                                             aux_loss_weight=0.01)(params, batch, rngs)
+  per_layer = [float(metrics[f"moe/layer_{i}/spread_loss"]) for i in (0, 1)]
+  assert per_layer == pytest.approx(
+      [2 * float(metrics[f"moe/layer_{i}/importance_loss"]) for i in (0, 1)], rel=1e-6)
+  assert float(metrics["train/spread_loss"]) == pytest.approx(0.3 * sum(per_layer), rel=1e-6)
+  assert float(total) == pytest.approx(float(metrics["train/cls_loss"]) + 0.01 * float(
+      metrics["train/aux_loss"]) + 0.3 * sum(per_layer), rel=1e-6)
+  assert not [k for k in metrics if k.endswith("/losses")]  # the record itself is not a metric
 
 
 @pytest.mark.parametrize("args, said", [

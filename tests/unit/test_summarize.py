@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from runner.report import summarize
-from runner.tasks import main_metric
+from runner.config.subcommands import main_metric, stage_of
 
 
 def _job(root, num, overrides, summary):
@@ -100,7 +100,7 @@ def test_main_metric_of_each_stage():
                                  "mean/5shot/accuracy": 0.6}) == 0.9
   compressed = {"compress/experts": 4, "calibration/prec@1_before": 0.7, "calibration/prec@1": 0.6}
   assert main_metric("compress", compressed) == 0.6
-  assert summarize.stage_of(compressed) == "compress"
+  assert stage_of(compressed) == "compress"
   assert [c.header for c in summarize.default_columns(
       [summarize.Job(pathlib.Path("x"), {}, compressed)])][:2] == ["experts kept",
                                                                   "calibration prec@1"]

@@ -5,9 +5,10 @@ expert parallelism shards it like the tokens. Outside this package no family is 
 name: whatever differs is a `RouterFamily` hook."""
 from __future__ import annotations
 
-from runner.models.moe.routers.base import (DEFAULT, Plan, RouterFamily, TorchRouting, family,
-                                            register)
+from runner.models.moe.routers.base import (DEFAULT, LOSSES, Plan, RouterFamily, TorchRouting,
+                                            family, register, split_losses, weighted_losses)
 # The built-in families register themselves when their modules are imported.
 from runner.models.moe.routers import experts_choice, soft, token_choice  # noqa: F401
 
-__all__ = ["DEFAULT", "Plan", "RouterFamily", "TorchRouting", "family", "register"]
+__all__ = ["DEFAULT", "LOSSES", "Plan", "RouterFamily", "TorchRouting", "family", "register",
+           "split_losses", "weighted_losses"]

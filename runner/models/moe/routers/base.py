@@ -37,6 +37,26 @@ class Plan(Protocol):
   # asks it for `layout()`, `rows(x, layout)` and `combine_rows(y, layout)` instead (layer.py).
 
 
+# A router hands over its own losses in its metrics: LOSSES, {metric name: weight}, says which of
+# its metrics enter the training loss and with what weight (ST-MoE's z-loss: {"z_loss": c_z}).
+# The model sums each over its MoE layers and weights the sum (`weighted_losses`); the objective
+# adds every one to the loss and logs it as train/<name>. The balance loss, `auxiliary_loss`, is
+# the one weighted by the trainer (train.aux_loss_weight), as in the V-MoE paper.
+LOSSES = "losses"
+
+
+def split_losses(metrics: dict) -> tuple[dict, dict]:
+  """(the metrics without the record, the record {name: weight})."""
+  return {k: v for k, v in metrics.items() if k != LOSSES}, dict(metrics.get(LOSSES, {}))
+
+
+def weighted_losses(layers: list[tuple[dict, dict]]) -> dict:
+  """{name: weight x its sum over the layers} from each layer's (metrics, losses record)."""
+  weights = {name: weight for _, losses in layers for name, weight in losses.items()}
+  return {name: weight * sum(metrics[name] for metrics, losses in layers if name in losses)
+          for name, weight in weights.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class TorchRouting:
   """How a family routes in PyTorch, what `vmoe export` writes for its routers (docs/extending.md,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from runner.models.moe import routing, z_loss
-from runner.models.moe.routers.base import RouterFamily, TorchRouting, register
+from runner.models.moe.routers.base import LOSSES, RouterFamily, TorchRouting, register
 from runner.models.moe.routers.token_choice import KERNEL_INIT, SHARED_KEYS, CapacityRounding
 
 
@@ -107,7 +107,7 @@ class ExpertsChoiceRouter(nn.Module):
   eval_capacity_ratio: float | None = None
   noise_std: float = 1.0
   capacity_rounding: str = "paper"
-  z_loss_weight: float = 0.0  # > 0: the logits' z-loss is a metric, which the model adds
+  z_loss_weight: float = 0.0  # > 0: the logits' z-loss, a metric and a loss (base.LOSSES)
 
   @nn.compact
   def __call__(self, x: jax.Array, *, train: bool) -> tuple[ExpertsChoicePlan, dict]:
@@ -136,6 +136,7 @@ class ExpertsChoiceRouter(nn.Module):
                "fraction_dropped_tokens": 1.0 - processed}
     if z is not None:
       metrics["z_loss"] = z
+      metrics[LOSSES] = {"z_loss": self.z_loss_weight}  # the model weighs and adds it
     return plan, metrics
 
 

@@ -16,7 +16,7 @@ import flax.linen as nn
 from runner.config import derived
 from runner.config.checks import at_least, key, positive
 from runner.models.moe import balance, routing, z_loss
-from runner.models.moe.routers.base import RouterFamily, TorchRouting, register
+from runner.models.moe.routers.base import LOSSES, RouterFamily, TorchRouting, register
 from runner.models.param_updates import ParamUpdate
 
 # Keys other families read too, with the same type, default and hint in each.
@@ -125,7 +125,7 @@ class NoisyTopKRouter(nn.Module):
   balance_scope: str = "group"  # or "batch": balance.py
   balance: str = "aux_loss"  # or "bias": auxiliary-loss-free balancing, balance.py
   dropless: bool = False  # every assignment processed: routing.plan_dropless, no capacity
-  z_loss_weight: float = 0.0  # > 0: the logits' z-loss is a metric, which the model adds
+  z_loss_weight: float = 0.0  # > 0: the logits' z-loss, a metric and a loss (base.LOSSES)
 
   @nn.compact
   def __call__(self, x: jax.Array, *, train: bool) -> tuple[routing.DispatchPlan, dict]:
@@ -147,6 +147,7 @@ class NoisyTopKRouter(nn.Module):
         routing.importance_weights(logits, gates_clean, self.gate), self.balance_scope, p)}
     if self.z_loss_weight:  # on the logits before noise, over the experts each token chooses among
       metrics["z_loss"] = z_loss.z_loss(logits)
+      metrics[LOSSES] = {"z_loss": self.z_loss_weight}  # the model weighs and adds it
     noise_std = self.noise_std / experts
     routed = logits  # what the TOP-k is chosen on
     if train and noise_std > 0:

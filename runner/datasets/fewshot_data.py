@@ -12,9 +12,8 @@ import numpy as np
 
 from runner import data
 from runner.config.schema import DataConfig, FewshotConfig
-from runner.evaluators.fewshot_math import FewShotError
-from runner.stages import common
-from runner.stages.dataset_specs import dataset_config
+from runner.errors import FewShotError
+from runner.datasets.dataset_specs import dataset_config
 
 
 @dataclasses.dataclass
@@ -59,7 +58,7 @@ def _nonempty(source: data.Source, split: str, what: str) -> int:
 def open_dataset(spec: str, base_data: DataConfig, fewshot: FewshotConfig) -> FewshotData:
   """Opens dataset `spec` ('name' or 'name:test_split') and checks it can give max(shots)."""
   explicit_test = spec.partition(":")[2]
-  d, source = common.open_data(dataset_config(spec, base_data))
+  d, source = data.open_data(dataset_config(spec, base_data))
   if source.multilabel:
     raise data.DataError(f"few-shot dataset {spec!r} is multi-label; linear few-shot evaluation "
                          "needs one class per image. Choose a single-label dataset.")

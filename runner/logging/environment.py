@@ -1,6 +1,7 @@
-"""What a run ran on, written next to its config (environment.json): the vmoe commit, the
-versions of the libraries that decide its numbers, the devices, the host and Python. A run's
-report page shows it (runner/report/workdir.py); without it a number cannot be traced back."""
+"""What a run writes about itself as it starts: its config (config.yaml, what later stages read)
+and what it ran on (environment.json): the vmoe commit, the versions of the libraries that decide
+its numbers, the devices, the host and Python. A run's report page shows both
+(runner/report/workdir.py); without them a number cannot be traced back."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -11,8 +12,10 @@ import socket
 import subprocess
 
 import jax
+import yaml
 
 from runner import accelerator
+from runner.config import as_dict
 
 FILE = "environment.json"
 # The libraries whose versions change what a run computes or how fast.
@@ -71,3 +74,13 @@ def describe() -> dict:
 
 def write(workdir: str | pathlib.Path) -> None:
   (pathlib.Path(workdir) / FILE).write_text(json.dumps(describe(), indent=1) + "\n")
+
+
+def write_config(config, workdir: str) -> None:
+  """config.yaml and environment.json in `workdir` (by the first process: the workdir is shared)."""
+  if jax.process_index():
+    return
+  path = pathlib.Path(workdir)
+  path.mkdir(parents=True, exist_ok=True)
+  (path / "config.yaml").write_text(yaml.safe_dump(as_dict(config), sort_keys=False))
+  write(path)

@@ -3,7 +3,7 @@
 One checkpoint (a ViT, a V-MoE, a partitioned batch ensemble) is its own flax model; several
 checkpoints (a deep ensemble) or MC-dropout samples become a `runner.models.ensemble.Ensemble`.
 A contrastive checkpoint is one member too: its two towers as a zero-shot classifier
-(`zero_shot`, runner/stages/zero_shot.py), whose parameters hold the class embeddings. Either way
+(`zero_shot`, runner/inference/zero_shot.py), whose parameters hold the class embeddings. Either way
 the evaluators see "a model" whose logits are the prediction and whose extras carry the members'
 logits when there are several (design principle 12: an ensemble is a list of members)."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from runner.config.schema import EnsembleVariant, ModelConfig
 from runner.errors import ConfigError
 from runner.models import build_model, flops as flops_lib, heads, size, tokens_per_group
 from runner.models.ensemble import Ensemble
-from runner.stages import common
+from runner.stages import setup
 from runner.train import state as state_lib
 
 
@@ -29,7 +29,7 @@ class Checkpoint:
   step: int
   config: ModelConfig
   params: dict  # host NumPy arrays
-  zero_shot: Any = None  # a contrastive checkpoint: runner/stages/zero_shot.py `ZeroShot`
+  zero_shot: Any = None  # a contrastive checkpoint: runner/inference/zero_shot.py `ZeroShot`
 
   def build(self, config: ModelConfig, num_classes: int, output: str):
     """This checkpoint's flax model with `config` (its own, or with inference changes)."""
@@ -86,7 +86,7 @@ class Members:
   def check_fit(self, image_shape, command: str) -> None:
     for c in self.checkpoints:
       model = c.build(c.config, self.num_classes, self.output)
-      common.check_params_fit(c.path, c.step, c.params, model, image_shape, command)
+      setup.check_params_fit(c.path, c.step, c.params, model, image_shape, command)
 
   def place(self, placement, image_shape):
     """Parameters on the devices, laid out as each model's logical axes say (call once)."""

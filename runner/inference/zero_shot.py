@@ -23,8 +23,9 @@ from runner.evaluators.contrastive import class_embeddings, prompts
 from runner.models import flops as flops_lib
 from runner.models.contrastive import build_two_towers
 from runner.models.zero_shot import ZeroShotClassifier
-from runner.stages import common, dataset_specs
-from runner.stages.members import Checkpoint, Members
+from runner.datasets import dataset_specs
+from runner.inference.members import Checkpoint, Members
+from runner.stages import setup
 
 PROMPTS_PER_CALL = 4096  # prompts the text tower embeds at once
 
@@ -183,7 +184,7 @@ def load(config, opened: weights.Opened) -> tuple[Members, tuple[str, ...], dict
                   templates=templates)
   towers = spec.towers(config.model)
   image_shape = data.image_shape(first.source, first.split, first.config.pp)
-  common.check_params_fit(path, step, params, towers, image_shape, "eval")
+  setup.check_params_fit(path, step, params, towers, image_shape, "eval")
   _warn_if_cut(names, templates, tok, config.text.max_length)
   classes = embed_classes(towers, params, names, templates, tok, config.text.max_length)
   member = Checkpoint(path=path, step=step, config=config.model,

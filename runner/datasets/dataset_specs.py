@@ -13,7 +13,6 @@ from runner import data
 from runner.config import conf_dir
 from runner.config.schema import DataConfig
 from runner.evaluators.suite import Dataset
-from runner.stages import common
 
 _SPLIT_KEYS = ("split", "eval_split", "test_split", "holdout_fraction", "image_key", "label_key",
                "text_key")
@@ -43,7 +42,7 @@ def dataset_config(name: str, base: DataConfig) -> DataConfig:
 def open_dataset(name: str, base: DataConfig, split: str | None,
                  role: str = "eval dataset") -> Dataset:
   """A dataset of eval.* (or `role`, e.g. compress's), opened, the split read checked non-empty."""
-  config, source = common.open_data(dataset_config(name, base))
+  config, source = data.open_data(dataset_config(name, base))
   split = split or config.test_split or config.eval_split
   try:
     n = source.num_examples(split)

@@ -21,19 +21,16 @@ import numpy as np
 
 from runner import data
 from runner.checkpoints import weights
-from runner.config import derived
-from runner.config.schema import ContrastiveLoss, Objective, TokenizerKind, TrainTask
+from runner.config.schema import ContrastiveLoss, TokenizerKind, TrainTask
 from runner.data.captions import HELD_OUT_TEMPLATES
 from runner.data.pipeline import TextSpec
 from runner.data.tokenizers import MODEL_FILE, make_tokenizer
 from runner.errors import ConfigError
 from runner.evaluators.contrastive import PairEvaluator, make_pair_step, prompts
-from runner.models import param_updates_of, transfer
 from runner.models.contrastive import build_two_towers
 from runner.parallel import Placement
-from runner.stages import common
-from runner.train import objectives, state as state_lib
-from runner.train.loop import TrainPlan, train_and_evaluate
+from runner.train import objectives, start as start_lib
+from runner.train.loop import train_and_evaluate
 
 
 @dataclasses.dataclass
@@ -70,22 +67,9 @@ def class_tokens(names: list[str] | None, templates, tok, max_length: int):
   return np.stack([tok.encode(p, max_length) for p in prompts(list(names), list(templates))])
 
 
-def _image_tower_init(config: TrainTask, model, image_shape, start: weights.Opened) -> dict:
-  """Parameters: the image tower from init.checkpoint (`start`; no head), the rest fresh."""
-  init = config.init
-  restored, stored, step = start.load(ensemble_size=derived.ensemble_size(config.model))
-  fresh = state_lib.fresh_params(model, image_shape, config.seed)
-  if (stored or {}).get("objective", {}).get("name") == Objective.contrastive.value:
-    return transfer.adapt_params(restored, fresh, reinit_head=False,  # a contrastive run, on
-                                 source=f"checkpoint {init.checkpoint} (step {step})")
-  image = transfer.adapt_params(restored, fresh["image"], reinit_head=True,
-                                source=f"image checkpoint {init.checkpoint} (step {step})")
-  return {**fresh, "image": image}
-
-
 def run(config: TrainTask, placement: Placement, stage: str, *, source: data.Source,
         resuming: bool, start: weights.Opened | None, fewshot, steps: int) -> dict:
-  """Called by runner/stages/training.py once the data (and few-shot datasets) are open and the
+  """Called by runner/training/run.py once the data (and few-shot datasets) are open and the
   run's `steps` checked; `start`: init.checkpoint, opened, when a new run starts from it."""
   if not source.text_key:
     raise ConfigError(f"objective=contrastive trains on image-caption pairs, but data="
@@ -106,10 +90,9 @@ def run(config: TrainTask, placement: Placement, stage: str, *, source: data.Sou
     model = build_two_towers(config.model, config.text, config.objective, tok.vocab_size,
                              lock_image=locked)
     image_shape = data.image_shape(source, config.data.split, config.data.pp_train)
-    init_params = _image_tower_init(config, model, image_shape, start) if start else None
+    begin = start_lib.towers(config, model, image_shape, start, stage, steps)
     if not resuming:
       keep_tokenizer(config, scratch)
-  common.write_config(config, config.workdir)
   sigmoid = config.objective.loss == ContrastiveLoss.sigmoid
   pair_step = jax.jit(make_pair_step(model, sigmoid=sigmoid))
   tokens = class_tokens(list(zero_shot.class_names) or source.class_names, templates, tok,
@@ -122,7 +105,5 @@ def run(config: TrainTask, placement: Placement, stage: str, *, source: data.Sou
           pair_step, batches, prefix=prefix, put=put, model=model, class_tokens=tokens,
           num_templates=len(templates)),
       frozen="image/.*" if locked else None)
-  plan = TrainPlan(steps, image_shape, param_updates_of(config.model, stage))
-  return train_and_evaluate(config, model=model, source=source, placement=placement, plan=plan,
-                            init_params=init_params, stage=stage, fewshot_datasets=fewshot,
-                            pairs=pairs)
+  return train_and_evaluate(config, start=begin, source=source, placement=placement, stage=stage,
+                            fewshot_datasets=fewshot, pairs=pairs)
