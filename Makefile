@@ -95,7 +95,9 @@ test-full: install browser
 test-cluster: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/cluster
 
-# What `vmoe export` writes, run in PyTorch (CPU build) and compared with `vmoe eval` (docs/export.md).
+# What `vmoe export` writes, run in PyTorch (CPU build) and compared with `vmoe eval` (docs/export.md);
+# timm and transformers ViTs read by vmoe, compared with those libraries' own forward pass
+# (docs/released-checkpoints.md).
 test-export: install $(VENV)/.installed-torch
 	$(WITH_JEMALLOC) $(BIN)/python -m pytest -q -p no:cacheprovider tests/export
 

@@ -1,7 +1,8 @@
 """Where a stage's parameters come from: a run of this project (runner.checkpoints.checkpoint), or a
 released checkpoint, bare parameters under the reference's names without config (stages that read
-the model and data from a checkpoint then need `model=` and `data=`). A path is opened once
-(`open`), its kind decided there; the `Opened` value answers every later question."""
+the model and data from a checkpoint then need `model=` and `data=`): google-research/vmoe's, a ViT
+`.npz`, a timm or transformers ViT (pytorch_formats). A path is opened once (`open`), its kind
+decided there; the `Opened` value answers every later question."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +12,7 @@ import zipfile
 
 import numpy as np
 
-from runner.checkpoints import checkpoint, mapping, vmoe_format
+from runner.checkpoints import checkpoint, mapping, pytorch_formats, vmoe_format
 from runner.errors import CheckpointError
 from runner.models import transfer
 from runner.workdirs import workdir_lock
@@ -19,26 +20,49 @@ from runner.workdirs import workdir_lock
 RUN = "vmoe run's checkpoint"
 VMOE = "google-research/vmoe checkpoint"
 NPZ = "ViT .npz (big_vision / vision_transformer)"
+TIMM = pytorch_formats.timm_format.KIND  # "timm ViT"
+TRANSFORMERS = pytorch_formats.transformers_format.KIND  # "transformers ViT"
+_FORMATS = ("a vmoe run (its workdir, checkpoints/ or a step folder), a google-research/vmoe "
+            "checkpoint (<prefix>.index), a ViT .npz (big_vision, vision_transformer), a timm ViT "
+            "(.safetensors, .pth, .bin, or the folder timm saves) or a transformers ViT or "
+            "DINOv2 folder (config.json and model.safetensors)")
 
 
 def open(path: str) -> Opened:
-  """The checkpoint at `path`, its kind decided: released (VMOE, NPZ) by its files, else one of our
-  runs (workdir, checkpoints/ or step folder), located now; CheckpointError when neither."""
+  """The checkpoint at `path`, its kind decided: released (VMOE, NPZ, TIMM, TRANSFORMERS) by its
+  files, else one of our runs (workdir, checkpoints/ or step folder), located now;
+  CheckpointError when neither, or for a released one vmoe cannot run (checked now)."""
   if vmoe_format.is_vmoe_checkpoint(str(path)):
     return Opened(str(path), VMOE)
   if str(path).endswith(".npz") and pathlib.Path(path).expanduser().is_file():
     return Opened(str(path), NPZ)
-  return Opened(str(path), RUN, *checkpoint.locate(path))
+  found = pytorch_formats.find(str(path))
+  if found is not None:
+    return Opened(str(path), found.kind, source=found)
+  try:
+    return Opened(str(path), RUN, *checkpoint.locate(path))
+  except CheckpointError as e:
+    if not pathlib.Path(path).expanduser().is_file():
+      raise
+    raise CheckpointError(f"{e} A file is none of them: vmoe reads {_FORMATS}.") from None
 
 
 @dataclasses.dataclass(frozen=True)
 class Opened:
-  """A checkpoint path and its kind (RUN, VMOE or NPZ); for a RUN, the folder of its step
-  folders and the step `path` names (a workdir's: its newest when it was opened)."""
+  """A checkpoint path and its kind (RUN, VMOE, NPZ, TIMM or TRANSFORMERS); for a RUN, the folder
+  of its step folders and the step `path` names (a workdir's: its newest when it was opened); for
+  a timm or transformers ViT, the checked `source` (pytorch_formats.PytorchCheckpoint)."""
   path: str
   kind: str
   directory: pathlib.Path | None = None
   step: int | None = None
+  source: pytorch_formats.PytorchCheckpoint | None = None
+
+  @property
+  def architecture(self):
+    """What a timm or transformers checkpoint's files say the model is (model.* keys,
+    pytorch_vit.Architecture); None for the other kinds."""
+    return None if self.source is None else self.source.architecture
 
   @property
   def released(self) -> bool:
@@ -81,6 +105,8 @@ class Opened:
   def describe(self) -> str:
     """'a google-research/vmoe checkpoint (hidden size 512, ...)' for error messages about a
     released checkpoint, from the shapes alone (it may be gigabytes)."""
+    if self.source is not None:
+      return self.source.architecture.describe()
     try:
       flat = vmoe_format.shapes(self.path) if self.kind == VMOE else _npz_shapes(self.path)
     except (CheckpointError, OSError, ValueError, zipfile.BadZipFile):
@@ -96,6 +122,8 @@ class Opened:
       params, _, step = checkpoint.load_params(self.path, (self.directory, self.step),
                                                with_config=False)
       return params, self.stored_config(), step
+    if self.source is not None:  # mapped when it was opened: only reading can fail now
+      return transfer.unflatten(self.source.load()), {}, 0
     flat = vmoe_format.read(self.path) if self.kind == VMOE else _read_npz(self.path)
     try:
       ours = mapping.to_ours(flat, ensemble_size=ensemble_size)
@@ -138,6 +166,17 @@ class Checkpoints:
 
   def unfinished(self, path: str) -> str | None:
     return self.open(path).unfinished()
+
+  def architecture(self, path: str):
+    """What a timm or transformers checkpoint says its ViT is (runner/config/relations.py checks
+    the model against it, before anything runs); None for the other kinds. Its CheckpointError
+    for a timm or transformers file vmoe cannot run; another kind's is the stage's to report."""
+    try:
+      return self.open(path).architecture
+    except CheckpointError:
+      if pytorch_formats.claims(path):
+        raise
+      return None
 
 
 _STORED_CONFIGS: dict[tuple, dict] = {}

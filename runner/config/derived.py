@@ -78,9 +78,14 @@ def predictions_per_image(model: ModelConfig) -> int:
   return ensemble_size(model)
 
 
+def prefix_tokens(model: ModelConfig) -> int:
+  """The tokens before the patches: the class token of a `token` classifier, the registers."""
+  return int(str(model.classifier) == "token") + int(model.registers)
+
+
 def tokens_per_image(model: ModelConfig) -> int:
-  """Patches, plus the class token of a `token` classifier."""
-  return (model.image_size // model.patch_size) ** 2 + (str(model.classifier) == "token")
+  """Patches, plus the class token of a `token` classifier and the registers."""
+  return (model.image_size // model.patch_size) ** 2 + prefix_tokens(model)
 
 
 def tokens_per_group(model: ModelConfig) -> int:

@@ -20,7 +20,8 @@ from runner.config.schema import (PRUNE_SUBSETS_MAX, CompressMethod, CompressRun
                                   EnsembleRun, EnsembleVariant, EvalConfig, EvalRun,
                                   EvalSuiteConfig, ExportRun, FewshotConfig, FewshotRun, HeadConfig,
                                   HeadType, ModelConfig, MoeConfig, Objective, ObjectiveConfig,
-                                  OptimConfig, RunFields, TextConfig, TokenizerKind, TrainConfig)
+                                  OptimConfig, RunFields, TextConfig, TokenizerKind, TrainConfig,
+                                  TrainTask)
 from runner.config.mesh import expert_mesh_axes, mesh_shape
 from runner.errors import ConfigError
 
@@ -93,6 +94,16 @@ def patches_tile_the_image(model: ModelConfig):
   if model.image_size % model.patch_size:
     return (f"model.image_size={model.image_size} is not divisible by model.patch_size="
             f"{model.patch_size}; patches must tile the image.")
+
+
+@relation
+def fc_norm_follows_average_pooling(model: ModelConfig):
+  """timm's fc_norm moves the final LayerNorm after the mean of the tokens; a class token or a
+  MAP head reads normalised tokens, where the LayerNorm stays (for one token it is the same)."""
+  if model.fc_norm and str(model.classifier) != "gap":
+    return (f"model.fc_norm=true normalises the mean of the tokens (model.classifier=gap), but "
+            f"model.classifier={model.classifier}: drop model.fc_norm, or set "
+            "model.classifier=gap.")
 
 
 @relation
@@ -397,6 +408,76 @@ def fewshot_in_training_names_datasets(train: TrainConfig, fewshot: FewshotConfi
   if fewshot.every_steps and not fewshot.datasets:
     return (f"fewshot.every_steps={fewshot.every_steps} needs datasets to evaluate: "
             "fewshot.datasets=[uci_digits] (embedded or prepared TFDS names).")
+
+
+# --- a timm or transformers ViT as init.checkpoint ---------------------------------------------
+
+# What a fine-tune keeps of the ViT it starts from: its nonlinearity, its LayerNorms, its tokens
+# and layer scale (the sizes, which the transfer checks, may differ where it maps them: the
+# resolution, the head, MoE layers in place of MLPs).
+_KEPT_BY_A_FINE_TUNE = ("activation", "layer_norm_eps", "registers", "layer_scale", "pre_norm")
+
+
+def _checkpoint_models(run) -> list[tuple[str, ModelConfig, bool]]:
+  """(checkpoint path, the model that reads it, whether it must be that checkpoint's model
+  exactly: a later stage, not a fine-tune) for each checkpoint the run reads."""
+  members = getattr(run, "members", None)
+  if members is not None:
+    return [(str(m.path), m.model, True) for m in members]
+  init, model = getattr(run, "init", None), getattr(run, "model", None)
+  if not isinstance(model, ModelConfig) or not isinstance(getattr(init, "checkpoint", None), str):
+    return []
+  if getattr(init, "tower", None) is not None:  # a contrastive run's tower: vmoe's own
+    return []
+  return [(init.checkpoint, model, not isinstance(run, TrainTask))]
+
+
+@relation
+def model_is_the_checkpoints_vit(run: RunFields, checkpoints):
+  """A timm or transformers checkpoint says what its ViT is (its config.json and arrays): the
+  model that evaluates it, probes it or exports it must be that ViT, and one fine-tuned from it
+  keeps its activation, LayerNorms, tokens and layer scale. The keys its files do not state (a
+  bare timm state_dict's activation) must be given."""
+  read = getattr(checkpoints, "architecture", None)
+  if read is None:
+    return None
+  for path, model, exact in _checkpoint_models(run):
+    found = read(path)  # a CheckpointError stops the command here, before anything runs
+    if found is None:
+      continue
+    if found.num_classes is None and isinstance(run, (EvalRun, EnsembleRun, ExportRun,
+                                                      CompressRun)):
+      return (f"init.checkpoint={path} is a {found.kind} ({found.name}) without a classifier "
+              "head: a backbone, whose features vmoe fewshot probes; fine-tune a head on it "
+              f"(vmoe finetune init.checkpoint={path} model=... data=...) to evaluate, ensemble, "
+              "export or compress it.")
+    same_pooling = str(model.classifier) == "gap" == found.stated.get("classifier")
+    keys = [k for k in found.stated if exact or k in _KEPT_BY_A_FINE_TUNE
+            or (k == "fc_norm" and same_pooling)]
+    differ = [k for k in keys if not found.fits(k, getattr(model, k))]
+    unsaid = "activation" in found.unstated and model.activation is None
+    if not differ and not unsaid:
+      continue
+    add = [found.override(k) for k in differ]
+    problems = []
+    if differ:
+      has = ", ".join(f"model.{k}={shown(_model_value(model, k))}" for k in differ)
+      problems.append(f"its files say {', '.join(add)}, where the model has {has}")
+    if unsaid:
+      problems.append("its files do not say its MLPs' activation: give model.activation=gelu "
+                      "(timm's default, exact GELU), quick_gelu (OpenAI CLIP) or gelu_tanh")
+    return (f"init.checkpoint={path} is a {found.kind} ({found.name}): {'; '.join(problems)}"
+            + (f". Add {' '.join(add)} to the command" if add else "")
+            + ("" if exact else " (a fine-tune keeps what the ViT it starts from computes)")
+            + ".")
+  return None
+
+
+def _model_value(model: ModelConfig, key: str):
+  value = getattr(model, key)
+  if key == "activation":
+    return value or "gelu_tanh"
+  return "null" if value is None else value
 
 
 # --- evaluation and few-shot -------------------------------------------------------------------

@@ -61,6 +61,10 @@ class CheckpointReader(Protocol):
   def describe(self, path: str) -> str:
     """'a google-research/vmoe checkpoint (hidden size 512, ...)', for error messages."""
 
+  def architecture(self, path: str):
+    """What a timm or transformers checkpoint's files say its ViT is; None for the other kinds
+    (a reader without this method: none is checked)."""
+
 
 def train_task(cfg: DictConfig, workdir: str) -> TrainTask:
   task = typed(cfg)

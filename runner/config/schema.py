@@ -123,6 +123,13 @@ class Attention(enum.StrEnum):
   cudnn = "cudnn"
 
 
+class Activation(enum.StrEnum):
+  """The MLPs' nonlinearity (model.activation; null: gelu_tanh, vmoe's own models')."""
+  gelu_tanh = "gelu_tanh"  # GELU by its tanh approximation: Flax's nn.gelu, big_vision's ViTs
+  gelu = "gelu"  # exact GELU (erf): timm's and transformers' ViTs
+  quick_gelu = "quick_gelu"  # x * sigmoid(1.702 x): OpenAI's CLIP
+
+
 class Preprocessing(Check):
   """A `|`-separated preprocessing spec whose ops are all registered (runner/data/pp_ops.py)."""
 
@@ -242,6 +249,23 @@ class ModelConfig:
                              "dtype and shapes allow it, else XLA; xla; cudnn: the fused kernel "
                              "or an error (docs/models.md#attention)")
   head_bias_init: float = 0.0
+  # What the ViTs of timm and transformers vary (docs/released-checkpoints.md); the defaults are
+  # vmoe's own ViT. null: not said, gelu_tanh; a checkpoint whose files do not say which it uses
+  # (a bare timm state_dict) needs it said.
+  activation: Optional[Activation] = key(None, hint="null: gelu_tanh (vmoe's own, Flax's "
+                                         "nn.gelu); gelu (exact: timm, transformers); quick_gelu "
+                                         "(OpenAI CLIP)")
+  layer_norm_eps: float = key(1e-6, positive(), "every LayerNorm's epsilon: 1e-6 (Flax, timm, "
+                              "DINOv2), 1e-12 (transformers' ViT)")
+  registers: int = key(0, at_least(0), "learned tokens after the class token, left out of "
+                       "pooling (register tokens, Darcet et al. 2024)")
+  layer_scale: Optional[float] = key(None, positive(), "null: none; a learned per-channel scale "
+                                     "of each block's attention and MLP outputs, initialised to "
+                                     "this (CaiT, DeiT III, DINOv2)")
+  pre_norm: bool = False  # a LayerNorm on the tokens before the first block (CLIP's)
+  # classifier=gap: the final LayerNorm normalises the tokens' mean, not each token before it
+  # (timm's fc_norm)
+  fc_norm: bool = False
   # The compute dtype; parameters, the routers, the head and the loss stay float32
   # (docs/models.md#precision).
   dtype: DType = DType.float32

@@ -43,6 +43,12 @@ class LayerInfo:
   # each routed alone; 1 for a V-MoE and for tiling_only (one router over all E experts).
   partitions: int = 1
   views: tuple[str, ...] = ()  # the family's extra views (`RouterFamily.analysis_views`)
+  registers: int = 0  # register tokens, after the class token and before the patches
+
+  @property
+  def first_patch(self) -> int:
+    """The index of the first patch token (after the class token and the registers)."""
+    return int(self.class_token) + self.registers
 
 
 def layer_info(model_config, batch_size: int) -> LayerInfo:
@@ -57,7 +63,7 @@ def layer_info(model_config, batch_size: int) -> LayerInfo:
                    tokens=tokens_per_image(model_config), grid=(side, side),
                    class_token=str(model_config.classifier) == "token",
                    k=max(2, min(k, per_router)), partitions=experts // per_router if experts else 1,
-                   views=tuple(family.analysis_views))
+                   views=tuple(family.analysis_views), registers=int(model_config.registers))
 
 
 def member_records(key: str, records: dict, info: LayerInfo) -> dict[str, dict]:
@@ -163,7 +169,7 @@ class Hook:
       if not self._wanted(key):
         continue
       info = self._info(key)
-      patches = slice(1, None) if info.class_token else slice(0, None)
+      patches = slice(info.first_patch, None)
       for name, rec in member_records(key, layer, info).items():
         out[name] = batch_sums(rec, batch["labels"], batch["_mask"], info.k, patches, info.views)
     first = min((k for k in records if self._wanted(k)), default=None,

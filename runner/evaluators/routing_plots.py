@@ -129,7 +129,7 @@ def dropped(drops: dict, sample: dict, info, images: int, path: pathlib.Path, ti
   shown = min(images, sample["image"].shape[0])
   figure = _figure(max(4.0, 1.4 * shown * len(kinds) + 0.5), 1.5 * len(settings) + 0.6)
   h, w = info.grid
-  first_patch = 1 if info.class_token else 0
+  first_patch = info.first_patch
   for r, c in enumerate(settings):
     for j, kind in enumerate(kinds):
       mask = drops[f"{c}/{kind}"]  # (images, tokens)

@@ -13,7 +13,7 @@ from runner.config.schema import HeadType, ModelConfig
 if typing.TYPE_CHECKING:
   from runner.models.moe.routers.base import TorchRouting
 
-LAYER_NORM_EPS = 1e-6  # Flax's LayerNorm default, which every norm of the model uses
+QK_NORM_EPS = 1e-6  # Flax's LayerNorm default, the qk-norms' whatever model.layer_norm_eps is
 OUTPUTS = ("softmax", "sigmoid")
 CHANNELS = 3  # what vmoe's preprocessing decodes; files.write_model reads it off the weights
 
@@ -62,6 +62,24 @@ def _moe(model: ModelConfig) -> dict | None:
   return moe
 
 
+def _vit_variant(model: ModelConfig) -> dict:
+  """The keys of a timm or transformers ViT's variants (runner/models/vit.py), each only where
+  the model uses it: an export of vmoe's own ViT or V-MoE stays as it was."""
+  eps = float(model.layer_norm_eps)
+  out = {"activation": str(model.activation)} if model.activation is not None else {}
+  if eps != QK_NORM_EPS and model.attention_qk_norm:
+    out["qk_norm_eps"] = QK_NORM_EPS
+  if model.registers:
+    out["registers"] = int(model.registers)
+  if model.layer_scale is not None:
+    out["layer_scale"] = True
+  if model.pre_norm:
+    out["pre_norm"] = True
+  if model.fc_norm:
+    out["fc_norm"] = True
+  return out
+
+
 def config_json(model: ModelConfig, num_classes: int, output: str) -> dict:
   """The architecture and inference settings of `model` with a head of `num_classes` whose
   probabilities are a softmax or sigmoids (`output`), as the exported module reads them."""
@@ -75,6 +93,7 @@ def config_json(model: ModelConfig, num_classes: int, output: str) -> dict:
       "num_heads": int(model.num_heads), "classifier": str(model.classifier),
       "representation_size": (int(model.representation_size) if model.representation_size
                               else None),
-      "attention_qk_norm": bool(model.attention_qk_norm), "layer_norm_eps": LAYER_NORM_EPS,
+      "attention_qk_norm": bool(model.attention_qk_norm),
+      "layer_norm_eps": float(model.layer_norm_eps), **_vit_variant(model),
       "num_classes": int(num_classes), "output": output, "moe": _moe(model), "head": _head(model),
   }

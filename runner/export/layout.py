@@ -72,6 +72,7 @@ _BLOCK: dict[str, Rule] = {
     **_norm("attention/query_ln", "attention.query_ln", bias=False),
     **_norm("attention/key_ln", "attention.key_ln", bias=False),
     **_linear("mlp/fc1", "mlp.fc1"), **_linear("mlp/fc2", "mlp.fc2"),
+    "ls1": ("ls1", np.asarray), "ls2": ("ls2", np.asarray),  # layer scale
     **{f"moe/{e}/{fc}_kernel": (f"moe.{e}.{fc}_weight", _experts)
        for e in ("experts", "shared") for fc in ("fc1", "fc2")},
     **{f"moe/{e}/{fc}_bias": (f"moe.{e}.{fc}_bias", np.asarray)
@@ -84,7 +85,10 @@ _TOP: dict[str, Rule] = {
     "embedding_bias": ("embedding.bias", np.asarray),
     "cls": ("cls", np.asarray),
     "pos_embedding": ("pos_embedding", np.asarray),
+    "registers": ("registers", np.asarray),
+    **_norm("pre_norm", "pre_norm"),
     **_norm("encoder_norm", "encoder_norm"),
+    **_norm("fc_norm", "fc_norm"),
     "map_head/probe": ("map_head.probe", np.asarray),
     **{f"map_head/attention/{p}/kernel": (f"map_head.attention.{p}.weight", _heads_in)
        for p in ("query", "key", "value")},

@@ -12,8 +12,14 @@ under this module's parameter names). Only torch, safetensors and the standard l
 
 It computes the vmoe (Flax) model at inference (`train=False`), to 1e-4 on float32 probabilities
 (no dropout, no routing noise, the routers' inference capacity), making vmoe's choices:
-- LayerNorm with config.json's `layer_norm_eps`, 1e-6 (Flax's default, not PyTorch's 1e-5);
-- GELU with the tanh approximation (Flax's `nn.gelu` default);
+- LayerNorm with config.json's `layer_norm_eps`, 1e-6 (Flax's default, not PyTorch's 1e-5)
+  unless the model says otherwise (1e-12: a transformers ViT's), the qk-norms' `qk_norm_eps`;
+- GELU with the tanh approximation (Flax's `nn.gelu` default), or config.json's `activation`:
+  "gelu" (exact) or "quick_gelu" (OpenAI CLIP's), in the MLPs and the experts;
+- the variants of timm's and transformers' ViTs, where config.json names them: `registers`
+  (learned tokens after the class token, left out of pooling), `layer_scale` (per-channel scales
+  `ls1`, `ls2` of each block's attention and MLP outputs), `pre_norm` (a LayerNorm before the
+  blocks), `fc_norm` (the final LayerNorm after average pooling instead of before);
 - attention and routing computed in float32;
 - a mixture-of-experts layer routes *groups* of images together: the tokens of `group_size`
   consecutive images compete for the same expert slots, so a prediction can depend on the other
@@ -44,6 +50,14 @@ MIN_SCALE = 1e-3  # added to the softplus of a heteroscedastic head's rank-1 noi
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
   return F.gelu(x, approximate="tanh")
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+  return x * torch.sigmoid(1.702 * x)
+
+
+# config.json's `activation` (absent: gelu_tanh, Flax's nn.gelu).
+ACTIVATIONS = {"gelu_tanh": gelu, "gelu": F.gelu, "quick_gelu": quick_gelu}
 
 
 # ---- routing: what routers share ----------------------------------------------------------------
@@ -154,12 +168,13 @@ ROUTERS: dict[str, type] = {}  # family name -> router class, filled by the fami
 # ---- the model ----------------------------------------------------------------------------------
 
 class Mlp(nn.Module):
-  def __init__(self, dim: int, mlp_dim: int):
+  def __init__(self, dim: int, mlp_dim: int, activation: str = "gelu_tanh"):
     super().__init__()
     self.fc1, self.fc2 = nn.Linear(dim, mlp_dim), nn.Linear(mlp_dim, dim)
+    self.activation = ACTIVATIONS[activation]
 
   def forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self.fc2(gelu(self.fc1(x)))
+    return self.fc2(self.activation(self.fc1(x)))
 
 
 def qk_layer_norm(head_dim: int, eps: float) -> nn.LayerNorm:
@@ -196,8 +211,9 @@ class SelfAttention(nn.Module):
 class Experts(nn.Module):
   """E two-layer GELU MLPs, one per expert, as stacked (E, out, in) weights."""
 
-  def __init__(self, num_experts: int, dim: int, mlp_dim: int):
+  def __init__(self, num_experts: int, dim: int, mlp_dim: int, activation: str = "gelu_tanh"):
     super().__init__()
+    self.activation = ACTIVATIONS[activation]
     self.fc1_weight = nn.Parameter(torch.zeros(num_experts, mlp_dim, dim))
     self.fc1_bias = nn.Parameter(torch.zeros(num_experts, mlp_dim))
     self.fc2_weight = nn.Parameter(torch.zeros(num_experts, dim, mlp_dim))
@@ -207,7 +223,7 @@ class Experts(nn.Module):
     """(count, G, C, D) buffers of experts [first, first + count) -> their outputs."""
     span = slice(first, first + count)
     h = torch.einsum("egcd,ehd->egch", buffers, self.fc1_weight[span])
-    h = gelu(h + self.fc1_bias[span][:, None, None])
+    h = self.activation(h + self.fc1_bias[span][:, None, None])
     y = torch.einsum("egch,edh->egcd", h, self.fc2_weight[span])
     return y + self.fc2_bias[span][:, None, None]
 
@@ -226,15 +242,15 @@ class MoeMlp(nn.Module):
   - "partition_only": rows are not repeated; every group is routed in each partition and the
     partitions' outputs are summed."""
 
-  def __init__(self, moe: dict, dim: int, mlp_dim: int):
+  def __init__(self, moe: dict, dim: int, mlp_dim: int, activation: str = "gelu_tanh"):
     super().__init__()
     self.num_experts, self.group_size = moe["num_experts"], moe["group_size"]
     self.members, self.variant = moe["ensemble_size"], moe["ensemble_variant"]
     # DeepSeekMoE: narrower fine-grained experts; shared ones of that width take every token.
     mlp_dim = moe.get("expert_mlp_dim", mlp_dim)
-    self.experts = Experts(self.num_experts, dim, mlp_dim)
+    self.experts = Experts(self.num_experts, dim, mlp_dim, activation)
     shared = moe.get("shared_experts", 0)
-    self.shared = Experts(shared, dim, mlp_dim) if shared else None
+    self.shared = Experts(shared, dim, mlp_dim, activation) if shared else None
     router = moe["router"]
     if router["type"] not in ROUTERS:
       raise ValueError(f"router type {router['type']!r} is not defined in this file")
@@ -281,21 +297,29 @@ class MoeMlp(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-  """Pre-LayerNorm transformer block; its MLP is dense or a mixture of experts."""
+  """Pre-LayerNorm transformer block; its MLP is dense or a mixture of experts; with layer scale,
+  the attention's and the MLP's outputs are multiplied by per-channel factors `ls1`, `ls2`."""
 
   def __init__(self, config: dict, moe: dict | None):
     super().__init__()
     d, eps = config["hidden_size"], config["layer_norm_eps"]
+    activation = config.get("activation", "gelu_tanh")
     self.norm1 = nn.LayerNorm(d, eps=eps)
-    self.attention = SelfAttention(d, config["num_heads"], config["attention_qk_norm"], eps)
+    self.attention = SelfAttention(d, config["num_heads"], config["attention_qk_norm"],
+                                   config.get("qk_norm_eps", eps))
     self.norm2 = nn.LayerNorm(d, eps=eps)
-    self.mlp = Mlp(d, config["mlp_dim"]) if moe is None else None
-    self.moe = MoeMlp(moe, d, config["mlp_dim"]) if moe is not None else None
+    self.mlp = Mlp(d, config["mlp_dim"], activation) if moe is None else None
+    self.moe = MoeMlp(moe, d, config["mlp_dim"], activation) if moe is not None else None
+    scaled = config.get("layer_scale", False)
+    self.ls1 = nn.Parameter(torch.ones(d)) if scaled else None
+    self.ls2 = nn.Parameter(torch.ones(d)) if scaled else None
 
   def forward(self, x: torch.Tensor) -> torch.Tensor:
-    x = x + self.attention(self.norm1(x))
+    y = self.attention(self.norm1(x))
+    x = x + (y if self.ls1 is None else y * self.ls1)
     y = self.norm2(x)
-    return x + (self.mlp(y) if self.mlp is not None else self.moe(y))
+    y = self.mlp(y) if self.mlp is not None else self.moe(y)
+    return x + (y if self.ls2 is None else y * self.ls2)
 
 
 class ProbeAttention(nn.Module):
@@ -323,12 +347,13 @@ class ProbeAttention(nn.Module):
 class MapHead(nn.Module):
   """Multihead attention pooling: a learned probe attends to the tokens, then an MLP block."""
 
-  def __init__(self, dim: int, num_heads: int, mlp_dim: int, qk_norm: bool, eps: float):
+  def __init__(self, dim: int, num_heads: int, mlp_dim: int, qk_norm: bool, eps: float,
+               activation: str = "gelu_tanh", qk_eps: float | None = None):
     super().__init__()
     self.probe = nn.Parameter(torch.zeros(1, 1, dim))
-    self.attention = ProbeAttention(dim, num_heads, qk_norm, eps)
+    self.attention = ProbeAttention(dim, num_heads, qk_norm, eps if qk_eps is None else qk_eps)
     self.norm = nn.LayerNorm(dim, eps=eps)
-    self.mlp = Mlp(dim, mlp_dim)
+    self.mlp = Mlp(dim, mlp_dim, activation)
 
   def forward(self, x: torch.Tensor) -> torch.Tensor:
     y = self.attention(self.probe.expand(x.shape[0], -1, -1), x)
@@ -439,7 +464,12 @@ class VisionTransformer(nn.Module):
     self.embedding = nn.Conv2d(config["num_channels"], d, p, stride=p)  # patches, projected
     if self.classifier == "token":
       self.cls = nn.Parameter(torch.zeros(1, 1, d))
+    self.num_registers = config.get("registers", 0)
+    if self.num_registers:  # after the class token, before the patches
+      self.registers = nn.Parameter(torch.zeros(1, self.num_registers, d))
     self.pos_embedding = nn.Parameter(torch.zeros(1, (config["image_size"] // p) ** 2, d))
+    eps = config["layer_norm_eps"]
+    self.pre_norm = nn.LayerNorm(d, eps=eps) if config.get("pre_norm") else None
     moe = config.get("moe")
     moe_layers = set(moe["layers"]) if moe else set()
     self.blocks = nn.ModuleList(EncoderBlock(config, moe if i in moe_layers else None)
@@ -450,10 +480,13 @@ class VisionTransformer(nn.Module):
     self.tiles = moe["ensemble_size"] if tiled else 1
     self.first_moe = min(moe_layers) if moe_layers else None
     self.group_size = moe["group_size"] if moe_layers else None
-    self.encoder_norm = nn.LayerNorm(d, eps=config["layer_norm_eps"])
+    # The final LayerNorm: on every token, or (fc_norm, average pooling) on their mean.
+    self.fc_norm = nn.LayerNorm(d, eps=eps) if config.get("fc_norm") else None
+    self.encoder_norm = nn.LayerNorm(d, eps=eps) if self.fc_norm is None else None
     if self.classifier == "map":
       self.map_head = MapHead(d, config["num_heads"], config["mlp_dim"],
-                              config["attention_qk_norm"], config["layer_norm_eps"])
+                              config["attention_qk_norm"], eps,
+                              config.get("activation", "gelu_tanh"), config.get("qk_norm_eps"))
     width = config.get("representation_size") or d
     self.pre_logits = nn.Linear(d, width) if config.get("representation_size") else None
     head = config["head"]
@@ -480,13 +513,21 @@ class VisionTransformer(nn.Module):
     images = self.padded_to_whole_groups(images)
     x = self.embedding(images).flatten(2).transpose(1, 2)  # (B, patches, D), row-major patches
     x = x + self.pos_embedding
+    if self.num_registers:  # nor do the registers
+      x = torch.cat([self.registers.expand(x.shape[0], -1, -1), x], dim=1)
     if self.classifier == "token":  # the class token has no position embedding
       x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
+    if self.pre_norm is not None:
+      x = self.pre_norm(x)
     for i, block in enumerate(self.blocks):
       if self.tiles > 1 and i == self.first_moe:
         x = x.repeat_interleave(self.tiles, dim=0)
       x = block(x)
-    x = self.encoder_norm(x[:rows])
+    x = x[:rows]
+    if self.encoder_norm is not None:
+      x = self.encoder_norm(x)
+    if self.classifier != "token":  # pooling leaves the registers out
+      x = x[:, self.num_registers:]
     if self.classifier == "token":
       x = x[:, 0]
     elif self.classifier == "gap":
@@ -495,6 +536,8 @@ class VisionTransformer(nn.Module):
       x = self.map_head(x)
     else:
       raise ValueError(f"unknown classifier {self.classifier!r}")
+    if self.fc_norm is not None:
+      x = self.fc_norm(x)
     if self.pre_logits is not None:
       x = torch.tanh(self.pre_logits(x))
     return x

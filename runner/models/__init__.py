@@ -56,6 +56,8 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
       moe.update(mlp_dim=derived.expert_width(config))
     if config.moe.shared_experts:
       moe.update(shared_experts=int(config.moe.shared_experts))
+    if config.activation is not None:  # an upcycled timm or transformers ViT's, in every expert
+      moe.update(activation=str(config.activation))
   head = None
   if config.head.type != HeadType.det:
     h = config.head
@@ -71,7 +73,11 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
       dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate,
       attention_qk_norm=config.attention_qk_norm, head_bias_init=config.head_bias_init,
       moe_layers=moe_layers, moe=moe, head=head, output=output,
-      dtype=jnp.dtype(str(config.dtype)), attention=str(config.attention))
+      dtype=jnp.dtype(str(config.dtype)), attention=str(config.attention),
+      activation=None if config.activation is None else str(config.activation),
+      layer_norm_eps=float(config.layer_norm_eps), registers=int(config.registers),
+      layer_scale=None if config.layer_scale is None else float(config.layer_scale),
+      pre_norm=bool(config.pre_norm), fc_norm=bool(config.fc_norm))
 
 
 __all__ = ["ModelConfig", "UnknownModelError", "VisionTransformer", "build_model", "compiler_options",

@@ -16,6 +16,7 @@ import numpy as np
 
 from runner.config.preprocessing import DEVICE_VALUE_RANGE
 from runner.models import compression, inputs, introspection
+from runner.models.activations import DEFAULT
 from runner.models.moe.experts import apply_experts
 from runner.models.moe.layer import MoeMlpBlock
 
@@ -51,6 +52,7 @@ def gather(model, params, batches, *, examples: int, partitions: int, tiled: boo
   each batch's logits also go to `predictions` (runner.evaluators.predictions.PredictionStats).
   `partitions`, `tiled`: a partitioned batch ensemble's layout (runner/models/moe/layer.py).
   `keep_io`: every layer's inputs and outputs kept for `reconstruction_errors` (host memory)."""
+  activation = (getattr(model, "moe", None) or {}).get("activation", DEFAULT)  # the experts'
 
   @jax.jit
   def step(params, batch, mask):
@@ -66,7 +68,7 @@ def gather(model, params, batches, *, examples: int, partitions: int, tiled: boo
                     "tokens": token_mask.sum() * r["expert_mask"].shape[1]}
       if outputs:
         out[layer]["outputs"], out[layer]["counted"] = _output_sums(
-            params, layer, r[_INPUTS], mask, partitions, tiled)
+            params, layer, r[_INPUTS], mask, partitions, tiled, activation)
       if keep_io:
         out[layer]["io"] = (r[_INPUTS], r[_OUTPUTS])
     return logits, out
@@ -104,7 +106,7 @@ def gather(model, params, batches, *, examples: int, partitions: int, tiled: boo
 
 
 def _output_sums(params, layer: str, x: jax.Array, mask: jax.Array, partitions: int,
-                 tiled: bool) -> tuple[jax.Array, jax.Array]:
+                 tiled: bool, activation: str) -> tuple[jax.Array, jax.Array]:
   """((E, D), (E,)): each expert's output summed over its partition's real tokens; their count."""
   experts = params[f"block_{layer.rsplit('_', 1)[-1]}"][introspection.MOE_LAYER]["experts"]
   weights = tuple(experts[k] for k in compression.EXPERT_PARAMS)
@@ -117,7 +119,8 @@ def _output_sums(params, layer: str, x: jax.Array, mask: jax.Array, partitions: 
     buffer = rows.reshape(1, 1, images * tokens, dim)
 
     def summed(expert):  # one expert at a time: (tokens, hidden) alive, not (E, tokens, hidden)
-      y = apply_experts(tuple(w[None] for w in expert), buffer).reshape(images, tokens, dim)
+      y = apply_experts(tuple(w[None] for w in expert), buffer, activation=activation)
+      y = y.reshape(images, tokens, dim)
       return jnp.einsum("itd,i->d", y, row_mask)
     sums.append(jax.lax.map(summed, tuple(w[p * e:(p + 1) * e] for w in weights)))
     counts.append(jnp.full((e,), row_mask.sum() * tokens))

@@ -42,7 +42,7 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
   d, m, layers = config.hidden_size, config.mlp_dim, config.num_layers
   p = config.patch_size
   patches = (config.image_size // p) ** 2
-  tokens = patches + (1 if config.classifier == Classifier.token else 0)
+  tokens = derived.tokens_per_image(config)  # the class token's and the registers' included
   flops = 2.0 * patches * (p * p * 3) * d  # patch embedding
   attention = 2.0 * tokens * d * 3 * d + 2 * 2.0 * tokens * tokens * d + 2.0 * tokens * d * d
   dense_mlp = 2 * 2.0 * tokens * d * m

@@ -19,8 +19,11 @@ part = nn.with_logical_partitioning
 
 
 def num_classes(params: dict) -> int:
-  """Classes a parameter tree's head predicts (linear, or a heteroscedastic mean classifier)."""
-  head = params["head"]
+  """Classes a parameter tree's head predicts (linear, or a heteroscedastic mean classifier); 0
+  for a tree without a head (a released backbone, DINOv2's: its representation only)."""
+  head = params.get("head")
+  if head is None:
+    return 0
   return int((head["loc_layer"] if "loc_layer" in head else head)["kernel"].shape[-1])
 
 

@@ -2,7 +2,12 @@
 
 A V-MoE is a ViT whose MLPs at `moe_layers` are `MoeMlpBlock`s. The forward pass returns logits and
 extras: pre-logits (for few-shot and OOD scores), per-layer routing metrics, the summed MoE
-auxiliary loss."""
+auxiliary loss.
+
+What the ViTs of timm and transformers vary is here too, each off by default so that vmoe's own
+models are what they were: the MLPs' `activation`, `layer_norm_eps`, register tokens, layer scale,
+a LayerNorm before the blocks (`pre_norm`) and one after average pooling (`fc_norm`)
+(runner/checkpoints/timm_format.py and transformers_format.py map their weights onto these)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -15,6 +20,7 @@ from runner.accelerator import compute_device, cudnn_attention_problem
 from runner.config.schema import Attention
 from runner.errors import ConfigError
 from runner.models import ensemble
+from runner.models.activations import activate
 from runner.models.heads import HeteroscedasticHead
 from runner.models.moe import routers
 from runner.models.moe.layer import MoeMlpBlock
@@ -28,6 +34,7 @@ class MlpBlock(nn.Module):
   mlp_dim: int
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
+  activation: str | None = None  # runner/models/activations.py; None: gelu_tanh
 
   @nn.compact
   def __call__(self, x, *, train: bool, dropout: bool | None = None):
@@ -36,7 +43,7 @@ class MlpBlock(nn.Module):
     xavier, tiny = nn.initializers.xavier_uniform(), nn.initializers.normal(1e-6)
     h = nn.Dense(self.mlp_dim, dtype=self.dtype, name="fc1",
                  kernel_init=part(xavier, ("embed", "mlp")), bias_init=part(tiny, ("mlp",)))(x)
-    h = nn.Dropout(self.dropout_rate)(nn.gelu(h), deterministic=not dropout)
+    h = nn.Dropout(self.dropout_rate)(activate(h, self.activation), deterministic=not dropout)
     y = nn.Dense(d, dtype=self.dtype, name="fc2",
                  kernel_init=part(xavier, ("mlp", "embed")), bias_init=part(tiny, ("embed",)))(h)
     return nn.Dropout(self.dropout_rate)(y, deterministic=not dropout)
@@ -140,7 +147,9 @@ class SelfAttention(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-  """Pre-LN transformer block; the MLP is dense or a sparse mixture of experts."""
+  """Pre-LN transformer block; the MLP is dense or a sparse mixture of experts. With
+  `layer_scale` (CaiT, DeiT III, DINOv2) the attention's and the MLP's outputs are multiplied by
+  learned per-channel factors `ls1`, `ls2` (initialised to it) before they join the residual."""
   mlp_dim: int
   num_heads: int
   dropout_rate: float = 0.0
@@ -149,23 +158,35 @@ class EncoderBlock(nn.Module):
   dtype: Any = jnp.float32
   qk_norm: bool = False
   attention: str = "auto"  # SelfAttention's
+  activation: str | None = None  # the MLP's (runner/models/activations.py); None: gelu_tanh
+  layer_norm_eps: float = 1e-6  # Flax's default
+  layer_scale: float | None = None
 
   @nn.compact
   def __call__(self, x, *, train: bool, dropout: bool | None = None, mask=None):
     dropout = train if dropout is None else dropout
-    y = nn.LayerNorm(dtype=self.dtype, name="norm1")(x)
+    d = x.shape[-1]
+    scales = {}
+    if self.layer_scale is not None:
+      init = part(nn.initializers.constant(self.layer_scale), ("embed",))
+      scales = {name: self.param(name, init, (d,)).astype(self.dtype) for name in ("ls1", "ls2")}
+    y = nn.LayerNorm(epsilon=self.layer_norm_eps, dtype=self.dtype, name="norm1")(x)
     y = SelfAttention(self.num_heads, self.attention_dropout_rate, self.dtype, self.qk_norm,
                       self.attention, name="attention")(y, train=train, dropout=dropout, mask=mask)
+    if scales:
+      y = y * scales["ls1"]
     x = x + nn.Dropout(self.dropout_rate)(y, deterministic=not dropout)
-    y = nn.LayerNorm(dtype=self.dtype, name="norm2")(x)
+    y = nn.LayerNorm(epsilon=self.layer_norm_eps, dtype=self.dtype, name="norm2")(x)
     if self.moe is None:
-      y = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, name="mlp")(
+      y = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, self.activation, name="mlp")(
           y, train=train, dropout=dropout)
       metrics = {}
     else:
       # `moe` may give the experts' own width (fine-grained experts are narrower).
       y, metrics = MoeMlpBlock(**{"mlp_dim": self.mlp_dim, **self.moe}, dtype=self.dtype,
                                name="moe")(y, train=train, dropout=dropout)
+    if scales:
+      y = y * scales["ls2"]
     return x + y, metrics
 
 
@@ -176,6 +197,8 @@ class MapHead(nn.Module):
   mlp_dim: int
   dtype: Any = jnp.float32
   qk_norm: bool = False
+  activation: str | None = None  # the model's
+  layer_norm_eps: float = 1e-6
 
   @nn.compact
   def __call__(self, x, *, train: bool, dropout: bool | None = None):
@@ -187,8 +210,9 @@ class MapHead(nn.Module):
     y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dtype=self.dtype,
                                         normalize_qk=self.qk_norm, name="attention",
                                         attention_fn=jax.nn.dot_product_attention)(probe, x)
-    z = nn.LayerNorm(dtype=self.dtype, name="norm")(y)
-    y = y + MlpBlock(self.mlp_dim, dtype=self.dtype, name="mlp")(z, train=train, dropout=dropout)
+    z = nn.LayerNorm(epsilon=self.layer_norm_eps, dtype=self.dtype, name="norm")(y)
+    y = y + MlpBlock(self.mlp_dim, dtype=self.dtype, activation=self.activation, name="mlp")(
+        z, train=train, dropout=dropout)
     return y[:, 0]
 
 
@@ -203,7 +227,11 @@ class VisionTransformer(nn.Module):
 
   A heteroscedastic head (`head`, heads.py) returns the log of its MC-mean probability as logits,
   with `extras["loc_logits"]` (noise-free) and `extras["temperature"]`; the pre-logits stay
-  deterministic. With `num_classes=0` the model returns its representation (contrastive.py)."""
+  deterministic. With `num_classes=0` the model returns its representation (contrastive.py).
+
+  The tokens are [class token (`token`), `registers`, patches]; position embeddings are added to
+  the patches only. Pooling ignores the registers: `gap` averages the patches, `map` attends to
+  them (as timm pools)."""
   num_classes: int
   patch_size: int
   hidden_size: int
@@ -222,6 +250,12 @@ class VisionTransformer(nn.Module):
   output: str = "softmax"  # softmax or sigmoid probabilities (ensemble members, MC samples)
   dtype: Any = jnp.float32
   attention: str = "auto"  # how attention is computed (SelfAttention, attention_path)
+  activation: str | None = None  # the MLPs' and experts' (runner/models/activations.py)
+  layer_norm_eps: float = 1e-6  # every LayerNorm's but qk-norm's (Flax's default)
+  registers: int = 0  # learned tokens after the class token (Darcet et al. 2024)
+  layer_scale: float | None = None  # EncoderBlock's
+  pre_norm: bool = False  # a LayerNorm on the tokens before the first block (CLIP)
+  fc_norm: bool = False  # gap: the final LayerNorm after the mean, not before it (timm)
 
   @property
   def tiles(self) -> int:
@@ -239,7 +273,15 @@ class VisionTransformer(nn.Module):
     if self.classifier == "token":
       cls = self.param("cls", part(nn.initializers.zeros, (None, None, "embed")), (1, 1, d))
       x = jnp.concatenate([jnp.tile(cls, (b, 1, 1)).astype(x.dtype), x], axis=1)
+    if self.registers:  # after the class token, before the patches (timm's and DINOv2's order)
+      registers = self.param("registers", part(nn.initializers.normal(0.02),
+                                               (None, None, "embed")), (1, self.registers, d))
+      tokens = jnp.tile(registers, (b, 1, 1)).astype(x.dtype)
+      first = int(self.classifier == "token")
+      x = jnp.concatenate([x[:, :first], tokens, x[:, first:]], axis=1)
     x = nn.Dropout(self.dropout_rate)(x, deterministic=not dropout)
+    if self.pre_norm:
+      x = nn.LayerNorm(epsilon=self.layer_norm_eps, dtype=self.dtype, name="pre_norm")(x)
     routing_metrics, layers = {}, []
     for i in range(self.num_layers):
       if self.tiles > 1 and i == min(self.moe_layers):
@@ -247,22 +289,15 @@ class VisionTransformer(nn.Module):
       block = EncoderBlock(self.mlp_dim, self.num_heads, self.dropout_rate,
                            self.attention_dropout_rate, name=f"block_{i}",
                            moe=self.moe if i in self.moe_layers else None, dtype=self.dtype,
-                           qk_norm=self.attention_qk_norm, attention=self.attention)
+                           qk_norm=self.attention_qk_norm, attention=self.attention,
+                           activation=self.activation, layer_norm_eps=self.layer_norm_eps,
+                           layer_scale=self.layer_scale)
       x, metrics = block(x, train=train, dropout=dropout)
       if metrics:  # a router's metrics and the losses it hands over (routers.LOSSES)
         metrics, losses = routers.split_losses(metrics)
         routing_metrics[f"layer_{i}"] = metrics
         layers.append((metrics, losses))
-    x = nn.LayerNorm(dtype=self.dtype, name="encoder_norm")(x)
-    if self.classifier == "token":
-      x = x[:, 0]
-    elif self.classifier == "gap":
-      x = x.mean(axis=1)
-    elif self.classifier == "map":
-      x = MapHead(self.num_heads, self.mlp_dim, self.dtype, self.attention_qk_norm,
-                  name="map_head")(x, train=train, dropout=dropout)
-    else:
-      raise ValueError(f"unknown classifier {self.classifier!r}; valid: {CLASSIFIERS}")
+    x = self.pool(x, train=train, dropout=dropout)
     if self.representation_size:
       x = nn.tanh(nn.Dense(self.representation_size, dtype=self.dtype, name="pre_logits",
                            kernel_init=part(nn.initializers.lecun_normal(), ("embed", "mlp")),
@@ -297,6 +332,26 @@ class VisionTransformer(nn.Module):
       extras["pre_logits"] = pre_logits.reshape(b, -1)
       logits = ensemble.combine_logits(extras["member_logits"], self.output)
     return logits, extras
+
+  def pool(self, x, *, train: bool, dropout: bool):
+    """The encoder's tokens -> one representation per row: the final LayerNorm (after the mean
+    with `fc_norm`) and the classifier's pooling, the registers left out."""
+    norm = lambda name: nn.LayerNorm(epsilon=self.layer_norm_eps, dtype=self.dtype, name=name)
+    if not self.fc_norm:
+      x = norm("encoder_norm")(x)
+    if self.registers and self.classifier != "token":
+      x = x[:, self.registers:]
+    if self.classifier == "token":
+      x = x[:, 0]
+    elif self.classifier == "gap":
+      x = x.mean(axis=1)
+    elif self.classifier == "map":
+      x = MapHead(self.num_heads, self.mlp_dim, self.dtype, self.attention_qk_norm,
+                  self.activation, self.layer_norm_eps, name="map_head")(
+                      x, train=train, dropout=dropout)
+    else:
+      raise ValueError(f"unknown classifier {self.classifier!r}; valid: {CLASSIFIERS}")
+    return norm("fc_norm")(x) if self.fc_norm else x
 
   def embed(self, images):
     """Non-overlapping patches, linearly projected, plus learned position embeddings."""

@@ -1,4 +1,5 @@
-"""E independent two-layer GELU MLPs, each applied to its own buffer, as one batched matmul.
+"""E independent two-layer GELU MLPs, each applied to its own buffer, as one batched matmul (the
+GELU is the model's `activation`, runner/models/activations.py).
 
 The module only owns the parameters; `apply_experts` is pure so that the MoE layer can run it in
 `shard_map` on each device's experts; `apply_experts_ragged` on rows sorted by expert (dropless)."""
@@ -8,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from runner.models.activations import DEFAULT, activate
 from runner.models.moe.grouped_matmul import grouped_matmul, take_by_id
 
 # Logical axes of the four expert parameters, in the order MlpExperts returns them.
@@ -45,12 +47,12 @@ class MlpExperts(nn.Module):
 
 
 def apply_experts(weights, x: jax.Array, *, dropout_rate: float = 0.0, rng=None,
-                  dtype=jnp.float32) -> jax.Array:
+                  dtype=jnp.float32, activation: str = DEFAULT) -> jax.Array:
   """x: (E, G, C, D) expert-major buffers -> (E, G, C, D); expert e uses weights[...][e]."""
   w1, b1, w2, b2 = (w.astype(dtype) for w in weights)
   e, g, c, d = x.shape
   x = x.reshape(e, g * c, d).astype(dtype)
-  h = nn.gelu(jnp.einsum("emd,edh->emh", x, w1) + b1[:, None, :])
+  h = activate(jnp.einsum("emd,edh->emh", x, w1) + b1[:, None, :], activation)
   if dropout_rate and rng is not None:
     rng, sub = jax.random.split(rng)
     h = jnp.where(jax.random.bernoulli(sub, 1 - dropout_rate, h.shape), h / (1 - dropout_rate), 0)
@@ -62,14 +64,14 @@ def apply_experts(weights, x: jax.Array, *, dropout_rate: float = 0.0, rng=None,
 
 def apply_experts_ragged(weights, rows: jax.Array, experts: jax.Array, group_sizes: jax.Array, *,
                          dropout_rate: float = 0.0, rng=None, dtype=jnp.float32,
-                         method: str = "auto") -> jax.Array:
+                         method: str = "auto", activation: str = DEFAULT) -> jax.Array:
   """rows: (M, D) sorted by expert, group_sizes[e] of them expert e's, experts[r] the expert of
   row r -> (M, D), row r through its expert's MLP: one grouped matmul per layer (`method`:
   grouped_matmul.py's), the biases taken per row (`take_by_id`), expert dropout's masks drawn
   per row."""
   w1, b1, w2, b2 = (w.astype(dtype) for w in weights)
   x = rows.astype(dtype)
-  h = nn.gelu(grouped_matmul(x, w1, group_sizes, method) + take_by_id(b1, experts))
+  h = activate(grouped_matmul(x, w1, group_sizes, method) + take_by_id(b1, experts), activation)
   if dropout_rate and rng is not None:
     rng, sub = jax.random.split(rng)
     h = jnp.where(jax.random.bernoulli(sub, 1 - dropout_rate, h.shape), h / (1 - dropout_rate), 0)

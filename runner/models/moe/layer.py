@@ -83,6 +83,7 @@ class MoeMlpBlock(nn.Module):
   ensemble_variant: str = "pbe"
   shared_experts: int = 0  # DeepSeekMoE's shared experts, applied to every token
   dtype: jnp.dtype = jnp.float32
+  activation: str = "gelu_tanh"  # the experts' nonlinearity (runner/models/activations.py)
 
   @nn.compact
   def __call__(self, x: jax.Array, *, train: bool,
@@ -146,7 +147,8 @@ class MoeMlpBlock(nn.Module):
     rng = self.make_rng("dropout") if dropout and self.expert_dropout else None
     every = jnp.broadcast_to(x.astype(self.dtype).reshape(1, 1, rows * tokens, dim),
                              (k, 1, rows * tokens, dim))  # each shared expert takes every token
-    y = apply_experts(weights, every, dropout_rate=self.expert_dropout, rng=rng, dtype=self.dtype)
+    y = apply_experts(weights, every, dropout_rate=self.expert_dropout, rng=rng, dtype=self.dtype,
+                      activation=self.activation)
     return y.sum(axis=0).reshape(rows, tokens, dim)
 
   def _per_image(self, values, num_groups, group_size, tokens, partitions, tiled) -> jax.Array:
@@ -206,7 +208,7 @@ class MoeMlpBlock(nn.Module):
     if expert_axis is not None:  # (E, G, C, D) -> (E / n, n * G, C, D)
       buffers = jax.lax.all_to_all(buffers, expert_axis, 0, 1, tiled=True)
     outputs = apply_experts(weights, buffers, dropout_rate=self.expert_dropout, rng=rng,
-                            dtype=self.dtype)
+                            dtype=self.dtype, activation=self.activation)
     if expert_axis is not None:
       outputs = jax.lax.all_to_all(outputs, expert_axis, 1, 0, tiled=True)
     if partitions > 1:
@@ -227,7 +229,8 @@ class MoeMlpBlock(nn.Module):
     layout = plan.layout()
     outputs = apply_experts_ragged(weights, plan.rows(blocks, layout), layout.experts,
                                    layout.group_sizes, dropout_rate=self.expert_dropout, rng=rng,
-                                   dtype=self.dtype, method=self.grouped_matmul)
+                                   dtype=self.dtype, method=self.grouped_matmul,
+                                   activation=self.activation)
     return plan.combine_rows(outputs, layout)
 
   def _experts_sharded(self, mesh, groups, plan, weights, rng, partitions):
