@@ -124,6 +124,7 @@ import jax
 import numpy as np
 
 import switch_router
+from runner.models.moe import routers
 
 x = 3 * np.random.default_rng(0).standard_normal((3, 20, 6)).astype(np.float32)
 router = switch_router.SwitchRouter(num_experts=4, capacity_ratio=0.8, eval_capacity_ratio=1.5,
@@ -133,6 +134,8 @@ out = {"x": x, "kernel": np.asarray(variables["params"]["dense"]["kernel"])}
 for mode, train in (("train", True), ("eval", False)):
   plan, metrics = router.apply(variables, x, train=train)
   out[f"{mode}/capacity"] = np.asarray(plan.capacity)
+  metrics, losses = routers.split_losses(metrics)  # and the losses it hands over, weighted
+  out[f"{mode}/z_loss_weight"] = np.asarray(losses["z_loss"])
   out.update({f"{mode}/{k}": np.asarray(v) for k, v in metrics.items()})
 np.savez(sys.argv[1], **out)
 """
@@ -182,6 +185,7 @@ def test_switch_router_metrics_match_numpy(vmoe, tmp_path):
   # 60 tokens over 4 experts of 4 slots per group of 20 drop some; 8 slots drop (almost) none.
   assert got["train/fraction_dropped_tokens"] > got["eval/fraction_dropped_tokens"]
   assert got["train/z_loss"] > 1
+  assert float(got["train/z_loss_weight"]) == float(got["eval/z_loss_weight"]) == 0.3
 
 
 def test_eval_measures_the_plugin_router(lab, vmoe, pretrained):
