@@ -71,6 +71,16 @@ _TINY = dict(name="z_test", image_size=8, patch_size=2, hidden_size=16, num_laye
              num_heads=2, moe=dict(layers=[0, 1], num_experts=4, group_size=4))
 
 
+def _inputs_of(model) -> tuple:
+  """Random parameters of `model` (8x8 images), a batch of 4 and the training rngs."""
+  shapes, _ = abstract_params(model, (8, 8, 3))
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda s: jnp.asarray(0.5 * rng.normal(size=s.shape), s.dtype), shapes)
+  batch = {"image": jnp.asarray(rng.normal(size=(4, 8, 8, 3)), jnp.float32),
+           "labels": jnp.asarray(np.eye(3, dtype=np.float32)[[0, 1, 2, 0]])}
+  return params, batch, {"gating": jax.random.key(1), "dropout": jax.random.key(2)}
+
+
 @pytest.mark.parametrize("router", [dict(type="token_choice", k=2), dict(type="experts_choice")])
 def test_the_training_loss_adds_c_z_times_the_layers_z_losses(router):
   """total = classification + aux_loss_weight * auxiliary + c_z * sum over layers of L_z, and
@@ -79,12 +89,7 @@ def test_the_training_loss_adds_c_z_times_the_layers_z_losses(router):
   weighted = from_dict(ModelConfig, dict(_TINY, router=dict(router, z_loss_weight=0.5)))
   plain = from_dict(ModelConfig, dict(_TINY, router=router))
   model, base = build_model(weighted, 3), build_model(plain, 3)
-  shapes, _ = abstract_params(model, (8, 8, 3))
-  rng = np.random.default_rng(0)
-  params = jax.tree.map(lambda s: jnp.asarray(0.5 * rng.normal(size=s.shape), s.dtype), shapes)
-  batch = {"image": jnp.asarray(rng.normal(size=(4, 8, 8, 3)), jnp.float32),
-           "labels": jnp.asarray(np.eye(3, dtype=np.float32)[[0, 1, 2, 0]])}
-  rngs = {"gating": jax.random.key(1), "dropout": jax.random.key(2)}
+  params, batch, rngs = _inputs_of(model)
   total, metrics = objectives.classification(model, loss="softmax_xent",
                                              aux_loss_weight=0.01)(params, batch, rngs)
   layers = [k for k in metrics if k.startswith("moe/") and k.endswith("/z_loss")]
@@ -122,12 +127,7 @@ def test_a_routers_own_loss_is_weighted_summed_added_and_logged(monkeypatch):
   config = from_dict(ModelConfig, dict(_TINY, router=dict(type="token_choice", k=2)))
   config.router.type = _OwnLoss.name
   model = build_model(config, 3)
-  shapes, _ = abstract_params(model, (8, 8, 3))
-  rng = np.random.default_rng(0)
-  params = jax.tree.map(lambda s: jnp.asarray(0.5 * rng.normal(size=s.shape), s.dtype), shapes)
-  batch = {"image": jnp.asarray(rng.normal(size=(4, 8, 8, 3)), jnp.float32),
-           "labels": jnp.asarray(np.eye(3, dtype=np.float32)[[0, 1, 2, 0]])}
-  rngs = {"gating": jax.random.key(1), "dropout": jax.random.key(2)}
+  params, batch, rngs = _inputs_of(model)
   total, metrics = objectives.classification(model, loss="softmax_xent",
                                              aux_loss_weight=0.01)(params, batch, rngs)
   per_layer = [float(metrics[f"moe/layer_{i}/spread_loss"]) for i in (0, 1)]
