@@ -183,8 +183,9 @@ def _fmt(shape) -> str:
   return f"({inner},)" if len(shape) == 1 else f"({inner})"
 
 
-class _Reader:
-  """Takes named arrays out of the tree, checking shapes; what it never takes is unmapped."""
+class Reader:
+  """Takes named arrays out of the tree, checking shapes; what it never takes is unmapped (timm's
+  and transformers' state_dicts are read by its subclass, pytorch_vit.Reader)."""
 
   def __init__(self, params: dict[str, np.ndarray], problems: list[str]):
     self.params, self.problems, self.remaining = params, problems, set(params)
@@ -220,7 +221,7 @@ def _fold_class_position(cls: np.ndarray, posemb: np.ndarray) -> tuple[np.ndarra
   return cls + posemb[:, :1], posemb[:, 1:]  # the second is a view
 
 
-def _attention(reader: _Reader, scope: str, dims: _Dims, out: dict, ours: str, *, fused: bool):
+def _attention(reader: Reader, scope: str, dims: _Dims, out: dict, ours: str, *, fused: bool):
   """query/key/value/out of a flax MultiHeadDotProductAttention at `scope`."""
   d, h, hd = dims.hidden, dims.heads, dims.head_dim
   heads_fit = (lambda s: None if h is None or h * hd == d else
@@ -245,12 +246,12 @@ def _attention(reader: _Reader, scope: str, dims: _Dims, out: dict, ours: str, *
     out[f"{ours}/out/kernel"], out[f"{ours}/out/bias"] = out_kernel, out_bias
 
 
-def _norm(reader: _Reader, scope: str, d: int | None, out: dict, ours: str):
+def _norm(reader: Reader, scope: str, d: int | None, out: dict, ours: str):
   out[f"{ours}/scale"] = reader.take(f"{scope}/scale", (d,))
   out[f"{ours}/bias"] = reader.take(f"{scope}/bias", (d,))
 
 
-def _mlp(reader: _Reader, scope: str, dims: _Dims, out: dict, ours: str):
+def _mlp(reader: Reader, scope: str, dims: _Dims, out: dict, ours: str):
   d, f = dims.hidden, dims.mlp
   out[f"{ours}/fc1/kernel"] = reader.take(f"{scope}/Dense_0/kernel", (d, f))
   out[f"{ours}/fc1/bias"] = reader.take(f"{scope}/Dense_0/bias", (f,))
@@ -258,7 +259,7 @@ def _mlp(reader: _Reader, scope: str, dims: _Dims, out: dict, ours: str):
   out[f"{ours}/fc2/bias"] = reader.take(f"{scope}/Dense_1/bias", (d,))
 
 
-def _moe(reader: _Reader, scope: str, dims: _Dims, out: dict, ours: str, ensemble_size: int):
+def _moe(reader: Reader, scope: str, dims: _Dims, out: dict, ours: str, ensemble_size: int):
   d, f, e = dims.hidden, dims.mlp, dims.experts
   mlp = f"{scope}/Mlp"
   out[f"{ours}/experts/fc1_kernel"] = reader.take(f"{mlp}/Dense_0/kernel", (e, d, f))
@@ -303,7 +304,7 @@ def to_ours(flat: Mapping[str, np.ndarray], *, ensemble_size: int = 1) -> dict[s
     params = _unscan(params, problems)
   dims = _dims(params, layout)
   d, blocks = dims.hidden, dims.blocks
-  reader = _Reader(params, problems)
+  reader = Reader(params, problems)
   out: dict[str, np.ndarray | None] = {}
   if not blocks:
     problems.append(f"{layout.encoder}/encoderblock_0: missing (no encoder blocks)")

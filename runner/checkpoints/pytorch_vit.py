@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from runner.checkpoints import mapping
 from runner.errors import CheckpointError
 from runner.models import catalog
 
@@ -88,20 +89,18 @@ class Architecture:
     return f"a {self.kind} ({self.name}: {'; '.join(parts)})"
 
 
-class Reader:
-  """Takes tensors out of a state_dict, checking shapes; what it never takes is unmapped."""
-
-  def __init__(self, tensors: Mapping[str, np.ndarray], problems: list[str]):
-    self.tensors, self.problems, self.remaining = tensors, problems, set(tensors)
+class Reader(mapping.Reader):
+  """mapping's Reader over a state_dict: `has` a tensor by its exact name, tensors taken as
+  float32 (a bfloat16 file's too)."""
 
   def has(self, name: str) -> bool:
-    return name in self.tensors
+    return name in self.params
 
   def has_prefix(self, prefix: str) -> bool:
-    return any(name.startswith(prefix) for name in self.tensors)
+    return super().has(prefix)
 
   def shape(self, name: str) -> tuple | None:
-    return tuple(np.shape(self.tensors[name])) if name in self.tensors else None
+    return tuple(np.shape(self.params[name])) if name in self.params else None
 
   def drop(self, name: str) -> None:
     """A tensor read and deliberately left out (a masked-image-modelling mask token)."""
@@ -110,19 +109,8 @@ class Reader:
   def take(self, name: str, shape: tuple | None, *, optional: bool = False) -> np.ndarray | None:
     """The tensor `name` as float32 if its shape is `shape` (None: any size on that axis); None
     when missing (a problem unless `optional`) or mis-shaped (a problem)."""
-    if name not in self.tensors:
-      if not optional:
-        self.problems.append(f"{name}: missing")
-      return None
-    self.remaining.discard(name)
-    value = self.tensors[name]
-    actual = tuple(np.shape(value))
-    if shape is not None and (len(actual) != len(shape) or any(
-        e is not None and a != e for a, e in zip(actual, shape))):
-      inner = ", ".join("?" if e is None else str(e) for e in shape)
-      self.problems.append(f"{name}: shape {actual}, expected ({inner}{',' if len(shape) == 1 else ''})")
-      return None
-    return np.asarray(value, np.float32)
+    value = super().take(name, shape, optional=optional)
+    return None if value is None else np.asarray(value, np.float32)
 
   def unmapped(self) -> None:
     self.problems += [f"{name}: not mapped (vmoe's ViT has no such parameter)"
