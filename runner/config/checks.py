@@ -74,11 +74,8 @@ class Choice(Check):
   """One of a set of names; `choices` may be a function, so that heavy registries load lazily."""
   choices: tuple | Callable[[], Iterable[str]]
 
-  def names(self) -> list[str]:
-    return list(self.choices() if callable(self.choices) else self.choices)
-
   def __call__(self, value):
-    names = self.names()
+    names = list(self.choices() if callable(self.choices) else self.choices)
     return None if value in names else f"must be one of {', '.join(map(str, names))}"
 
 
@@ -99,8 +96,7 @@ class Items(Check):
       return f"must be a non-empty list{shape}"
     if self.each is not None:
       for item in value:
-        problem = self.each(item)
-        if problem:
+        if problem := self.each(item):
           return f"has the item {item!r}, which {problem}{shape}"
     if self.increasing and any(b <= a for a, b in zip(value, value[1:])):
       return f"must be strictly increasing{shape}"

@@ -53,8 +53,7 @@ def register(kind: Kind, name: str, value, Config: Optional[type] = None, proble
   owner = f"{kind.registry.kind} {name!r}"
   shared = [key for key in (sections.own_keys(kind.section) if reads and kind.section else ())
             if key != kind.chooser and key not in kind.reads]
-  unknown = [key for key in reads if key not in shared]
-  if unknown:
+  if unknown := [key for key in reads if key not in shared]:
     raise ConfigError(
         f"{owner} reads {', '.join(f'{kind.prefix}.{key}' for key in unknown)}, not a key of "
         f"{kind.prefix}.* that {_a(kind.noun)} may read besides its own (those are: "

@@ -26,8 +26,7 @@ def moe_layer_indices(layers, num_layers: int) -> tuple[int, ...]:
                        f"{len(every2)} every-2 blocks")
     return every2[len(every2) - n:]
   indices = tuple(int(i) for i in layers)
-  bad = [i for i in indices if not 0 <= i < num_layers]
-  if bad:
+  if bad := [i for i in indices if not 0 <= i < num_layers]:
     raise ValueError(f"moe.layers {bad} out of range for a {num_layers}-block model (0..{num_layers - 1})")
   return tuple(sorted(set(indices)))
 
@@ -45,9 +44,7 @@ def expert_split(model: ModelConfig) -> int:
 def num_experts(model: ModelConfig) -> int:
   """Routed experts per MoE layer (E, or E*m fine-grained ones: the router's choices and the
   expert weights' leading axis); 0 for a dense ViT."""
-  if not (model.moe.num_experts and moe_layers(model)):
-    return 0
-  return int(model.moe.num_experts) * int(model.moe.expert_split)
+  return int(model.moe.num_experts) * expert_split(model) if moe_layers(model) else 0
 
 
 def expert_width(model: ModelConfig) -> int:
@@ -73,19 +70,14 @@ def expert_partitions(model: ModelConfig) -> int:
 
 def predictions_per_image(model: ModelConfig) -> int:
   """M for a tiled ensemble (pbe, tiling_only), else 1 (partition_only combines in the layer)."""
-  if model.moe.ensemble_variant == EnsembleVariant.partition_only:
-    return 1
-  return ensemble_size(model)
-
-
-def prefix_tokens(model: ModelConfig) -> int:
-  """The tokens before the patches: the class token of a `token` classifier, the registers."""
-  return int(str(model.classifier) == "token") + int(model.registers)
+  partition_only = model.moe.ensemble_variant == EnsembleVariant.partition_only
+  return 1 if partition_only else ensemble_size(model)
 
 
 def tokens_per_image(model: ModelConfig) -> int:
   """Patches, plus the class token of a `token` classifier and the registers."""
-  return (model.image_size // model.patch_size) ** 2 + prefix_tokens(model)
+  return ((model.image_size // model.patch_size) ** 2 + int(str(model.classifier) == "token")
+          + int(model.registers))
 
 
 def tokens_per_group(model: ModelConfig) -> int:

@@ -24,9 +24,8 @@ def expert_mesh_axes(bundle: str, rules: list | None = None) -> tuple[str, ...]:
   () where the experts are replicated (sharding=dp)."""
   for logical, axes in (rules if rules is not None else RULES.get(bundle, ())):
     if logical == "expert":
-      if axes is None:
-        return ()
-      return (axes,) if isinstance(axes, str) else tuple(a for a in axes if a is not None)
+      axes = [axes] if isinstance(axes, str) or axes is None else axes
+      return tuple(a for a in axes if a is not None)
   return ()
 
 

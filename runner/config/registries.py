@@ -29,7 +29,6 @@ class Registry(Generic[T]):
                         f"{_origin(entry)}): give the new one another name.")
 
   def add(self, name: str, entry: T) -> T:
-    """Registers `entry` as `name` (`check`ed first)."""
     self.check(name, entry)
     self._entries[name] = entry
     return entry

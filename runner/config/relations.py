@@ -28,9 +28,7 @@ from runner.errors import ConfigError
 
 def shown(value) -> str:
   """A value as one would type it in an override."""
-  if isinstance(value, bool):
-    return str(value).lower()
-  return str(value)
+  return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def changed_keys(section, prefix: str, skip=(), show=shown) -> list[str]:
@@ -49,17 +47,13 @@ class Relation:
   def needs_devices(self) -> bool:
     return "devices" in inspect.signature(self.fn).parameters
 
-  @property
-  def needs_checkpoints(self) -> bool:
-    return "checkpoints" in inspect.signature(self.fn).parameters
-
   def arguments(self, config, devices: int | None, checkpoints=None) -> dict | None:
     """The sections this relation reads from `config`, or None when it does not apply."""
-    if (self.needs_devices and devices is None) or (self.needs_checkpoints and checkpoints is None):
+    takes = inspect.signature(self.fn).parameters
+    args = {name: value for name, value in (("devices", devices), ("checkpoints", checkpoints))
+            if name in takes}
+    if any(value is None for value in args.values()):
       return None
-    args = {"devices": devices} if self.needs_devices else {}
-    if self.needs_checkpoints:
-      args["checkpoints"] = checkpoints
     for name, schema in self.sections.items():
       value = (config if isinstance(config, schema) and name == "run"
                else getattr(config, name, None))
@@ -151,8 +145,7 @@ def router_options_apply(model: ModelConfig):
   if not _moe_layers(model):
     return None  # a dense ViT (dense_model_has_no_router) or invalid layers
   family = derived.router_family(model)
-  problem = family.unread_key_problem(model.router)
-  if problem:
+  if problem := family.unread_key_problem(model.router):
     return problem
   ignored = changed_keys(model.router, "model.router", skip=("type", *family.options))
   if not family.uses_dispatcher and model.moe.dispatcher != MoeConfig().dispatcher:
@@ -183,17 +176,14 @@ def grouped_matmul_applies(model: ModelConfig):
 @relation
 def grouped_matmul_runs(model: ModelConfig):
   """What the config alone decides (the device is the MoE layer's to check when traced)."""
-  if not _moe_layers(model):
-    return None
-  return grouped_matmul_problem(shown(model.moe.grouped_matmul), shown(model.dtype))
+  return (grouped_matmul_problem(shown(model.moe.grouped_matmul), shown(model.dtype))
+          if _moe_layers(model) else None)
 
 
 @relation
 def router_family_rules(model: ModelConfig):
   """The chosen router family's own rules (`RouterFamily.problem`: token-choice's k <= E)."""
-  if not derived.num_experts(model):
-    return None
-  return derived.router_family(model).problem(model)
+  return derived.router_family(model).problem(model) if derived.num_experts(model) else None
 
 
 @relation
@@ -524,9 +514,8 @@ def evaluations_during_training(eval: EvalConfig, objective: ObjectiveConfig):
 def _contrastive_keys(eval: EvalSuiteConfig) -> list[str]:
   """The eval.* keys given that only a contrastive checkpoint reads (its sections' keys, the
   evaluators not `on_classifier`)."""
-  given = []
-  for name in _contrastive_sections(eval):
-    given += changed_keys(getattr(eval, name), f"eval.{name}", show=_listed)
+  given = [key for name in _contrastive_sections(eval)
+           for key in changed_keys(getattr(eval, name), f"eval.{name}", show=_listed)]
   return given + [_given(cls, eval) for cls in _evaluators()
                   if not cls.on_classifier and cls.enabling_key and cls.enabled(eval)]
 
@@ -563,15 +552,13 @@ def zero_shot_needs_a_contrastive_checkpoint(run: EvalRun):
 
 @relation
 def ensembles_of_classifiers(run: EnsembleRun):
-  towers = [m.path for m in run.members if m.objective == Objective.contrastive]
-  if towers:
+  if towers := [m.path for m in run.members if m.objective == Objective.contrastive]:
     return (f"init.checkpoint names a contrastive run ({', '.join(towers)}): vmoe ensemble "
             "averages the predictions of classifiers, which a contrastive checkpoint is not; "
             "evaluate it zero-shot with vmoe eval init.checkpoint=<the run>, or fine-tune its "
             "image tower into a classifier (vmoe finetune init.checkpoint=<the run> "
             "init.tower=image) and ensemble that.")
-  given = _contrastive_keys(run.eval)
-  if given:
+  if given := _contrastive_keys(run.eval):
     return (f"{', '.join(given)} means nothing in vmoe ensemble: zero-shot classification and "
             "the image-text measurements are vmoe eval's, of one contrastive checkpoint; drop "
             f"{'them' if len(given) > 1 else 'it'}.")
@@ -719,15 +706,14 @@ def batch_problem(batch_size: int, what: str, model: ModelConfig, devices: int,
     return None
   group = model.moe.group_size
   per_device = batch_size // accum_steps // devices
-  fits = per_device % group == 0 if devices > 1 else (per_device % group == 0 or per_device < group)
-  if not fits:
-    split = f"{devices} device(s)" + (f", train.accum_steps={accum_steps}"
-                                      if what == "data.batch_size" else "")
-    return (f"{what}={batch_size} gives {per_device} images per device and micro-batch "
-            f"({split}); routing groups of "
-            f"model.moe.group_size={group} images must tile each device's share: use a multiple "
-            f"of {group * devices * accum_steps} images, or a group size dividing {per_device}.")
-  return None
+  if per_device % group == 0 or (devices <= 1 and per_device < group):
+    return None
+  split = f"{devices} device(s)" + (f", train.accum_steps={accum_steps}"
+                                    if what == "data.batch_size" else "")
+  return (f"{what}={batch_size} gives {per_device} images per device and micro-batch "
+          f"({split}); routing groups of "
+          f"model.moe.group_size={group} images must tile each device's share: use a multiple "
+          f"of {group * devices * accum_steps} images, or a group size dividing {per_device}.")
 
 
 @relation
@@ -756,12 +742,8 @@ def inference_batch_fits(run: RunFields, devices: int):
   batch = derived.inference_batch(run)
   if batch is None:
     return None
-  size, what = batch
-  for model in derived.held_models(run):
-    problem = batch_problem(size, what, model, devices)
-    if problem:
-      return problem
-  return None
+  problems = (batch_problem(*batch, model, devices) for model in derived.held_models(run))
+  return next(filter(None, problems), None)
 
 
 @relation
@@ -801,12 +783,9 @@ def experts_split_for_the_router(run: RunFields):
     return None
   where = (f"sharding={sharding.name}" if sharding.rules is None
            else f"sharding.rules={shown(sharding.rules)}")
-  for model in derived.held_models(run):
-    if derived.num_experts(model):
-      problem = derived.router_family(model).expert_parallel_problem(model.router, where)
-      if problem:
-        return problem
-  return None
+  problems = (derived.router_family(model).expert_parallel_problem(model.router, where)
+              for model in derived.held_models(run) if derived.num_experts(model))
+  return next(filter(None, problems), None)
 
 
 @relation

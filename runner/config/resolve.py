@@ -76,15 +76,10 @@ def train_task(cfg: DictConfig, workdir: str) -> TrainTask:
 
 def _known(schema, stored: dict) -> dict:
   """The keys of `stored` that `schema` has (a checkpoint of an older version may have others)."""
-  out = {}
   types = typing.get_type_hints(sections.fields_class(schema))
-  for name, value in (stored or {}).items():
-    if name not in types:
-      continue
-    sub = types[name]
-    out[name] = _known(sub, value) if dataclasses.is_dataclass(sub) and isinstance(
-        value, dict) else value
-  return out
+  return {name: _known(types[name], value)
+          if dataclasses.is_dataclass(types[name]) and isinstance(value, dict) else value
+          for name, value in (stored or {}).items() if name in types}
 
 
 def _prune_none(tree):
@@ -118,40 +113,31 @@ def _router_family(router_type: str | None):
     return None
 
 
-# A later stage may change how a checkpoint runs (router k, capacity, BPR, dtype), not what it is.
-_ENSEMBLE_KEYS = ("ensemble_size", "ensemble_variant")
-
-
-def _keeps_the_ensemble(stored: dict, model: dict) -> None:
+def _keeps_what_was_trained(stored: dict, model: dict) -> None:
+  """A later stage may change how a checkpoint runs (router k, capacity, BPR, dtype), not what it
+  is: its partitioned batch ensemble, nor what the chosen family says it may not change
+  (`later_stage_problem`: for Soft MoE the keys that size its slots, parameters)."""
   stored_moe, given_moe = stored.get("moe") or {}, (model.get("moe") or {})
-  for key in _ENSEMBLE_KEYS:
-    given = given_moe.get(key)
-    kept = stored_moe.get(key, 1 if key == "ensemble_size" else "pbe")
+  for key, default in (("ensemble_size", 1), ("ensemble_variant", "pbe")):
+    given, kept = given_moe.get(key), stored_moe.get(key, default)
     if given is not None and str(given) != str(kept):
       raise ConfigError(
           f"model.moe.{key}={given} differs from the checkpoint's {kept}: the members of a "
           "partitioned batch ensemble are fixed when it is trained. Fine-tune it into another "
           "ensemble (vmoe finetune init.checkpoint=... model.moe.ensemble_size=<M> "
           "init.repartition_experts=true), or drop the override.")
-
-
-def _keeps_the_trained_router(stored: dict, model: dict) -> None:
-  """What the chosen family says a later stage may not change (`later_stage_problem`: for Soft
-  MoE the keys that size its slots, parameters)."""
   stored_router, given_router = stored.get("router") or {}, model.get("router") or {}
   family = _router_family(given_router.get("type") or stored_router.get("type"))
   if not stored_router or family is None:
     return
-  problem = family.later_stage_problem(stored_router, given_router)
-  if problem:
+  if problem := family.later_stage_problem(stored_router, given_router):
     raise ConfigError(problem)
 
 
 def stored_model_and_data(stored: dict, model: dict | None = None,
                           data: dict | None = None) -> tuple[ModelConfig, DataConfig]:
   """The checkpoint's model and data configs with the given (unresolved) overrides on top."""
-  _keeps_the_ensemble(stored.get("model") or {}, _prune_none(dict(model or {})))
-  _keeps_the_trained_router(stored.get("model") or {}, _prune_none(dict(model or {})))
+  _keeps_what_was_trained(stored.get("model") or {}, _prune_none(dict(model or {})))
   base = OmegaConf.create({"model": OmegaConf.structured(ModelConfig),
                            "data": OmegaConf.structured(DataConfig)})
   try:
@@ -179,11 +165,9 @@ def stored_objective(stored: dict) -> Objective:
 def _sections(cfg: DictConfig, workdir: str, *names: str) -> dict:
   """The run fields every task shares (RunFields) and the task's own `names`, typed."""
   shared = {f.name: cfg[f.name] for f in dataclasses.fields(RunFields)}
-  out = {name: typed(value) if isinstance(value, (DictConfig, ListConfig)) else value
-         for name, value in shared.items()}
-  out["workdir"] = str(workdir)
-  out.update({name: typed(cfg[name]) for name in names})
-  return out
+  shared = {name: typed(value) if isinstance(value, (DictConfig, ListConfig)) else value
+            for name, value in shared.items()}
+  return {**shared, "workdir": str(workdir), **{name: typed(cfg[name]) for name in names}}
 
 
 def eval_run(cfg: DictConfig, workdir: str, stored: dict) -> EvalRun:
@@ -230,11 +214,8 @@ def checkpoint_paths(value, command: str = "fewshot") -> list[str]:
 def fewshot_run(cfg: DictConfig, workdir: str, stored: dict[str, dict]) -> FewshotRun:
   """`stored`: checkpoint path -> its stored config, in the order of init.checkpoint."""
   given = OmegaConf.to_container(cfg.model, resolve=False, enum_to_str=True)
-  members = []
-  for path, config in stored.items():
-    model, data = stored_model_and_data(config, given)
-    members.append(FewshotMember(path=path, model=model, data=data,
-                                 objective=stored_objective(config)))
+  members = [FewshotMember(path, *stored_model_and_data(config, given),
+                           objective=stored_objective(config)) for path, config in stored.items()]
   return FewshotRun(members=members, data=members[0].data, **_sections(cfg, workdir, "fewshot"))
 
 

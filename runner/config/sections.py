@@ -131,21 +131,16 @@ def build() -> None:
                                           "__doc__": cls.__doc__})
 
 
-def built_named(name: str) -> type:
-  """The built class of the open section named `name` (making the schema, if nothing has yet)."""
-  build()
-  for made in _BUILT.values():
-    if made.__name__ == name:
-      return made
-  raise AttributeError(name)
-
-
 class Finder:
   """Where pickle finds a built class by name (`<module>.<attribute>.RouterConfig`): a config
   composed in one process and unpickled in a job's own, where nothing may have built yet."""
 
   def __getattr__(self, name: str) -> type:
-    return built_named(name)
+    build()
+    for made in _BUILT.values():
+      if made.__name__ == name:
+        return made
+    raise AttributeError(name)
 
 
 BUILT = Finder()

@@ -137,10 +137,6 @@ def _most_shots(summary: dict) -> float:
   return float(summary[f"mean/{shots}shot/accuracy"])
 
 
-def _fewshot(summary: dict) -> bool:
-  return any(k.startswith("mean/") and k.endswith("shot/accuracy") for k in summary)
-
-
 _TRAINS = dict(schema=TrainTask, metric=_trained, columns=_trained_columns, resolver="train_task")
 register(Subcommand(
     "pretrain", "train a ViT or V-MoE upstream (default: V-MoE tiny on embedded MNIST-5k)",
@@ -153,8 +149,8 @@ register(Subcommand(
 register(Subcommand(
     "fewshot", "linear few-shot accuracy of frozen features (ridge on pre-logits, 1-25 shots)",
     "runner.tasks.fewshot", FewshotTask, main_metric="mean/<most shots>shot/accuracy",
-    metric=_most_shots, wrote=_fewshot, resolver="fewshot_run", reads="checkpoints",
-    released_needs_data=False,
+    metric=_most_shots, resolver="fewshot_run", reads="checkpoints", released_needs_data=False,
+    wrote=lambda s: any(k.startswith("mean/") and k.endswith("shot/accuracy") for k in s),
     columns=lambda s: [("few-shot accuracy (most shots)", _most_shots)]))
 register(Subcommand(
     "eval", "evaluate a checkpoint: accuracy, NLL, calibration, OOD, corruptions, PGD, GFLOPs",

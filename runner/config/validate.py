@@ -12,10 +12,6 @@ from runner.config.relations import RELATIONS
 from runner.errors import ConfigError
 
 
-def _show(value) -> str:
-  return repr(value) if isinstance(value, str) else str(value)
-
-
 def _sections(node):
   """(name, value, field metadata) of a dataclass, or of a namespace of sections."""
   if dataclasses.is_dataclass(node) and not isinstance(node, type):
@@ -36,10 +32,10 @@ def field_problems(node, prefix: str = "") -> list[str]:
     check = metadata.get("check")
     if check is None or value is None:
       continue
-    problem = check(value)
-    if problem:
+    if problem := check(value):
       hint = metadata.get("hint")
-      found.append(f"{path}={_show(value)} {problem}" + (f" ({hint})" if hint else ""))
+      shown = repr(value) if isinstance(value, str) else str(value)
+      found.append(f"{path}={shown} {problem}" + (f" ({hint})" if hint else ""))
   return found
 
 
@@ -79,7 +75,6 @@ def paragraph(found: list[str]) -> str:
 def validate(config, devices: int | None = None, checkpoints=None, *,
              device_checks_only: bool = False):
   """Returns `config` unchanged, or raises one ConfigError listing every problem."""
-  found = problems(config, devices, checkpoints, device_checks_only=device_checks_only)
-  if found:
+  if found := problems(config, devices, checkpoints, device_checks_only=device_checks_only):
     raise ConfigError(paragraph(found))
   return config
