@@ -28,9 +28,8 @@ def compiler_options(config: ModelConfig) -> dict:
   """The XLA compiler options every program that runs this model is compiled with
   (`jax.jit(..., compiler_options=)`): none, but for dropless routing by cuDNN's grouped matmul,
   which XLA substitutes for ragged_dot only when asked (runner/models/moe/grouped_matmul.py)."""
-  if not derived.num_experts(config):
-    return {}
-  return grouped_matmul.compiler_options(str(config.moe.grouped_matmul))
+  method = str(config.moe.grouped_matmul)
+  return grouped_matmul.compiler_options(method) if is_moe(config) else {}
 
 
 def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") -> VisionTransformer:
@@ -58,9 +57,8 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
       moe.update(shared_experts=int(config.moe.shared_experts))
     if config.activation is not None:  # an upcycled timm or transformers ViT's, in every expert
       moe.update(activation=str(config.activation))
-  head = None
-  if config.head.type != HeadType.det:
-    h = config.head
+  h, head = config.head, None
+  if h.type != HeadType.det:
     head = dict(latent=h.type == HeadType.het_xl, num_factors=h.num_factors,
                 parameter_efficient=h.parameter_efficient, train_mc_samples=h.train_mc_samples,
                 eval_mc_samples=h.eval_mc_samples, temperature=h.temperature,
@@ -81,6 +79,5 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
 
 
 __all__ = ["ModelConfig", "UnknownModelError", "VisionTransformer", "build_model", "compiler_options",
-           "is_moe",
-           "model_config", "moe_layer_indices", "param_updates_of", "tokens_per_group",
+           "is_moe", "model_config", "moe_layer_indices", "param_updates_of", "tokens_per_group",
            "tokens_per_image"]

@@ -35,11 +35,9 @@ def prune_plan(counts: np.ndarray, weights: np.ndarray, keep: int,
   """The `keep` experts (keep / partitions of each partition) the calibration tokens chose most
   often (`counts`, (E,)); ties go to the larger summed routing weight (`weights`: experts-choice
   gives every expert as many tokens), then to the lower id. Groups of one, in expert order."""
-  plan = []
-  for ids in _partitions(len(counts), partitions):
-    ranked = sorted(ids, key=lambda e: (-counts[e], -weights[e], e))
-    plan += [[e] for e in sorted(ranked[:keep // partitions])]
-  return plan
+  ranked = (sorted(ids, key=lambda e: (-counts[e], -weights[e], e))
+            for ids in _partitions(len(counts), partitions))
+  return [[e] for top in ranked for e in sorted(top[:keep // partitions])]
 
 
 def average_linkage(points: np.ndarray, clusters: int) -> list[list[int]]:
@@ -50,13 +48,8 @@ def average_linkage(points: np.ndarray, clusters: int) -> list[list[int]]:
   distance = np.sqrt(((points[:, None] - points[None]) ** 2).sum(-1))
   groups = [[i] for i in range(len(points))]
   while len(groups) > clusters:
-    best = None
-    for a in range(len(groups)):
-      for b in range(a + 1, len(groups)):
-        d = distance[np.ix_(groups[a], groups[b])].mean()
-        if best is None or d < best[0]:
-          best = (d, a, b)
-    _, a, b = best
+    _, a, b = min((distance[np.ix_(groups[a], groups[b])].mean(), a, b)
+                  for a in range(len(groups)) for b in range(a + 1, len(groups)))
     groups[a] = sorted(groups[a] + groups.pop(b))
   return sorted(groups)
 
@@ -64,21 +57,15 @@ def average_linkage(points: np.ndarray, clusters: int) -> list[list[int]]:
 def merge_plan(mean_outputs: np.ndarray, keep: int, partitions: int = 1) -> list[list[int]]:
   """HC-SMoE's groups: the experts' average outputs (E, D) clustered per partition into
   keep / partitions groups each."""
-  plan = []
-  for ids in _partitions(len(mean_outputs), partitions):
-    plan += [[ids[i] for i in group]
-             for group in average_linkage(mean_outputs[ids], keep // partitions)]
-  return plan
+  return [[ids[i] for i in group] for ids in _partitions(len(mean_outputs), partitions)
+          for group in average_linkage(mean_outputs[ids], keep // partitions)]
 
 
 def group_weights(plan: list[list[int]], counts: np.ndarray) -> list[np.ndarray]:
   """Each group's averaging weights: its experts' shares of the group's chosen count (equal
   shares where the calibration set chose none of them)."""
-  out = []
-  for group in plan:
-    f = np.asarray([counts[e] for e in group], np.float64)
-    out.append(f / f.sum() if f.sum() > 0 else np.full(len(group), 1 / len(group)))
-  return out
+  shares = [np.asarray([counts[e] for e in group], np.float64) for group in plan]
+  return [f / f.sum() if f.sum() > 0 else np.full(len(f), 1 / len(f)) for f in shares]
 
 
 def apply_plan(experts: dict, router: dict, plan: list[list[int]],

@@ -32,19 +32,8 @@ class RepresentationNoise(nn.Module):
   @nn.compact
   def __call__(self, z: jax.Array, samples: int) -> jax.Array:
     batch, dim = z.shape
-    weights = {"diag_layer": heads._Linear(dim, name="diag_layer")(dim)}
-    if self.parameter_efficient:
-      weights["scale_layer_homoscedastic"] = heads._Linear(
-          dim, name="scale_layer_homoscedastic")(self.num_factors)
-      weights["scale_layer_heteroscedastic"] = heads._Linear(
-          dim, name="scale_layer_heteroscedastic")(dim)
-    else:
-      weights["scale_layer"] = heads._Linear(dim * self.num_factors, name="scale_layer")(dim)
-    key = (self.make_rng(heads.NOISE_RNG) if self.has_rng(heads.NOISE_RNG)
-           else jax.random.key(heads.EVAL_NOISE_SEED))  # initialisation: shapes only
-    z_key, zeta_key = jax.random.split(key)
-    draws = jax.random.normal(z_key, (batch, samples, self.num_factors), jnp.float32)
-    zeta = jax.random.normal(zeta_key, (batch, samples, 1), jnp.float32)
+    weights = heads.noise_layers(dim, self.num_factors, dim, self.parameter_efficient)
+    draws, zeta = heads.noise_draws(self, batch, samples, self.num_factors)
     return heads.noise(draws, zeta, weights, z, parameter_efficient=self.parameter_efficient)
 
 

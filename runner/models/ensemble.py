@@ -55,12 +55,13 @@ class Ensemble:
   def apply(self, variables, images, *, train: bool = False, mutable=None):
     if train:
       raise ValueError("an Ensemble of separate models is for inference; train its members")
-    member_logits, features, routing, states, aux = [], [], {}, {}, 0.0
+    member_logits, features, routing, merged, aux = [], [], {}, {}, 0.0
     for name, model, params, kwargs in self._runs(variables["params"]):
       out = model.apply({"params": params}, images, train=False, mutable=mutable or False, **kwargs)
-      if mutable:
+      if mutable:  # every collection's trees of the members, under their names
         out, state = out
-        states[name] = state
+        for collection, tree in state.items():
+          merged.setdefault(collection, {})[name] = tree
       logits, extras = out
       member_logits.append(extras.get("member_logits", logits[:, None]))
       features.append(extras["pre_logits"])
@@ -70,10 +71,4 @@ class Ensemble:
     extras = {"member_logits": member_logits, "pre_logits": jnp.concatenate(features, axis=-1),
               "routing": routing, "auxiliary_loss": aux}
     result = (combine_logits(member_logits, self.output), extras)
-    if not mutable:
-      return result
-    merged = {}
-    for name, state in states.items():
-      for collection, tree in state.items():
-        merged.setdefault(collection, {})[name] = tree
-    return result, merged
+    return (result, merged) if mutable else result

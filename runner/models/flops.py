@@ -39,8 +39,7 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
                             train: bool = True) -> float:
   """Forward matmul FLOPs per input image of a model config (the `model.` keys) at `batch_size`;
   with a tiled ensemble (pbe, tiling_only) the M replicas of an image are all part of its cost."""
-  d, m, layers = config.hidden_size, config.mlp_dim, config.num_layers
-  p = config.patch_size
+  d, m, layers, p = config.hidden_size, config.mlp_dim, config.num_layers, config.patch_size
   patches = (config.image_size // p) ** 2
   tokens = derived.tokens_per_image(config)  # the class token's and the registers' included
   flops = 2.0 * patches * (p * p * 3) * d  # patch embedding
@@ -80,13 +79,10 @@ def forward_flops_per_image(config: ModelConfig, num_classes: int, *, batch_size
       continue
     group = min(moe.group_size, batch_size)  # images per routing group (per member when tiled)
     # Slots that are parameters (Soft MoE) follow the configured group, not the batch.
-    fixed = not family.capacity_at_inference
-    block_tokens = (moe.group_size if fixed else group) * replicas * tokens
+    block_tokens = (group if family.capacity_at_inference else moe.group_size) * replicas * tokens
     capacity = family.capacity(router, block_tokens, experts, train=train)
-    router_flops = blocks * family.router_flops(group * replicas * tokens, d, experts,
-                                                capacity) / group
+    flops += blocks * family.router_flops(group * replicas * tokens, d, experts, capacity) / group
     slots_per_image = blocks * family.expert_rows(router, block_tokens, experts, capacity) / group
-    flops += router_flops
     flops += 2 * 2.0 * slots_per_image * d * expert_width  # experts at padded capacity (or none)
     flops += rows * shared_mlp  # shared experts: every token, K_s MLPs of the experts' width
   if config.classifier == Classifier.map:  # one probe query attending to every token, then an MLP

@@ -21,8 +21,7 @@ part = nn.with_logical_partitioning
 def num_classes(params: dict) -> int:
   """Classes a parameter tree's head predicts (linear, or a heteroscedastic mean classifier); 0
   for a tree without a head (a released backbone, DINOv2's: its representation only)."""
-  head = params.get("head")
-  if head is None:
+  if (head := params.get("head")) is None:
     return 0
   return int((head["loc_layer"] if "loc_layer" in head else head)["kernel"].shape[-1])
 
@@ -84,8 +83,7 @@ def noise(z, zeta, weights: dict, x: jax.Array, *, parameter_efficient: bool) ->
     low_rank = (z @ hom["kernel"] + hom["bias"]) * v[:, None, :]
   else:  # V(x) z, V(x) = reshape(x W_s + b_s, (Q, R))
     scale = weights["scale_layer"]
-    q = d.shape[-1]
-    v = (x @ scale["kernel"] + scale["bias"]).reshape(x.shape[0], q, -1)
+    v = (x @ scale["kernel"] + scale["bias"]).reshape(x.shape[0], d.shape[-1], -1)
     low_rank = jnp.einsum("bqr,bsr->bsq", v, jnp.broadcast_to(z, (x.shape[0],) + z.shape[1:]))
   return low_rank + d[:, None, :] * zeta
 
@@ -94,8 +92,7 @@ def het_logits(x, weights: dict, z, zeta, tau, *, latent: bool, parameter_effici
                output: str = "softmax", chunk_size: int | None = None) -> jax.Array:
   """The head's logits for given draws: a pure function (the golden-value tests inject draws)."""
   loc = weights["loc_layer"]
-  batch, num_samples = x.shape[0], z.shape[1]
-  num_classes = loc["kernel"].shape[-1]
+  batch, num_samples, num_classes = x.shape[0], z.shape[1], loc["kernel"].shape[-1]
 
   def sample_logits(z_c, zeta_c):
     eps = noise(z_c, zeta_c, weights, x, parameter_efficient=parameter_efficient)
@@ -122,6 +119,24 @@ class _Linear(nn.Module):
                         jnp.float32)
     bias = self.param("bias", part(self.bias_init, self.axes[-1:]), (self.features,), jnp.float32)
     return {"kernel": kernel, "bias": bias}
+
+
+def noise_layers(q: int, r: int, width: int, parameter_efficient: bool) -> dict:
+  """`noise`'s weights for inputs of `width`, made in the calling module's compact method:
+  diag_layer, and the scale layers of v(x) (parameter-efficient) or of V(x)."""
+  scales = ({"scale_layer_homoscedastic": (q, r), "scale_layer_heteroscedastic": (q, width)}
+            if parameter_efficient else {"scale_layer": (q * r, width)})
+  return {name: _Linear(features, name=name)(inputs)
+          for name, (features, inputs) in {"diag_layer": (q, width), **scales}.items()}
+
+
+def noise_draws(module: nn.Module, rows: int, samples: int, r: int) -> tuple[jax.Array, jax.Array]:
+  """`noise`'s z (rows, samples, R) and zeta (rows, samples, 1), drawn from the module's NOISE_RNG,
+  or from EVAL_NOISE_SEED where it has none (evaluation; initialisation: shapes only)."""
+  key = module.make_rng(NOISE_RNG) if module.has_rng(NOISE_RNG) else jax.random.key(EVAL_NOISE_SEED)
+  z_key, zeta_key = jax.random.split(key)
+  return (jax.random.normal(z_key, (rows, samples, r), jnp.float32),
+          jax.random.normal(zeta_key, (rows, samples, 1), jnp.float32))
 
 
 class HeteroscedasticHead(nn.Module):
@@ -151,24 +166,16 @@ class HeteroscedasticHead(nn.Module):
     r = self.num_factors
     weights = {"loc_layer": _Linear(
         self.num_classes, nn.initializers.zeros, nn.initializers.constant(self.head_bias_init),
-        axes=(None, "classes"), name="loc_layer")(width)}
-    weights["diag_layer"] = _Linear(q, name="diag_layer")(width)
-    if self.parameter_efficient:
-      weights["scale_layer_homoscedastic"] = _Linear(q, name="scale_layer_homoscedastic")(r)
-      weights["scale_layer_heteroscedastic"] = _Linear(q, name="scale_layer_heteroscedastic")(width)
-    else:
-      weights["scale_layer"] = _Linear(q * r, name="scale_layer")(width)
+        axes=(None, "classes"), name="loc_layer")(width),
+        **noise_layers(q, r, width, self.parameter_efficient)}
     if self.temperature is None:
       t = self.param("pre_sigmoid_temperature", nn.initializers.zeros, (1,), jnp.float32)
       tau = temperature(t[0], *self.temperature_bounds)
     else:
       tau = jnp.asarray(self.temperature, jnp.float32)
     samples = self.train_mc_samples if train else self.eval_mc_samples
-    key = self.make_rng(NOISE_RNG) if self.has_rng(NOISE_RNG) else jax.random.key(EVAL_NOISE_SEED)
     rows = 1 if self.share_samples_across_batch else batch
-    z_key, zeta_key = jax.random.split(key)
-    z = jax.random.normal(z_key, (rows, samples, r), jnp.float32)
-    zeta = jax.random.normal(zeta_key, (rows, samples, 1), jnp.float32)
+    z, zeta = noise_draws(self, rows, samples, r)
     logits = het_logits(x, weights, z, zeta, tau, latent=self.latent,
                         parameter_efficient=self.parameter_efficient, output=self.output,
                         chunk_size=self.mc_chunk_size)

@@ -28,6 +28,4 @@ def images(batch: dict) -> jax.Array:
 
 def with_images(batch: dict) -> dict:
   """The batch with its float32 images and without the device's value_range."""
-  out = {k: v for k, v in batch.items() if k != DEVICE_VALUE_RANGE}
-  out["image"] = images(batch)
-  return out
+  return {**{k: v for k, v in batch.items() if k != DEVICE_VALUE_RANGE}, "image": images(batch)}

@@ -54,9 +54,7 @@ def _update(update: ParamUpdate, before, after, sown):
     names = _names(path)
     if names[-1:] != (update.param,):
       return leaf
-    if names not in sums:
-      return old[names]
-    return update.rule(old[names], sums[names])
+    return update.rule(old[names], sums[names]) if names in sums else old[names]
   return jax.tree_util.tree_map_with_path(replace, after)
 
 

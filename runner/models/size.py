@@ -15,9 +15,7 @@ def active_params(params, num_experts: int, k: float) -> int:
   be fractional (experts-choice routing: E * capacity / tokens on average). For a partitioned batch
   ensemble pass E / M: a member's token chooses among its partition."""
   e = num_experts
-  total = 0
-  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    size = int(np.prod(leaf.shape))
-    names = [getattr(p, "key", str(p)) for p in path]
-    total += round(size * min(k, e) / e) if e and "experts" in names else size
-  return total
+  sizes = [(int(np.prod(leaf.shape)), [getattr(p, "key", str(p)) for p in path])
+           for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
+  return sum(round(size * min(k, e) / e) if e and "experts" in names else size
+             for size, names in sizes)

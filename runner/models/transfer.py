@@ -72,10 +72,8 @@ def _dense_source(name: str) -> str | None:
 
 def _drop_upcycle(out: dict, old: dict, ratio: float, seed: int) -> None:
   """Drop-upcycles in place every block whose experts `out` filled from a dense MLP of `old`."""
-  for name in [n for n in out if n.endswith("/moe/experts/fc1_kernel")]:
+  for name in [n for n in out if n.endswith("/moe/experts/fc1_kernel") and _dense_source(n) in old]:
     prefix = name.rsplit("/", 1)[0]
-    if _dense_source(name) not in old:
-      continue
     block = int(name.split("/")[0].rsplit("_", 1)[-1])
     names = {k: f"{prefix}/{k}" for k in _EXPERT_FROM_DENSE}
     dropped = drop_upcycling.drop_upcycle({k: out[n] for k, n in names.items()}, ratio,
@@ -113,23 +111,16 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
       out[name] = np.asarray(target)
       used.add(name)
       continue
+    old_name = name  # the checkpoint's parameter that fills it
     if name.startswith("head/") and name not in old:
-      counterpart = _head_counterpart(name)
-      if counterpart in old:
-        value = np.asarray(old[counterpart])
-        used.add(counterpart)
-        if value.shape == shape:
-          out[name] = value
-        else:
-          problems.append(f"{name}: checkpoint {counterpart} {value.shape} vs model {shape} "
-                          f"({_REINIT_HINT})")
-        continue
-      if linear_head or name.endswith("pre_sigmoid_temperature"):
+      if _head_counterpart(name) in old:
+        old_name = _head_counterpart(name)
+      elif linear_head or name.endswith("pre_sigmoid_temperature"):
         out[name] = np.asarray(target)  # a new heteroscedastic head's noise layers, a learned τ
         continue
-    if name in old:
-      value = np.asarray(old[name])
-      used.add(name)
+    if old_name in old:
+      value = np.asarray(old[old_name])
+      used.add(old_name)
       if value.shape == shape:
         out[name] = value
       elif name.endswith("pos_embedding") and value.shape[-1] == shape[-1]:
@@ -139,7 +130,8 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
           problems.append(f"{name}: {e}")
       else:
         hint = f" ({_REINIT_HINT})" if name.startswith("head/") else ""
-        problems.append(f"{name}: checkpoint {value.shape} vs model {shape}{hint}")
+        other = "" if old_name == name else f"{old_name} "
+        problems.append(f"{name}: checkpoint {other}{value.shape} vs model {shape}{hint}")
       continue
     dense = _dense_source(name)
     if dense_to_experts and dense in old:

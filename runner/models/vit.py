@@ -108,11 +108,10 @@ class SelfAttention(nn.Module):
   def __call__(self, x, *, train: bool, dropout: bool | None = None, mask=None):
     """`mask` (B, S) bool: the keys that may be attended to (padding excluded); None: all."""
     dropout = train if dropout is None else dropout
-    d = x.shape[-1]
+    b, n, d = x.shape
     if d % self.num_heads:
       raise ValueError(f"hidden size {d} is not divisible by num_heads {self.num_heads}")
-    head_dim = d // self.num_heads
-    h = self.num_heads
+    h, head_dim = self.num_heads, d // self.num_heads
     xavier = nn.initializers.xavier_uniform(in_axis=0, out_axis=(1, 2, 3))
     w_qkv = self.param("qkv_kernel", part(xavier, ("embed", None, "heads", "kv")),
                        (d, 3, h, head_dim))
@@ -121,7 +120,6 @@ class SelfAttention(nn.Module):
     w_out = self.param("out_kernel", part(nn.initializers.xavier_uniform(in_axis=(0, 1), out_axis=2),
                                           ("heads", "kv", "embed")), (h, head_dim, d))
     b_out = self.param("out_bias", part(nn.initializers.zeros, ("embed",)), (d,))
-    b, n, _ = x.shape
     # One (B*S, D) x (D, 3*H*hd) matmul; reshapes of the parameters are free.
     qkv = x.reshape(b * n, d) @ w_qkv.reshape(d, 3 * h * head_dim).astype(self.dtype)
     qkv = qkv.reshape(b, n, 3, h, head_dim) + b_qkv.astype(self.dtype)

@@ -110,9 +110,8 @@ def _global_indices(plan: DispatchPlan, num_tokens: int):
   """The plan's per-group indices as rows of the flat arrays (out of range: none): token_of_slot
   (E*G*C,) into the G*S tokens, slot_of_assignment (G*S*k,) into the E*G*C slots, and
   assignment_of_slot (E*G*C,) into the G*S*k assignments."""
-  g = plan.slot_of_assignment.shape[0]
+  g, s = plan.slot_of_assignment.shape[0], num_tokens
   e, c, k = plan.num_experts, plan.capacity, plan.k
-  s = num_tokens
   group = jnp.arange(g, dtype=jnp.int32)
   # Slots, local (G, E*C) -> expert-major global (E, G, C).
   a_of_slot = plan.assignment_of_slot
@@ -137,8 +136,7 @@ def _check(method: str) -> None:
 def dispatch(x: jax.Array, plan: DispatchPlan, method: str = "indices") -> jax.Array:
   """x: (G, S, D) tokens -> (E, G, C, D) expert buffers, zero padded."""
   _check(method)
-  g, s, d = x.shape
-  e, c, k = plan.num_experts, plan.capacity, plan.k
+  (g, s, d), e, c, k = x.shape, plan.num_experts, plan.capacity, plan.k
   if method == "einsum":
     return jnp.einsum("gsd,gsec->egcd", x, _dispatch_tensor(plan, s, x.dtype))
   token_of_slot, slot_of_assignment, _ = _global_indices(plan, s)
@@ -161,8 +159,7 @@ def combine(y: jax.Array, plan: DispatchPlan, method: str = "indices") -> jax.Ar
 
 def _dispatch_tensor(plan: DispatchPlan, num_tokens: int, dtype, weights=None) -> jax.Array:
   """(G, S, E, C) one-hot (or gate-weighted) dispatch tensor of the einsum formulation."""
-  g = plan.slot_of_assignment.shape[0]
-  e, c, k = plan.num_experts, plan.capacity, plan.k
+  g, e, c, k = plan.slot_of_assignment.shape[0], plan.num_experts, plan.capacity, plan.k
   onehot = jax.nn.one_hot(plan.slot_of_assignment.reshape(g, num_tokens, k), e * c, dtype=dtype)
   if weights is not None:
     onehot = onehot * weights[..., None]

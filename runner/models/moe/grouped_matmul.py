@@ -28,9 +28,7 @@ def resolve(method: str = "auto") -> str:
   """The method "auto" stands for on this backend; any other method as given."""
   if method not in METHODS:
     raise ValueError(f"unknown grouped matmul {method!r}; valid: {METHODS}")
-  if method != "auto":
-    return method
-  return AUTO.get(jax.default_backend(), "blocks")
+  return AUTO.get(jax.default_backend(), "blocks") if method == "auto" else method
 
 
 def compiler_options(method: str) -> dict:

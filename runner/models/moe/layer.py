@@ -170,15 +170,13 @@ class MoeMlpBlock(nn.Module):
     """What the routing decided (the class docstring); a no-op unless "intermediates" is mutable."""
     layout = (num_groups, group_size, tokens, partitions, tiled)
     self.sow("intermediates", "expert_weights", self._per_image(plan.expert_weights(), *layout))
-    images = num_groups * group_size
     for name, values in family.sown_records(plan).items():
       if partitions > 1:
         raise ValueError(f"router type {family.name!r} sows {name!r}, which a partitioned batch "
                          "ensemble cannot lay out per image")
-      self.sow("intermediates", name, values.reshape(images, -1, values.shape[-1]))
+      self.sow("intermediates", name, self._per_image(values, *layout))  # (images, tokens, N)
     for name, routed in (("selected_experts", False), ("routed_experts", True)):
-      ids = family.expert_ids(plan, routed)
-      if ids is not None:
+      if (ids := family.expert_ids(plan, routed)) is not None:
         self.sow("intermediates", name, self._per_image_ids(ids, *layout))
     if family.discrete:
       for name, routed in (("expert_mask", False), ("routed_mask", True)):

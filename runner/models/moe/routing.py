@@ -91,7 +91,7 @@ def plan_dispatch(gates: jax.Array, *, k: int, capacity: int, batch_priority: bo
     raise ValueError(f"unknown routing priority {priority!r}; valid: {PRIORITIES}")
   num_groups, num_tokens, num_experts = gates.shape
   weights, experts = top_k_gates(gates, k, select)  # (G, S, k)
-  order = None
+  order, experts_ranked = None, experts
   if batch_priority:  # token order[g, r] has rank r: decreasing score, ties in token order
     score = weights[..., 0] if priority == "max" else weights.sum(-1)
     # Gates are >= 0, and the bits of a non-negative float order as the float does: an integer
@@ -99,8 +99,6 @@ def plan_dispatch(gates: jax.Array, *, k: int, capacity: int, batch_priority: bo
     bits = jax.lax.bitcast_convert_type(score + 0.0, jnp.int32)  # + 0.0: no -0.0
     order = jnp.argsort(-bits, axis=-1, stable=True).astype(jnp.int32)
     experts_ranked = jnp.take_along_axis(experts, order[..., None], axis=1)
-  else:
-    experts_ranked = experts
   # (G, k*S, E): the one-hot choices in priority order, choice-major.
   chosen = jax.nn.one_hot(experts_ranked.transpose(0, 2, 1).reshape(num_groups, -1), num_experts,
                           dtype=jnp.int32)
@@ -188,8 +186,7 @@ def sigmoid_gates(logits: jax.Array, k: int) -> jax.Array:
   sum_{TOP-k} s (G, S, E), which keeps the order: `plan_dispatch` picks the same TOP-k and reads
   the normalized weights as combine weights (and Batch Prioritized Routing's priority)."""
   scores = jax.nn.sigmoid(logits)
-  top = _pick(scores, top_k_indices(scores, k)).sum(axis=-1, keepdims=True)
-  return scores / top
+  return scores / _pick(scores, top_k_indices(scores, k)).sum(axis=-1, keepdims=True)
 
 
 def biased_gates(logits: jax.Array, gate: str, k: int,
@@ -204,5 +201,4 @@ def biased_gates(logits: jax.Array, gate: str, k: int,
   select = jax.lax.stop_gradient(scores + jax.lax.stop_gradient(bias))
   if gate == "softmax":
     return scores, select
-  top = _pick(scores, top_k_indices(select, k)).sum(axis=-1, keepdims=True)
-  return scores / top, select
+  return scores / _pick(scores, top_k_indices(select, k)).sum(axis=-1, keepdims=True), select

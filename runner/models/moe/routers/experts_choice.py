@@ -55,8 +55,7 @@ class ExpertsChoicePlan:
 
   def dispatch(self, x: jax.Array, method: str = "indices") -> jax.Array:
     """(G, S, D) -> (E, G, C, D); a gather whose gradient is a scatter-add over C*E rows."""
-    g, s, d = x.shape
-    e, c = self.num_experts, self.capacity
+    (g, s, d), e, c = x.shape, self.num_experts, self.capacity
     if method == "einsum":
       return jnp.einsum("gsd,gsec->egcd", x, self._onehot(x.dtype, weights=False))
     buffers = jnp.take(x.reshape(g * s, d), self._rows(), axis=0)
@@ -64,8 +63,7 @@ class ExpertsChoicePlan:
 
   def combine(self, y: jax.Array, method: str = "indices") -> jax.Array:
     """(E, G, C, D) -> (G, S, D): each token sums the weighted outputs of the slots it filled."""
-    e, g, c, d = y.shape
-    s = self.gates.shape[1]
+    (e, g, c, d), s = y.shape, self.gates.shape[1]
     if method == "einsum":
       return jnp.einsum("egcd,gsec->gsd", y, self._onehot(y.dtype, weights=True))
     weighted = y.transpose(1, 0, 2, 3).reshape(g * e * c, d) * self.weight_of_slot.reshape(

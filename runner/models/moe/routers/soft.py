@@ -106,13 +106,12 @@ class SoftRouter(nn.Module):
     combine_weights = jax.nn.softmax(logits, axis=2)
     plan = SoftPlan(dispatch_weights=dispatch_weights, combine_weights=combine_weights,
                     num_experts=e, capacity=p)
-    metrics = {"auxiliary_loss": jnp.zeros((), jnp.float32),
-               "fraction_dropped_tokens": jnp.zeros((), jnp.float32),
-               "combine_weights_min_mean": combine_weights.min(axis=2).mean(),
-               "combine_weights_max_mean": combine_weights.max(axis=2).mean(),
-               "dispatch_weights_min_mean": dispatch_weights.min(axis=1).mean(),
-               "dispatch_weights_max_mean": dispatch_weights.max(axis=1).mean()}
-    return plan, metrics
+    return plan, {"auxiliary_loss": jnp.zeros((), jnp.float32),
+                  "fraction_dropped_tokens": jnp.zeros((), jnp.float32),
+                  "combine_weights_min_mean": combine_weights.min(axis=2).mean(),
+                  "combine_weights_max_mean": combine_weights.max(axis=2).mean(),
+                  "dispatch_weights_min_mean": dispatch_weights.min(axis=1).mean(),
+                  "dispatch_weights_max_mean": dispatch_weights.max(axis=1).mean()}
 
 
 @register

@@ -171,37 +171,30 @@ class NoisyTopKRouter(nn.Module):
       metrics["bias_spread"] = jnp.max(bias) - jnp.min(bias)
     elif self.balance != "aux_loss":
       raise ValueError(f"unknown balance {self.balance!r}; valid: {balance.BALANCES}")
-    if self.dropless:  # every assignment processed: no capacity, nothing dropped
-      return self._dropless(gates, metrics, select, train)
-    capacity = routing.expert_capacity(num_tokens, experts, self.k,
-                                       routing.ratio_in_force(self, train), self.capacity_rounding)
-    plan = routing.plan_dispatch(gates, k=self.k, capacity=capacity, select=select,
-                                 batch_priority=self.batch_priority, priority=self.priority)
+    if self.dropless:  # every token's TOP-k processed: no capacity, nothing dropped
+      if p > 1:
+        raise ValueError("dropless routing does not form partitioned batch ensembles")
+      plan = routing.plan_dropless(gates, k=self.k, select=select)
+    else:
+      capacity = routing.expert_capacity(num_tokens, experts, self.k,
+                                         routing.ratio_in_force(self, train),
+                                         self.capacity_rounding)
+      plan = routing.plan_dispatch(gates, k=self.k, capacity=capacity, select=select,
+                                   batch_priority=self.batch_priority, priority=self.priority)
     if select is not None and train:  # the train step moves the bias (TokenChoice.param_updates)
       self.sow(balance.LOADS, balance.BIAS, balance.assignment_counts(plan, p).reshape(p, experts))
-    kept = plan.kept
-    metrics["fraction_dropped_tokens"] = jnp.mean(~kept.any(axis=-1))
-    metrics["fraction_dropped_assignments"] = jnp.mean(~kept)
-    # Fraction of the layer's buffer slots each of the E experts filled, averaged over groups.
-    filled = plan.expert_of_slot_filled.reshape(num_groups // p, self.num_experts)
-    metrics["expert_load"] = jnp.mean(filled, axis=0) / capacity
+    if self.dropless:  # an expert's load is its share of the group's S tokens, which never overflow
+      metrics["fraction_dropped_tokens"] = jnp.zeros((), jnp.float32)
+      metrics["fraction_dropped_assignments"] = jnp.zeros((), jnp.float32)
+      metrics["expert_load"] = jnp.mean(plan.expert_of_slot_filled, axis=0) / plan.capacity
+    else:
+      kept = plan.kept
+      metrics["fraction_dropped_tokens"] = jnp.mean(~kept.any(axis=-1))
+      metrics["fraction_dropped_assignments"] = jnp.mean(~kept)
+      # Fraction of the layer's buffer slots each of the E experts filled, averaged over groups.
+      filled = plan.expert_of_slot_filled.reshape(num_groups // p, self.num_experts)
+      metrics["expert_load"] = jnp.mean(filled, axis=0) / capacity
     metrics.update(balance.diagnostics(plan, p))
-    return plan, metrics
-
-  def _dropless(self, gates: jax.Array, metrics: dict, select: jax.Array | None,
-                train: bool) -> tuple[routing.DroplessPlan, dict]:
-    """Every token's TOP-k kept (`routing.plan_dropless`), and the metrics of a router that drops
-    nothing: an expert's load is its share of the group's S tokens, a buffer nothing overflows."""
-    if self.partitions > 1:
-      raise ValueError("dropless routing does not form partitioned batch ensembles")
-    plan = routing.plan_dropless(gates, k=self.k, select=select)
-    if select is not None and train:  # the train step moves the bias (TokenChoice.param_updates)
-      self.sow(balance.LOADS, balance.BIAS,
-               balance.assignment_counts(plan).reshape(1, self.num_experts))
-    metrics["fraction_dropped_tokens"] = jnp.zeros((), jnp.float32)
-    metrics["fraction_dropped_assignments"] = jnp.zeros((), jnp.float32)
-    metrics["expert_load"] = jnp.mean(plan.expert_of_slot_filled, axis=0) / plan.capacity
-    metrics.update(balance.diagnostics(plan))
     return plan, metrics
 
 
@@ -221,8 +214,7 @@ class TokenChoice(RouterFamily):
     nothing with sigmoid gates, whose TOP-k weights sum to 1 (routing.sigmoid_gates); a bias update
     rate needs the bias it moves (balance=bias)."""
     router = model.router
-    dropless = _dropless_problem(model)
-    if dropless:
+    if dropless := _dropless_problem(model):
       return dropless
     if router.bias_update_rate is not None and str(router.balance) != "bias":
       return (f"model.router.bias_update_rate={router.bias_update_rate} means nothing with "
@@ -370,12 +362,10 @@ class TokenChoice(RouterFamily):
     TOP-k (the gates alone cannot replan it), or for a dropless router, which drops nothing."""
     if str(getattr(router, "balance", "aux_loss")) == "bias" or _is_dropless(router):
       return {}
-    dropped = {}
-    for batch_priority in (False, True):
-      plan = routing.plan_dispatch(weights, k=router.k, capacity=capacity,
-                                   batch_priority=batch_priority, priority=str(router.priority))
-      dropped["bpr" if batch_priority else "vanilla"] = ~plan.kept.any(-1)
-    return dropped
+    return {name: ~routing.plan_dispatch(weights, k=router.k, capacity=capacity,
+                                         batch_priority=batch_priority,
+                                         priority=str(router.priority)).kept.any(-1)
+            for name, batch_priority in (("vanilla", False), ("bpr", True))}
 
 
 DEFAULT_BIAS_UPDATE_RATE = 0.001  # Wang et al. 2024's u, for pretraining
