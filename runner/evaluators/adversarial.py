@@ -50,11 +50,6 @@ def _protocol(protocol) -> str:
   return name
 
 
-def default_step_size(epsilon, steps: int):
-  """Madry et al.'s 2.5·ε/steps, in the units of ε."""
-  return 2.5 * epsilon / steps
-
-
 def make_pgd_attack(model, loss_name: str = "softmax_xent", *, steps: int,
                     step_size_fn: Callable | None = None, protocol="default"):
   """Jitted (params, images, labels, epsilon) -> adversarial images, by `steps` sign-gradient steps.
@@ -71,7 +66,7 @@ def make_pgd_attack(model, loss_name: str = "softmax_xent", *, steps: int,
   # The reference's own rule is computed as it does, delta = max_epsilon / num_updates with
   # max_epsilon = 2ε in model units, so the steps agree to the last bit.
   reference_rule = protocol == "reference" and step_size_fn is None
-  step_size_fn = step_size_fn or (lambda epsilon: default_step_size(epsilon, steps))
+  step_size_fn = step_size_fn or (lambda epsilon: 2.5 * epsilon / steps)  # Madry et al.'s rule
   reduce = jnp.mean if protocol == "reference" else jnp.sum
 
   def total_loss(images, params, labels):
@@ -112,12 +107,6 @@ def _change(intersection: jax.Array, union: jax.Array, reference: bool) -> jax.A
   return jnp.mean(1.0 - iou, axis=-1)  # not 1 - mean: XLA's mean of ones can miss 1 by an ulp
 
 
-def mask_change(clean: jax.Array, adversarial: jax.Array, *, reference: bool = False) -> jax.Array:
-  """(batch,) routing change from (batch, tokens, E) expert masks, any router family."""
-  return _change(jnp.sum(clean & adversarial, axis=-1), jnp.sum(clean | adversarial, axis=-1),
-                 reference)
-
-
 def make_measure_step(model, loss_name: str = "softmax_xent", protocol="default"):
   """Jitted (params, batch, adversarial_images) -> sums over the real rows of the batch, which
   holds "image", "labels" and "_mask". Keys: clean/error, clean/loss, error, loss,
@@ -143,9 +132,10 @@ def make_measure_step(model, loss_name: str = "softmax_xent", protocol="default"
         "loss": loss_fn(adv_logits, labels),
         "changed_predictions": (jnp.argmax(clean_logits, -1) != jnp.argmax(adv_logits, -1)),
     }
-    for layer, experts in clean_experts.items():
-      per_example[f"routing_change/{layer}"] = mask_change(experts, adv_experts[layer],
-                                                           reference=reference)
+    for layer, clean in clean_experts.items():  # (batch, tokens, E) masks, any router family
+      adv = adv_experts[layer]
+      per_example[f"routing_change/{layer}"] = _change(
+          jnp.sum(clean & adv, axis=-1), jnp.sum(clean | adv, axis=-1), reference)
     out = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in per_example.items()}
     out["count"] = jnp.sum(mask)
     return out

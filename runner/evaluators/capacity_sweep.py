@@ -95,13 +95,16 @@ class Evaluator(suite_lib.Evaluator):
     ds, members = s.in_distribution, s.members
     example = s.shared.get("example") or s.placement.put(
         predictions.zeros_batch_like(s.batches(ds)))
-    main = s.shared["metrics"][ds.name]
-    main = {"prec@1": main["/prec@1"], "nll": main["/nll"],
-            "gflops_per_image": s.shared.get("gflops_per_image")
-            or xla_gflops_per_image(s.step, s.params, example, s.batch_size)}
+
+    def measures(metrics: dict, gflops: float) -> dict:
+      return {"prec@1": metrics["/prec@1"], "nll": metrics["/nll"], "gflops_per_image": gflops}
+
+    main = measures(s.shared["metrics"][ds.name], s.shared.get("gflops_per_image")
+                    or xla_gflops_per_image(s.step, s.params, example, s.batch_size))
     prioritised = any(derived.router_family(m.config).supports_batch_priority
                       for m in members.checkpoints if derived.num_experts(m.config))
     rows = []
+    result = suite_lib.Result()
     for bpr in (False, True) if prioritised else (False,):
       for c in s.config.capacity_sweep:
         changes = dict(eval_capacity_ratio=float(c), batch_priority=bpr)
@@ -112,17 +115,12 @@ class Evaluator(suite_lib.Evaluator):
           stats = predictions.PredictionStats(loss_name=s.loss_name)
           s.evaluate(s.batches(ds), stats, f"{ds.name} C={c:g} {'BPR' if bpr else 'vanilla'}",
                      step=step)
-          m = stats.metrics("")
-          measured = {"prec@1": m["/prec@1"], "nll": m["/nll"],
-                      "gflops_per_image": xla_gflops_per_image(step, s.params, example,
-                                                               s.batch_size)}
+          measured = measures(stats.metrics(""),
+                              xla_gflops_per_image(step, s.params, example, s.batch_size))
         rows.append({"capacity_ratio": float(c), "batch_priority": bpr, **measured,
                      "gflops_per_image_analytic": analytic})
-    result = suite_lib.Result()
-    for r in rows:
-      routing = "bpr" if r["batch_priority"] else "vanilla"
-      key = f"capacity_sweep/C_{r['capacity_ratio']:g}/{routing}"
-      result.summary.update({f"{key}/{k}": r[k] for k in ("prec@1", "nll", "gflops_per_image")})
+        key = f"capacity_sweep/C_{float(c):g}/{'bpr' if bpr else 'vanilla'}"
+        result.summary.update({f"{key}/{k}": v for k, v in measured.items()})
     with open(s.path("capacity_sweep.json"), "w") as f:
       json.dump(rows, f, indent=2)
     if s.plots:

@@ -22,16 +22,17 @@ from runner.losses.classification import probabilities
 class ClassificationEvaluator:
   """Evaluates parameters on one split (`batches`, a re-iterable dataset of padded numpy
   batches); `step` is a jitted `runner.train.step.make_eval_step(...)`, shared by evaluators of
-  the same model; `put` places a host batch on the devices."""
+  the same model, and `run`'s further arguments follow the batch into it; `put` places a host
+  batch on the devices."""
 
   def __init__(self, step, batches, *, prefix: str, put=lambda batch: batch):
     self.step, self.batches, self.prefix, self.put = step, batches, prefix, put
 
-  def run(self, params) -> dict:
+  def run(self, params, *args) -> dict:
     totals: dict[str, float] = {}
     start = time.perf_counter()
     for batch in self.batches.as_numpy_iterator():
-      sums = jax.device_get(self.step(params, self.put(batch)))
+      sums = jax.device_get(self.step(params, self.put(batch), *args))
       for k, v in sums.items():
         totals[k] = totals.get(k, 0.0) + float(v)
     count = max(totals.pop("count", 0.0), 1.0)

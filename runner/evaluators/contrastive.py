@@ -7,7 +7,6 @@ own, but what makes such a checkpoint the classifier the evaluators measure."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import List
 
 import jax
@@ -18,6 +17,7 @@ from runner.config.checks import Items, Rule, key, matches
 from runner.config.relations import CONTRASTIVE_ONLY
 from runner.config.schema import EvalSuiteConfig
 from runner.config.sections import add_fields
+from runner.evaluators.classification import ClassificationEvaluator
 from runner.losses import contrastive
 from runner.models import inputs
 from runner.models.contrastive import normalize
@@ -82,29 +82,20 @@ def make_pair_step(model, *, sigmoid: bool):
   return step
 
 
-class PairEvaluator:
+class PairEvaluator(ClassificationEvaluator):
   """The training loop's evaluation of a contrastive model on a split of pairs: the loss, the
   in-batch image->text and text->image accuracies, and zero-shot accuracy from class prompts
   (when the data has classes)."""
 
   def __init__(self, step, batches, *, prefix: str, put=lambda b: b, model=None,
                class_tokens: np.ndarray | None = None, num_templates: int = 1):
-    self.step, self.batches, self.prefix, self.put = step, batches, prefix, put
+    super().__init__(step, batches, prefix=prefix, put=put)
     self.model, self.class_tokens, self.num_templates = model, class_tokens, num_templates
     self.embed = jax.jit(lambda p, t: class_embeddings(model, p, t, num_templates))
 
   def run(self, params) -> dict:
     classes = None if self.class_tokens is None else self.embed(params, self.class_tokens)
-    totals: dict[str, float] = {}
-    start = time.perf_counter()
-    for batch in self.batches.as_numpy_iterator():
-      sums = jax.device_get(self.step(params, self.put(batch), classes))
-      for k, v in sums.items():
-        totals[k] = totals.get(k, 0.0) + float(v)
-    count = max(totals.pop("count", 0.0), 1.0)
-    out = {f"{self.prefix}/{k}": v / count for k, v in totals.items()}
-    out[f"{self.prefix}/images_per_s"] = count / max(time.perf_counter() - start, 1e-9)
-    return out
+    return super().run(params, classes)
 
 
 def recall_at_k(zimg: np.ndarray, ztxt: np.ndarray, ks=RECALL_AT, block: int = 1024) -> dict:

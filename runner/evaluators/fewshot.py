@@ -31,10 +31,6 @@ def make_feature_fn(model) -> Callable:
   return features
 
 
-def _iterate(batches):
-  return batches.as_numpy_iterator() if hasattr(batches, "as_numpy_iterator") else iter(batches)
-
-
 def _num_batches(batches) -> int:
   try:
     return int(batches.cardinality()) if hasattr(batches, "cardinality") else len(batches)
@@ -65,7 +61,8 @@ def extract_features(feature_fns: Sequence[Callable], batches: Iterable[dict],
     keys.append(np.stack([rows["_process"], rows["_position"], rows["labels"]], axis=1)[keep])
 
   pending = None
-  for i, batch in enumerate(_iterate(batches)):
+  batches = batches.as_numpy_iterator() if hasattr(batches, "as_numpy_iterator") else batches
+  for i, batch in enumerate(batches):
     mask = np.asarray(batch["_mask"], bool)
     position = seen + np.cumsum(mask) - 1
     seen += int(mask.sum())
@@ -136,14 +133,9 @@ class FewshotEvaluator:
 
 def accuracy_table(metrics: dict) -> tuple[list[str], list[int], np.ndarray]:
   """(dataset names with `mean` last, shots ascending, accuracies [name, shots]; NaN if absent)."""
-  found = {}
-  for key, value in metrics.items():
-    match = _ACCURACY_KEY.match(key)
-    if match:
-      found[(match["name"], int(match["shots"]))] = float(value)
-  names = list(dict.fromkeys(name for name, _ in found if name != "mean"))
-  if any(name == "mean" for name, _ in found):
-    names.append("mean")
+  found = {(match["name"], int(match["shots"])): float(value) for key, value in metrics.items()
+           if (match := _ACCURACY_KEY.match(key))}
+  names = sorted(dict.fromkeys(name for name, _ in found), key=lambda name: name == "mean")
   shots = sorted({s for _, s in found})
   table = np.array([[found.get((n, s), np.nan) for s in shots] for n in names]).reshape(
       len(names), len(shots))

@@ -12,7 +12,6 @@ def new_figure(width: float, height: float):
 
 
 def save_png(figure, path: str) -> str:
-  """Lays `figure` out, writes it to `path` and returns the path."""
   figure.tight_layout()
   figure.savefig(path, format="png")
   return path

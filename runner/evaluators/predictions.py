@@ -155,17 +155,12 @@ def run_pass(step, params, batches, stats: PredictionStats | None, put=lambda b:
     if progress is not None:
       progress(real)
   if t0 is not None and count == first:  # one batch, timed with its compilation: time it again
-    return first / _seconds_per_batch(step, params, batches, put)
+    batch = next(iter(batches.as_numpy_iterator()))
+    start = time.perf_counter()
+    to_host(step(params, put(batch)))
+    return first / max(time.perf_counter() - start, 1e-9)
   seconds = time.perf_counter() - t0 if t0 is not None else 0.0
   return (count - first) / seconds if seconds > 0 and count > first else float("nan")
-
-
-def _seconds_per_batch(step, params, batches, put) -> float:
-  """The time of one more (compiled) pass over the first batch."""
-  batch = next(iter(batches.as_numpy_iterator()))
-  start = time.perf_counter()
-  to_host(step(params, put(batch)))
-  return max(time.perf_counter() - start, 1e-9)
 
 
 def fit_mahalanobis(step, params, batches, num_classes: int, put=lambda b: b) -> MahalanobisFit:

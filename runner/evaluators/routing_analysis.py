@@ -47,7 +47,6 @@ class LayerInfo:
 
   @property
   def first_patch(self) -> int:
-    """The index of the first patch token (after the class token and the registers)."""
     return int(self.class_token) + self.registers
 
 
@@ -148,10 +147,9 @@ class Hook:
   """Accumulates `batch_sums` of every analysed layer over a pass; keeps the first batch's first
   routing group for the dropped-patch maps."""
 
-  def __init__(self, infos: dict[str, LayerInfo], layers: tuple[int, ...] | None,
-               images: int = 4, batch_size: int | None = None):
+  def __init__(self, infos: dict[str, LayerInfo], layers: tuple[int, ...] | None, images: int = 4):
     self.infos, self.layers = infos, layers
-    self.images, self.batch_size = images, batch_size
+    self.images = images
     self.totals: dict[str, dict[str, np.ndarray]] = {}
     self.sample: dict | None = None
     self.fed = False
@@ -165,15 +163,13 @@ class Hook:
 
   def sums(self, records, batch, logits):
     out = {}
-    for key, layer in records.items():
-      if not self._wanted(key):
-        continue
+    wanted = [key for key in records if self._wanted(key)]
+    for key in wanted:
       info = self._info(key)
       patches = slice(info.first_patch, None)
-      for name, rec in member_records(key, layer, info).items():
+      for name, rec in member_records(key, records[key], info).items():
         out[name] = batch_sums(rec, batch["labels"], batch["_mask"], info.k, patches, info.views)
-    first = min((k for k in records if self._wanted(k)), default=None,
-                key=lambda k: (k.split("/")[0], int(k.rsplit("_", 1)[1])))
+    first = min(wanted, default=None, key=lambda k: (k.split("/")[0], int(k.rsplit("_", 1)[1])))
     if first is not None:  # the first MoE layer of the (first) model: its first routing groups
       group = self._info(first).group_size
       rows = batch["image"].shape[0]

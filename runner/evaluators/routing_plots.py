@@ -35,15 +35,12 @@ def _order(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   by how strongly they prefer it (the paper orders each panel for the structure to show)."""
   favourite = matrix.argmax(1)
   strength = matrix.max(1)
-  rows = np.lexsort((-strength, favourite))
-  rank = np.empty_like(rows)
-  rank[rows] = np.arange(len(rows))
-  score = [rank[favourite == j].mean() if np.any(favourite == j) else len(rows) + j
+  # The argsort of an order (a permutation) is each item's place in that order.
+  rank = np.argsort(np.lexsort((-strength, favourite)))
+  score = [rank[favourite == j].mean() if np.any(favourite == j) else len(rank) + j
            for j in range(matrix.shape[1])]
   cols = np.argsort(score, kind="stable")
-  remap = np.empty_like(cols)
-  remap[cols] = np.arange(len(cols))
-  rows = np.lexsort((-strength, remap[favourite]))
+  rows = np.lexsort((-strength, np.argsort(cols)[favourite]))
   return rows, cols
 
 

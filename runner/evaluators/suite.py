@@ -5,6 +5,7 @@ eval`, `vmoe ensemble` and the training loop each build a `Suite`; `run` runs ev
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import sys
 import types
@@ -196,10 +197,7 @@ class Evaluator:
   @classmethod
   def setting(cls, config):
     """The value of `enabling_key` in the eval.* section `config`."""
-    value = config
-    for part in cls.enabling_key.split(".")[1:]:
-      value = getattr(value, part)
-    return value
+    return functools.reduce(getattr, cls.enabling_key.split(".")[1:], config)
 
   @classmethod
   def check_datasets(cls, config, datasets: dict[str, DataConfig]) -> None:
@@ -325,13 +323,9 @@ def run(suite: Suite, names: list[str] | None = None) -> Result:
   collected first so that they ride along the main passes."""
   chosen = [cls for name, cls in EVALUATORS.items() if names is None or name in names]
   evaluators = [cls(suite) for cls in chosen if cls.enabled(suite.config)]
-  suite.hooks, suite.readers, suite.read = {}, {}, set()
-  for ev in evaluators:
-    hook, reader = ev.hook(), ev.reader()
-    if hook is not None:
-      suite.hooks[ev.name] = hook
-    if reader is not None:
-      suite.readers[ev.name] = reader
+  suite.hooks = {ev.name: hook for ev in evaluators if (hook := ev.hook()) is not None}
+  suite.readers = {ev.name: read for ev in evaluators if (read := ev.reader()) is not None}
+  suite.read = set()
   result = Result()
   for ev in evaluators:
     result.update(ev.run())

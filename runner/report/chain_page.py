@@ -11,7 +11,6 @@ from runner.config.subcommands import main_metric
 
 
 def runs_in(path: pathlib.Path) -> list[pathlib.Path]:
-  """The run folders directly under `path`."""
   return [child for child in sorted(path.iterdir()) if child.is_dir() and workdir.is_run(child)]
 
 

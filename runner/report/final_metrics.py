@@ -33,11 +33,9 @@ def tables(summary: dict) -> str:
 
 def rows(summary: dict) -> list[list]:
   """summary.json as (section, metric, value) rows, values as the page shows them (W&B's table)."""
-  out = []
-  for key, value in summary.items():
-    section, slash, rest = str(key).partition("/")
-    out.append([section if slash else "", rest if slash else section, fmt(value)])
-  return out
+  keys = [(str(key).partition("/"), value) for key, value in summary.items()]
+  return [[section if slash else "", rest if slash else section, fmt(value)]
+          for (section, slash, rest), value in keys]
 
 
 def _table(values: dict) -> str:

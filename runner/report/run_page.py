@@ -12,7 +12,7 @@ import tempfile
 import numpy as np
 
 from runner.report import curves as curves_lib
-from runner.report import evaluator_sections, final_metrics, liveness, markup, plots, workdir
+from runner.report import evaluator_sections, final_metrics, markup, plots, workdir
 from runner.report.markup import Raw, esc
 
 PAGE = "report.html"
@@ -84,7 +84,7 @@ def write_run_page(path: str | pathlib.Path, out: str | pathlib.Path | None = No
   check_replaceable([target], out)
   run = run or workdir.read(path)
   if live is None:
-    live = liveness.held_by_another_process(path)
+    live = workdir.held_by_another_process(path)
   write_atomically(target, build(run, target.parent, live))
   return target
 
@@ -198,16 +198,14 @@ def _training(run: workdir.Run) -> str:
     series = _series(scalars, ("train/cls_loss", "train/aux_loss"), drawn)
     charts.append(markup.figure(plots.lines("Classification and auxiliary loss", series,
                                             "loss", log=True)))
-  for key in train:
-    if key not in shown:
-      charts.append(markup.figure(plots.lines(key, _series(scalars, (key,), drawn))))
+  charts += [markup.figure(plots.lines(key, _series(scalars, (key,), drawn))) for key in train
+             if key not in shown]
   charts += _per_layer_charts(scalars, drawn, lambda name: name.endswith("loss"),
                               "auxiliary losses per MoE layer")
   # Anything else logged over training (a plug-in's, a newer stage's): a chart each.
-  for key in scalars:
-    if (len(scalars[key]) >= 2 and not key.startswith(("train/", "val/", "test/"))
-        and not _LAYER.fullmatch(key)):
-      charts.append(markup.figure(plots.lines(key, _series(scalars, (key,), drawn))))
+  charts += [markup.figure(plots.lines(key, _series(scalars, (key,), drawn))) for key in scalars
+             if len(scalars[key]) >= 2 and not key.startswith(("train/", "val/", "test/"))
+             and not _LAYER.fullmatch(key)]
   return _downsampling_note(drawn, run.curves.logged) + markup.grid(charts)
 
 

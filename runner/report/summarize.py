@@ -59,9 +59,8 @@ def read_overrides(folder: pathlib.Path) -> dict:
 
 def swept_keys(jobs: list[Job]) -> list[str]:
   """The override keys whose values differ between jobs (in the order they appear)."""
-  keys: list[str] = []
-  for job in jobs:
-    keys += [k for k in job.overrides if k not in keys and not k.startswith("workdir")]
+  keys = list(dict.fromkeys(k for job in jobs for k in job.overrides
+                            if not k.startswith("workdir")))
   return [k for k in keys if len({job.overrides.get(k) for job in jobs}) > 1]
 
 

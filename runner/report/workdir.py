@@ -10,12 +10,13 @@ import json
 import os
 import pathlib
 import re
+import socket
 
 import yaml
 
 from runner.config import subcommands
 from runner.report import curves as curves_lib
-from runner.workdirs.workdir_lock import LOCK_FILE
+from runner.workdirs.workdir_lock import LOCK_FILE, is_held
 
 # The stages a run page names (export writes a model folder, whose README.md is its card).
 STAGES = tuple(name for name, sub in subcommands.SUBCOMMANDS.items()
@@ -88,6 +89,17 @@ def read(path: str | pathlib.Path) -> Run:
 def read_holder(path: pathlib.Path) -> Holder | None:
   match = _HOLDER.match(_text(path / LOCK_FILE).strip())
   return Holder(int(match[1]), match[2], match[3], match[4]) if match else None
+
+
+def held_by_another_process(path: str | pathlib.Path) -> bool:
+  """Whether the run is still going: another process holds the flock a vmoe process keeps on
+  <workdir>/.vmoe.lock while it works there (runner/workdirs/workdir_lock.py), which the kernel
+  drops however that process ends; `is_held` probes it without changing the file."""
+  if not is_held(path):
+    return False
+  holder = read_holder(pathlib.Path(path))
+  # This process's own lock (a stage writing its page before it lets go) is not another run.
+  return not (holder and holder.pid == os.getpid() and holder.host == socket.gethostname())
 
 
 def _text(path: pathlib.Path) -> str:
