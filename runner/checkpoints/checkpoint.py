@@ -71,8 +71,7 @@ def _reason(e: BaseException) -> str:
   """'Type: first line' of the innermost cause (Orbax wraps TensorStore's useful message)."""
   while e.__cause__ is not None:
     e = e.__cause__
-  lines = str(e).strip().splitlines()
-  text = lines[0] if lines else ""
+  text = (str(e).strip().splitlines() or [""])[0]
   text = text if len(text) <= 300 else text[:297] + "..."
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
@@ -324,9 +323,8 @@ class Checkpointer:
       hint = " Free some disk space first."
     elif isinstance(root, OSError) and root.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
       hint = f" Make {self.directory} writable first."
-    good = [s for s, d in _step_dirs(self.directory).items()
-            if s != step and _incomplete(d) is None]
-    if good:
+    if good := [s for s, d in _step_dirs(self.directory).items()
+                if s != step and _incomplete(d) is None]:
       kept = (f"The last good checkpoint, step {max(good)} ({self.directory / str(max(good))}), is "
               "kept; rerunning the same command resumes from it.")
     else:
@@ -367,9 +365,8 @@ def load_params(path: str, located: tuple[pathlib.Path, int] | None = None, *,
   with _reading(directory, step, "params"):
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
                           _metadata_tree(manager, directory, step))
-  params = _restore_item(manager, directory, step, "params", ocp.args.StandardRestore(target))
-  with _reading(directory, step, "params"):
-    params = jax.tree.map(np.asarray, params)
+    params = jax.tree.map(np.asarray, _restore_item(manager, directory, step, "params",
+                                                    ocp.args.StandardRestore(target)))
   if not with_config:
     return params, None, step
   with _reading(directory, step, "config"):

@@ -390,8 +390,7 @@ def model_hint(flat: Mapping[str, np.ndarray]) -> dict:
   tokens = (posemb[1] - (1 if "cls" in params and layout.class_position else 0)
             if posemb and len(posemb) == 3 else None)
   side = math.isqrt(tokens) if tokens else None
-  head = shape("head/kernel")
-  rep = shape("pre_logits/kernel")
+  head, rep = shape("head/kernel"), shape("pre_logits/kernel")
   classifier = ("token" if "cls" in params else
                 "map" if any(n.startswith(f"{layout.map_head}/") for n in params) else "gap")
   return {

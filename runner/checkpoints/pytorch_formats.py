@@ -65,8 +65,7 @@ def _weights(folder: pathlib.Path, where: str, what: str) -> pathlib.Path:
   for name in WEIGHTS:
     if (folder / name).is_file():
       return folder / name
-  sharded = sorted(p.name for p in folder.glob("*.index.json"))
-  if sharded:
+  if sharded := sorted(p.name for p in folder.glob("*.index.json")):
     raise CheckpointError(f"init.checkpoint={where} is {what} whose weights are sharded "
                           f"({sharded[0]}); vmoe reads one file: {' or '.join(WEIGHTS)}.")
   raise CheckpointError(f"init.checkpoint={where} is {what} (config.json) without its weights: "
@@ -151,7 +150,5 @@ def find(path: str) -> PytorchCheckpoint | None:
     return None
   if (p / "config.json").is_file():
     return _folder(p, path)
-  for name in WEIGHTS:
-    if (p / name).is_file():
-      return _bare(p / name, path)
-  return None
+  weights = next((p / name for name in WEIGHTS if (p / name).is_file()), None)
+  return None if weights is None else _bare(weights, path)

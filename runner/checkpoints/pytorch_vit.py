@@ -128,8 +128,7 @@ def linear(reader: Reader, name: str, d_in: int | None, d_out: int | None, out: 
            ours: str) -> None:
   """An nn.Linear at `name` as our Dense `ours` (kernel = weight.T); a Linear without a bias
   (bias=False) gets a zero bias: the same function."""
-  weight = reader.take(f"{name}.weight", (d_out, d_in))
-  bias = reader.take(f"{name}.bias", (d_out,), optional=True)
+  weight, bias = weight_and_bias(reader, name, d_in, d_out)
   out[f"{ours}/kernel"] = None if weight is None else weight.T
   out[f"{ours}/bias"] = (bias if bias is not None or weight is None
                          else np.zeros(weight.shape[0], np.float32))
@@ -158,36 +157,29 @@ def _stack(arrays: list[np.ndarray], axis: int) -> np.ndarray:
   return np.stack(arrays, axis=axis)
 
 
-def attention(q: tuple, k: tuple, v: tuple, o: tuple, heads: int, out: dict, ours: str) -> None:
-  """Self-attention from (weight, bias) pairs of query, key, value and output projections
-  (a bias may be None: zeros, as in a bias-free QKV) into our fused SelfAttention: qkv_kernel
-  (D, 3, H, hd) whose output features run (q|k|v, head, head dim) as PyTorch's reshape reads
-  them, qkv_bias (3, H, hd), out_kernel (H, hd, D), out_bias."""
+def attention(q: tuple, k: tuple, v: tuple, o: tuple, heads: int, out: dict, ours: str, *,
+              fused: bool = True) -> None:
+  """Self-attention from (weight, bias) pairs of query, key, value and output projections (a bias
+  may be None: zeros, as in a bias-free QKV) into our fused SelfAttention: qkv_kernel (D, 3, H, hd)
+  whose output features run (q|k|v, head, head dim) as PyTorch's reshape reads them, qkv_bias
+  (3, H, hd), out_kernel (H, hd, D), out_bias; not `fused`, into flax's MultiHeadDotProductAttention
+  (our MAP head's): query/key/value kernels (D, H, hd), biases (H, hd), out kernel, bias."""
   if any(w is None for w, _ in (q, k, v, o)):
     return
   d = q[0].shape[1]
   hd = d // heads
-  out[f"{ours}/qkv_kernel"] = _stack([w.T.reshape(d, heads, hd) for w, _ in (q, k, v)], axis=1)
-  out[f"{ours}/qkv_bias"] = _stack([np.zeros((heads, hd), np.float32) if b is None
-                                    else b.reshape(heads, hd) for _, b in (q, k, v)], axis=0)
-  out[f"{ours}/out_kernel"] = o[0].T.reshape(heads, hd, d)
-  out[f"{ours}/out_bias"] = np.zeros(d, np.float32) if o[1] is None else o[1]
-
-
-def probe_attention(q: tuple, k: tuple, v: tuple, o: tuple, heads: int, out: dict,
-                    ours: str) -> None:
-  """The same projections into flax's MultiHeadDotProductAttention (our MAP head's): separate
-  query/key/value kernels (D, H, hd), biases (H, hd), out kernel (H, hd, D)."""
-  if any(w is None for w, _ in (q, k, v, o)):
-    return
-  d = q[0].shape[1]
-  hd = d // heads
-  for part, (w, b) in zip(("query", "key", "value"), (q, k, v)):
-    out[f"{ours}/{part}/kernel"] = w.T.reshape(d, heads, hd)
-    out[f"{ours}/{part}/bias"] = (np.zeros((heads, hd), np.float32) if b is None
-                                  else b.reshape(heads, hd))
-  out[f"{ours}/out/kernel"] = o[0].T.reshape(heads, hd, d)
-  out[f"{ours}/out/bias"] = np.zeros(d, np.float32) if o[1] is None else o[1]
+  kernels = [w.T.reshape(d, heads, hd) for w, _ in (q, k, v)]
+  biases = [np.zeros((heads, hd), np.float32) if b is None else b.reshape(heads, hd)
+            for _, b in (q, k, v)]
+  if fused:
+    out[f"{ours}/qkv_kernel"] = _stack(kernels, axis=1)
+    out[f"{ours}/qkv_bias"] = _stack(biases, axis=0)
+  else:
+    for part, kernel, bias in zip(("query", "key", "value"), kernels, biases):
+      out[f"{ours}/{part}/kernel"], out[f"{ours}/{part}/bias"] = kernel, bias
+  kernel, bias = ("out_kernel", "out_bias") if fused else ("out/kernel", "out/bias")
+  out[f"{ours}/{kernel}"] = o[0].T.reshape(heads, hd, d)
+  out[f"{ours}/{bias}"] = np.zeros(d, np.float32) if o[1] is None else o[1]
 
 
 def patch_embedding(reader: Reader, name: str, d: int | None, out: dict) -> int | None:

@@ -83,12 +83,11 @@ def _safetensors(path: pathlib.Path, *, data: bool) -> dict[str, np.ndarray]:
     dtype, shape = _DTYPES[entry["dtype"]], tuple(entry["shape"])
     if not data:  # float32 stand-ins: a shape check converts them without a copy
       out[name] = _stand_in(np.float32, shape)
-      continue
-    if math.prod(shape) == 0:
+    elif math.prod(shape) == 0:
       out[name] = np.zeros(shape, dtype)
-      continue
-    out[name] = np.memmap(path, dtype=dtype, mode="r", offset=offset + entry["data_offsets"][0],
-                          shape=shape)
+    else:
+      out[name] = np.memmap(path, dtype=dtype, mode="r",
+                            offset=offset + entry["data_offsets"][0], shape=shape)
   return out
 
 
@@ -96,10 +95,7 @@ def _unwrapped(loaded) -> Mapping:
   """The state_dict of a torch.load result: itself, or the entry a training save put it under;
   a DistributedDataParallel's `module.` prefix removed."""
   if isinstance(loaded, Mapping):
-    for key in _WRAPPERS:
-      if isinstance(loaded.get(key), Mapping):
-        loaded = loaded[key]
-        break
+    loaded = next((loaded[k] for k in _WRAPPERS if isinstance(loaded.get(k), Mapping)), loaded)
   if not isinstance(loaded, Mapping):
     raise ValueError(f"it holds a {type(loaded).__name__}, not a state_dict (a dict of tensors)")
   if loaded and all(str(k).startswith("module.") for k in loaded):

@@ -74,24 +74,22 @@ def _image_size(config: dict | None) -> int | None:
   return int(size) if size else None
 
 
-def _heads(config: dict | None, width: int) -> tuple[int | None, str | None]:
-  """(head count, None), or (None, why it is unknown)."""
-  given = _model_args(config).get("num_heads")
-  if given:
-    return int(given), None
+def _heads(config: dict | None, width: int, where: str, what: str) -> int:
+  """config.json's head count, else that of timm's standard width; refused where neither says."""
+  if given := _model_args(config).get("num_heads"):
+    return int(given)
   if width in STANDARD_HEADS:
-    return STANDARD_HEADS[width], None
-  return None, (f"its width {width} is none of timm's standard ones "
-                f"({', '.join(map(str, STANDARD_HEADS))}), and without config.json's "
-                "model_args.num_heads the head count is not stored: give the folder timm writes "
-                "(timm.models.save_for_hf) or a config.json beside the file with "
-                '{"architecture": ..., "model_args": {"num_heads": H}}')
+    return STANDARD_HEADS[width]
+  raise pv.refuse(where, what, f"its width {width} is none of timm's standard ones "
+                  f"({', '.join(map(str, STANDARD_HEADS))}), and without config.json's "
+                  "model_args.num_heads the head count is not stored: give the folder timm "
+                  "writes (timm.models.save_for_hf) or a config.json beside the file with "
+                  '{"architecture": ..., "model_args": {"num_heads": H}}')
 
 
 def _activation(config: dict | None, where: str, what: str) -> str | None:
   """What config.json says of the activation; None when it does not say."""
-  given = _model_args(config).get("act_layer")
-  if given is not None:
+  if (given := _model_args(config).get("act_layer")) is not None:
     if str(given) not in _ACTIVATIONS:
       raise pv.refuse(where, what, f"its MLPs' activation is {given!r} (model_args.act_layer); "
                       f"vmoe's are {', '.join(_ACTIVATIONS)}")
@@ -137,8 +135,7 @@ def convert(tensors: Mapping[str, np.ndarray], config: dict | None,
   problems: list[str] = []
   reader = pv.Reader(tensors, problems)
   for marker, why in _REFUSED.items():
-    found = sorted(n for n in tensors if marker in n)
-    if found:
+    if found := sorted(n for n in tensors if marker in n):
       problems.append(f"{found[0]}: {why}, which vmoe does not reproduce")
       for n in found:
         reader.drop(n)
@@ -147,9 +144,7 @@ def convert(tensors: Mapping[str, np.ndarray], config: dict | None,
   if "embedding_kernel" not in out:  # its problem is recorded; the width is unknown
     pv.finish(problems, where, what, out)
   d = int(out["embedding_kernel"].shape[-1])
-  heads, unknown_heads = _heads(config, d)
-  if heads is None:
-    raise pv.refuse(where, what, unknown_heads)
+  heads = _heads(config, d, where, what)
   if d % heads:
     raise pv.refuse(where, what, f"its width {d} is not divisible by {heads} heads")
   layers = pv.count(tensors, "blocks.")
@@ -273,8 +268,8 @@ def _map_head(reader: pv.Reader, d, mlp, heads, out, problems) -> None:
   w, b = pv.weight_and_bias(reader, "attn_pool.kv", d, 2 * d)
   k, v = ((None, None),) * 2 if w is None else (
       (w[j * d:(j + 1) * d], None if b is None else b[j * d:(j + 1) * d]) for j in range(2))
-  pv.probe_attention(q, k, v, pv.weight_and_bias(reader, "attn_pool.proj", d, d), heads, out,
-                     "map_head/attention")
+  pv.attention(q, k, v, pv.weight_and_bias(reader, "attn_pool.proj", d, d), heads, out,
+               "map_head/attention", fused=False)
   pv.norm(reader, "attn_pool.norm", d, out, "map_head/norm")
   pv.linear(reader, "attn_pool.mlp.fc1", d, mlp, out, "map_head/mlp/fc1")
   pv.linear(reader, "attn_pool.mlp.fc2", mlp, d, out, "map_head/mlp/fc2")

@@ -52,8 +52,8 @@ def _square(config: dict, key: str, where: str, what: str) -> int:
   return int(value)
 
 
-def _checked(config: dict, where: str) -> tuple[str, str]:
-  """(model type, what to call the checkpoint); refused: another model type, or a variant."""
+def _checked(config: dict, where: str) -> tuple[str, str, str]:
+  """(model type, name, what to call the checkpoint); refused: another model type, or a variant."""
   model_type = str(config.get("model_type") or "")
   name = ", ".join(config.get("architectures") or []) or model_type or "no architectures"
   what = f"a {KIND} ({name}, model_type {model_type})"
@@ -71,14 +71,13 @@ def _checked(config: dict, where: str) -> tuple[str, str]:
   if config.get("use_swiglu_ffn"):
     raise pv.refuse(where, what, "its MLPs are gated (use_swiglu_ffn=true, SwiGLU); vmoe's MLPs "
                     "are not")
-  act = str(config.get("hidden_act", "gelu"))
-  if act not in _ACTIVATIONS:
+  if (act := str(config.get("hidden_act", "gelu"))) not in _ACTIVATIONS:
     raise pv.refuse(where, what, f"its MLPs' activation is hidden_act={act!r}; vmoe runs "
                     f"{', '.join(_ACTIVATIONS)}")
   if model_type == "vit" and config.get("pooler_act", "tanh") != "tanh":
     raise pv.refuse(where, what, f"its pooler's activation is {config['pooler_act']!r}; vmoe's "
                     "representation layer is a tanh")
-  return model_type, what
+  return model_type, name, what
 
 
 def convert(tensors: Mapping[str, np.ndarray], config: dict,
@@ -86,7 +85,7 @@ def convert(tensors: Mapping[str, np.ndarray], config: dict,
   """(our flat parameters, the architecture) of a transformers ViT folder's tensors and
   config.json; every problem in one CheckpointError. Stand-in arrays (shapes only) check a
   checkpoint without reading it."""
-  model_type, what = _checked(config, where)
+  model_type, name, what = _checked(config, where)
   family = "vit" if model_type == "vit" else "dinov2"
   prefix = next((p for p in (f"{family}.",) if any(n.startswith(p) for n in tensors)), "")
   d, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
@@ -116,8 +115,7 @@ def convert(tensors: Mapping[str, np.ndarray], config: dict,
   registers = int(config.get("num_register_tokens", 0)) if model_type != "vit" else 0
   if registers:
     out["registers"] = reader.take(f"{e}.register_tokens", (1, registers, d))
-  for name in (f"{e}.mask_token",):
-    reader.drop(name)
+  reader.drop(f"{e}.mask_token")
 
   norm1, norm2, fc1, fc2 = _LAYER[family]
   layer_scale = family == "dinov2"
@@ -154,6 +152,5 @@ def convert(tensors: Mapping[str, np.ndarray], config: dict,
             "registers": registers,
             "layer_scale": layer_scale, "pre_norm": False, "fc_norm": False}
   init = config.get("layerscale_value") if layer_scale else None
-  name = ", ".join(config.get("architectures") or []) or model_type
   architecture = pv.Architecture(KIND, name, stated, (), classes, float(init) if init else None)
   return pv.finish(problems, where, what, out), architecture

@@ -110,9 +110,7 @@ def _what(error: Exception) -> str:
 
 
 def _prefix(path: str) -> str:
-  if path.endswith(".index") and not os.path.isfile(path + ".index"):
-    return path[:-len(".index")]
-  return path
+  return path if os.path.isfile(path + ".index") else path.removesuffix(".index")
 
 
 def _dtype(name: Any) -> np.dtype:

@@ -36,8 +36,7 @@ def open(path: str) -> Opened:
     return Opened(str(path), VMOE)
   if str(path).endswith(".npz") and pathlib.Path(path).expanduser().is_file():
     return Opened(str(path), NPZ)
-  found = pytorch_formats.find(str(path))
-  if found is not None:
+  if (found := pytorch_formats.find(str(path))) is not None:
     return Opened(str(path), found.kind, source=found)
   try:
     return Opened(str(path), RUN, *checkpoint.locate(path))

@@ -16,17 +16,13 @@ _JEMALLOC_PATHS = ("{prefix}/lib/libjemalloc.so.2", "/usr/lib/x86_64-linux-gnu/l
                    "/usr/lib/libjemalloc.so.2")
 
 
-def find_jemalloc() -> str | None:
-  paths = (pattern.format(prefix=sys.prefix) for pattern in _JEMALLOC_PATHS)
-  return next((path for path in paths if os.path.exists(path)), None)
-
-
 def reexec_with_jemalloc() -> None:
   """Restarts this command once with jemalloc preloaded, when it is available (Linux only)."""
   if (os.environ.get("VMOE_ALLOCATOR", "jemalloc") != "jemalloc"
       or "jemalloc" in os.environ.get("LD_PRELOAD", "") or not sys.platform.startswith("linux")):
     return
-  library = find_jemalloc()
+  paths = (pattern.format(prefix=sys.prefix) for pattern in _JEMALLOC_PATHS)
+  library = next((path for path in paths if os.path.exists(path)), None)
   if library is None:
     return
   env = dict(os.environ, VMOE_ALLOCATOR="jemalloc",

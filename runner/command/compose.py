@@ -2,6 +2,7 @@
 (what was wrong and what is valid); `--multirun ... --cfg job` shows every job's config."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -40,10 +41,9 @@ def register_requested_models(overrides: list[str]) -> None:
     key, _, value = ov.partition("=")
     if key.lstrip("+~") == "model":
       for name in value.split(","):
-        try:
+        # An unknown name: Hydra / the check below reports it with the list of valid names.
+        with contextlib.suppress(catalog.UnknownModelError):
           register_model(name.strip())
-        except catalog.UnknownModelError:
-          pass  # Hydra / the check below reports it with the list of valid names
 
 
 def explain_composition_error(err: Exception, sub: str, overrides: list[str],
@@ -54,8 +54,7 @@ def explain_composition_error(err: Exception, sub: str, overrides: list[str],
   if isinstance(err, arguments.SearchRangeError):
     return str(err)
   missing = re.search(r"Could not (?:find|load) '([^']+)'", str(err))
-  if missing and missing[1].rsplit("/", 1)[-1] in _PLUGIN_CONFIGS:
-    plugin = _PLUGIN_CONFIGS[missing[1].rsplit("/", 1)[-1]]
+  if missing and (plugin := _PLUGIN_CONFIGS.get(missing[1].rsplit("/", 1)[-1])):
     return (f"{missing[1]} comes from the {plugin} plugin, which is not installed: install the "
             "cluster extra, pip install -e '.[cluster]' (make test installs it).")
   if type(err).__name__ == "OverrideParseException":
@@ -77,13 +76,11 @@ def explain_composition_error(err: Exception, sub: str, overrides: list[str],
   if full_key:
     parent, _, leaf = full_key.rpartition(".")
     valid = ""
-    try:
+    with contextlib.suppress(Exception):  # the base config itself is broken: say what we know
       base = compose(config_dir, config_name, [])
       node = OmegaConf.select(base, parent) if parent else base
       if node is not None and OmegaConf.is_dict(node):
         valid = f" Valid keys under {parent or 'the top level'}: {', '.join(node.keys())}."
-    except Exception:  # the base config itself is broken: say what we know
-      pass
     if type(cause).__name__ in ("ConfigAttributeError", "ConfigKeyError"):
       return f"unknown config key {full_key!r}.{valid} Run `vmoe {sub} --cfg job` to see every key."
     reason = str(cause).split("\n")[0]
@@ -171,8 +168,7 @@ def show_sweep(sub: str, args: list[str]) -> int:
   """`--multirun ... --cfg job` (Hydra refuses the pair): each job's config, its own folder as its
   workdir; a search (hydra/sweeper=optuna): its fixed config and the ranges searched."""
   flags, overrides, _ = arguments.split_args(args)
-  what = flags.get("--cfg") or flags.get("-c")
-  if what != "job":
+  if (what := flags.get("--cfg") or flags.get("-c")) != "job":
     print(f"vmoe {sub}: error: --cfg {what} with --multirun: Hydra shows the {what} config of "
           "one run only. Drop --multirun to see it, or use --cfg job to see every job of the "
           "sweep.", file=sys.stderr)

@@ -49,14 +49,10 @@ def problem(section: str, node: dict) -> str | None:
   table = (LAUNCHERS if section == "launcher" else SWEEPERS).get(plugin_name(node), {})
   for name, check in table.items():
     value = node.get(name)
-    wrong = None if value is None else check(value)
-    if wrong:
-      others = ", ".join(f"{k} {_valid(c)}" for k, c in table.items() if k != name)
+    if value is not None and (wrong := check(value)):
+      others = ", ".join(f"{k} {c.describe() if isinstance(c, Range) else c.valid}"
+                         for k, c in table.items() if k != name)
       return (f"hydra.{section}.{name}={value} {wrong}"
               + (f" ({plugin_name(node)}'s other keys with a range: {others})." if others
                  else "."))
   return None
-
-
-def _valid(check: Check) -> str:
-  return check.describe() if isinstance(check, Range) else f"{check.valid}"

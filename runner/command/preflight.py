@@ -60,8 +60,7 @@ def check(sub: str, args: list[str], checkpoints=None) -> Preflight:
     return Preflight(compose.explain_composition_error(err, sub, overrides, config_dir,
                                                        config_name))
   for section, node in choices["plugins"].items():
-    problem = launchers.problem(section, node)
-    if problem:
+    if problem := launchers.problem(section, node):
       return Preflight(problem)
   checked_here = len(jobs) == arguments.job_count(overrides, compose.study_params(choices))
   for job in jobs:
@@ -95,8 +94,7 @@ def _submission_problem(launcher: dict) -> str | None:
   if launchers.plugin_name(launcher) != "SlurmLauncher":
     return None
   from runner.parallel import slurm  # lazily, as every library module here
-  problem = slurm.submission_problem(launcher.get("partition"))
-  if problem:
+  if problem := slurm.submission_problem(launcher.get("partition")):
     return (f"hydra/launcher=slurm submits the sweep's jobs with sbatch, but {problem}. Run the "
             "command where SLURM is reachable (a cluster's login node), or run the jobs on this "
             "machine: hydra/launcher=parallel (several at a time) or no launcher (one after "

@@ -39,8 +39,7 @@ class SweepTable(Callback):
     self.show()
 
   def show(self) -> None:
-    text = sweep_table(self.sweep_dir, os.environ.get("VMOE_STAGE"), self.before)
-    if text:
+    if text := sweep_table(self.sweep_dir, os.environ.get("VMOE_STAGE"), self.before):
       print(text, flush=True)
 
 

@@ -158,7 +158,6 @@ class ScannedImageFolder(tfds.folder_dataset.ImageFolder, skip_registration=True
 
 
 def _folders(path: str) -> list[str]:
-  """The sorted, non-hidden sub-folders of path."""
   return sorted(e.name for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
 
 

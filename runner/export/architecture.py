@@ -65,19 +65,14 @@ def _moe(model: ModelConfig) -> dict | None:
 def _vit_variant(model: ModelConfig) -> dict:
   """The keys of a timm or transformers ViT's variants (runner/models/vit.py), each only where
   the model uses it: an export of vmoe's own ViT or V-MoE stays as it was."""
-  eps = float(model.layer_norm_eps)
   out = {"activation": str(model.activation)} if model.activation is not None else {}
-  if eps != QK_NORM_EPS and model.attention_qk_norm:
+  if float(model.layer_norm_eps) != QK_NORM_EPS and model.attention_qk_norm:
     out["qk_norm_eps"] = QK_NORM_EPS
   if model.registers:
     out["registers"] = int(model.registers)
-  if model.layer_scale is not None:
-    out["layer_scale"] = True
-  if model.pre_norm:
-    out["pre_norm"] = True
-  if model.fc_norm:
-    out["fc_norm"] = True
-  return out
+  used = {"layer_scale": model.layer_scale is not None, "pre_norm": model.pre_norm,
+          "fc_norm": model.fc_norm}
+  return {**out, **{key: True for key, on in used.items() if on}}
 
 
 def config_json(model: ModelConfig, num_classes: int, output: str) -> dict:

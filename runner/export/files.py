@@ -46,8 +46,7 @@ def write_model(directory, *, params: Mapping, model: ModelConfig, num_classes: 
   """Writes `params` (the Flax parameter tree of `model` with a head of `num_classes`) as a
   PyTorch model folder in `directory`; returns the config.json it wrote (`extra_config` merged
   in, e.g. the preprocessing and where the weights came from)."""
-  problem = architecture.unsupported(model)
-  if problem:
+  if problem := architecture.unsupported(model):
     raise ValueError(problem)
   tensors = layout.torch_state_dict(params, model)
   config = architecture.config_json(model, num_classes, output)
@@ -73,9 +72,8 @@ def export_folder_holds_no_other_files(run: ExportRun):
   folder = pathlib.Path(run.workdir).expanduser() if run.workdir else None
   if folder is None or not folder.is_dir():
     return None
-  others = sorted(p.name for p in folder.iterdir()
-                  if p.name not in EXPORT_FILES + _EXPORT_BOOKKEEPING and p.suffix != ".log")
-  if others:
+  if others := sorted(p.name for p in folder.iterdir()
+                     if p.name not in EXPORT_FILES + _EXPORT_BOOKKEEPING and p.suffix != ".log"):
     shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
     return (f"workdir={run.workdir} holds files that are not an export of vmoe ({shown}); vmoe "
             f"export writes {', '.join(EXPORT_FILES)} into a new or empty folder (or replaces "

@@ -118,11 +118,9 @@ def _router_rules(model: ModelConfig) -> dict[str, Rule]:
   routing = architecture.torch_routing(model) if derived.num_experts(model) else None
   if routing is None:
     return {}
-  rules = {}
-  for flax_name, (torch_name, axes) in routing.parameters.items():
-    transform = np.asarray if axes is None else (lambda a, axes=tuple(axes): a.transpose(axes))
-    rules[_ROUTER + flax_name] = (f"moe.router.{torch_name}", transform)
-  return rules
+  return {_ROUTER + flax_name: (f"moe.router.{torch_name}", np.asarray if axes is None
+                                else (lambda a, axes=tuple(axes): a.transpose(axes)))
+          for flax_name, (torch_name, axes) in routing.parameters.items()}
 
 
 def torch_state_dict(params: Mapping, model: ModelConfig) -> dict[str, np.ndarray]:

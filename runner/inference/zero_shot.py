@@ -35,12 +35,6 @@ def _runs_without_labels() -> list[type[suite_lib.Evaluator]]:
   return [cls for _, cls in EVALUATORS.items() if cls.on_contrastive and not cls.needs_labels]
 
 
-def _turn_on(cls: type[suite_lib.Evaluator], eval_config) -> str:
-  """The override that turns `cls` on, for a message (`eval.<key>=true` for a switch)."""
-  switch = isinstance(cls.setting(eval_config), bool)
-  return f"{cls.enabling_key}={'true' if switch else '[...]'}"
-
-
 @dataclasses.dataclass
 class ZeroShot:
   """What makes a contrastive checkpoint a classifier: text tower, tokenizer, classes, prompts."""
@@ -101,7 +95,9 @@ def class_names(config, first: suite_lib.Dataset) -> list[str]:
   given = [str(n) for n in e.zero_shot.class_names]
   if not source.num_classes:
     label_free = _runs_without_labels()
-    turn_on = " or ".join(_turn_on(cls, e) for cls in label_free if cls.enabling_key)
+    turn_on = " or ".join(  # the overrides that turn them on (`eval.<key>=true` for a switch)
+        f"{cls.enabling_key}={'true' if isinstance(cls.setting(e), bool) else '[...]'}"
+        for cls in label_free if cls.enabling_key)
     if not any(cls.enabled(e) for cls in label_free):
       raise ConfigError(
           f"eval dataset {first.name!r} has image-caption pairs but no labels, so a contrastive "

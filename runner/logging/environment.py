@@ -72,10 +72,6 @@ def describe() -> dict:
           "python": platform.python_version(), "platform": platform.platform()}
 
 
-def write(workdir: str | pathlib.Path) -> None:
-  (pathlib.Path(workdir) / FILE).write_text(json.dumps(describe(), indent=1) + "\n")
-
-
 def write_config(config, workdir: str) -> None:
   """config.yaml and environment.json in `workdir` (by the first process: the workdir is shared)."""
   if jax.process_index():
@@ -83,4 +79,4 @@ def write_config(config, workdir: str) -> None:
   path = pathlib.Path(workdir)
   path.mkdir(parents=True, exist_ok=True)
   (path / "config.yaml").write_text(yaml.safe_dump(as_dict(config), sort_keys=False))
-  write(path)
+  (path / FILE).write_text(json.dumps(describe(), indent=1) + "\n")

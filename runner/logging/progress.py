@@ -22,9 +22,7 @@ class Progress:
                enabled: bool = True):
     self.total, self.start, self.batch_size, self.desc = total_steps, start_step, batch_size, desc
     self.enabled = enabled and jax.process_index() == 0
-    self.bar = None
-    self.t0 = None
-    self.step0 = start_step
+    self.bar, self.t0, self.step0 = None, None, start_step
     if self.enabled and sys.stderr.isatty():
       self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step",
                       dynamic_ncols=True, leave=True)

@@ -30,7 +30,8 @@ def start_run(mode: str, workdir: str, **init_kwargs):
         return wandb.init(mode="online", dir=workdir, **init_kwargs, settings=wandb.Settings(
             **settings, init_timeout=INIT_TIMEOUT_S, silent=True))
       except Exception as e:  # noqa: BLE001 - any failure online falls back to offline
-        problem = f"W&B could not start an online run at {url} ({_first_line(e)})"
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        problem = f"W&B could not start an online run at {url} ({first_line})"
         wandb.teardown()  # W&B's service still holds the failed run's id, which is resumed next
     offline = f"{workdir}/wandb"
     print(f"warning: {problem}; logging offline to {offline} — upload later with "
@@ -57,8 +58,3 @@ def _unreachable(url: str) -> str | None:
   thread.start()
   thread.join(PROBE_TIMEOUT_S)
   return outcome[0]
-
-
-def _first_line(error: Exception) -> str:
-  text = str(error).strip().splitlines()
-  return text[0] if text else type(error).__name__

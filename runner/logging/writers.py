@@ -95,6 +95,12 @@ class MetricWriter:
     if self.run is not None:
       self.run.summary.update({k: v for k, v in clean.items() if not isinstance(v, list)})
 
+  def __enter__(self) -> MetricWriter:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
   def close(self) -> None:
     if not self.active:
       return

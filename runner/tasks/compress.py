@@ -83,14 +83,11 @@ def run(config: CompressRun, placement: Placement, checkpoints: weights.Checkpoi
   picture = routing_plots.compressed_experts(
       {layer: (s.chosen, plans[layer], after_stats[layer].chosen) for layer, s in stats.items()},
       str(c.method), out / "compressed_experts.png")
-  writer = MetricWriter(str(out), run_config=as_dict(config), wandb=config.logger.wandb,
-                        job_type="compress")
-  try:
+  with MetricWriter(str(out), run_config=as_dict(config), wandb=config.logger.wandb,
+                    job_type="compress") as writer:
     writer.write(step, {k: v for k, v in summary.items() if isinstance(v, (int, float))})
     writer.log_image(step, "compress/experts_picture", picture)
     writer.summary(summary)
-  finally:
-    writer.close()
   _print(config, smaller, summary)
   return summary
 
@@ -109,9 +106,8 @@ def _check_routers(params, *, blocks, experts: int, family: str) -> None:
   selects or averages along (a plug-in family's scalar or (D, D) parameter has no such axis)."""
   for block in blocks:
     router = transfer.flatten(params[f"block_{block}"][introspection.MOE_LAYER]["router"])
-    odd = [f"{k} {tuple(np.shape(v))}" for k, v in router.items()
-           if not np.ndim(v) or np.shape(v)[-1] != experts]
-    if odd:
+    if odd := [f"{k} {tuple(np.shape(v))}" for k, v in router.items()
+               if not np.ndim(v) or np.shape(v)[-1] != experts]:
       raise ConfigError(f"model.router.type={family} has router parameters whose last axis is "
                         f"not the {experts} experts ({', '.join(odd)} in block {block}), so vmoe "
                         "compress cannot tell how to keep or merge them; it compresses routers "
@@ -202,11 +198,8 @@ def _summary(config, model, plans, stats, after_stats, before, after, seen, spli
 
 
 def _new_expert(plan: list[list[int]], experts: int) -> list[int]:
-  out = [-1] * experts
-  for j, group in enumerate(plan):
-    for e in group:
-      out[e] = j
-  return out
+  new = {e: j for j, group in enumerate(plan) for e in group}
+  return [new.get(e, -1) for e in range(experts)]
 
 
 def _print(config: CompressRun, model: ModelConfig, summary: dict) -> None:

@@ -86,14 +86,11 @@ def evaluate(config, members: members_lib.Members, placement: Placement, *, job_
 
 
 def _write_outputs(config, workdir, job_type, step, summary, images) -> None:
-  writer = MetricWriter(workdir, run_config=as_dict(config), wandb=config.logger.wandb,
-                        job_type=job_type)
-  try:
+  with MetricWriter(workdir, run_config=as_dict(config), wandb=config.logger.wandb,
+                    job_type=job_type) as writer:
     scalars = {k: v for k, v in summary.items() if isinstance(v, (int, float))}
     writer.write(step, scalars)
     for key, path in images.items():
       writer.log_image(step, key, path)
     writer.log_table("eval/summary", ["metric", "value"], sorted(scalars.items()))
     writer.summary(summary)
-  finally:
-    writer.close()

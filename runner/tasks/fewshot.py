@@ -77,9 +77,8 @@ def run(config: FewshotRun, placement: Placement, checkpoints: weights.Checkpoin
                     f"{name}/num_train": f.num_train, f"{name}/num_test": f.num_test,
                     f"{name}/num_classes": f.source.num_classes})
   summary.update(metrics)
-  writer = MetricWriter(workdir, run_config=as_dict(config), wandb=config.logger.wandb,
-                        job_type="fewshot")
-  try:
+  with MetricWriter(workdir, run_config=as_dict(config), wandb=config.logger.wandb,
+                    job_type="fewshot") as writer:
     writer.write(step, metrics)
     writer.summary(summary)
     if jax.process_index() == 0:
@@ -92,6 +91,4 @@ def run(config: FewshotRun, placement: Placement, checkpoints: weights.Checkpoin
       writer.log_table("fewshot/accuracy", ["dataset", *[f"{s}shot" for s in shots]],
                        [[n, *map(float, row)] for n, row in zip(names, table)])
       print(format_table(metrics))
-  finally:
-    writer.close()
   return summary

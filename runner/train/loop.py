@@ -10,6 +10,7 @@ scratch). Faults lose at most the steps since the last checkpoint:
   (checked one step behind, so the device never waits for the host, and before every save)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -57,10 +58,8 @@ class _StopFlag:
 
   def __enter__(self):
     for sig in self.SIGNALS:
-      try:
+      with contextlib.suppress(ValueError):  # not the main thread: signals stay as they are
         self.previous[sig] = signal.signal(sig, self._handle)
-      except ValueError:  # not the main thread: signals stay as they are
-        pass
     return self
 
   def _handle(self, signum, frame):
@@ -105,8 +104,7 @@ class _DivergenceGuard:
     if all(math.isfinite(v) for v in values.values()):
       return
     self.checkpointer.wait()
-    last = self.checkpointer.latest_step()
-    if last is not None:
+    if (last := self.checkpointer.latest_step()) is not None:
       kept = (f"the last good checkpoint, step {last} in {self.checkpointer.directory}, is kept; "
               "rerunning the same command resumes from it")
     else:

@@ -35,25 +35,20 @@ def weight_decay_tree(params, weight_decay) -> dict:
   rules = [(re.compile(pattern), float(value)) for pattern, value in given]
 
   def lookup(name):
-    if NO_DECAY.fullmatch(name):
-      return 0.0
-    return next((value for pattern, value in rules if pattern.fullmatch(name)), 0.0)
+    matches = (value for pattern, value in rules if pattern.fullmatch(name))
+    return 0.0 if NO_DECAY.fullmatch(name) else next(matches, 0.0)
   return jax.tree.map(lookup, param_names(params))
 
 
 def decoupled_weight_decay(decay_tree) -> optax.GradientTransformation:
   """update += decay * param, applied before the learning rate (so the decay scales with it)."""
-  def init(params):
-    del params
-    return optax.EmptyState()
-
   def update(updates, state, params):
     # A frozen part (optax.multi_transform's MaskedNode) is left as it is.
     frozen = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
     updates = jax.tree.map(lambda u, p, d: u if frozen(u) or not d else u + d * p,
                            updates, params, decay_tree, is_leaf=frozen)
     return updates, state
-  return optax.GradientTransformation(init, update)
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 ADAFACTOR_DECAY_RATE = 0.8  # the exponent of the second-moment decay 1 - t^-0.8

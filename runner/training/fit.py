@@ -70,8 +70,7 @@ def check_schedule_fits_the_run(config: TrainTask, split: str, source: data.Sour
   length = (f"train.steps={t.steps}" if t.steps else
             f"train.epochs={t.epochs:g} = {steps} steps of data.batch_size={d.batch_size} over "
             f"{examples} examples")
-  problem = schedules.warmup_problem(config.schedule, config.optim, steps, length)
-  if problem:
+  if problem := schedules.warmup_problem(config.schedule, config.optim, steps, length):
     raise ConfigError(problem)
   warning = schedules.warmup_warning(config.schedule, steps, length)
   if warning and jax.process_index() == 0:
