@@ -323,9 +323,12 @@ def run(suite: Suite, names: list[str] | None = None) -> Result:
   collected first so that they ride along the main passes."""
   chosen = [cls for name, cls in EVALUATORS.items() if names is None or name in names]
   evaluators = [cls(suite) for cls in chosen if cls.enabled(suite.config)]
-  suite.hooks = {ev.name: hook for ev in evaluators if (hook := ev.hook()) is not None}
-  suite.readers = {ev.name: read for ev in evaluators if (read := ev.reader()) is not None}
-  suite.read = set()
+  suite.hooks, suite.readers, suite.read = {}, {}, set()
+  for ev in evaluators:  # each evaluator's hook, then its reader, as a plug-in may rely on
+    if (hook := ev.hook()) is not None:
+      suite.hooks[ev.name] = hook
+    if (reader := ev.reader()) is not None:
+      suite.readers[ev.name] = reader
   result = Result()
   for ev in evaluators:
     result.update(ev.run())

@@ -113,8 +113,8 @@ def adapt_params(restored, fresh, *, reinit_head: bool = True, dense_to_experts:
       continue
     old_name = name  # the checkpoint's parameter that fills it
     if name.startswith("head/") and name not in old:
-      if _head_counterpart(name) in old:
-        old_name = _head_counterpart(name)
+      if (counterpart := _head_counterpart(name)) in old:
+        old_name = counterpart
       elif linear_head or name.endswith("pre_sigmoid_temperature"):
         out[name] = np.asarray(target)  # a new heteroscedastic head's noise layers, a learned τ
         continue

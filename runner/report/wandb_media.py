@@ -31,10 +31,9 @@ def publish(path: str | pathlib.Path, run: workdir.Run | None = None) -> list[st
     # The stage could not reach the server and logged offline: so do its pictures, at once,
     # rather than probing the server again.
     wandb = dataclasses.replace(wandb, mode=WandbMode.offline)
-  writer = MetricWriter(str(path), run_config=run.config, wandb=wandb,
-                        job_type=run.stage or "train")
   logged = []
-  try:
+  with MetricWriter(str(path), run_config=run.config, wandb=wandb,
+                    job_type=run.stage or "train") as writer:
     with tempfile.TemporaryDirectory() as tmp:  # not in the workdir: the page would show it twice
       for load in curves_lib.load_maps(run.curves):
         figure = plots.heatmap_figure(load.key, load.drawn.steps, load.drawn.values, load.name,
@@ -53,6 +52,4 @@ def publish(path: str | pathlib.Path, run: workdir.Run | None = None) -> list[st
                        [[c.step, "complete" if c.complete else "incomplete",
                          round(c.size / 1e6, 1)] for c in run.checkpoints])
       logged.append("report/checkpoints")
-  finally:
-    writer.close()
   return logged
