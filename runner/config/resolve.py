@@ -214,8 +214,10 @@ def checkpoint_paths(value, command: str = "fewshot") -> list[str]:
 def fewshot_run(cfg: DictConfig, workdir: str, stored: dict[str, dict]) -> FewshotRun:
   """`stored`: checkpoint path -> its stored config, in the order of init.checkpoint."""
   given = OmegaConf.to_container(cfg.model, resolve=False, enum_to_str=True)
-  members = [FewshotMember(path, *stored_model_and_data(config, given),
-                           objective=stored_objective(config)) for path, config in stored.items()]
+  members = []
+  for path, config in stored.items():
+    model, data = stored_model_and_data(config, given)
+    members.append(FewshotMember(path, model=model, data=data, objective=stored_objective(config)))
   return FewshotRun(members=members, data=members[0].data, **_sections(cfg, workdir, "fewshot"))
 
 

@@ -103,7 +103,8 @@ class _PartitionedKernel(nn.Module):
 
 
 class NoisyTopKRouter(nn.Module):
-  """g(x) = TOP_k(softmax(Wx + eps)); returns a `DispatchPlan` and per-layer metrics.
+  """g(x) = TOP_k(softmax(Wx + eps)); returns a `DispatchPlan` (dropless: a `DroplessPlan`) and
+  per-layer metrics.
 
   With `partitions` P > 1 (a partitioned batch ensemble, E³) group g is routed by partition g % P
   of E/P contiguous experts alone, exactly as a V-MoE with E/P experts (its own router columns,
@@ -128,7 +129,8 @@ class NoisyTopKRouter(nn.Module):
   z_loss_weight: float = 0.0  # > 0: the logits' z-loss, a metric and a loss (base.LOSSES)
 
   @nn.compact
-  def __call__(self, x: jax.Array, *, train: bool) -> tuple[routing.DispatchPlan, dict]:
+  def __call__(self, x: jax.Array, *,
+               train: bool) -> tuple[routing.DispatchPlan | routing.DroplessPlan, dict]:
     """x: (G, S, D) groups of tokens (G a multiple of `partitions`)."""
     num_groups, num_tokens, dim = x.shape
     p = self.partitions
