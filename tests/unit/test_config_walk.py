@@ -1,8 +1,9 @@
 """The run config walks down from the task to the train step: from `vmoe pretrain`'s and `vmoe
-finetune`'s task (from scratch, and from a checkpoint upcycled into experts) to the making of the
-train step, it climbs back up to a higher room at most 5 times (tests/config_walk.py says how the
-walk is recorded and a climb counted). What the step needs is worked out by runner/train/start.py
-alone, and the walk passes through it."""
+finetune`'s task (pretrain from scratch, as a classifier and as two contrastive towers; finetune
+from a checkpoint upcycled into experts) to the making of the train step, it climbs back up to a
+higher room at most 5 times (tests/config_walk.py says how the walk is recorded and a climb
+counted). What the step needs is worked out by runner/train/start.py alone, and the walk passes
+through it."""
 from __future__ import annotations
 
 import pytest
@@ -33,17 +34,25 @@ def _walk(task, run, overrides, workdir, monkeypatch) -> config_walk.Walk:
   return config_walk.walk(run, typed, placement, checkpoints)
 
 
-@pytest.mark.parametrize("task, run, upstream", [
-    ("pretrain", pretrain.run, None),
-    ("finetune", finetune.run, "vit_1step")], ids=["pretrain-from-scratch", "finetune-upcycled"])
-def test_the_config_climbs_back_up_at_most_five_times(task, run, upstream, shared_run, tmp_path,
-                                                      monkeypatch):
-  overrides = []
-  if upstream:
+# pretrain's image-text branch (objective=contrastive): a one-block text tower.
+CONTRASTIVE = ["objective=contrastive", "text.width=32", "text.depth=1", "text.mlp_dim=64",
+               "text.num_heads=2", "text.max_length=12", "objective.embedding_dim=16"]
+
+
+@pytest.mark.parametrize("task, run, upstream, start", [
+    ("pretrain", pretrain.run, None, "start.classifier"),
+    ("pretrain", pretrain.run, "contrastive", "start.towers"),
+    ("finetune", finetune.run, "vit_1step", "start.classifier")],
+    ids=["pretrain-from-scratch", "pretrain-contrastive", "finetune-upcycled"])
+def test_the_config_climbs_back_up_at_most_five_times(task, run, upstream, start, shared_run,
+                                                      tmp_path, monkeypatch):
+  overrides = CONTRASTIVE if upstream == "contrastive" else []
+  from_checkpoint = upstream not in (None, "contrastive")
+  if from_checkpoint:
     overrides = [f"init.checkpoint={shared_run(upstream)}", "init.dense_to_experts=true",
                  "model=vmoe_tiny"]
   walk = _walk(task, run, overrides, tmp_path / "run", monkeypatch)
   functions = [function for _, function in walk.calls]
-  assert functions[0] == f"{task}.run" and "start.classifier" in functions
-  assert ("start._from_checkpoint" in functions) == bool(upstream)
+  assert functions[0] == f"{task}.run" and start in functions
+  assert ("start._from_checkpoint" in functions) == from_checkpoint
   assert walk.climbs <= 5, f"{walk.climbs} climbs: {' -> '.join(walk.rooms)}\n{walk.describe()}"
