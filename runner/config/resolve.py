@@ -217,7 +217,8 @@ def fewshot_run(cfg: DictConfig, workdir: str, stored: dict[str, dict]) -> Fewsh
   members = []
   for path, config in stored.items():
     model, data = stored_model_and_data(config, given)
-    members.append(FewshotMember(path, model=model, data=data, objective=stored_objective(config)))
+    members.append(FewshotMember(path=path, model=model, data=data,
+                                 objective=stored_objective(config)))
   return FewshotRun(members=members, data=members[0].data, **_sections(cfg, workdir, "fewshot"))
 
 

@@ -35,8 +35,9 @@ def weight_decay_tree(params, weight_decay) -> dict:
   rules = [(re.compile(pattern), float(value)) for pattern, value in given]
 
   def lookup(name):
-    matches = (value for pattern, value in rules if pattern.fullmatch(name))
-    return 0.0 if NO_DECAY.fullmatch(name) else next(matches, 0.0)
+    if NO_DECAY.fullmatch(name):
+      return 0.0
+    return next((value for pattern, value in rules if pattern.fullmatch(name)), 0.0)
   return jax.tree.map(lookup, param_names(params))
 
 
