@@ -4,9 +4,11 @@ command through `cli.main` from `python -c`; `vmoe` pauses it while the librarie
 freezes their objects out of its scans: runner/command/allocator.py), and with TensorFlow
 importing Keras 3 as it loads (TF_USE_LEGACY_KERAS=0; runner/data/__init__.py stops it).
 
-    python -m benchmarks.command_start [--rounds 5] [--steps 3]
+    python -m benchmarks.command_start [--rounds 5] [--steps 3] [--base <dir>]
 
-Each round runs the three, alternating, in processes of their own: a tiny V-MoE pretrained
+`--base` adds a fourth: `vmoe` as another checkout (`git worktree add <dir> <commit>`) starts
+it, on the same Python environment, for a change measured before and after. Each round runs
+them, alternating, in processes of their own: a tiny V-MoE pretrained
 `--steps` steps (compiled programs come from a warm XLA cache, as on a researcher's second run)
 and a command refused for a bad value (what a typo costs). Wall seconds per process; the medians
 and each round's ratio to `vmoe`'s own start are printed and written to
@@ -36,11 +38,11 @@ WAYS = {  # how the process starts the command, and what it changes in the envir
 }
 
 
-def _seconds(way: tuple[list[str], dict], args: list[str], env: dict, expect: int) -> float:
-  start_args, changes = way
+def _seconds(way: tuple, args: list[str], env: dict, expect: int) -> float:
+  start_args, changes, *checkout = way  # `python -m` imports the package of its folder first
   start = time.perf_counter()
   done = subprocess.run([sys.executable, *start_args, *args], env={**env, **changes},
-                        capture_output=True, text=True)
+                        cwd=checkout[0] if checkout else None, capture_output=True, text=True)
   seconds = time.perf_counter() - start
   if done.returncode != expect:
     raise SystemExit(f"{' '.join(args[:2])} exited {done.returncode}: {done.stderr[-2000:]}")
@@ -53,15 +55,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                             description=__doc__.split("\n\n")[0])
   parser.add_argument("--rounds", default="5", help="alternating rounds (at least 1)")
   parser.add_argument("--steps", default="3", help="pretrain steps (at least 1)")
+  parser.add_argument("--base", help="another checkout of vmoe, started as a fourth way")
   harness.add_record_option(parser)
   args = parser.parse_args(argv)
   args.rounds = parser.number("--rounds", args.rounds, int, 1)
   args.steps = parser.number("--steps", args.steps, int, 1)
+  if args.base and not os.path.isfile(os.path.join(args.base, "runner", "cli.py")):
+    parser.refuse(f"--base {args.base!r}: valid: a checkout of vmoe (a folder with runner/cli.py)")
   return args
 
 
 def main(argv: list[str] | None = None) -> dict:
   args = parse(argv)
+  ways = dict(WAYS)
+  if args.base:
+    ways[f"the checkout {args.base}"] = (["-m", "runner.cli"], {}, os.path.abspath(args.base))
   folder = tempfile.mkdtemp(prefix="vmoe-command-start-")
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(folder, "xla"),
              TFDS_DATA_DIR=os.path.join(folder, "tfds"), WANDB_MODE="disabled")
@@ -74,17 +82,17 @@ def main(argv: list[str] | None = None) -> dict:
   }
   for command, (make, expect) in commands.items():  # warm the XLA cache and the TFDS folder
     _seconds(WAYS[VMOE], make("warm"), env, expect)
-  seconds = {(c, w): [] for c in commands for w in WAYS}
+  seconds = {(c, w): [] for c in commands for w in ways}
   for r in range(args.rounds):
     for command, (make, expect) in commands.items():
-      for n, (way, start) in enumerate(WAYS.items()):
+      for n, (way, start) in enumerate(ways.items()):
         seconds[command, way].append(_seconds(start, make(f"{r}-{n}"), env, expect))
   rows = []
   for command in commands:
     own = seconds[command, VMOE]
-    row = {"command": command, "seconds": {w: statistics.median(seconds[command, w]) for w in WAYS},
+    row = {"command": command, "seconds": {w: statistics.median(seconds[command, w]) for w in ways},
            "ratio_per_round": {w: [x / y for x, y in zip(own, seconds[command, w])]
-                               for w in WAYS if w != VMOE}}
+                               for w in ways if w != VMOE}}
     rows.append(row)
     parts = [f"{row['seconds'][VMOE]:.2f} s {VMOE}"]
     for way, ratios in row["ratio_per_round"].items():

@@ -1,6 +1,7 @@
 """Input data: embedded offline TFDS datasets, any prepared TFDS dataset, image folders, files of
-image-caption pairs; and tokenizers for the captions. Importing this package quiets TensorFlow and
-hides accelerators from it, so tf.data never takes GPU/TPU memory that JAX needs."""
+image-caption pairs; and tokenizers for the captions. Importing this package quiets TensorFlow
+without importing it: TensorFlow loads when data is first read (runner/data/tensorflow_on_use.py),
+and then never takes GPU/TPU memory that JAX needs."""
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -13,10 +14,8 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import logging  # noqa: E402
 
-import tensorflow as tf  # noqa: E402
-import tensorflow_datasets as tfds  # noqa: E402
+import tensorflow_datasets as tfds  # noqa: E402  (it imports TensorFlow when it first needs it)
 
-tf.config.set_visible_devices([], "GPU")
 logging.getLogger("absl").setLevel(logging.WARNING)
 tfds.disable_progress_bar()
 

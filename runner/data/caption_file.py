@@ -13,10 +13,10 @@ import os
 import random
 import re
 
-import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from runner.data.image_folder import listed, unreadable
+from runner.data.tensorflow_on_use import tf
 
 FILE_NAMES = ("captions.jsonl", "captions.csv")  # what a data.root folder may hold
 SPLITS = ("train", "validation", "test")

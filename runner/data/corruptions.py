@@ -8,10 +8,10 @@ seed (`_next_seed`), as pp_ops' random augmentations: one `_rng`, one image."""
 from __future__ import annotations
 
 import numpy as np
-import tensorflow as tf
 
 from runner.config import components, preprocessing
 from runner.data.pp_ops import PreprocessError, _next_seed, register
+from runner.data.tensorflow_on_use import tf
 
 _PARAMS = {  # severity 1..5 -> parameter, copied from make_cifar_c.py (its function of that name)
     "gaussian_noise": (0.04, 0.06, .08, .09, .10),  # std of additive noise on [0, 1]

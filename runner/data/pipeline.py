@@ -10,11 +10,11 @@ import math
 from typing import Iterator
 
 import numpy as np
-import tensorflow as tf
 
 from runner.config import preprocessing
 from runner.data import pp_ops
 from runner.data.sources import DataError, Source, text_of
+from runner.data.tensorflow_on_use import tf
 from runner.data.tokenizers import PAD, Tokenizer
 
 _CACHE_MAX_EXAMPLES = 200_000  # raw records of splits this small are cached (CIFAR-10: ~130 MB)

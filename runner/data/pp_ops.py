@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-import tensorflow as tf
-
 from runner.config import components
 # PreprocessError is the grammar's; the ops' callers catch it from here too.
 from runner.config.preprocessing import OPS, PreprocessError, build  # noqa: F401
+from runner.data.tensorflow_on_use import tf
 
 Example = dict
 Op = Callable[[Example], Example]

@@ -8,12 +8,12 @@ import os
 import re
 import sys
 
-import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from runner.data import caption_file, image_folder
 from runner.data import captions  # noqa: F401  (registers the captioned digit sets in EMBEDDED)
 from runner.data.embedded import EMBEDDED
+from runner.data.tensorflow_on_use import tensorflow, tf
 from runner.errors import UserError
 
 IMAGE_FOLDER = "image_folder"
@@ -140,6 +140,7 @@ def open_source(name: str, data_dir: str | None = None, root: str | None = None,
   """Opens (and for embedded datasets, prepares) a dataset, or raises DataError explaining why not.
   skip_unreadable (image folders and caption files) leaves out unreadable and non-image files with
   a warning instead of failing. With `text_key` (the captions), a dataset needs no label."""
+  tensorflow()  # set up before TFDS imports it to read or prepare the data
   data_dir = (data_dir or os.environ.get("TFDS_DATA_DIR")
               or os.path.expanduser("~/tensorflow_datasets"))
   if name == IMAGE_FOLDER:

@@ -970,3 +970,15 @@ def test_help_and_an_unknown_subcommand_load_no_library(argv, code):
   proc = subprocess.run([sys.executable, "-c", check, *argv], capture_output=True, text=True,
                         env=dict(os.environ), timeout=60)
   assert proc.stdout.strip().endswith(f"loaded: [] code: {code}"), proc.stdout + proc.stderr
+
+
+def test_a_command_refused_for_a_bad_value_loads_no_tensorflow():
+  """The schema's checks need the data ops' and datasets' names, not TensorFlow (seconds to
+  import): it loads when data is first read (runner/data/tensorflow_on_use.py)."""
+  check = ("import sys; from runner import cli\n"
+           "code = cli.main(['pretrain', 'model.router.k=0'])\n"
+           "print('tensorflow loaded:', 'tensorflow' in sys.modules, 'code:', code)")
+  proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                        env=dict(os.environ), timeout=120)
+  assert proc.stdout.strip().endswith("tensorflow loaded: False code: 2"), proc.stdout + proc.stderr
+  assert "model.router.k=0 must be >= 1" in proc.stderr

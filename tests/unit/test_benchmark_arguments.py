@@ -96,6 +96,8 @@ CASES = [
     ("command_start", ["--rounds", "0"], "--rounds '0': valid: an integer >= 1"),
     ("command_start", ["--steps", "1.5"], "--steps '1.5': valid: an integer >= 1"),
     ("command_start", ["--nosuch"], UNKNOWN),
+    ("command_start", ["--base", "/no/such/checkout"],
+     "--base '/no/such/checkout': valid: a checkout of vmoe (a folder with runner/cli.py)"),
     ("contrastive_memory", ["--batches", "128,0"],
      "--batches '128,0': '0' is not; valid: comma-separated integers >= 1"),
     ("contrastive_memory", ["--samples", "x"],

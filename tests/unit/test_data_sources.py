@@ -15,7 +15,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from runner import data
-from runner.data import DataError
+from runner.data import DataError, tensorflow_on_use
 from runner.models import inputs
 from runner.errors import UserError
 
@@ -104,6 +104,23 @@ def expected_shapes(split: str) -> dict[int, tuple[np.ndarray, int]]:
 
 def batches(ds) -> list[dict[str, np.ndarray]]:
   return list(ds.as_numpy_iterator())
+
+
+# --- TensorFlow, set up on the first read --------------------------------------------------------
+
+def test_opening_a_dataset_hides_the_accelerators_from_tensorflow(tfds_dir, monkeypatch):
+  """The first dataset opened sets TensorFlow up (runner/data/tensorflow_on_use.py), before TFDS
+  reads with it: no GPU for tf.data, whose memory JAX needs."""
+  calls = []
+  monkeypatch.setattr(tf.config, "set_visible_devices", lambda *args: calls.append(args))
+  tensorflow_on_use.tensorflow.cache_clear()
+  try:
+    data.open_source("uci_digits", data_dir=str(tfds_dir))
+    data.open_source("uci_digits", data_dir=str(tfds_dir))
+  finally:
+    tensorflow_on_use.tensorflow.cache_clear()
+  assert calls == [([], "GPU")]  # once per process
+  assert tensorflow_on_use.tf.data.Dataset is tf.data.Dataset  # and then it is TensorFlow
 
 
 # --- errors -------------------------------------------------------------------------------------
