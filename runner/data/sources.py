@@ -140,7 +140,6 @@ def open_source(name: str, data_dir: str | None = None, root: str | None = None,
   """Opens (and for embedded datasets, prepares) a dataset, or raises DataError explaining why not.
   skip_unreadable (image folders and caption files) leaves out unreadable and non-image files with
   a warning instead of failing. With `text_key` (the captions), a dataset needs no label."""
-  tensorflow()  # set up before TFDS imports it to read or prepare the data
   data_dir = (data_dir or os.environ.get("TFDS_DATA_DIR")
               or os.path.expanduser("~/tensorflow_datasets"))
   if name == IMAGE_FOLDER:
@@ -159,6 +158,7 @@ def open_source(name: str, data_dir: str | None = None, root: str | None = None,
         builder = EMBEDDED.get(name)(data_dir=data_dir)
   else:
     builder = _prepared_tfds_builder(name, data_dir)
+  tensorflow()  # set up before TFDS reads with it (`_is_prepared` did before TFDS prepares)
   features = builder.info.features
   if text_key:
     _check_text_feature(name, features, text_key)

@@ -972,13 +972,20 @@ def test_help_and_an_unknown_subcommand_load_no_library(argv, code):
   assert proc.stdout.strip().endswith(f"loaded: [] code: {code}"), proc.stdout + proc.stderr
 
 
-def test_a_command_refused_for_a_bad_value_loads_no_tensorflow():
-  """The schema's checks need the data ops' and datasets' names, not TensorFlow (seconds to
-  import): it loads when data is first read (runner/data/tensorflow_on_use.py)."""
+def test_a_bad_value_or_dataset_is_refused_without_loading_tensorflow():
+  """The schema's checks need the data ops' and datasets' names, and a dataset's name or folder is
+  checked, without TensorFlow (seconds to import): it loads when data is first read
+  (runner/data/tensorflow_on_use.py). Three commands in one fresh process."""
   check = ("import sys; from runner import cli\n"
-           "code = cli.main(['pretrain', 'model.router.k=0'])\n"
-           "print('tensorflow loaded:', 'tensorflow' in sys.modules, 'code:', code)")
+           "for args in (['model.router.k=0'], ['data.name=nope'],\n"
+           "             ['data.name=image_folder', 'data.root=/no/such']):\n"
+           "  try:\n    code = cli.main(['pretrain', *args])\n"
+           "  except SystemExit as e:\n    code = e.code\n"
+           "  print('code:', code, 'tensorflow loaded:', 'tensorflow' in sys.modules)")
   proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
                         env=dict(os.environ), timeout=120)
-  assert proc.stdout.strip().endswith("tensorflow loaded: False code: 2"), proc.stdout + proc.stderr
-  assert "model.router.k=0 must be >= 1" in proc.stderr
+  said = [line for line in proc.stdout.splitlines() if line.startswith("code:")]
+  assert said == ["code: 2 tensorflow loaded: False"] * 3, proc.stdout + proc.stderr
+  for said in ("model.router.k=0 must be >= 1", "unknown dataset 'nope'",
+               "data.root='/no/such' must contain a train/ folder"):
+    assert said in proc.stderr, (said, proc.stderr)
