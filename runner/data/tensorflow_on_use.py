@@ -1,8 +1,8 @@
 """TensorFlow, imported when a command first reads data rather than when `vmoe` starts: the data
 ops' and datasets' names register without it, so a refused command answers seconds sooner
 (docs/speed.md). `tf`'s first attribute read imports TensorFlow and hides the accelerators from
-it (tf.data must not take GPU/TPU memory that JAX needs); `open_source` calls `tensorflow()` before
-TFDS can import TensorFlow on its own."""
+it (tf.data must not take GPU/TPU memory that JAX needs); `open_source` calls `tensorflow()` once a
+dataset is found, before TFDS reads with TensorFlow on its own."""
 from __future__ import annotations
 
 import functools
