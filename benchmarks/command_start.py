@@ -8,10 +8,10 @@ importing Keras 3 as it loads (TF_USE_LEGACY_KERAS=0; runner/data/__init__.py st
 
 `--base` adds a fourth: `vmoe` as another checkout (`git worktree add <dir> <commit>`) starts
 it, on the same Python environment, for a change measured before and after. Each round runs
-them, alternating, in processes of their own: a tiny V-MoE pretrained
-`--steps` steps (compiled programs come from a warm XLA cache, as on a researcher's second run)
-and a command refused for a bad value (what a typo costs). Wall seconds per process; the medians
-and each round's ratio to `vmoe`'s own start are printed and written to
+them, alternating, in processes of their own: a tiny V-MoE pretrained `--steps` steps (compiled
+programs come from a warm XLA cache, as on a researcher's second run), a command refused for a
+bad value (what a typo costs) and a stage's help page. Wall seconds per process; the medians and
+each round's ratio to `vmoe`'s own start are printed and written to
 runs/benchmarks/command_start.json (`--record`: benchmarks/results/).
 """
 from __future__ import annotations
@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
                        *TINY], 0),
       "refused (optim.lr=-1)": (lambda run: ["pretrain", f"workdir={folder}/{run}",
                                              "optim.lr=-1", *TINY], 2),
+      "pretrain --help": (lambda run: ["pretrain", "--help"], 0),
   }
   for command, (make, expect) in commands.items():  # warm the XLA cache and the TFDS folder
     _seconds(WAYS[VMOE], make("warm"), env, expect)
