@@ -30,19 +30,20 @@ TINY = ["model.num_layers=2", "model.hidden_size=32", "model.mlp_dim=64", "model
         "model.image_size=16", "data.batch_size=16", "schedule.warmup_steps=0",
         "logger.wandb.mode=disabled", "logger.progress=false", "logger.report=false"]
 VMOE = "as vmoe starts it"
-WAYS = {  # how the process starts the command, and what it changes in the environment
-    VMOE: (["-m", "runner.cli"], {}),
+WAYS = {  # how the process starts the command, what it changes in the environment, and where
+    VMOE: (["-m", "runner.cli"], {}, None),  # (`python -m` imports the package of that folder)
     "Python's default collector": (["-c", "import sys; from runner import cli; "
-                                          "sys.exit(cli.main(sys.argv[1:]))"], {}),
-    "TensorFlow importing Keras": (["-m", "runner.cli"], {"TF_USE_LEGACY_KERAS": "0"}),
+                                          "sys.exit(cli.main(sys.argv[1:]))"], {}, None),
+    "TensorFlow importing Keras": (["-m", "runner.cli"], {"TF_USE_LEGACY_KERAS": "0"}, None),
 }
 
 
-def _seconds(way: tuple, args: list[str], env: dict, expect: int) -> float:
-  start_args, changes, *checkout = way  # `python -m` imports the package of its folder first
+def _seconds(way: tuple[list[str], dict, str | None], args: list[str], env: dict,
+             expect: int) -> float:
+  start_args, changes, checkout = way
   start = time.perf_counter()
   done = subprocess.run([sys.executable, *start_args, *args], env={**env, **changes},
-                        cwd=checkout[0] if checkout else None, capture_output=True, text=True)
+                        cwd=checkout, capture_output=True, text=True)
   seconds = time.perf_counter() - start
   if done.returncode != expect:
     raise SystemExit(f"{' '.join(args[:2])} exited {done.returncode}: {done.stderr[-2000:]}")

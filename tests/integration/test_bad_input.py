@@ -986,6 +986,6 @@ def test_a_bad_value_or_dataset_is_refused_without_loading_tensorflow():
                         env=dict(os.environ), timeout=120)
   said = [line for line in proc.stdout.splitlines() if line.startswith("code:")]
   assert said == ["code: 2 tensorflow loaded: False"] * 3, proc.stdout + proc.stderr
-  for said in ("model.router.k=0 must be >= 1", "unknown dataset 'nope'",
-               "data.root='/no/such' must contain a train/ folder"):
-    assert said in proc.stderr, (said, proc.stderr)
+  for message in ("model.router.k=0 must be >= 1", "unknown dataset 'nope'",
+                  "data.root='/no/such' must contain a train/ folder"):
+    assert message in proc.stderr, (message, proc.stderr)

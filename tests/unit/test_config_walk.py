@@ -39,20 +39,19 @@ CONTRASTIVE = ["objective=contrastive", "text.width=32", "text.depth=1", "text.m
                "text.num_heads=2", "text.max_length=12", "objective.embedding_dim=16"]
 
 
-@pytest.mark.parametrize("task, run, upstream, start", [
-    ("pretrain", pretrain.run, None, "start.classifier"),
-    ("pretrain", pretrain.run, "contrastive", "start.towers"),
-    ("finetune", finetune.run, "vit_1step", "start.classifier")],
+@pytest.mark.parametrize("task, run, upstream, extra, start", [
+    ("pretrain", pretrain.run, None, [], "start.classifier"),
+    ("pretrain", pretrain.run, None, CONTRASTIVE, "start.towers"),
+    ("finetune", finetune.run, "vit_1step", [], "start.classifier")],
     ids=["pretrain-from-scratch", "pretrain-contrastive", "finetune-upcycled"])
-def test_the_config_climbs_back_up_at_most_five_times(task, run, upstream, start, shared_run,
-                                                      tmp_path, monkeypatch):
-  overrides = CONTRASTIVE if upstream == "contrastive" else []
-  from_checkpoint = upstream not in (None, "contrastive")
-  if from_checkpoint:
-    overrides = [f"init.checkpoint={shared_run(upstream)}", "init.dense_to_experts=true",
-                 "model=vmoe_tiny"]
+def test_the_config_climbs_back_up_at_most_five_times(task, run, upstream, extra, start,
+                                                      shared_run, tmp_path, monkeypatch):
+  overrides = list(extra)
+  if upstream:
+    overrides += [f"init.checkpoint={shared_run(upstream)}", "init.dense_to_experts=true",
+                  "model=vmoe_tiny"]
   walk = _walk(task, run, overrides, tmp_path / "run", monkeypatch)
   functions = [function for _, function in walk.calls]
   assert functions[0] == f"{task}.run" and start in functions
-  assert ("start._from_checkpoint" in functions) == from_checkpoint
+  assert ("start._from_checkpoint" in functions) == bool(upstream)
   assert walk.climbs <= 5, f"{walk.climbs} climbs: {' -> '.join(walk.rooms)}\n{walk.describe()}"
