@@ -10,7 +10,8 @@ importing Keras 3 as it loads (TF_USE_LEGACY_KERAS=0; runner/data/__init__.py st
 it, on the same Python environment, for a change measured before and after. Each round runs
 them, alternating, in processes of their own: a tiny V-MoE pretrained `--steps` steps (compiled
 programs come from a warm XLA cache, as on a researcher's second run), a command refused for a
-bad value (what a typo costs) and a stage's help page. Wall seconds per process; the medians and
+bad value (what a typo costs), one refused for a TFDS dataset not prepared here and a stage's
+help page. Wall seconds per process; the medians and
 each round's ratio to `vmoe`'s own start are printed and written to
 runs/benchmarks/command_start.json (`--record`: benchmarks/results/).
 """
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
                        *TINY], 0),
       "refused (optim.lr=-1)": (lambda run: ["pretrain", f"workdir={folder}/{run}",
                                              "optim.lr=-1", *TINY], 2),
+      "refused (data=cifar10 not prepared)": (lambda run: ["pretrain", f"workdir={folder}/{run}",
+                                                           "data=cifar10", *TINY], 2),
       "pretrain --help": (lambda run: ["pretrain", "--help"], 0),
   }
   for command, (make, expect) in commands.items():  # warm the XLA cache and the TFDS folder

@@ -150,6 +150,7 @@ def open_source(name: str, data_dir: str | None = None, root: str | None = None,
   elif name in EMBEDDED:
     builder = EMBEDDED.get(name)(data_dir=data_dir)
     if not _is_prepared(builder):
+      tensorflow()  # set up before TFDS prepares with it
       try:
         builder.download_and_prepare()
       except FileExistsError:  # another process (host, job) published it first: use theirs
@@ -158,7 +159,7 @@ def open_source(name: str, data_dir: str | None = None, root: str | None = None,
         builder = EMBEDDED.get(name)(data_dir=data_dir)
   else:
     builder = _prepared_tfds_builder(name, data_dir)
-  tensorflow()  # set up before TFDS reads with it (`_is_prepared` did before TFDS prepares)
+  tensorflow()  # set up before TFDS reads with it
   features = builder.info.features
   if text_key:
     _check_text_feature(name, features, text_key)
@@ -207,7 +208,9 @@ def _feature_paths(features, prefix: str = "") -> list[str]:
 
 
 def _is_prepared(builder) -> bool:
-  return tf.io.gfile.exists(os.path.join(builder.data_dir, "dataset_info.json"))
+  """`os` reads a local folder: an unprepared dataset is refused without loading TensorFlow."""
+  info = os.path.join(builder.data_dir, "dataset_info.json")
+  return tf.io.gfile.exists(info) if "://" in info else os.path.exists(info)
 
 
 def _image_folder(root: str | None, skip_unreadable: bool = False):

@@ -975,17 +975,19 @@ def test_help_and_an_unknown_subcommand_load_no_library(argv, code):
 def test_a_bad_value_or_dataset_is_refused_without_loading_tensorflow():
   """The schema's checks need the data ops' and datasets' names, and a dataset's name or folder is
   checked, without TensorFlow (seconds to import): it loads when data is first read
-  (runner/data/tensorflow_on_use.py). Three commands in one fresh process."""
+  (runner/data/tensorflow_on_use.py). Four commands in one fresh process."""
   check = ("import sys; from runner import cli\n"
            "for args in (['model.router.k=0'], ['data.name=nope'],\n"
-           "             ['data.name=image_folder', 'data.root=/no/such']):\n"
+           "             ['data.name=image_folder', 'data.root=/no/such'],\n"
+           "             ['data.name=cifar10', 'data.data_dir=/no/such']):\n"
            "  try:\n    code = cli.main(['pretrain', *args])\n"
            "  except SystemExit as e:\n    code = e.code\n"
            "  print('code:', code, 'tensorflow loaded:', 'tensorflow' in sys.modules)")
   proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
                         env=dict(os.environ), timeout=120)
   said = [line for line in proc.stdout.splitlines() if line.startswith("code:")]
-  assert said == ["code: 2 tensorflow loaded: False"] * 3, proc.stdout + proc.stderr
+  assert said == ["code: 2 tensorflow loaded: False"] * 4, proc.stdout + proc.stderr
   for message in ("model.router.k=0 must be >= 1", "unknown dataset 'nope'",
-                  "data.root='/no/such' must contain a train/ folder"):
+                  "data.root='/no/such' must contain a train/ folder",
+                  "TFDS dataset 'cifar10' is not prepared under data_dir '/no/such'"):
     assert message in proc.stderr, (message, proc.stderr)
