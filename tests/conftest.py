@@ -77,6 +77,9 @@ def pytest_configure(config):
 # A model small enough that an end-to-end run compiles and trains in seconds on 2 CPU cores.
 TINY_MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.mlp_dim=64",
               "model.num_heads=2", "model.image_size=16"]
+# A text tower as small (one block of width 32, 16-dim embeddings), for image-text runs.
+TINY_TEXT = ["text.width=32", "text.depth=1", "text.mlp_dim=64", "text.num_heads=2",
+             "text.max_length=12", "objective.embedding_dim=16"]
 # Options every test run of the CLI needs: no W&B, no progress bar, small batches and runs.
 QUIET = ["logger.wandb.mode=disabled", "logger.progress=false", "logger.report=false"]
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 from PIL import Image
 
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, TINY_TEXT
 from conftest import fails_clearly as _fails_clearly
 from conftest import nothing_like_a_run as _nothing_like_a_run
 
@@ -861,8 +861,7 @@ def test_a_het_checkpoint_with_another_head(sub, args, expected, config_only, he
 
 # --- contrastive image-text training (objective=contrastive) -------------------------------------
 
-CONTRASTIVE = ["objective=contrastive", "text.width=32", "text.depth=1", "text.mlp_dim=64",
-               "text.num_heads=2", "text.max_length=12", "objective.embedding_dim=16"]
+CONTRASTIVE = ["objective=contrastive", *TINY_TEXT]
 
 CONTRASTIVE_CONFIG_CASES = [
     (["model.head.type=het"], ["model.head.type=het means nothing for objective=contrastive",

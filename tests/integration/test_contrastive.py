@@ -19,17 +19,14 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import QUIET, TINY_MODEL, fails_clearly
+from conftest import QUIET, TINY_MODEL, TINY_TEXT, fails_clearly
 
 pytestmark = pytest.mark.xdist_group("contrastive")
 
-# A text tower of one block of width 32, and 16-dim embeddings.
-TEXT = ["text.width=32", "text.depth=1", "text.mlp_dim=64", "text.num_heads=2",
-        "text.max_length=12", "objective.embedding_dim=16"]
 # Validation and test on 64 examples each, one batch: the same keys as on whole splits.
 SMALL_EVAL = ['data.eval_split="validation[:64]"', 'data.test_split="test[:64]"',
               "data.eval_batch_size=64"]
-CONTRASTIVE = ["objective=contrastive", *TINY_MODEL, *QUIET, *TEXT, *SMALL_EVAL,
+CONTRASTIVE = ["objective=contrastive", *TINY_MODEL, *QUIET, *TINY_TEXT, *SMALL_EVAL,
                "data.batch_size=16", "train.log_every_steps=1"]
 # LiT with a HET-XL head, from the upstream run: checkpoints at 2, 4, 6, 8, all kept.
 LIT = [*CONTRASTIVE, "model.head.type=het_xl", "train.steps=8", "schedule.warmup_steps=0",

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import QUIET, TINY_MODEL
+from conftest import QUIET, TINY_MODEL, TINY_TEXT
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8,
                                 reason="needs 8 devices (run via test_multidevice.py)")
@@ -122,10 +122,6 @@ def test_contrastive_training_under_expert_parallelism_matches_one_device(data, 
   assert kernel.shape[0] == 8
 
 
-TEXT = ["text.width=32", "text.depth=1", "text.mlp_dim=64", "text.num_heads=2",
-        "text.max_length=12", "objective.embedding_dim=16"]
-
-
 def test_cli_contrastive_pretrain_expert_parallel_then_zero_shot_eval(run_cli, tmp_path):
   """`vmoe pretrain objective=contrastive sharding=ep` end to end on 8 devices (HET-XL noise, a
   V-MoE image tower): training, validation with zero-shot accuracy, the checkpoint; then
@@ -133,8 +129,8 @@ def test_cli_contrastive_pretrain_expert_parallel_then_zero_shot_eval(run_cli, t
   expert-parallel mesh gives the same numbers."""
   run = tmp_path / "run"
   code, _, err = run_cli("pretrain", f"workdir={run}", "objective=contrastive", *TINY_MODEL,
-                         *QUIET, *TEXT, "model.head.type=het_xl", "sharding=ep", "train.steps=2",
-                         "schedule.warmup_steps=0",
+                         *QUIET, *TINY_TEXT, "model.head.type=het_xl", "sharding=ep",
+                         "train.steps=2", "schedule.warmup_steps=0",
                          "train.log_every_steps=1", "data.batch_size=64",
                          'data.eval_split="validation[:64]"', "data.test_split=null")
   assert code == 0, err

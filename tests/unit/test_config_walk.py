@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import config_walk
-from conftest import QUIET, TINY_MODEL
+from conftest import QUIET, TINY_MODEL, TINY_TEXT
 from runner import builtins, config as config_layer
 from runner.checkpoints import weights
 from runner.command import compose, config_store
@@ -35,8 +35,7 @@ def _walk(task, run, overrides, workdir, monkeypatch) -> config_walk.Walk:
 
 
 # pretrain's image-text branch (objective=contrastive): a one-block text tower.
-CONTRASTIVE = ["objective=contrastive", "text.width=32", "text.depth=1", "text.mlp_dim=64",
-               "text.num_heads=2", "text.max_length=12", "objective.embedding_dim=16"]
+CONTRASTIVE = ["objective=contrastive", *TINY_TEXT]
 
 
 @pytest.mark.parametrize("task, run, upstream, extra, start", [
