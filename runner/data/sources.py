@@ -148,7 +148,7 @@ def open_source(name: str, data_dir: str | None = None, root: str | None = None,
     builder = _caption_file(root, skip_unreadable)
     text_key = text_key or "caption"
   elif name in EMBEDDED:
-    builder = EMBEDDED.get(name)(data_dir=data_dir)
+    builder = EMBEDDED.get(name)(data_dir=_readable(data_dir))
     if not _is_prepared(builder):
       tensorflow()  # set up before TFDS prepares with it
       try:
@@ -158,7 +158,7 @@ def open_source(name: str, data_dir: str | None = None, root: str | None = None,
           raise
         builder = EMBEDDED.get(name)(data_dir=data_dir)
   else:
-    builder = _prepared_tfds_builder(name, data_dir)
+    builder = _prepared_tfds_builder(name, _readable(data_dir))
   tensorflow()  # set up before TFDS reads with it
   features = builder.info.features
   if text_key:
@@ -207,10 +207,25 @@ def _feature_paths(features, prefix: str = "") -> list[str]:
           for path in _feature_paths(features[key], f"{prefix}{key}/")]
 
 
+def _readable(data_dir: str) -> str:
+  """A data_dir URL that TFDS's paths (etils) or TensorFlow cannot read fails here, not in TFDS."""
+  try:
+    if "://" in data_dir:
+      tensorflow()  # etils reads a URL through TensorFlow's file systems once it is loaded
+      tfds.core.Path(data_dir).exists()
+    return data_dir
+  except KeyError:  # etils knows no such scheme
+    why = f"TFDS reads no {data_dir.split('://')[0]}:// paths"
+  except tf.errors.OpError as e:
+    why = e.message.splitlines()[0]
+  raise DataError(f"data_dir {data_dir!r} cannot be read: {why}. A data_dir (data.data_dir, or "
+                  "TFDS_DATA_DIR) is a local folder, written without file://, or a URL that TFDS "
+                  "and TensorFlow both read, such as gs://<bucket>/tensorflow_datasets.")
+
+
 def _is_prepared(builder) -> bool:
-  """`os` reads a local folder: an unprepared dataset is refused without loading TensorFlow."""
-  info = os.path.join(builder.data_dir, "dataset_info.json")
-  return tf.io.gfile.exists(info) if "://" in info else os.path.exists(info)
+  """A local folder is read with `os`: an unprepared dataset is refused without TensorFlow."""
+  return tfds.core.Path(builder.data_dir, "dataset_info.json").exists()
 
 
 def _image_folder(root: str | None, skip_unreadable: bool = False):

@@ -353,6 +353,10 @@ def test_broken_caption_file_is_listed_before_compute(run_cli, tmp_path):
     (["objective=contrastive", "data=captions", "data.root=/no/such/pairs.jsonl"],
      ["data.root='/no/such/pairs.jsonl' does not exist", "captions.jsonl or captions.csv"]),
     (["data=tfds", "data.name=no_such_dataset"], ["unknown dataset 'no_such_dataset'", "mnist5k"]),
+    # a data_dir URL that TFDS (file://) or TensorFlow (s3:// without tensorflow-io) cannot read
+    (["data.data_dir=file:///no/such"], ["data_dir 'file:///no/such' cannot be read: TFDS reads "
+                                         "no file:// paths", "local folder, written without"]),
+    (["data.data_dir=s3://bucket/tfds"], ["data_dir 's3://bucket/tfds' cannot be read: ", "gs://"]),
     (["data.split=val"], ["no split 'val'", "train (4000 examples)"]),
     (["fewshot.every_steps=1", "fewshot.datasets=[lfw_faces]", "fewshot.shots=[50]"],
      ["'lfw_faces'", "50 shots"]),
