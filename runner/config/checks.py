@@ -44,12 +44,12 @@ class Range(Check):
     return None if ok else f"must be {self.describe()}"
 
   def describe(self) -> str:
+    low, high = (f"{v:g}" if isinstance(v, float) else v for v in (self.low, self.high))
     if self.low is not None and self.high is not None:
-      return (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
-              f"{')' if self.high_open else ']'}")
+      return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
     if self.low is not None:
-      return f"{'>' if self.low_open else '>='} {self.low:g}"
-    return f"{'<' if self.high_open else '<='} {self.high:g}"
+      return f"{'>' if self.low_open else '>='} {low}"
+    return f"{'<' if self.high_open else '<='} {high}"
 
 
 def positive() -> Range:

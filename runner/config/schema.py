@@ -80,6 +80,8 @@ class CompressMethod(enum.StrEnum):
   merge = "merge"  # cluster experts by their outputs, average each cluster (HC-SMoE)
 
 
+SEED = Range(0, 2**32 - 1)  # what NumPy, TensorFlow and JAX all take as a seed
+
 # `compress.method=prune` measures every subset of experts it could keep, per MoE layer, at most.
 PRUNE_SUBSETS_MAX = 5000
 
@@ -400,7 +402,7 @@ class FewshotConfig:
                             "'name:split' picks the test split")
   shots: List[int] = key([1, 5, 10, 25], Items(at_least(1), nonempty=True, example="[1,5,10,25]"),
                          "examples per class")
-  seeds: List[int] = key([0, 1, 2], Items(nonempty=True, example="[0,1,2]"),
+  seeds: List[int] = key([0, 1, 2], Items(SEED, nonempty=True, example="[0,1,2]"),
                          "accuracies are averaged over them")
   l2_regs: Optional[List[float]] = key(None, Items(positive(), nonempty=True, increasing=True,
                                                    example="[0.1,1,10,100]"),
@@ -490,7 +492,7 @@ class RunFields:
   plugins: List[str] = key([], Items(matches(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "a Python module "
                                                "name"), unique=True, example="[my_lab.router]"),
                            "modules of your own that register routers, evaluators, models, ...")
-  seed: int = 0
+  seed: int = key(0, SEED, "a non-negative 32-bit integer, as NumPy's seeds")
   workdir: str = MISSING
   debug: bool = False
   logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -157,6 +157,10 @@ def open_source(name: str, data_dir: str | None = None, root: str | None = None,
         if not _is_prepared(builder):
           raise
         builder = EMBEDDED.get(name)(data_dir=data_dir)
+      except OSError as e:  # a file, or a folder this user cannot create or write
+        raise DataError(f"cannot prepare the embedded dataset {name!r} under data_dir "
+                        f"{data_dir!r}: {e.strerror} ({e.filename}). Give a folder you can write "
+                        "to: data.data_dir=<dir>, or TFDS_DATA_DIR.") from None
   else:
     builder = _prepared_tfds_builder(name, _readable(data_dir))
   tensorflow()  # set up before TFDS reads with it

@@ -222,6 +222,11 @@ TRAINING_CASES = [
       "dense ViT"]),
     # several problems are reported together
     (["train.steps=-5", "optim.lr=-0.1"], ["2 problems", "train.steps=-5", "optim.lr=-0.1"]),
+    # a seed NumPy, TensorFlow and JAX all take; a workdir that can be a local folder
+    (["seed=99999999999999999999"], ["seed=99999999999999999999 must be in [0, 4294967295]"]),
+    (["seed=-1"], ["seed=-1 must be in [0, 4294967295]", "non-negative 32-bit"]),
+    (["workdir=gs://bucket/run"], ["workdir='gs://bucket/run' is a URL", "e.g. workdir=runs/up"]),
+    (["workdir="], ["workdir='' is empty", "a folder of this machine's file system"]),
     # composition: unknown names and keys, types
     (["model=vmoe_nope"], ["unknown model 'vmoe_nope'", "vmoe_tiny", "vit_b16"]),
     (["data=nope"], ["data=", "mnist5k", "uci_digits", "image_folder"]),
@@ -241,6 +246,15 @@ def test_training_config_value(args, expected, run_cli, tmp_path):
   workdir = tmp_path / "w"
   _fails_clearly(run_cli("pretrain", f"workdir={workdir}", *TRAIN, *args), *expected)
   assert not workdir.exists()  # validated before Hydra created anything
+
+
+def test_a_workdir_in_place_of_a_file_is_refused(run_cli, tmp_path):
+  (tmp_path / "notes.txt").write_text("not a folder")
+  for workdir, what in ((tmp_path / "notes.txt", "is the file"),
+                        (tmp_path / "notes.txt" / "run", "lies under the file")):
+    _fails_clearly(run_cli("pretrain", f"workdir={workdir}", *TRAIN),
+                   f"workdir='{workdir}' {what} {tmp_path / 'notes.txt'}")
+  assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
 def test_slurm_launcher_without_slurm_submits_nothing(run_cli, tmp_path, monkeypatch):
@@ -353,7 +367,10 @@ def test_broken_caption_file_is_listed_before_compute(run_cli, tmp_path):
     (["objective=contrastive", "data=captions", "data.root=/no/such/pairs.jsonl"],
      ["data.root='/no/such/pairs.jsonl' does not exist", "captions.jsonl or captions.csv"]),
     (["data=tfds", "data.name=no_such_dataset"], ["unknown dataset 'no_such_dataset'", "mnist5k"]),
-    # a data_dir URL that TFDS (file://) or TensorFlow (s3:// without tensorflow-io) cannot read
+    # a data_dir an embedded dataset cannot be prepared in; a URL that TFDS (file://) or
+    # TensorFlow (s3:// without tensorflow-io) cannot read
+    (["data.data_dir=/proc/vmoe"], ["cannot prepare the embedded dataset 'mnist5k' under "
+                                    "data_dir '/proc/vmoe'", "a folder you can write to"]),
     (["data.data_dir=file:///no/such"], ["data_dir 'file:///no/such' cannot be read: TFDS reads "
                                          "no file:// paths", "local folder, written without"]),
     (["data.data_dir=s3://bucket/tfds"], ["data_dir 's3://bucket/tfds' cannot be read: ", "gs://"]),
@@ -627,6 +644,7 @@ FEWSHOT_CASES = [
     (["fewshot.shots=[]"], ["fewshot.shots=[]", "non-empty"]),
     (["fewshot.shots=[0,5]"], ["fewshot.shots=[0, 5]", ">= 1"]),
     (["fewshot.seeds=[]"], ["fewshot.seeds=[]", "non-empty"]),
+    (["fewshot.seeds=[0,-1]"], ["fewshot.seeds=[0, -1] has the item -1", "[0, 4294967295]"]),
     (["fewshot.l2_regs=[1,0.5]"], ["fewshot.l2_regs", "strictly increasing"]),
     (["fewshot.l2_regs=[0,1]"], ["fewshot.l2_regs", "> 0"]),
     (["fewshot.datasets=[]"], ["fewshot.datasets is empty"]),
