@@ -39,11 +39,22 @@ def _finish(source: Source, spec: str, text: TextSpec | None = None,
   on_device = tail is not None and tail["key"] == source.image_key
   host, last = (ops[:-1], ops[-1]) if on_device else (ops, None)
 
+  parts = [part.strip() for part in spec.split("|") if part.strip()]  # as build() reads them
+
   def fn(example):
     if text:
       caption = _pick_caption(text_of(example, text.key), example["_rng"], train)
-    for op in host:
-      example = op(example)
+    for part, op in zip(parts, host):
+      try:
+        example = op(example)
+      except (ValueError, TypeError, KeyError) as e:  # e.g. a crop larger than the image
+        why = f"no feature {e} (an op before removed it)" if isinstance(e, KeyError) else e
+        image = example.get(source.image_key)
+        encoded = image is not None and image.dtype == tf.string
+        raise pp_ops.PreprocessError(
+            f"preprocessing {spec!r} fails at {part}: {str(why).rstrip('.')}."
+            + (" The image is still encoded there: start with decode, e.g. "
+               "'decode(3)|resize(224)|value_range(-1,1)'." if encoded else ""))
     image = example.get(source.image_key)
     if image is None or image.dtype == tf.string:
       raise pp_ops.PreprocessError(
@@ -68,6 +79,15 @@ def _finish(source: Source, spec: str, text: TextSpec | None = None,
       out["labels"] = example["labels"]
     return out
   return fn
+
+
+def _map(ds: tf.data.Dataset, preprocess, **options) -> tf.data.Dataset:
+  """ds.map(preprocess): a PreprocessError raised as tf.data traces it is raised as it was, not as
+  autograph's copy (the copy's message starts with where in the code it was raised)."""
+  try:
+    return ds.map(preprocess, **options)
+  except pp_ops.PreprocessError as e:
+    raise (e.__context__ if isinstance(e.__context__, pp_ops.PreprocessError) else e) from None
 
 
 def _pick_caption(captions: tf.Tensor, rng: tf.Tensor, train: bool) -> tf.Tensor:
@@ -198,8 +218,8 @@ def _shard_stream(source: Source, split: str, pp: str, batch_size: int, *, seed:
 
   ds = tf.data.Dataset.range(first_epoch, 1 << 62).flat_map(epoch).skip(offset)
   ds = tf.data.Dataset.zip(tf.data.Dataset.range(start, 1 << 62), ds)
-  ds = ds.map(_with_rng(seed, shard)).map(preprocess, num_parallel_calls=tf.data.AUTOTUNE,
-                                          deterministic=True)
+  ds = _map(ds.map(_with_rng(seed, shard)), preprocess, num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=True)
   return ds.batch(batch_size, drop_remainder=True)
 
 
@@ -219,7 +239,7 @@ def eval_batches(source: Source, split: str, pp: str, batch_size: int, *, proces
   if cache or (cache is None and total <= _CACHE_MAX_EXAMPLES):
     raw = raw.cache()
   ds = tf.data.Dataset.zip(tf.data.Dataset.range(1 << 62), raw).map(_with_rng(0))
-  ds = ds.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  ds = _map(ds, preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   ds = ds.map(lambda ex: {**ex, "_mask": tf.constant(True)})
   ds = ds.padded_batch(batch_size).map(lambda b: _pad_batch(b, batch_size))
   num_batches = math.ceil(math.ceil(total / process_count) / batch_size)
@@ -240,7 +260,7 @@ def image_shape(source: Source, split: str, pp: str) -> tuple[int, ...]:
   dimension (a resize, a crop), else found by running it on one example."""
   preprocess = _finish(source, pp)
   ds = tf.data.Dataset.zip(tf.data.Dataset.range(1), source.read(split).take(1))
-  ds = ds.map(_with_rng(0)).map(preprocess)
+  ds = _map(ds.map(_with_rng(0)), preprocess)
   static = ds.element_spec["image"].shape
   if static.is_fully_defined():
     return tuple(static.as_list())

@@ -50,6 +50,12 @@ def _size(size) -> tuple[int, int]:
   return (size, size) if isinstance(size, int) else tuple(size)
 
 
+def _check_crop(image: tf.Tensor, h: int, w: int) -> None:
+  """A crop larger than an image of known size fails as the pipeline is built, not as it runs."""
+  if None not in image.shape[:2] and (image.shape[0] < h or image.shape[1] < w):
+    raise ValueError(f"a {h}x{w} crop of a {image.shape[0]}x{image.shape[1]} image")
+
+
 @register("decode")
 def get_decode(channels: int = 3, key: str = "image"):
   """Encoded bytes -> uint8 image with `channels` channels (grey images are repeated to RGB)."""
@@ -101,6 +107,7 @@ def get_central_crop(size, key: str = "image"):
   def op(example):
     h, w = _size(size)
     image = example[key]
+    _check_crop(image, h, w)
     top = (tf.shape(image)[0] - h) // 2
     left = (tf.shape(image)[1] - w) // 2
     example[key] = tf.image.crop_to_bounding_box(image, top, left, h, w)
@@ -113,6 +120,7 @@ def get_random_crop(size, key: str = "image"):
   def op(example):
     h, w = _size(size)
     image = example[key]
+    _check_crop(image, h, w)
     example[key] = tf.image.stateless_random_crop(
         image, [h, w, tf.shape(image)[-1]], seed=_next_seed(example))
     return example

@@ -367,6 +367,14 @@ def test_broken_caption_file_is_listed_before_compute(run_cli, tmp_path):
     (["objective=contrastive", "data=captions", "data.root=/no/such/pairs.jsonl"],
      ["data.root='/no/such/pairs.jsonl' does not exist", "captions.jsonl or captions.csv"]),
     (["data=tfds", "data.name=no_such_dataset"], ["unknown dataset 'no_such_dataset'", "mnist5k"]),
+    # a spec that fails as tf.data builds the pipeline: said alone, without autograph's frames
+    (['data.pp_train=""'], ["preprocessing '' leaves no decoded image under 'image'"]),
+    (['data.pp_train="resize(16)|value_range(-1,1)"'],
+     ["fails at resize(16)", "The image is still encoded there: start with decode"]),
+    (['data.pp_train="decode|keep(\'label\')|resize(16)"'],
+     ["fails at resize(16): no feature 'image' (an op before removed it)"]),
+    (['data.pp_train="decode|resize(16)|central_crop(40)|value_range(-1,1)"'],
+     ["fails at central_crop(40): a 40x40 crop of a 16x16 image."]),
     # a data_dir an embedded dataset cannot be prepared in; a URL that TFDS (file://) or
     # TensorFlow (s3:// without tensorflow-io) cannot read
     (["data.data_dir=/proc/vmoe"], ["cannot prepare the embedded dataset 'mnist5k' under "
