@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
 from typing import Any, Callable, Iterable
 
@@ -41,6 +42,8 @@ class Range(Check):
       return f"must be a number {self.describe()}"
     ok = ((self.low is None or (value > self.low if self.low_open else value >= self.low))
           and (self.high is None or (value < self.high if self.high_open else value <= self.high)))
+    if ok and not math.isfinite(value):  # inf (1e400 too) passes every bound it is not given
+      return f"must be finite and {self.describe().removeprefix('in ')}"
     return None if ok else f"must be {self.describe()}"
 
   def describe(self) -> str:

@@ -152,12 +152,12 @@ def _is_moe_layers(value) -> bool:
 
 def _is_weight_decay(value) -> bool:
   if isinstance(value, (int, float)) and not isinstance(value, bool):
-    return value >= 0
+    return 0 <= value < float("inf")
   if not isinstance(value, (list, tuple)):
     return False
   for rule in value:
     if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)
-            and isinstance(rule[1], (int, float)) and rule[1] >= 0):
+            and isinstance(rule[1], (int, float)) and 0 <= rule[1] < float("inf")):
       return False
     re.compile(rule[0])  # a bad pattern raises: the check reports it as invalid
   return True

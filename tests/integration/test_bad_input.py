@@ -36,6 +36,9 @@ TRAINING_CASES = [
     (["train.steps=null"], ["train.steps=<n>", "train.epochs=<x>"]),
     (["optim.lr=-0.1"], ["optim.lr=-0.1", "must be > 0"]),
     (["optim.lr=0"], ["optim.lr=0", "must be > 0"]),
+    (["optim.lr=inf"], ["optim.lr=inf must be finite and > 0"]),  # 1e400 is inf too
+    (["model.router.capacity_ratio=1e400"], ["capacity_ratio=inf must be finite and > 0"]),
+    (["optim.weight_decay=inf"], ["optim.weight_decay=inf must be a number >= 0"]),
     (["data.batch_size=0"], ["data.batch_size=0", "must be >= 1"]),
     (["data.eval_batch_size=0"], ["data.eval_batch_size=0", ">= 1"]),
     (["data.holdout_fraction=1.5"], ["data.holdout_fraction=1.5", "(0, 1)"]),
@@ -652,6 +655,7 @@ FEWSHOT_CASES = [
     (["fewshot.shots=[]"], ["fewshot.shots=[]", "non-empty"]),
     (["fewshot.shots=[0,5]"], ["fewshot.shots=[0, 5]", ">= 1"]),
     (["fewshot.seeds=[]"], ["fewshot.seeds=[]", "non-empty"]),
+    (["fewshot.l2_regs=[1,1e400]"], ["has the item inf, which must be finite and > 0"]),
     (["fewshot.seeds=[0,-1]"], ["fewshot.seeds=[0, -1] has the item -1", "[0, 4294967295]"]),
     (["fewshot.l2_regs=[1,0.5]"], ["fewshot.l2_regs", "strictly increasing"]),
     (["fewshot.l2_regs=[0,1]"], ["fewshot.l2_regs", "> 0"]),
