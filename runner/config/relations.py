@@ -685,7 +685,11 @@ def compression_fits(model: ModelConfig, run: CompressRun):
 def coordinator_knows_the_processes(distributed: DistributedConfig):
   d = distributed
   if d.coordinator_address is None:
-    return None
+    given = [f"distributed.{k}={v}" for k, v in (("num_processes", d.num_processes),
+                                                 ("process_id", d.process_id)) if v is not None]
+    return (f"{', '.join(given)} means nothing without distributed.coordinator_address="
+            "<host:port> of process 0: give all three to start the processes by hand; a job JAX "
+            "detects (SLURM, TPU VMs) needs none of them.") if given else None
   if d.num_processes is None or d.process_id is None or d.process_id >= d.num_processes:
     return (f"distributed.coordinator_address={d.coordinator_address} needs "
             f"distributed.num_processes=<n> and distributed.process_id=<0..n-1>; got "

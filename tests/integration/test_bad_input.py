@@ -70,6 +70,8 @@ TRAINING_CASES = [
     (["sharding.name=nope"], ["sharding.name='nope'", "dp, ep, fsdp_ep"]),
     (["sharding.rules=[[embed,nope]]"], ["sharding.rules", "mesh axis (data, expert)"]),
     (["distributed.coordinator_address=nohost"], ["distributed.coordinator_address", "host:port"]),
+    (["distributed.num_processes=2"], ["distributed.num_processes=2 means nothing without "
+                                       "distributed.coordinator_address=<host:port>"]),
     (["logger.wandb.mode=sometimes"], ["logger.wandb.mode", "online", "offline", "disabled"]),
     # relations between keys
     (["model.router.k=9"], ["model.router.k=9", "num_experts=8", "1 <= k <= 8"]),
