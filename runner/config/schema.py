@@ -147,7 +147,8 @@ def _is_moe_layers(value) -> bool:
   if isinstance(value, str):
     return re.fullmatch(r"(every|last)[1-9]\d*", value) is not None
   return isinstance(value, (list, tuple)) and all(
-      isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+      isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value) and len(
+          set(value)) == len(value)
 
 
 def _is_weight_decay(value) -> bool:
@@ -186,8 +187,8 @@ class RouterConfig:
 
 @dataclass
 class MoeConfig:
-  layers: Any = key([], Rule(_is_moe_layers, "'every<n>', 'last<n>' (n >= 1) or a list of block "
-                             "indices >= 0"))
+  layers: Any = key([], Rule(_is_moe_layers, "'every<n>', 'last<n>' (n >= 1) or a list of distinct "
+                             "block indices >= 0"))
   num_experts: int = key(0, at_least(0))
   group_size: int = key(8, at_least(1), "images per routing group")
   expert_dropout: float = key(0.0, rate())

@@ -78,6 +78,7 @@ TRAINING_CASES = [
     (["model.num_heads=3"], ["model.hidden_size=32", "model.num_heads=3"]),
     (["model.image_size=18"], ["model.image_size=18", "model.patch_size=4"]),
     (["model.moe.layers=every0"], ["model.moe.layers='every0'", "every<n>"]),
+    (["model.moe.layers=[0,0]"], ["model.moe.layers=[0, 0]", "a list of distinct block indices"]),
     (["model.moe.layers=[0,5]"], ["model.moe.layers", "[5] out of range", "2-block"]),
     (["model.moe.num_experts=0"], ["model.moe.num_experts >= 1"]),
     (["train.accum_steps=3"], ["train.accum_steps=3", "data.batch_size=16"]),
