@@ -29,6 +29,8 @@ def entry_point_modules() -> list[str]:
 
 def _where_it_failed(error: BaseException, module: str) -> str:
   """The innermost frame of the plug-in's own code, as `file:line`, for the error message."""
+  if isinstance(error, SyntaxError) and error.filename:  # not compiled: no frame of its own ran
+    return f" at {error.filename}:{error.lineno}"
   frames = traceback.extract_tb(error.__traceback__)
   top = module.split(".")[0]
   own = [f for f in frames if top in f.filename.replace(os.sep, ".")]

@@ -319,6 +319,7 @@ BROKEN = {  # module name: its source; the error is on line 3 of each
                      'raise RuntimeError("boom")\n',
     "needy_router": '"""A plug-in that needs a package this machine lacks."""\n\n'
                     'import no_such_package_for_vmoe_tests  # noqa\n',
+    "typo_router": '"""A plug-in that does not compile."""\n\ndef route(:\n',
 }
 
 
@@ -337,6 +338,9 @@ BROKEN = {  # module name: its source; the error is on line 3 of each
     pytest.param(["plugins=[needy_router]"],
                  ["'needy_router'", "'no_such_package_for_vmoe_tests'", "needy_router.py:3"],
                  id="module-needs-a-missing-package"),
+    pytest.param(["plugins=[typo_router]"],
+                 ["'typo_router'", "SyntaxError", "typo_router.py:3. Fix the module"],
+                 id="module-does-not-compile"),
     pytest.param(["model=vmoe_tiny", "model.router.type=switch"],
                  ["model.router.type='switch'", "token_choice, experts_choice, soft"],
                  id="no-plugins"),
