@@ -127,14 +127,22 @@ def _restore_item(manager, directory: pathlib.Path, step: int, item: str, args):
     return manager.restore(step, args=ocp.args.Composite(**{item: args}))[item]
 
 
-def _metadata_tree(manager, directory: pathlib.Path, step: int) -> dict:
-  """The stored parameter tree of array metadata (shape, dtype)."""
-  with _reading(directory, step, "params"):
-    metadata = manager.item_metadata(step)["params"]
+def _metadata_tree(manager, directory: pathlib.Path, step: int, item: str = "params") -> dict:
+  """The stored tree of array metadata (shape, dtype) of the parameters, or of `item`."""
+  with _reading(directory, step, item):
+    metadata = manager.item_metadata(step)[item]
     tree = getattr(metadata, "tree", metadata)  # Orbax wraps the tree in a metadata object
     if tree is None:
-      raise ValueError("no array metadata (params/_METADATA missing or unreadable)")
-    return dict(tree)
+      raise ValueError(f"no array metadata ({item}/_METADATA missing or unreadable)")
+    return dict(tree) if item == "params" else tree  # an optimizer's state may be a list
+
+
+def _leaf_shapes(tree) -> set:
+  """(path, shape) of every array, a path's dict keys, indices and attribute names alike: Orbax
+  stores an optimizer's named tuples as dicts."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {(tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path),
+           tuple(leaf.shape)) for path, leaf in leaves}
 
 
 def _mismatch(stored: dict, abstract) -> str | None:
@@ -261,6 +269,12 @@ class Checkpointer:
       raise CheckpointError(
           f"checkpoint {d / str(step)} does not fit this model ({mismatch}): rerun with the model "
           "and model.* overrides of the run that wrote it, or use a new workdir.")
+    stored = _metadata_tree(self.manager, d, step, "opt_state")
+    if _leaf_shapes(stored) != _leaf_shapes(abstract_opt_state):
+      raise CheckpointError(
+          f"checkpoint {d / str(step)} holds the state of another optimizer than this run's: "
+          "rerun with the optim= and optim.* overrides of the run that wrote it (its config.yaml "
+          "says them), or use a new workdir.")
     params, opt_state, meta = self.restore(step, abstract_params, abstract_opt_state)
     with _reading(d, step, "config"):  # later stages need it
       dict(_restore_item(self.manager, d, step, "config", ocp.args.JsonRestore()))

@@ -549,6 +549,18 @@ def test_resume_with_no_readable_checkpoint_refuses_and_moves_nothing(runs, run_
   assert not (workdir / "unreadable_checkpoints").exists()
 
 
+def test_resume_with_another_optimizer_says_so_and_moves_nothing(runs, run_cli, tmp_path):
+  """The run's checkpoints are whole: another optimizer's state is no reason to call them damaged
+  (as Orbax's failed restore would have it), and none is moved aside."""
+  workdir = tmp_path / "rerun"
+  shutil.copytree(runs["vmoe"], workdir)
+  _fails_clearly(run_cli("pretrain", f"workdir={workdir}", *TRAIN, "train.steps=3", "optim=sgd"),
+                 f"checkpoint {workdir / 'checkpoints' / '2'} holds the state of another "
+                 "optimizer than this run's", "optim.* overrides of the run that wrote it")
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1", "2"]
+  assert not (workdir / "unreadable_checkpoints").exists()
+
+
 # --- eval and fewshot options --------------------------------------------------------------------
 
 EVAL_CASES = [
