@@ -10,15 +10,12 @@ import os
 from runner import plugins
 from runner.config import sections
 
-_registered = False
 PLUGINS_VARIABLE = "VMOE_PLUGINS"  # the command's plug-ins, for a job's own process (runner/cli.py)
 
 
+@functools.cache
 def register() -> None:
   """Imports the built-ins' modules, once per process (lazily, so that `vmoe --help` stays fast)."""
-  global _registered
-  if _registered:
-    return
   import runner.checkpoints.checks  # noqa: F401  (relations that read checkpoints)
   import runner.data  # noqa: F401  (embedded datasets, preprocessing ops, corruptions)
   import runner.evaluators  # noqa: F401
@@ -26,7 +23,6 @@ def register() -> None:
   import runner.models  # noqa: F401  (router families, model names)
   import runner.train.optimizers  # noqa: F401
   import runner.train.schedules  # noqa: F401
-  _registered = True
 
 
 class _Schema(sections.Finder):

@@ -56,10 +56,9 @@ def answers_at_once(argv: list[str]) -> bool:
 
 def entry() -> None:
   """The `vmoe` console script."""
-  if answers_at_once(sys.argv[1:]):
-    sys.exit(main())
-  allocator.reexec_with_jemalloc()
-  allocator.pause_collector()
+  if not answers_at_once(sys.argv[1:]):
+    allocator.reexec_with_jemalloc()
+    allocator.pause_collector()
   sys.exit(main())
 
 

@@ -12,6 +12,7 @@ import time
 
 from runner import cli, report
 from runner.command import allocator
+from runner.report import summarize
 
 ROOT = pathlib.Path("runs/demo")
 # The demo's budget (5 minutes from a cold start on 2 CPU cores): MNIST at its own 28 px (7 x 7
@@ -67,12 +68,10 @@ def table(seconds: dict[str, float]) -> str:
     rows.append((title, "uci_digits test", "-", None, s["uci_digits/prec@1"], s["uci_digits/nll"],
                  seconds.get(name)))
   fmt = lambda v: "-" if v is None else (f"{v:.4f}" if isinstance(v, float) else str(v))
-  lines = ["| stage | data | steps | val prec@1 | test prec@1 | test NLL | seconds |",
-           "|---|---|---|---|---|---|---|"]
-  for name, dataset, steps, val, test, nll, sec in rows:
-    lines.append(f"| {name} | {dataset} | {steps} | {fmt(val)} | {fmt(test)} | {fmt(nll)} | "
-                 f"{'-' if sec is None else f'{sec:.0f}'} |")
-  return "\n".join(lines) + "\n\n" + measurements()
+  header = ["stage", "data", "steps", "val prec@1", "test prec@1", "test NLL", "seconds"]
+  body = [[name, data, steps, fmt(val), fmt(test), fmt(nll), "-" if sec is None else f"{sec:.0f}"]
+          for name, data, steps, val, test, nll, sec in rows]
+  return summarize.markdown(header, body) + "\n\n" + measurements()
 
 
 def measurements() -> str:
@@ -109,9 +108,7 @@ def measurements() -> str:
        f"{ens[f'{ds}/diversity/disagreement']:.4f}; "
        f"{ens['compute/gflops_per_image'] * 1e3:.2f} MFLOPs/image"),
   ]
-  lines = ["| measurement | result |", "|---|---|"]
-  lines += [f"| {name} | {value} |" for name, value in rows]
-  return "\n".join(lines)
+  return summarize.markdown(["measurement", "result"], rows)
 
 
 def routing(ev: dict) -> str:

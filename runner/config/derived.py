@@ -137,8 +137,7 @@ def model_output(loss) -> str:
 def held_models(run) -> list[ModelConfig]:
   """The full model configs a run holds: each member's, the model of a training or resolved
   run, none before a later stage has read its checkpoint."""
-  members = getattr(run, "members", None)
-  if members is not None:
+  if (members := getattr(run, "members", None)) is not None:
     return [m.model for m in members]
   model = getattr(run, "model", None)
   return [model] if isinstance(model, ModelConfig) else []
@@ -147,8 +146,7 @@ def held_models(run) -> list[ModelConfig]:
 def input_runs(run) -> list[str]:
   """The runs, checkpoint folders or files a run reads, as given: each member's path, else
   init.checkpoint (one path or a list); none for a run from scratch."""
-  members = getattr(run, "members", None)
-  if members is not None:
+  if (members := getattr(run, "members", None)) is not None:
     return [str(m.path) for m in members]
   given = getattr(getattr(run, "init", None), "checkpoint", None)
   if not given:

@@ -230,8 +230,7 @@ def plot_pgd(metrics: dict, prefix: str, path: str, title: str = "") -> str:
   pattern = re.compile(re.escape(base) + r"eps_([^/]+)/(.+)")
   by_eps: dict[float, dict[str, float]] = {}
   for key, value in metrics.items():
-    m = pattern.fullmatch(key)
-    if m:
+    if m := pattern.fullmatch(key):
       by_eps.setdefault(float(m[1]), {})[m[2]] = value
   if not by_eps:
     raise ValueError(f"no {base}eps_<e>/... keys in the metrics")

@@ -60,8 +60,7 @@ def capacity_sweep_needs_experts(run: RunFields):
   if not isinstance(eval, EvalSuiteConfig) or not eval.capacity_sweep or not models:
     return None
   sparse = [m for m in models if derived.num_experts(m)]
-  fixed = [m for m in sparse if not derived.router_family(m).capacity_at_inference]
-  if fixed:
+  if fixed := [m for m in sparse if not derived.router_family(m).capacity_at_inference]:
     family = derived.router_family(fixed[0])
     return (f"eval.capacity_sweep={eval.capacity_sweep} means nothing for "
             f"model.router.type={family.name}: its slots are parameters fixed when the model "
@@ -69,8 +68,7 @@ def capacity_sweep_needs_experts(run: RunFields):
             "(it applies to the routers model.router.type="
             f"{'|'.join(n for n, f in registries.ROUTERS.items() if f.capacity_at_inference)}).")
   for model in sparse:
-    why = derived.router_family(model).without_capacity(model.router)
-    if why:
+    if why := derived.router_family(model).without_capacity(model.router):
       return f"eval.capacity_sweep={eval.capacity_sweep} has nothing to sweep: {why}."
   if sparse:
     return None

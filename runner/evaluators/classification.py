@@ -61,10 +61,6 @@ class _EnsembleStats(PredictionStats):
     return {**super().metrics(prefix), **self.members.metrics(prefix)}
 
 
-def _file_name(text: str) -> str:
-  return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
-
-
 @dataclasses.dataclass
 class ClassificationKeys:
   """eval.ece_bins: the calibration error's bins, which the corruptions' ECE uses too."""
@@ -97,7 +93,8 @@ class Evaluator(suite_lib.Evaluator):
       if i == 0:
         result.summary["compute/images_per_s"] = rate
       if s.plots:
-        path = s.path(f"reliability_{_file_name(ds.name)}.png")
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", ds.name)
+        path = s.path(f"reliability_{name}.png")
         result.images[f"{ds.name}/reliability"] = plot_reliability_diagram(
             stats.calibration.result(), path, title=f"{ds.name} ({ds.split})")
       if keep:

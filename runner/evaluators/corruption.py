@@ -58,18 +58,16 @@ class Evaluator(suite_lib.Evaluator):
     for ds in s.datasets:
       per_corruption = {}
       for name in names:
-        rows = []
+        prefix, rows = f"{ds.name}/corruption/{name}", []
         for severity in severities:
           stats = predictions.PredictionStats(loss_name=s.loss_name, ece_bins=e.ece_bins)
           s.evaluate(s.batches(ds, pp=corrupted_pp(ds.config.pp, name, severity)), stats,
                      f"{ds.name} {name} severity {severity}")
           m = stats.metrics("")
           rows.append({k: m[f"/{k}"] for k in ("error", "nll", "ece")})
-          for k, v in rows[-1].items():
-            summary[f"{ds.name}/corruption/{name}/sev_{severity}/{k}"] = v
+          summary.update({f"{prefix}/sev_{severity}/{k}": v for k, v in rows[-1].items()})
         per_corruption[name] = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
-        for k, v in per_corruption[name].items():
-          summary[f"{ds.name}/corruption/{name}/{k}"] = v
+        summary.update({f"{prefix}/{k}": v for k, v in per_corruption[name].items()})
       for k in ("error", "nll", "ece"):
         summary[f"{ds.name}/corruption/mean/{k}"] = float(
             np.mean([m[k] for m in per_corruption.values()]))

@@ -112,13 +112,12 @@ class FewshotEvaluator:
     for name, (train_batches, test_batches, num_classes) in self.datasets.items():
       arrays = []
       for split, batches in (("train", train_batches), ("test", test_batches)):
-        progress = (Progress(max(_num_batches(batches), 1), 0, 1, desc=f"features {name} {split}")
-                    if self.progress else None)
+        progress = Progress(max(_num_batches(batches), 1), 0, 1, desc=f"features {name} {split}",
+                            enabled=self.progress)
         try:
           arrays += extract_features(fns, batches, self.put, progress=progress)
         finally:
-          if progress is not None:
-            progress.close()
+          progress.close()
       out[name] = (*arrays, int(num_classes))
     return out
 

@@ -104,8 +104,7 @@ def batch_sums(records: dict, labels, mask, k: int, patches: slice,
   onehot = (bins[..., None] == xp.arange(BINS)).astype(xp.float32)  # (B, T, k, BINS)
   out["top_hist"] = xp.einsum("b,btkn->kn", real, onehot)
   out["top_sum"] = xp.einsum("b,btk->k", real, top)
-  routed = records.get("routed_mask")
-  if routed is not None:
+  if (routed := records.get("routed_mask")) is not None:
     r = routed.astype(xp.float32)
     per_token = r.sum(-1)  # (B, T) experts processing each token
     out["class_processed"] = xp.einsum("bc,bte->ce", y, r)

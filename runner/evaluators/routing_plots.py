@@ -197,13 +197,11 @@ def draw_all(analysed: dict, drops: dict, sample, out_dir, *, images: int, first
     out["routing/dropped_patches"] = dropped(
         drops, sample, infos[first_layer], images, out_dir / "routing_dropped_patches.png",
         title=f"{first_layer}: dropped patches (white) by capacity ratio")
-  per_token = {k: a for k, a in analysed.items() if "experts_per_token" in infos[k].views
-               and "experts_per_token_position" in a["arrays"]}
-  if per_token:
+  if per_token := {k: a for k, a in analysed.items() if "experts_per_token" in infos[k].views
+                   and "experts_per_token_position" in a["arrays"]}:
     out["routing/experts_per_token"] = experts_per_token(
         per_token, grid, out_dir / "routing_experts_per_token.png")
-  mixing = {k: a for k, a in analysed.items() if "slot_mixing" in infos[k].views}
-  if mixing:
+  if mixing := {k: a for k, a in analysed.items() if "slot_mixing" in infos[k].views}:
     out["routing/soft_slots"] = soft_slots(mixing, grid, out_dir / "routing_soft_slots.png")
   return out
 

@@ -311,8 +311,7 @@ def register(cls: type[Evaluator]) -> type[Evaluator]:
   and adds its keys to the schema (`Keys` as eval.<key>, `Config` as eval.<section>.*); a class
   decorator for a plug-in's module (`plugins=[<module>]` imports it before the config is
   composed)."""
-  problem = _declaration_problem(cls)
-  if problem:
+  if problem := _declaration_problem(cls):
     raise TypeError(f"evaluator {_origin(cls)} cannot be registered: {problem}.")
   components.register(KIND, cls.name, cls)
   return cls

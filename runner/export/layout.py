@@ -83,9 +83,7 @@ _BLOCK: dict[str, Rule] = {
 _TOP: dict[str, Rule] = {
     "embedding_kernel": ("embedding.weight", _conv),
     "embedding_bias": ("embedding.bias", np.asarray),
-    "cls": ("cls", np.asarray),
-    "pos_embedding": ("pos_embedding", np.asarray),
-    "registers": ("registers", np.asarray),
+    **{name: (name, np.asarray) for name in ("cls", "pos_embedding", "registers")},
     **_norm("pre_norm", "pre_norm"),
     **_norm("encoder_norm", "encoder_norm"),
     **_norm("fc_norm", "fc_norm"),

@@ -6,7 +6,6 @@ before any compute: the class names, the tokenizer the run wrote, and that the p
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import jax
 import numpy as np
@@ -25,6 +24,7 @@ from runner.models.contrastive import build_two_towers
 from runner.models.zero_shot import ZeroShotClassifier
 from runner.datasets import dataset_specs
 from runner.inference.members import Checkpoint, Members
+from runner.logging import say
 from runner.stages import setup
 
 PROMPTS_PER_CALL = 4096  # prompts the text tower embeds at once
@@ -153,11 +153,11 @@ def _warn_if_cut(names: list[str], templates: list[str], tok: Tokenizer, max_len
   since a cut that drops the class name makes that template the same for every class."""
   texts = prompts(names, templates)
   cut = sum(len(tok.ids(text)) > max_length - 1 for text in texts)
-  if cut and jax.process_index() == 0:
-    print(f"warning: {cut} of {len(texts)} zero-shot prompts are longer than the "
-          f"{max_length - 1} tokens the text tower reads (text.max_length={max_length} with its "
-          "end token) and are cut; where the cut drops the class name, that prompt is the same "
-          "for every class.", file=sys.stderr, flush=True)
+  if cut:
+    say(f"warning: {cut} of {len(texts)} zero-shot prompts are longer than the "
+        f"{max_length - 1} tokens the text tower reads (text.max_length={max_length} with its "
+        "end token) and are cut; where the cut drops the class name, that prompt is the same "
+        "for every class.")
 
 
 def load(config, opened: weights.Opened) -> tuple[Members, tuple[str, ...], dict]:

@@ -8,6 +8,12 @@ import jax
 from tqdm import tqdm
 
 
+def say(text: str, enabled: bool = True) -> None:
+  """`text` on stderr, from the first process alone (and only when `enabled`)."""
+  if enabled and jax.process_index() == 0:
+    print(text, file=sys.stderr, flush=True)
+
+
 def _duration(seconds: float) -> str:
   seconds = int(max(seconds, 0))
   h, rem = divmod(seconds, 3600)

@@ -36,8 +36,7 @@ def build_model(config: ModelConfig, num_classes: int, output: str = "softmax") 
   """A `VisionTransformer` from a model config (the `model.` keys), with a head of `num_classes`;
   `output` ("softmax" or "sigmoid", from train.loss): how ensemble members' predictions average."""
   moe, moe_layers = None, ()
-  experts = derived.num_experts(config)  # E, or E*m fine-grained experts; 0 for a dense ViT
-  if experts:
+  if experts := derived.num_experts(config):  # E, or E*m fine-grained experts; 0 for a dense ViT
     moe_layers, family = derived.moe_layers(config), derived.router_family(config)
     router = family.module_kwargs(derived.router(config), tokens=tokens_per_group(config),
                                   experts=experts)

@@ -37,14 +37,9 @@ PAPER_MODELS = (
     "vmoe_b16_every2", "vmoe_l32_last2", "vmoe_l16_last2", "vmoe_l16_every2", "vmoe_h14_last5",
     "vmoe_h14_every2",
 )
-# The Soft MoE paper's ViT sizes (its reference configs: Ti, S, B, L, H).
-SOFT_SIZES = {
-    "ti": (192, 12, 768, 3),
-    "s": (384, 12, 1536, 6),
-    "b": (768, 12, 3072, 12),
-    "l": (1024, 24, 4096, 16),
-    "h": (1280, 32, 5120, 16),
-}
+# The Soft MoE paper's ViT sizes (its reference configs: Ti, S, B, L, H): ours, but for S.
+SOFT_SIZES = {"ti": SIZES["ti"], "s": (384, 12, 1536, 6), "b": SIZES["b"], "l": SIZES["l"],
+              "h": SIZES["h"]}
 _SOFT_LAST_N = {"ti": 6, "s": 6, "b": 6, "l": 12, "h": 16}
 SOFT_MOE_MODELS = ("softmoe_s16_e128", "softmoe_s14_e256", "softmoe_b16_e128", "softmoe_l16_e128",
                    "softmoe_h14_e256", "ecmoe_s16_e128", "ecmoe_b16_e128")

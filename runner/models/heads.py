@@ -51,8 +51,7 @@ def mc_logits(sample_logits: Callable, draws: tuple, num_samples: int, num_class
   by τ). With `chunk_size` c < S, a rematerialised `lax.scan`: memory grows with c, not S."""
   c = min(chunk_size or num_samples, num_samples)
   chunks = math.ceil(num_samples / c)
-  pad = chunks * c - num_samples
-  if pad:
+  if pad := chunks * c - num_samples:
     draws = tuple(jnp.pad(d, [(0, 0), (0, pad)] + [(0, 0)] * (d.ndim - 2)) for d in draws)
   valid = jnp.arange(chunks * c) < num_samples
   empty = jnp.full((batch, num_classes), -jnp.inf, jnp.float32)

@@ -9,19 +9,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from runner.models.catalog import SOFT_SIZES
 from runner.models.vit import EncoderBlock
 
 part = nn.with_logical_partitioning
 POOLS = ("last", "mean", "first")
 
-# name: (width, depth, mlp_dim, num_heads) — the ViT sizes of big_vision's text towers, and a CPU size.
-TEXT_SIZES = {
-    "text_tiny": (128, 2, 512, 4),
-    "text_ti": (192, 12, 768, 3),
-    "text_s": (384, 12, 1536, 6),
-    "text_b": (768, 12, 3072, 12),
-    "text_l": (1024, 24, 4096, 16),
-}
+# name: (width, depth, mlp_dim, num_heads) — a CPU size, and the ViT sizes of big_vision's text
+# towers (the Soft MoE paper's, runner/models/catalog.py).
+TEXT_SIZES = {"text_tiny": (128, 2, 512, 4),
+              **{f"text_{size}": SOFT_SIZES[size] for size in ("ti", "s", "b", "l")}}
 
 
 class TextTransformer(nn.Module):

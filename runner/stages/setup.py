@@ -29,8 +29,7 @@ def start(config, stage: str, *, check_devices: bool = True) -> parallel.Placeme
   if jax.process_index() == 0:
     if config.logger.progress:  # stdout: a refused stage's stderr is its one paragraph
       print(f"[{stage}] on {environment.devices()}", flush=True)
-    fallback = environment.gpu_not_found()
-    if fallback:
+    if fallback := environment.gpu_not_found():
       print(f"warning: {fallback}.", file=sys.stderr, flush=True)
   # What needs no devices was checked before launch (runner/command/preflight.py); here, what does.
   if check_devices:

@@ -45,13 +45,10 @@ def _balance(name: str, reduce):
 
 
 def table() -> str:
-  rows = []
-  for experiment, label in ROWS:
-    replicates = []
-    for seed in SEEDS:
-      up, ev = (SWEEP.summary(stage, experiment, seed) for stage in ("pretrain", "eval"))
-      replicates.append({**ev, **{f"upstream/{k}": v for k, v in up.items()}})
-    rows.append((label, replicates))
+  def replicate(experiment: str, seed: int) -> dict:
+    up, ev = (SWEEP.summary(stage, experiment, seed) for stage in ("pretrain", "eval"))
+    return {**ev, **{f"upstream/{k}": v for k, v in up.items()}}
+  rows = [(label, [replicate(experiment, seed) for seed in SEEDS]) for experiment, label in ROWS]
   return summarize.markdown(*summarize.grouped(rows, [
       Column("MFLOPs/image", lambda s: s["compute/gflops_per_image_analytic"] * 1e3, 1),
       Column("upstream val prec@1", "upstream/val/prec@1", 3),

@@ -80,15 +80,11 @@ def stages(extra: list[str]) -> None:
             extra)
 
 
-def _replicates(experiment: str) -> list[dict]:
-  out = []
-  for seed in SEEDS:
-    run, ev = SWEEP.summary("lit", experiment, seed), SWEEP.summary("eval", experiment, seed)
-    # The learned scale as evaluation read it from the final checkpoint.
-    out.append({**ev, "seed": seed, "steps": run["step"], "t": ev["zero_shot/temperature"],
-                "val_zero_shot": run.get("val/zero_shot_prec@1"),
-                "params": run.get("params/total")})
-  return out
+def _replicate(experiment: str, seed: int) -> dict:
+  run, ev = SWEEP.summary("lit", experiment, seed), SWEEP.summary("eval", experiment, seed)
+  # The learned scale as evaluation read it from the final checkpoint.
+  return {**ev, "seed": seed, "steps": run["step"], "t": ev["zero_shot/temperature"],
+          "val_zero_shot": run.get("val/zero_shot_prec@1"), "params": run.get("params/total")}
 
 
 COLUMNS = [
@@ -101,7 +97,7 @@ COLUMNS = [
 def table() -> str:
   image = pathlib.Path((ROOT / "upstream.txt").read_text().strip())
   up = _read(image / "summary.json")
-  rows = [(label, _replicates(experiment)) for experiment, label in ROWS]
+  rows = [(label, [_replicate(experiment, seed) for seed in SEEDS]) for experiment, label in ROWS]
   runs = [[label, str(r["seed"]), f"{r[f'{DATASET}/prec@1']:.3f}", f"{r[f'{DATASET}/nll']:.3f}",
            f"{r[f'{DATASET}/ece']:.3f}", f"{r['t']:.2f}", f"{r['params']:,}"]
           for label, replicates in rows for r in replicates]

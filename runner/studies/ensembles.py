@@ -64,17 +64,14 @@ def stages(extra: list[str]) -> None:
 
 def table() -> str:
   ds, ood = "uci_digits", "uci_digits_vs_lfw_faces"
-  rows = []
-  for row, name in ROWS:
-    replicates = []
-    for out, _ in _replicates(name):
-      # MC-dropout samples have the features of the V-MoE K=1 runs they sample.
-      features = f"e3_vmoe_k1_{out.rsplit('_', 1)[1]}" if name == "mc_dropout" else out
-      fewshot = ROOT / "fewshot" / features / "summary.json"
-      shots = json.loads(fewshot.read_text()) if fewshot.exists() else {}
-      evaluated = json.loads((ROOT / "evals" / out / "summary.json").read_text())
-      replicates.append({**evaluated, "fewshot/10shot": shots.get("mnist5k/10shot/accuracy")})
-    rows.append((row, replicates))
+  def replicate(name: str, out: str) -> dict:
+    # MC-dropout samples have the features of the V-MoE K=1 runs they sample.
+    features = f"e3_vmoe_k1_{out.rsplit('_', 1)[1]}" if name == "mc_dropout" else out
+    fewshot = ROOT / "fewshot" / features / "summary.json"
+    shots = json.loads(fewshot.read_text()) if fewshot.exists() else {}
+    evaluated = json.loads((ROOT / "evals" / out / "summary.json").read_text())
+    return {**evaluated, "fewshot/10shot": shots.get("mnist5k/10shot/accuracy")}
+  rows = [(row, [replicate(name, out) for out, _ in _replicates(name)]) for row, name in ROWS]
   mflops = lambda s: s["compute/gflops_per_image"] * 1e3  # noqa: E731
   main = summarize.grouped(rows, [
       Column("prec@1", f"{ds}/prec@1", 3), Column("NLL", f"{ds}/nll", 3),

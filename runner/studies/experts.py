@@ -16,6 +16,7 @@ import pathlib
 import statistics
 import sys
 
+from runner import demo
 from runner.report import summarize
 from runner.report.summarize import Column
 from runner.studies import driver
@@ -26,10 +27,7 @@ SWEEP = driver.Sweep("study-experts", ROOT)
 SEEDS = (0,) if SMOKE else (0, 1, 2)
 # The demo's budget (runner/demo.py): MNIST at its own 28 px, 160 upstream steps of 128 images and
 # 80 downstream steps of 64; a V-MoE upcycled from the ViT keeps the ViT's 28 px.
-UPSTREAM = ["model.image_size=28", "train.steps=160", "eval.every_steps=80",
-            "checkpoint.every_steps=80"]
-DOWNSTREAM = ["model.image_size=28", "train.steps=80", "eval.every_steps=40",
-              "checkpoint.every_steps=40"]
+UPSTREAM, DOWNSTREAM = demo.UPSTREAM, demo.DOWNSTREAM
 # The short fine-tune of a compressed model: a quarter of DOWNSTREAM's steps, enough for the kept
 # or merged experts and the router to settle on the task again without training a new model; its
 # warm-up a fifth of it (finetune's 20 would be the whole run, which the config refuses).
@@ -119,11 +117,8 @@ def _mean_spread(values: list) -> tuple[float, float]:
 def picture(path: pathlib.Path) -> str:
   """prec@1 against the experts kept: pruning and merging before and after the short fine-tune,
   and training with that many experts from the start; every line starts at the 8-expert model."""
-  # lazily: matplotlib is slow to import, and only the table's step draws
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
-  figure = Figure(figsize=(6.4, 4.2), dpi=100)
-  FigureCanvasAgg(figure)
+  from runner.evaluators.figures import new_figure, save_png  # lazily: only the table's step draws
+  figure = new_figure(6.4, 4.2)
   axes = figure.add_subplot()
   prec = lambda stage, experiment: [SWEEP.summary(stage, experiment, s).get(f"{DATASET}/prec@1")
                                     for s in SEEDS]
@@ -147,9 +142,7 @@ def picture(path: pathlib.Path) -> str:
   axes.set_ylabel(f"{DATASET} test prec@1 (mean ± std, {seeds})")
   axes.grid(alpha=0.3)
   axes.legend(fontsize=8)
-  figure.tight_layout()
-  figure.savefig(str(path), format="png")
-  return str(path)
+  return save_png(figure, str(path))
 
 
 def table() -> str:

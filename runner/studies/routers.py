@@ -37,15 +37,12 @@ def stages(extra: list[str]) -> None:
 
 
 def table() -> str:
-  rows = []
-  for experiment, label in ROWS:
-    replicates = []
-    for seed in SEEDS:
-      up, shots, ev = (SWEEP.summary(stage, experiment, seed)
-                       for stage in ("pretrain", "fewshot", "eval"))
-      replicates.append({**ev, "upstream": up["val/prec@1"],
-                         **{f"shots/{k}": shots[f"uci_digits/{k}shot/accuracy"] for k in SHOTS}})
-    rows.append((label, replicates))
+  def replicate(experiment: str, seed: int) -> dict:
+    up, shots, ev = (SWEEP.summary(stage, experiment, seed)
+                     for stage in ("pretrain", "fewshot", "eval"))
+    return {**ev, "upstream": up["val/prec@1"],
+            **{f"shots/{k}": shots[f"uci_digits/{k}shot/accuracy"] for k in SHOTS}}
+  rows = [(label, [replicate(experiment, seed) for seed in SEEDS]) for experiment, label in ROWS]
   return summarize.markdown(*summarize.grouped(rows, [
       Column("MFLOPs/image", lambda s: s["compute/gflops_per_image"] * 1e3, 1),
       Column("upstream val prec@1", "upstream", 3), Column("10-shot", "shots/10", 3),

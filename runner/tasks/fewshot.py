@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import pathlib
-import sys
 
 import jax
 
@@ -15,7 +14,7 @@ from runner.config import as_dict, derived
 from runner.config.schema import FewshotRun, Objective
 from runner.evaluators.fewshot import (FewshotEvaluator, accuracy_table, format_table,
                                        make_feature_fn, plot_accuracy_vs_shots)
-from runner.logging import MetricWriter, environment
+from runner.logging import MetricWriter, environment, say
 from runner.models import build_model, heads
 from runner.parallel import Placement
 from runner.datasets import fewshot_data
@@ -23,11 +22,6 @@ from runner.stages import setup
 from runner.train import state as state_lib
 
 PLOT = "fewshot_accuracy.png"
-
-
-def _say(enabled: bool, text: str) -> None:
-  if enabled and jax.process_index() == 0:
-    print(text, file=sys.stderr, flush=True)
 
 
 def run(config: FewshotRun, placement: Placement, checkpoints: weights.Checkpoints) -> dict:
@@ -50,13 +44,13 @@ def run(config: FewshotRun, placement: Placement, checkpoints: weights.Checkpoin
     members.append((member.path, step, model, params))
   environment.write_config(config, workdir)
   for name, f in opened.items():
-    _say(verbose, f"[fewshot] {name}: {f.source.num_classes} classes, pool {f.train_split} "
-                  f"({f.num_train} images, smallest class {int(f.class_counts.min())}), test "
-                  f"{f.test_split} ({f.num_test} images)")
-  _say(verbose, "[fewshot] features of " + " + ".join(
+    say(f"[fewshot] {name}: {f.source.num_classes} classes, pool {f.train_split} "
+        f"({f.num_train} images, smallest class {int(f.class_counts.min())}), test "
+        f"{f.test_split} ({f.num_test} images)", verbose)
+  say("[fewshot] features of " + " + ".join(
       f"{member.model.name} ({path}, step {step})"
       for (path, step, _, _), member in zip(members, config.members))
-      + f"; shots {fewshot.shots}, seeds {fewshot.seeds} -> {workdir}")
+      + f"; shots {fewshot.shots}, seeds {fewshot.seeds} -> {workdir}", verbose)
 
   with placement.context():
     feature_fns = []

@@ -29,7 +29,7 @@ from runner.errors import Interrupted, RunError
 from runner.evaluators import EVALUATORS, suite as suite_lib
 from runner.evaluators.classification import ClassificationEvaluator
 from runner.evaluators.fewshot import FewshotEvaluator, make_feature_fn
-from runner.logging import MetricWriter, Progress, environment
+from runner.logging import MetricWriter, Progress, environment, say
 from runner.models import compiler_options
 from runner.models.size import count_params
 from runner.parallel import Placement, preemption
@@ -74,11 +74,6 @@ class _StopFlag:
   def __exit__(self, *exc):
     for sig, handler in self.previous.items():
       signal.signal(sig, handler)
-
-
-def _warn(text: str) -> None:
-  if jax.process_index() == 0:
-    print(text, file=sys.stderr, flush=True)
 
 
 class _DivergenceGuard:
@@ -184,7 +179,7 @@ class _Run:
     config, model, placement, t = self.config, self.model, self.placement, self.config.train
     self.state, shardings, self.position, origin = initial_state(
         self.checkpointer, model=model, tx=self.tx, image_shape=self.plan.image_shape,
-        placement=placement, seed=self.seed, init_params=self.init_params, warn=_warn,
+        placement=placement, seed=self.seed, init_params=self.init_params, warn=say,
         abstract=(self.abstract, self.logical))
     self.writer = MetricWriter(config.workdir, run_config=self.stored_config,
                                wandb=config.logger.wandb, job_type=self.stage)

@@ -3,14 +3,13 @@ schedule and the steps that split gives (train.epochs). Checked before anything 
 compiled; the config alone (runner/config/relations.py) checks what needs no data."""
 from __future__ import annotations
 
-import sys
-
 import jax
 
 from runner import data
 from runner.config import relations
 from runner.config.schema import TrainTask
 from runner.errors import ConfigError
+from runner.logging import say
 from runner.train import schedules
 from runner.train.loop import total_steps
 
@@ -72,7 +71,6 @@ def check_schedule_fits_the_run(config: TrainTask, split: str, source: data.Sour
             f"{examples} examples")
   if problem := schedules.warmup_problem(config.schedule, config.optim, steps, length):
     raise ConfigError(problem)
-  warning = schedules.warmup_warning(config.schedule, steps, length)
-  if warning and jax.process_index() == 0:
-    print(f"warning: {warning}", file=sys.stderr)
+  if warning := schedules.warmup_warning(config.schedule, steps, length):
+    say(f"warning: {warning}")
   return steps
