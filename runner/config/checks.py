@@ -42,8 +42,8 @@ class Range(Check):
       return f"must be a number {self.describe()}"
     ok = ((self.low is None or (value > self.low if self.low_open else value >= self.low))
           and (self.high is None or (value < self.high if self.high_open else value <= self.high)))
-    if ok and not math.isfinite(value):  # inf (1e400 too) passes every bound it is not given
-      return f"must be finite and {self.describe().removeprefix('in ')}"
+    if ok and not math.isfinite(value):  # inf (1e400 too) passes a range with no upper bound
+      return f"must be finite and {self.describe()}"
     return None if ok else f"must be {self.describe()}"
 
   def describe(self) -> str:

@@ -40,16 +40,21 @@ def _parse_call(text: str) -> tuple[str, list, dict]:
   return node.func.id, args, kwargs
 
 
+def parts(spec: str) -> list[str]:
+  """The ops of `spec` as written ("resize(32)"), in order."""
+  return [part.strip() for part in spec.split("|") if part.strip()]
+
+
 def steps(spec: str) -> list[tuple[str, list, dict]]:
   """(op name, arguments, keyword arguments) of each part of `spec`, in order; names unchecked."""
-  return [_parse_call(part) for part in filter(None, (p.strip() for p in spec.split("|")))]
+  return [_parse_call(part) for part in parts(spec)]
 
 
 def build(spec: str) -> list:
   """The op of each part of `spec`, in order, from its registered factory; errors name the op and
   the valid ones."""
   ops = []
-  for part in filter(None, (p.strip() for p in spec.split("|"))):
+  for part in parts(spec):
     name, args, kwargs = _parse_call(part)
     if name not in OPS:
       known = ", ".join(sorted(OPS.names())) or "none (runner.data registers them when imported)"

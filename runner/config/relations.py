@@ -755,12 +755,16 @@ def workdir_is_a_folder(run: RunFields):
   """A run writes its workdir with local file operations (a mounted file system serves): an
   empty path would be the current folder, a URL a folder named after it."""
   given = str(run.workdir)
-  path = pathlib.Path(given).expanduser().absolute()
-  file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
-  if given.strip() and "://" not in given and file is None:
-    return None
-  what = (f"is the file {file}" if file == path else f"lies under the file {file}" if file
-          else "is a URL" if given.strip() else "is empty")
+  if not given.strip():
+    what = "is empty"
+  elif "://" in given:
+    what = "is a URL"
+  else:
+    path = pathlib.Path(given).expanduser().absolute()
+    file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if file is None:
+      return None
+    what = f"is the file {file}" if file == path else f"lies under the file {file}"
   return (f"workdir={given!r} {what}: a run writes its checkpoints, config and metrics into a "
           "folder of this machine's file system (a mounted one too); give one, e.g. "
           "workdir=runs/up.")

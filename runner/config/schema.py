@@ -146,9 +146,9 @@ class Preprocessing(Check):
 def _is_moe_layers(value) -> bool:
   if isinstance(value, str):
     return re.fullmatch(r"(every|last)[1-9]\d*", value) is not None
-  return isinstance(value, (list, tuple)) and all(
-      isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value) and len(
-          set(value)) == len(value)
+  indices = isinstance(value, (list, tuple)) and all(
+      isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+  return indices and len(set(value)) == len(value)
 
 
 def _is_weight_decay(value) -> bool:

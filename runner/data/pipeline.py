@@ -39,7 +39,7 @@ def _finish(source: Source, spec: str, text: TextSpec | None = None,
   on_device = tail is not None and tail["key"] == source.image_key
   host, last = (ops[:-1], ops[-1]) if on_device else (ops, None)
 
-  parts = [part.strip() for part in spec.split("|") if part.strip()]  # as build() reads them
+  parts = preprocessing.parts(spec)  # what each op of `ops` was built from
 
   def fn(example):
     if text:
